@@ -1,0 +1,32 @@
+# Everything a new user needs, from a machine with only python3, make and git.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+OUT    ?= runs/demo
+
+.PHONY: demo test install doctor bench clean
+
+# The install is redone only when the dependency list or the pins change.
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/dpcompare compare --frameworks mlx,torch --nproc 1,2 --out $(OUT) --overwrite
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+doctor: $(STAMP)
+	$(BIN)/dpcompare doctor
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) runs
