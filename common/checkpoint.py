@@ -1,0 +1,120 @@
+"""Checkpoint format shared by both backends, so a run can switch framework at a checkpoint.
+
+    checkpoints/step_000010/
+        config.json             HF Llama config (the model spec)
+        model.safetensors       weights under HF names (loads in transformers too)
+        optimizer.safetensors   AdamW moments: exp_avg.<param name>, exp_avg_sq.<param name>
+        state.json              step, optimizer step count, sampler position, data and tokenizer
+                                fingerprints, framework that wrote it
+    checkpoints/latest          name of the newest complete checkpoint directory
+
+A checkpoint is written into a temporary directory, fsynced, then renamed into place, and only then
+does `latest` move: a kill mid-save leaves the previous checkpoint as the latest loadable one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import UserError
+from .fsutil import atomic_write_text, fsync_dir
+from .spec import ModelSpec
+from .weights import check_weights, load_pretrained, save_pretrained
+
+FORMAT_VERSION = 1
+KEEP_LAST = 2
+
+
+@dataclass
+class TrainState:
+    step: int                        # completed optimizer steps
+    weights: dict[str, np.ndarray]
+    exp_avg: dict[str, np.ndarray]
+    exp_avg_sq: dict[str, np.ndarray]
+    info: dict                       # sampler, fingerprints, framework
+
+
+def save_checkpoint(run_dir: Path, spec: ModelSpec, state: TrainState) -> Path:
+    from safetensors.numpy import save_file
+
+    root = Path(run_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{state.step:06d}"
+    tmp = root / f".tmp_step_{state.step:06d}_{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_pretrained(tmp, spec, state.weights)
+    moments = {f"exp_avg.{k}": v for k, v in state.exp_avg.items()}
+    moments.update({f"exp_avg_sq.{k}": v for k, v in state.exp_avg_sq.items()})
+    save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in moments.items()},
+              str(tmp / "optimizer.safetensors"))
+    meta = {"format_version": FORMAT_VERSION, "step": state.step, **state.info}
+    (tmp / "state.json").write_text(json.dumps(meta, indent=2))
+    for f in tmp.iterdir():
+        with open(f, "rb") as handle:
+            os.fsync(handle.fileno())
+    fsync_dir(tmp)
+    if final.exists():  # re-saving the same step (e.g. after a resume): replace it whole
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    fsync_dir(root)
+    atomic_write_text(root / "latest", final.name + "\n")
+    _prune(root, keep=final.name)
+    return final
+
+
+def _prune(root: Path, keep: str) -> None:
+    done = sorted(p for p in root.glob("step_*") if p.is_dir())
+    for old in done[:-KEEP_LAST]:
+        if old.name != keep:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    root = Path(run_dir) / "checkpoints"
+    pointer = root / "latest"
+    if pointer.exists():
+        candidate = root / pointer.read_text().strip()
+        if candidate.is_dir():
+            return candidate
+    done = sorted(p for p in root.glob("step_*") if p.is_dir()) if root.exists() else []
+    return done[-1] if done else None
+
+
+def load_checkpoint(path: Path, spec: ModelSpec, expect: dict) -> TrainState:
+    """Load and validate; `expect` holds fingerprints that must match (tokenizer, data, batch)."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    path = Path(path)
+    state_path = path / "state.json"
+    try:
+        meta = json.loads(state_path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise UserError(f"checkpoint {path} has no readable state.json ({err}); refusing to resume") from None
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise UserError(f"checkpoint {path} has format version {meta.get('format_version')}, "
+                        f"this dpcompare reads {FORMAT_VERSION}")
+    saved_spec, weights = load_pretrained(path)
+    if saved_spec != spec:
+        diff = [k for k, v in spec.to_dict().items() if saved_spec.to_dict()[k] != v]
+        raise UserError(f"checkpoint {path} was written for another model spec "
+                        f"({', '.join(f'{k}={saved_spec.to_dict()[k]}' for k in diff)}); refusing to resume")
+    for key, value in expect.items():
+        if meta.get(key) != value:
+            raise UserError(f"checkpoint {path}: {key} is {meta.get(key)!r}, this run has {value!r}; "
+                            "refusing to resume")
+    try:
+        moments = load_file(str(path / "optimizer.safetensors"))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise UserError(f"checkpoint {path}: optimizer.safetensors unreadable (truncated?): {err}") from None
+    exp_avg = {k[len("exp_avg."):]: v for k, v in moments.items() if k.startswith("exp_avg.")}
+    exp_avg_sq = {k[len("exp_avg_sq."):]: v for k, v in moments.items() if k.startswith("exp_avg_sq.")}
+    check_weights(spec, exp_avg, f"{path}/optimizer.safetensors (exp_avg)")
+    check_weights(spec, exp_avg_sq, f"{path}/optimizer.safetensors (exp_avg_sq)")
+    return TrainState(step=int(meta["step"]), weights=weights, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
+                      info=meta)

@@ -1,0 +1,257 @@
+"""One RunConfig for every run: defaults < TOML file < CLI flags, validated up front.
+
+A TOML file holds the same keys as RunConfig at the top level, plus an optional `[model]` table of
+ModelSpec fields that override the preset:
+
+    preset = "small"
+    dataset = "../shared/data/tinystories/train.txt"
+    tokenizer = "../shared/data/gpt2"
+    steps = 200
+    [model]
+    n_layers = 2
+"""
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+
+from .errors import UserError
+from .sampler import check_divisible
+from .spec import ModelSpec, preset
+
+FRAMEWORKS = ("mlx", "torch")
+BACKENDS = {"mlx": ("auto", "ring", "mpi", "nccl"), "torch": ("auto", "gloo", "nccl")}
+SEQUENCE_MODES = ("packing", "padding")
+DEVICES = ("auto", "cpu", "cuda", "mps", "gpu")
+MLX_BLAS = ("auto", "system", "bundled")
+DTYPES = ("float32", "bfloat16")
+
+
+def default_cache_dir() -> Path:
+    """Token caches, tokenizers and seed checkpoints, shared by every run of this user."""
+    if os.environ.get("DPCOMPARE_CACHE"):
+        return Path(os.environ["DPCOMPARE_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dpcompare"
+
+
+@dataclass
+class RunConfig:
+    # Model: a preset, optionally overridden field by field ([model] table in TOML).
+    preset: str = "tiny"
+    model: dict = field(default_factory=dict)
+    # Data.
+    dataset: str = "builtin"
+    dataset_split: str = "train"
+    text_field: str = "text"
+    streaming: bool = False
+    tokenizer: str = "builtin"
+    builtin_vocab_size: int = 2048
+    builtin_corpus_bytes: int = 3_000_000
+    val_fraction: float = 0.01
+    sequence: str = "packing"
+    seq_len: int = 128
+    cache_dir: str = ""
+    # Batch: the global batch is split over world_size ranks x grad_accum micro-steps.
+    global_batch_size: int = 8
+    grad_accum: int = 1
+    # Optimizer and schedule.
+    lr: float = 3e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    adam_eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1
+    steps: int = 100
+    lr_decay_steps: int = 0          # cosine horizon; 0 = `steps`. Fix it to stop a run early and extend it.
+    seed: int = 0
+    # Evaluation and checkpoints (0 = only at the end).
+    eval_every: int = 50
+    eval_batches: int = 2
+    checkpoint_every: int = 0
+    # Where and how it runs.
+    framework: str = "mlx"
+    nproc: int = 1
+    backend: str = "auto"
+    device: str = "auto"
+    dtype: str = "float32"
+    threads_per_rank: int = 1
+    mlx_blas: str = "auto"
+    all_reduce_size_mb: float = 32.0
+    bucket_cap_mb: float = 25.0
+    torch_compile: bool = False
+    hostfile: str = ""
+    nnodes: int = 1                  # torch multi-node: torchrun --nnodes/--node-rank/--rdzv-endpoint
+    node_rank: int = 0
+    rdzv_endpoint: str = ""
+    init_from: str = ""              # an HF-format Llama dir to start from instead of the seeded init
+    collective_timeout_s: float = 60.0
+    timing_warmup_steps: int = 3
+    out: str = ""
+    resume: bool = False
+    overwrite: bool = False
+    quiet: bool = False
+
+    # ---- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_sources(cls, toml_path: str | None = None, overrides: dict | None = None) -> "RunConfig":
+        values: dict = {}
+        if toml_path:
+            values.update(read_toml(toml_path))
+        for key, value in (overrides or {}).items():
+            if value is None:
+                continue
+            if key == "model":
+                values["model"] = {**values.get("model", {}), **value}
+            else:
+                values[key] = value
+        return cls.from_dict(values)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "RunConfig":
+        known = {f.name: f for f in fields(cls)}
+        for key in values:
+            if key not in known:
+                raise UserError(f"unknown config field {key!r}; allowed: {', '.join(sorted(known))}")
+        typed = {k: _coerce(k, v, known[k].type, cls) for k, v in values.items()}
+        cfg = cls(**typed)
+        cfg.validate()
+        return cfg
+
+    def replace(self, **changes) -> "RunConfig":
+        cfg = replace(self, **changes)
+        cfg.validate()
+        return cfg
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    # ---- derived values -----------------------------------------------------------------------
+    def model_spec(self, vocab_size: int | None = None) -> ModelSpec:
+        """The preset with [model] overrides; the tokenizer's vocab size applies unless set explicitly."""
+        spec = preset(self.preset)
+        if vocab_size is not None and "vocab_size" not in self.model:
+            spec = spec.with_(vocab_size=vocab_size)
+        try:
+            spec = ModelSpec.from_dict({**spec.to_dict(), **self.model})
+        except TypeError as err:
+            raise UserError(f"invalid [model] table: {err}") from None
+        if vocab_size is not None and vocab_size > spec.vocab_size:
+            raise UserError(f"the tokenizer has {vocab_size} tokens, more than the model's vocab_size "
+                            f"{spec.vocab_size}")
+        if self.seq_len > spec.max_seq_len:
+            raise UserError(f"seq_len {self.seq_len} exceeds the model's max_seq_len {spec.max_seq_len}")
+        return spec
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc * self.nnodes
+
+    @property
+    def micro_batch_size(self) -> int:
+        return check_divisible(self.global_batch_size, self.world_size, self.grad_accum)
+
+    @property
+    def resolved_backend(self) -> str:
+        if self.backend != "auto":
+            return self.backend
+        if self.framework == "torch":
+            return "nccl" if self.device == "cuda" else "gloo"
+        return "nccl" if self.device == "cuda" else "ring"
+
+    @property
+    def cache_path(self) -> Path:
+        return Path(self.cache_dir) if self.cache_dir else default_cache_dir()
+
+    # ---- validation ---------------------------------------------------------------------------
+    def validate(self) -> None:
+        _choice("framework", self.framework, FRAMEWORKS)
+        _choice("backend", self.backend, BACKENDS[self.framework],
+                f" for framework {self.framework}")
+        _choice("sequence", self.sequence, SEQUENCE_MODES)
+        _choice("device", self.device, DEVICES)
+        _choice("mlx_blas", self.mlx_blas, MLX_BLAS)
+        _choice("dtype", self.dtype, DTYPES)
+        for name in ("seq_len", "global_batch_size", "grad_accum", "steps", "nproc", "threads_per_rank",
+                     "builtin_vocab_size", "builtin_corpus_bytes", "eval_batches", "nnodes"):
+            _positive(name, getattr(self, name))
+        for name in ("warmup_steps", "lr_decay_steps", "eval_every", "checkpoint_every", "timing_warmup_steps", "seed"):
+            if getattr(self, name) < 0:
+                raise UserError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("lr", "adam_eps", "all_reduce_size_mb", "bucket_cap_mb", "collective_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise UserError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("weight_decay", "grad_clip"):
+            if getattr(self, name) < 0:
+                raise UserError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("beta1", "beta2", "min_lr_ratio"):
+            if not 0 <= getattr(self, name) < 1 + (name == "min_lr_ratio"):
+                raise UserError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.nnodes > 1 and (self.framework != "torch" or not self.rdzv_endpoint):
+            raise UserError("nnodes > 1 is for torch and needs --rdzv-endpoint HOST:PORT (MLX: use --hostfile)")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise UserError(f"node_rank {self.node_rank} must be in [0, nnodes={self.nnodes})")
+        if not 0 <= self.val_fraction < 1:
+            raise UserError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
+        if self.dtype == "bfloat16" and self.framework == "torch" and self.device != "cuda":
+            raise UserError("dtype bfloat16 (autocast) is supported on --device cuda only; use float32")
+        self.micro_batch_size  # raises when the global batch does not split
+        self.model_spec(vocab_size=None)  # preset, [model] fields and seq_len checked now
+
+
+def read_toml(path: str) -> dict:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise UserError(f"config file {path} not found") from None
+    except tomllib.TOMLDecodeError as err:
+        raise UserError(f"config file {path} is not valid TOML: {err}") from None
+    except OSError as err:
+        raise UserError(f"config file {path} cannot be read: {err.strerror}") from None
+
+
+def _choice(name: str, value, allowed, where: str = "") -> None:
+    if value not in allowed:
+        raise UserError(f"unknown {name} {value!r}{where}; allowed: {', '.join(allowed)}")
+
+
+def _positive(name: str, value) -> None:
+    if value <= 0:
+        raise UserError(f"{name} must be positive, got {value}")
+
+
+def _coerce(name: str, value, annotation: str, cls):
+    """TOML and CLI values into the field's type, with a message naming the field when impossible."""
+    kind = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
+    if kind == "dict":
+        if not isinstance(value, dict):
+            raise UserError(f"{name} must be a table of model fields")
+        return value
+    try:
+        if kind == "bool":
+            if isinstance(value, str):
+                if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError
+                return value.lower() in ("true", "1", "yes")
+            return bool(value)
+        if kind == "int":
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            if isinstance(value, bool):
+                raise ValueError
+            return int(value)
+        if kind == "float":
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError):
+        raise UserError(f"{name} must be {kind}, got {value!r}") from None

@@ -1,0 +1,201 @@
+"""The training loop's bookkeeping, shared by both backends.
+
+A backend supplies a `Trainer` (its `step.py`) that owns the model, optimizer and collectives; this loop
+owns everything else: which samples each rank reads, the global token count that makes the loss exact,
+the LR at each step, timing, metrics, eval, checkpoints, resume and the rank's status file.
+
+Trainer interface (mlx_impl/step.py and torch_impl/step.py implement it with the same names):
+    Trainer(cfg, spec, weights, world)
+    .device                              -> str, e.g. "cpu", "gpu", "cuda:0"
+    .train_step(batches, lr, global_tokens) -> (loss, grad_norm) as floats, after the work is done
+    .eval_loss_sum(inputs, targets, mask)   -> float, this rank's sum of token losses
+    .all_sum(values: np.ndarray)            -> np.ndarray summed over ranks
+    .export_state()                       -> (weights, exp_avg, exp_avg_sq) as numpy dicts
+    .import_optimizer(exp_avg, exp_avg_sq, step)
+    .peak_memory_bytes()                  -> int, the framework's own peak
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+from .config import RunConfig
+from .errors import UserError
+from .metrics import MetricsWriter, RankStatus, peak_rss_bytes, read_json, truncate_metrics
+from .sampler import GlobalSampler, micro_batches, rank_slice
+from .schedule import lr_at
+from .sequences import SequenceView
+from .spec import ModelSpec
+from .tokencache import TokenCache
+from .weights import load_pretrained
+
+
+class TrainingError(Exception):
+    """The run cannot go on (NaN loss, diverging ranks); the last good checkpoint stays."""
+
+
+@dataclass
+class World:
+    """Who this process is in the job. `group` is the framework's communicator (MLX) or None (torch)."""
+    rank: int = 0
+    size: int = 1
+    group: object = None
+    device: str = "cpu"
+
+
+def rank_main(run_dir: str, start_world, trainer_cls) -> int:
+    """Run one rank; every failure lands in ranks/rank{r}.json and one line on stderr, never a hang.
+
+    `start_world(cfg, plan) -> World` initialises the framework's distributed state (the only part that
+    differs between backends besides the Trainer).
+    """
+    rank = int(os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("MLX_RANK", 0))))
+    try:
+        cfg, _, plan = load_plan(Path(run_dir))
+        world = start_world(cfg, plan)
+        rank = world.rank
+        train(Path(run_dir), world, trainer_cls)
+        return 0
+    except BaseException as err:  # noqa: BLE001 - the launcher must learn of every failure
+        message = f"{type(err).__name__}: {err}" if not isinstance(err, UserError) else str(err)
+        if isinstance(err, KeyboardInterrupt):
+            message = "interrupted"
+        status = RankStatus.existing(Path(run_dir), rank)
+        status.update(force=True, status="failed", error=message,
+                      traceback=traceback.format_exc()[-4000:])
+        print(f"rank {rank}: {message}", file=sys.stderr, flush=True)
+        return 2 if isinstance(err, UserError) else 1
+
+
+def load_plan(run_dir: Path) -> tuple[RunConfig, ModelSpec, dict]:
+    """run_config.json, as the launcher wrote it: the config, the resolved spec and the shared files."""
+    plan = read_json(Path(run_dir) / "run_config.json")
+    if plan is None:
+        raise UserError(f"{run_dir}/run_config.json is missing or unreadable")
+    return RunConfig.from_dict(plan["config"]), ModelSpec.from_dict(plan["spec"]), plan
+
+
+def lr_for(cfg: RunConfig, step: int) -> float:
+    return lr_at(step, lr=cfg.lr, warmup_steps=cfg.warmup_steps,
+                 total_steps=cfg.lr_decay_steps or cfg.steps, min_lr_ratio=cfg.min_lr_ratio)
+
+
+def train(run_dir: Path, world: World, trainer_cls) -> None:
+    rank, world_size = world.rank, world.size
+    run_dir = Path(run_dir)
+    cfg, spec, plan = load_plan(run_dir)
+    status = RankStatus(run_dir, rank)
+    cache = TokenCache.open(plan["token_cache"])
+    train_view = SequenceView(cache.split("train"), cfg.seq_len, cfg.sequence)
+    sampler = GlobalSampler(train_view.num_samples, cfg.global_batch_size, cfg.seed)
+    fingerprints = {"data_fingerprint": cache.meta.get("fingerprint", str(plan["token_cache"])),
+                    "global_batch_size": cfg.global_batch_size, "seed": cfg.seed,
+                    "seq_len": cfg.seq_len, "sequence": cfg.sequence}
+
+    start_step, resume_from = 0, None
+    if cfg.resume and (resume_from := latest_checkpoint(run_dir)) is not None:
+        state = load_checkpoint(resume_from, spec, fingerprints)
+        weights, start_step = state.weights, state.step
+    else:
+        _, weights = load_pretrained(plan["seed_checkpoint"])
+    trainer = trainer_cls(cfg, spec, weights, world)
+    if resume_from is not None:
+        trainer.import_optimizer(state.exp_avg, state.exp_avg_sq, state.step)
+    check_identical_weights(trainer, weights)
+    del weights
+
+    valid_view = None
+    if "valid" in cache.meta.get("splits", {}) and cache.meta["splits"]["valid"]["num_documents"] > 0:
+        valid_view = SequenceView(cache.split("valid"), cfg.seq_len, cfg.sequence)
+
+    metrics_path = run_dir / "metrics.jsonl"
+    if rank == 0:
+        truncate_metrics(metrics_path, start_step)
+    metrics = MetricsWriter(metrics_path, enabled=rank == 0)
+    status.update(force=True, status="running", device=trainer.device, start_step=start_step)
+
+    launch_time = float(os.environ.get("DPCOMPARE_LAUNCH_TIME", time.time()))
+    step_times, first_step_end = [], None
+    try:
+        for step in range(start_step, cfg.steps):
+            indices = sampler.global_batch_indices(step)
+            global_tokens = train_view.real_target_count(indices)
+            mine = rank_slice(indices, rank, world_size)
+            batches = [train_view.batch(m) for m in micro_batches(mine, cfg.grad_accum)]
+            lr = lr_for(cfg, step)
+
+            t0 = time.perf_counter()
+            loss, grad_norm = trainer.train_step(batches, lr, global_tokens)
+            step_time = time.perf_counter() - t0
+            step_times.append(step_time)
+            if first_step_end is None:
+                first_step_end = time.time()
+
+            if not math.isfinite(loss):
+                raise TrainingError(f"loss is {loss} at step {step + 1}; stopping (the last checkpoint "
+                                    f"is kept)")
+            metrics.write({"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                           "tokens": global_tokens, "step_time_s": step_time,
+                           "tokens_per_s": global_tokens / step_time, "epoch": sampler.epoch_of(step)})
+            status.update(step=step + 1, loss=loss)
+
+            done = step + 1
+            if valid_view is not None and cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
+                metrics.write({"step": done, "eval_loss": evaluate(trainer, valid_view, cfg, rank, world_size)})
+            if done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
+                checkpoint(trainer, run_dir, spec, done, fingerprints, rank)
+    finally:
+        metrics.close()
+
+    timed = step_times[cfg.timing_warmup_steps:] or step_times
+    median = float(np.median(timed)) if timed else 0.0
+    status.update(
+        force=True, status="ok",
+        peak_mem_bytes=trainer.peak_memory_bytes(), peak_rss_bytes=peak_rss_bytes(),
+        # What the first steps cost beyond a steady-state step: compilation, graph capture, warm caches.
+        compile_s=max(0.0, sum(step_times[:cfg.timing_warmup_steps]) - median * min(len(step_times), cfg.timing_warmup_steps)),
+        time_to_first_step_s=(first_step_end - launch_time) if first_step_end else None,
+        steps_run=len(step_times),
+    )
+
+
+def check_identical_weights(trainer, weights: dict[str, np.ndarray]) -> None:
+    """All ranks must start from the same weights: compare a checksum across ranks (sum and sum of squares)."""
+    checksum = float(sum(np.float64(np.abs(w).sum()) for w in weights.values()))
+    total, total_sq = trainer.all_sum(np.array([checksum, checksum * checksum], dtype=np.float64))
+    # Equal checksums on every rank give total_sq == total**2 / N exactly up to rounding.
+    spread = total_sq - total * total / trainer.world_size
+    if abs(spread) > 1e-6 * max(1.0, total_sq):
+        raise TrainingError("ranks hold different initial weights (checksum mismatch); check that every "
+                            "host reads the same seed checkpoint")
+
+
+def evaluate(trainer, view: SequenceView, cfg: RunConfig, rank: int, world_size: int) -> float:
+    """Global token-mean loss over a fixed set of validation samples, the same for every world size."""
+    per_rank = cfg.global_batch_size // world_size
+    count = min(cfg.eval_batches * cfg.global_batch_size, view.num_samples)
+    count -= count % world_size
+    indices = np.arange(count, dtype=np.int64)
+    mine = rank_slice(indices, rank, world_size)
+    loss_sum = 0.0
+    for start in range(0, len(mine), per_rank):
+        loss_sum += trainer.eval_loss_sum(*view.batch(mine[start:start + per_rank]))
+    tokens = view.real_target_count(indices) if count else 0
+    total = trainer.all_sum(np.array([loss_sum], dtype=np.float64))[0]
+    return float(total / tokens) if tokens else float("nan")
+
+
+def checkpoint(trainer, run_dir: Path, spec: ModelSpec, step: int, fingerprints: dict, rank: int) -> None:
+    weights, exp_avg, exp_avg_sq = trainer.export_state()
+    if rank == 0:  # every rank holds the same state; one writer
+        save_checkpoint(run_dir, spec, TrainState(step=step, weights=weights, exp_avg=exp_avg,
+                                                  exp_avg_sq=exp_avg_sq,
+                                                  info={**fingerprints, "framework": trainer.framework}))

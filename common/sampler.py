@@ -1,0 +1,68 @@
+"""Which samples every rank trains on at every step: the heart of DP correctness.
+
+One seeded permutation of the sample indices per epoch defines a single global stream. Optimizer step k
+consumes stream positions [k*G, (k+1)*G); rank r of N takes its contiguous G/N slice, cut further into
+`grad_accum` micro-batches. So the global batch at step k is the same for every world size and both
+frameworks, and a run resumed at step k sees exactly the batches an uninterrupted run would: the
+sampler's whole state is the step number (plus the seed and sizes it checks on resume).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import UserError
+
+
+def check_divisible(global_batch: int, world_size: int, grad_accum: int) -> int:
+    """Micro-batch size per rank; a user error when the global batch does not split evenly."""
+    parts = world_size * grad_accum
+    if global_batch % parts:
+        raise UserError(
+            f"global batch size {global_batch} is not divisible by world size {world_size} x grad accum "
+            f"{grad_accum} = {parts}")
+    return global_batch // parts
+
+
+@dataclass
+class GlobalSampler:
+    num_samples: int
+    global_batch: int
+    seed: int
+
+    def __post_init__(self):
+        if self.num_samples < self.global_batch:
+            raise UserError(
+                f"the dataset holds {self.num_samples} samples, fewer than one global batch "
+                f"({self.global_batch}); use more data, a shorter --seq-len or a smaller --global-batch-size")
+        self._epoch, self._perm = -1, None
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        if epoch != self._epoch:
+            rng = np.random.Generator(np.random.PCG64([self.seed, epoch]))
+            self._epoch, self._perm = epoch, rng.permutation(self.num_samples)
+        return self._perm
+
+    def global_batch_indices(self, step: int) -> np.ndarray:
+        """The G sample indices of optimizer step `step`, in order; may straddle an epoch boundary."""
+        positions = np.arange(step * self.global_batch, (step + 1) * self.global_batch, dtype=np.int64)
+        epochs = positions // self.num_samples
+        out = np.empty(self.global_batch, dtype=np.int64)
+        for epoch in np.unique(epochs):
+            sel = epochs == epoch
+            out[sel] = self.permutation(int(epoch))[positions[sel] % self.num_samples]
+        return out
+
+    def epoch_of(self, step: int) -> int:
+        return (step * self.global_batch) // self.num_samples
+
+
+def rank_slice(indices: np.ndarray, rank: int, world_size: int) -> np.ndarray:
+    per_rank = len(indices) // world_size
+    return indices[rank * per_rank:(rank + 1) * per_rank]
+
+
+def micro_batches(rank_indices: np.ndarray, grad_accum: int) -> list[np.ndarray]:
+    per_micro = len(rank_indices) // grad_accum
+    return [rank_indices[i * per_micro:(i + 1) * per_micro] for i in range(grad_accum)]

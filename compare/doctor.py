@@ -1,0 +1,102 @@
+"""`dpcompare doctor`: what this machine can run. Frameworks are probed in subprocesses so this
+package stays framework-neutral (and a broken framework install cannot crash the CLI)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from . import environment as env
+
+MLX_PROBE = r"""
+import json, mlx.core as mx
+print(json.dumps({
+    "default_device": str(mx.default_device()),
+    "gpu": bool(mx.is_available(mx.gpu)),
+    "backends": {b: bool(mx.distributed.is_available(b)) for b in ("ring", "mpi", "nccl", "jaccl")},
+}))
+"""
+TORCH_PROBE = r"""
+import json, torch, torch.distributed as dist
+print(json.dumps({
+    "cuda": torch.cuda.is_available(),
+    "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+    "mps": bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()),
+    "backends": {"gloo": dist.is_gloo_available(), "nccl": dist.is_nccl_available(), "mpi": dist.is_mpi_available()},
+    "threads": torch.get_num_threads(),
+}))
+"""
+
+
+def probe(code: str, timeout: float = 120) -> dict:
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": "probe timed out"}
+    if out.returncode != 0:
+        return {"error": (out.stderr.strip().splitlines() or ["import failed"])[-1]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def mlx_linked_blas() -> str:
+    """The BLAS library inside the mlx wheel (Linux): a reference BLAS unless a system one is preloaded."""
+    try:
+        import importlib.util
+
+        spec = importlib.util.find_spec("mlx")
+        lib = Path(spec.submodule_search_locations[0]) / "lib" / "libmlx.so"
+        if sys.platform == "darwin":
+            return "Accelerate (macOS)"
+        out = subprocess.run(["ldd", str(lib)], capture_output=True, text=True, timeout=10).stdout
+        blas = [line.split("=>")[0].strip() for line in out.splitlines() if "blas" in line.lower()]
+        return ", ".join(blas) or "none found"
+    except (OSError, AttributeError, TypeError, subprocess.TimeoutExpired):
+        return "unknown"
+
+
+def doctor(measure_peak: bool = False) -> str:
+    versions = env.versions()
+    mlx = probe(MLX_PROBE) if versions["mlx"] else {"error": "not installed"}
+    torch = probe(TORCH_PROBE) if versions["torch"] else {"error": "not installed"}
+    machine = env.machine()
+    openblas = env.system_openblas()
+    lines = [
+        f"python        {versions['python']}  ({sys.executable})",
+        f"machine       {machine['processor']}, {machine['cpus']} CPUs, {machine['platform']}",
+        f"dpcompare     {versions['dpcompare']}   numpy {versions['numpy']}",
+        "",
+        f"mlx           {versions['mlx'] or 'not installed'}",
+    ]
+    if "error" in mlx:
+        lines.append(f"  problem     {mlx['error']}")
+    else:
+        usable = {b: ok for b, ok in mlx["backends"].items()}
+        lines += [
+            f"  device      {mlx['default_device']} (gpu available: {mlx['gpu']})",
+            f"  ring        {'yes' if usable['ring'] else 'no'} (localhost and hostfile ranks over TCP)",
+            f"  mpi         {'yes' if usable['mpi'] else 'no'}; mpirun: {env.mpirun() or 'not found'}; "
+            f"libmpi: {env.libmpi() or 'not found'}",
+            f"  nccl        {'yes' if usable['nccl'] else 'no'}",
+            f"  BLAS linked {mlx_linked_blas()}",
+            f"  --mlx-blas auto uses: {env.mlx_blas('auto')[0]}",
+        ]
+    lines += ["", f"torch         {versions['torch'] or 'not installed'}"]
+    if "error" in torch:
+        lines.append(f"  problem     {torch['error']}")
+    else:
+        lines += [
+            f"  cuda        {torch['cuda']} {', '.join(torch['cuda_devices'])}",
+            f"  mps         {torch['mps']} (DDP over MPS is not supported upstream: multi-rank uses CPU)",
+            f"  gloo        {torch['backends']['gloo']}   nccl {torch['backends']['nccl']}   "
+            f"mpi {torch['backends']['mpi']}",
+        ]
+    lines += ["", f"system OpenBLAS  {openblas or 'not found (Debian: apt install libopenblas0-pthread)'}"]
+    if measure_peak:
+        from .peak import measured_peaks
+
+        lines.append("")
+        for framework, peak in measured_peaks(refresh=True).items():
+            lines.append(f"peak {framework:<6} {peak['flops'] / 1e9:8.1f} GFLOP/s fp32 matmul "
+                         f"({peak['device']}, {peak['threads']} thread(s), {peak.get('blas', '')})")
+    return "\n".join(lines)

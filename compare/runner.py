@@ -1,0 +1,349 @@
+"""Start one run (a framework at a world size) as subprocesses, watch every rank, write summary.json.
+
+Launchers: one rank runs as plain python (`mlx.launch -n 1` crashes); MLX ring through `mlx.launch`;
+MLX MPI through `mpirun` directly (mlx.launch's MPI mode passes `--output :raw`, which Open MPI 4
+rejects); torch through `torchrun`. `mlx.launch` exits 0 even when a rank dies, so exit codes are not
+trusted: every rank writes ranks/rank{r}.json (status, pid, heartbeat), and the watchdog below ends the
+whole job when a rank fails, dies without a word, stops, or no rank makes progress for
+`collective_timeout_s`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.config import RunConfig
+from common.errors import UserError
+from common.metrics import read_json, read_metrics, throughput_stats, write_json
+from common.spec import ModelSpec
+
+from . import environment as env
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+RUN_FILES = ("run_config.json", "metrics.jsonl", "summary.json", "log.txt", "ranks", "checkpoints")
+POLL_S = 0.2
+KILL_GRACE_S = 3.0
+STARTUP_GRACE_S = 120.0  # imports and data opening before a rank's first heartbeat
+
+
+@dataclass
+class Inputs:
+    """What every run of a comparison shares: one token cache, one model spec, one seed checkpoint."""
+    token_cache: Path
+    spec: ModelSpec
+    seed_checkpoint: Path
+    cache_meta: dict
+
+
+def prepare_inputs(cfg: RunConfig) -> Inputs:
+    from common.sampler import GlobalSampler
+    from common.sequences import SequenceView
+    from common.tokencache import prepare_tokens
+
+    cache = prepare_tokens(cfg.dataset, cfg.tokenizer, cache_dir=cfg.cache_path, split=cfg.dataset_split,
+                           text_field=cfg.text_field, streaming=cfg.streaming, val_fraction=cfg.val_fraction,
+                           builtin_vocab_size=cfg.builtin_vocab_size, builtin_bytes=cfg.builtin_corpus_bytes,
+                           progress=not cfg.quiet)
+    spec = cfg.model_spec(vocab_size=int(cache.meta["vocab_size"]))
+    view = SequenceView(cache.split("train"), cfg.seq_len, cfg.sequence)
+    GlobalSampler(view.num_samples, cfg.global_batch_size, cfg.seed)  # fails early when data is too small
+    seed_dir = Path(cfg.init_from) if cfg.init_from else seed_checkpoint(spec, cfg.seed, cfg.cache_path)
+    if cfg.init_from:
+        from common.weights import load_pretrained
+
+        init_spec, _ = load_pretrained(seed_dir)
+        if init_spec != spec:
+            raise UserError(f"--init-from {seed_dir}: its config does not match the run's model spec "
+                            f"({init_spec} vs {spec})")
+    return Inputs(token_cache=Path(cache.path), spec=spec, seed_checkpoint=seed_dir, cache_meta=cache.meta)
+
+
+def seed_checkpoint(spec: ModelSpec, seed: int, cache_dir: Path) -> Path:
+    """The seeded numpy init, written once per (spec, seed) and shared by every run and framework."""
+    from common.weights import init_weights, save_pretrained
+
+    key = hashlib.sha256(json.dumps([spec.to_dict(), seed], sort_keys=True).encode()).hexdigest()[:16]
+    final = Path(cache_dir) / "seeds" / key
+    if (final / "model.safetensors").exists() and (final / "config.json").exists():
+        return final
+    tmp = final.with_name(f".{key}.tmp{os.getpid()}")
+    save_pretrained(tmp, spec, init_weights(spec, seed))
+    try:
+        os.replace(tmp, final)
+    except OSError:  # another process won the race; its copy is identical
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
+    """Never silently overwrite a run: refuse, resume it, or (--overwrite) remove only dpcompare's files."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"output path {run_dir} exists and is not a directory")
+    holds_run = run_dir.is_dir() and any((run_dir / name).exists() for name in RUN_FILES)
+    if holds_run and not (resume or overwrite):
+        raise UserError(f"{run_dir} already holds a run; pass --resume to continue it, --overwrite to "
+                        "replace it, or choose another --out")
+    if holds_run and overwrite and not resume:
+        for name in RUN_FILES:
+            target = run_dir / name
+            if target.is_dir():
+                shutil.rmtree(target)
+            elif target.exists():
+                target.unlink()
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / ".write_probe"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise UserError(f"cannot write to output directory {run_dir}: {err.strerror}") from None
+
+
+def build_command(cfg: RunConfig, run_dir: Path) -> tuple[list[str], dict, str]:
+    """(argv, extra environment, BLAS description) that start every rank of this run."""
+    entry = [sys.executable, "-m", f"{cfg.framework}_impl.launch", str(run_dir)]
+    extra = env.thread_env(cfg.threads_per_rank)
+    blas = "framework default"
+    if cfg.framework == "mlx":
+        blas, blas_env = env.mlx_blas(cfg.mlx_blas)
+        extra.update(blas_env)
+    backend = cfg.resolved_backend
+    if cfg.nproc == 1 and not cfg.hostfile:
+        return entry, extra, blas
+    if cfg.framework == "torch":
+        launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={cfg.nproc}"]
+        if cfg.nnodes > 1:
+            launcher += [f"--nnodes={cfg.nnodes}", f"--node-rank={cfg.node_rank}",
+                         f"--rdzv-endpoint={cfg.rdzv_endpoint}", "--rdzv-backend=c10d"]
+        else:
+            launcher += ["--standalone"]  # picks a free rendezvous port itself
+        return launcher + ["-m", "torch_impl.launch", str(run_dir)], extra, blas
+    if backend == "mpi":
+        exe = env.mpirun()
+        if exe is None:
+            raise UserError("--backend mpi: mpirun not found (Debian: apt install openmpi-bin libopenmpi-dev)")
+        lib = env.libmpi()
+        if lib:
+            extra["MLX_MPI_LIBNAME"] = Path(lib).name if lib.startswith("/usr/lib") else lib
+        argv = [exe, "-np", str(cfg.nproc)]
+        if cfg.hostfile:
+            argv += ["--hostfile", cfg.hostfile]
+        if env.mpirun_is_openmpi():
+            if os.geteuid() == 0:
+                argv += ["--allow-run-as-root"]
+            argv += ["--oversubscribe"]
+            for key in list(extra) + ["PYTHONPATH", "DPCOMPARE_LAUNCH_TIME", "PYTHONUNBUFFERED"]:
+                argv += ["-x", key]
+        return argv + entry, extra, blas
+    launcher = env.mlx_launch_command() + ["--backend", backend]
+    if cfg.hostfile:
+        launcher += ["--hostfile", cfg.hostfile]
+    else:
+        launcher += ["-n", str(cfg.nproc)]
+    if backend == "ring":
+        launcher += ["--starting-port", str(env.free_port_block(cfg.nproc + 1))]
+    if backend == "nccl":
+        launcher += ["--nccl-port", str(env.free_port_block(1))]
+    return launcher + ["--"] + entry, extra, blas
+
+
+def write_plan(cfg: RunConfig, inputs: Inputs, run_dir: Path) -> None:
+    write_json(run_dir / "run_config.json", {
+        "config": cfg.to_dict(), "spec": inputs.spec.to_dict(), "token_cache": str(inputs.token_cache),
+        "seed_checkpoint": str(inputs.seed_checkpoint), "world_size": cfg.nproc * cfg.nnodes,
+        "backend": cfg.resolved_backend, "data": {k: inputs.cache_meta.get(k) for k in
+                                                 ("num_documents", "num_tokens", "vocab_size", "tokenizer")},
+    })
+
+
+def launch(cfg: RunConfig, inputs: Inputs, run_dir: Path) -> dict:
+    """Run every rank to the end (or to the first failure) and return the summary written to disk."""
+    run_dir = Path(run_dir)
+    check_run_dir(run_dir, cfg.resume, cfg.overwrite)
+    argv, extra_env, blas = build_command(cfg, run_dir)
+    write_plan(cfg, inputs, run_dir)
+    shutil.rmtree(run_dir / "ranks", ignore_errors=True)
+    started = time.time()
+    child_env = {**os.environ, **extra_env, "PYTHONUNBUFFERED": "1", "DPCOMPARE_LAUNCH_TIME": str(started),
+                 "PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))}
+    with open(run_dir / "log.txt", "a") as log:
+        log.write(f"$ {shlex.join(argv)}\n")
+        log.flush()
+        # A session of its own: the whole job can be signalled at once, and nothing outlives it.
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=child_env, cwd=PROJECT_ROOT, start_new_session=True)
+        try:
+            failure = watch(proc, run_dir, cfg)
+        except KeyboardInterrupt:
+            stop_job(proc, run_dir)
+            failure = {"error": "interrupted by the user", "failed_rank": None}
+    summary = summarize(cfg, run_dir, argv, blas, time.time() - started, failure)
+    write_json(run_dir / "summary.json", summary)
+    return summary
+
+
+def watch(proc: subprocess.Popen, run_dir: Path, cfg: RunConfig) -> dict | None:
+    """None when every rank finished ok; else {"error", "failed_rank"} after stopping the job."""
+    world = cfg.nproc * cfg.nnodes
+    local = cfg.nnodes == 1 and not cfg.hostfile
+    bar = progress_bar(cfg)
+    start, last_progress, last_seen = time.time(), time.time(), None
+    while True:
+        code = proc.poll()
+        ranks = read_ranks(run_dir, world)
+        seen = tuple((r.get("step"), r.get("status")) for r in ranks.values())
+        if seen != last_seen:
+            last_seen, last_progress = seen, time.time()
+        if bar is not None and 0 in ranks:
+            bar.n = ranks[0].get("step", 0)
+            if "loss" in ranks[0]:
+                bar.set_postfix(loss=f"{ranks[0]['loss']:.4f}", refresh=False)
+            bar.refresh()
+        failure = diagnose(ranks, world, local, code)
+        stalled = time.time() - last_progress
+        limit = cfg.collective_timeout_s + (STARTUP_GRACE_S if len(ranks) < world or
+                                            all(r.get("step", 0) == r.get("start_step", 0) and
+                                                r.get("status") != "running" for r in ranks.values()) else 0)
+        if failure is None and code is None and stalled > limit:
+            failure = {"failed_rank": slowest(ranks, world),
+                       "error": f"no rank made progress for {stalled:.0f} s (collective timeout "
+                                f"{cfg.collective_timeout_s:.0f} s); a rank is hung or its peer is gone"}
+        if failure is not None:
+            if bar is not None:
+                bar.close()
+            stop_job(proc, run_dir)
+            return failure
+        if code is not None:
+            if bar is not None:
+                bar.close()
+            return None
+        time.sleep(POLL_S)
+
+
+def diagnose(ranks: dict, world: int, local: bool, exit_code: int | None) -> dict | None:
+    failed = [r for r in ranks.values() if r.get("status") == "failed"]
+    for rank, info in sorted(ranks.items()):
+        if info.get("status") in ("ok", "failed") or not local:
+            continue
+        state = process_state(info.get("pid"))
+        if state is None or state == "Z":
+            return {"failed_rank": rank, "error": f"rank {rank} (pid {info.get('pid')}) died at step "
+                                                  f"{info.get('step', 0)} without reporting an error "
+                                                  "(killed by a signal or out of memory?)"}
+    if failed:
+        # A peer's timeout error points at the wrong rank; a real error message names the culprit.
+        first = min(failed, key=lambda r: (("timed out" in r.get("error", "").lower()
+                                            or "connection" in r.get("error", "").lower()), r["rank"]))
+        return {"failed_rank": first["rank"], "error": f"rank {first['rank']} failed at step "
+                                                       f"{first.get('step', 0)}: {first.get('error')}"}
+    if exit_code is not None:
+        missing = [r for r in range(world) if ranks.get(r, {}).get("status") != "ok"]
+        if missing:
+            return {"failed_rank": missing[0],
+                    "error": f"rank {missing[0]} ended without finishing (launcher exit code {exit_code})"}
+    return None
+
+
+def slowest(ranks: dict, world: int) -> int:
+    for rank in range(world):
+        if rank not in ranks:
+            return rank
+        if process_state(ranks[rank].get("pid")) == "T":
+            return rank
+    return min(ranks, key=lambda r: (ranks[r].get("step", 0), ranks[r].get("heartbeat", 0)))
+
+
+def process_state(pid: int | None) -> str | None:
+    """Linux state letter (R, S, T stopped, Z zombie) or None when gone; "?" where /proc is absent."""
+    if not pid:
+        return "?"
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return None
+    except OSError:
+        try:
+            os.kill(pid, 0)
+            return "?"
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            return "?"
+
+
+def read_ranks(run_dir: Path, world: int) -> dict[int, dict]:
+    ranks = {}
+    for rank in range(world):
+        data = read_json(run_dir / "ranks" / f"rank{rank}.json")
+        if data:
+            ranks[rank] = data
+    return ranks
+
+
+def stop_job(proc: subprocess.Popen, run_dir: Path) -> None:
+    """SIGTERM the job's process group and every known rank, then SIGKILL what is left."""
+    pids = {info.get("pid") for info in read_ranks(run_dir, 4096).values()} - {None}
+    targets = [("group", proc.pid)] + [("pid", p) for p in pids]
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for kind, ident in targets:
+            try:
+                if kind == "group":
+                    os.killpg(ident, sig)
+                else:
+                    os.kill(ident, signal.SIGCONT)  # a stopped rank cannot act on SIGTERM
+                    os.kill(ident, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        deadline = time.time() + KILL_GRACE_S
+        while time.time() < deadline and (proc.poll() is None or any(process_state(p) not in (None, "Z") for p in pids)):
+            time.sleep(0.05)
+    proc.wait()
+
+
+def progress_bar(cfg: RunConfig):
+    if cfg.quiet:
+        return None
+    from tqdm import tqdm
+
+    # disable=None turns the bar off when stderr is not a terminal (CI logs, pipes).
+    return tqdm(total=cfg.steps, desc=f"{cfg.framework} x{cfg.nproc * cfg.nnodes}", unit="step",
+                disable=None, leave=False, dynamic_ncols=True)
+
+
+def summarize(cfg: RunConfig, run_dir: Path, argv: list[str], blas: str, wall_s: float,
+              failure: dict | None) -> dict:
+    world = cfg.nproc * cfg.nnodes
+    ranks = read_ranks(run_dir, world)
+    train_rows, eval_rows = read_metrics(run_dir / "metrics.jsonl")
+    rank0 = ranks.get(0, {})
+    stats = throughput_stats(train_rows, cfg.timing_warmup_steps)
+    summary = {
+        "framework": cfg.framework, "world_size": world, "backend": cfg.resolved_backend if world > 1 else "none",
+        "device": rank0.get("device", cfg.device), "status": "failed" if failure else "ok",
+        "steps": train_rows[-1]["step"] if train_rows else 0,
+        **stats,
+        "warmup_steps": cfg.timing_warmup_steps,
+        "compile_s": rank0.get("compile_s"), "time_to_first_step_s": rank0.get("time_to_first_step_s"),
+        "wall_s": wall_s,
+        "peak_mem_bytes": [ranks.get(r, {}).get("peak_mem_bytes") for r in range(world)],
+        "peak_rss_bytes": [ranks.get(r, {}).get("peak_rss_bytes") for r in range(world)],
+        "blas": blas, "threads_per_rank": cfg.threads_per_rank,
+        "versions": env.versions(), "machine": env.machine(),
+        "final_loss": train_rows[-1]["loss"] if train_rows else None,
+        "final_eval_loss": eval_rows[-1]["eval_loss"] if eval_rows else None,
+        "tokens_per_step": train_rows[-1]["tokens"] if train_rows else None,
+        "command": shlex.join(argv), "config": cfg.to_dict(),
+    }
+    if failure:
+        summary.update(failure)
+    return summary

@@ -1,0 +1,1 @@
+"""The MLX side: the Llama model and its data-parallel training."""

@@ -1,0 +1,43 @@
+"""Rank entry point for MLX: `python -m mlx_impl.launch RUN_DIR`.
+
+Started by `mlx.launch` (ring), `mpirun` (mpi) or plain python (one rank: `mlx.launch -n 1` crashes);
+the launcher in compare/runner.py builds those command lines. Threads per rank come from the
+environment the launcher sets (OMP/OpenBLAS variables), the same for both frameworks.
+"""
+from __future__ import annotations
+
+import sys
+
+from common.errors import UserError
+from common.loop import World, rank_main
+
+
+def start_world(cfg, plan) -> World:
+    import mlx.core as mx
+
+    if cfg.device in ("gpu", "cuda", "mps"):
+        if not mx.is_available(mx.gpu):
+            raise UserError(f"--device {cfg.device}: this MLX build has no GPU")
+        mx.set_default_device(mx.gpu)
+    elif cfg.device == "cpu":
+        mx.set_default_device(mx.cpu)
+    device = "gpu" if mx.default_device() == mx.gpu else "cpu"
+    if plan["world_size"] == 1:
+        return World(rank=0, size=1, group=None, device=device)
+    backend = plan["backend"]
+    group = mx.distributed.init(backend=backend, strict=True)
+    if group.size() != plan["world_size"]:
+        raise UserError(f"the {backend} backend started {group.size()} ranks, the run expects "
+                        f"{plan['world_size']}")
+    return World(rank=group.rank(), size=group.size(), group=group, device=device)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .step import Trainer
+
+    argv = sys.argv[1:] if argv is None else argv
+    return rank_main(argv[0], start_world, Trainer)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""Llama in MLX, numerically equal to transformers' LlamaForCausalLM in float32.
+
+Mirrors torch_impl/model.py name for name: a diff between the two shows only framework differences.
+Parameter names are Hugging Face's, so a seed checkpoint loads here, in torch and in transformers.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+from common.spec import ModelSpec
+from common.weights import load_pretrained
+
+
+def attention_mask(padding_mask: mx.array | None, T: int) -> mx.array | str:
+    if padding_mask is None:
+        return "causal"  # the fused kernel builds it, no T x T array
+    causal = mx.tril(mx.ones((T, T), dtype=mx.bool_))
+    keys = padding_mask.astype(mx.bool_)[:, None, None, :]  # (B, 1, 1, T): broadcasts over heads, queries
+    # The diagonal stays visible so a query at a padded position still has a key; a fully masked
+    # row would softmax to NaN.
+    return causal & (keys | mx.eye(T, dtype=mx.bool_))
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.n_heads, self.n_kv_heads = spec.n_heads, spec.n_kv_heads
+        self.scale = spec.head_dim ** -0.5
+        self.q_proj = nn.Linear(spec.dim, spec.n_heads * spec.head_dim, bias=False)
+        self.k_proj = nn.Linear(spec.dim, spec.n_kv_heads * spec.head_dim, bias=False)
+        self.v_proj = nn.Linear(spec.dim, spec.n_kv_heads * spec.head_dim, bias=False)
+        self.o_proj = nn.Linear(spec.n_heads * spec.head_dim, spec.dim, bias=False)
+        # traditional=False is HF's rotate-half layout (pairs i and i + head_dim/2).
+        self.rope = nn.RoPE(spec.head_dim, traditional=False, base=spec.rope_theta)
+
+    def __call__(self, x: mx.array, mask: mx.array | str) -> mx.array:
+        B, T, _ = x.shape
+        q = self.q_proj(x).reshape(B, T, self.n_heads, -1).transpose(0, 2, 1, 3)
+        k = self.k_proj(x).reshape(B, T, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(B, T, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q, k = self.rope(q), self.rope(k)
+        # Grouped-query attention: the kernel shares each k/v head among n_heads / n_kv_heads queries.
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.gate_proj = nn.Linear(spec.dim, spec.ffn_dim, bias=False)
+        self.up_proj = nn.Linear(spec.dim, spec.ffn_dim, bias=False)
+        self.down_proj = nn.Linear(spec.ffn_dim, spec.dim, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(spec.dim, eps=spec.norm_eps)
+        self.self_attn = Attention(spec)
+        self.post_attention_layernorm = nn.RMSNorm(spec.dim, eps=spec.norm_eps)
+        self.mlp = MLP(spec)
+
+    def __call__(self, x: mx.array, mask: mx.array | str) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.dim)
+        self.layers = [TransformerBlock(spec) for _ in range(spec.n_layers)]
+        self.norm = nn.RMSNorm(spec.dim, eps=spec.norm_eps)
+
+    def __call__(self, tokens: mx.array, padding_mask: mx.array | None = None) -> mx.array:
+        h = self.embed_tokens(tokens)
+        mask = attention_mask(padding_mask, tokens.shape[1])
+        for layer in self.layers:
+            h = layer(h, mask)
+        return self.norm(h)
+
+
+class Llama(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.spec = spec
+        self.model = LlamaModel(spec)
+        if not spec.tie_embeddings:
+            self.lm_head = nn.Linear(spec.dim, spec.vocab_size, bias=False)
+
+    def __call__(self, tokens: mx.array, padding_mask: mx.array | None = None) -> mx.array:
+        """int tokens (B, T) -> logits (B, T, vocab); padding_mask (B, T) is 1 for real tokens."""
+        h = self.model(tokens, padding_mask)
+        if self.spec.tie_embeddings:
+            return self.model.embed_tokens.as_linear(h)
+        return self.lm_head(h)
+
+
+def load_weights(model: Llama, weights: dict[str, np.ndarray]) -> None:
+    """Set every parameter from an HF-named dict; raises on a missing, extra or misshapen tensor."""
+    if model.spec.tie_embeddings:
+        weights = {k: v for k, v in weights.items() if k != "lm_head.weight"}
+    model.load_weights([(k, mx.array(v)) for k, v in weights.items()], strict=True)
+    mx.eval(model.parameters())
+
+
+def weights_of(model: Llama) -> dict[str, np.ndarray]:
+    return {k: np.array(v.astype(mx.float32)) for k, v in tree_flatten(model.parameters())}
+
+
+def from_pretrained(path: str | Path) -> Llama:
+    spec, weights = load_pretrained(Path(path))
+    model = Llama(spec)
+    load_weights(model, weights)
+    model.eval()
+    return model

@@ -1,0 +1,1 @@
+"""The PyTorch side: the Llama model and its DDP training."""

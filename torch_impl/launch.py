@@ -1,0 +1,69 @@
+"""Rank entry point for PyTorch: `python -m torch_impl.launch RUN_DIR`.
+
+Started by `torchrun` (which sets RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous) or plain python for
+one rank; the launcher in compare/runner.py builds those command lines. torchrun forces
+OMP_NUM_THREADS=1, so threads per rank are set here from the config, as for MLX.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+
+from common.errors import UserError
+from common.loop import World, rank_main
+
+
+def start_world(cfg, plan) -> World:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(cfg.threads_per_rank)
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+    device = pick_device(cfg.device, local_rank, world_size)
+    if world_size == 1:
+        return World(rank=0, size=1, group=None, device=device)
+    if world_size != plan["world_size"]:
+        raise UserError(f"torchrun started {world_size} ranks, the run expects {plan['world_size']}")
+    # A finite timeout turns a dead or hung peer into an error instead of an endless wait.
+    dist.init_process_group(backend=plan["backend"], timeout=datetime.timedelta(seconds=cfg.collective_timeout_s),
+                            device_id=torch.device(device) if device.startswith("cuda") else None)
+    return World(rank=rank, size=world_size, group=None, device=device)
+
+
+def pick_device(requested: str, local_rank: int, world_size: int) -> str:
+    import torch
+
+    if requested == "auto":
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    if requested in ("cuda", "gpu"):
+        if not torch.cuda.is_available():
+            raise UserError("--device cuda: torch sees no CUDA device")
+        torch.cuda.set_device(local_rank)
+        return f"cuda:{local_rank}"
+    if requested == "mps":
+        if not torch.backends.mps.is_available():
+            raise UserError("--device mps: torch sees no MPS device")
+        if world_size > 1:
+            # gloo has no MPS support upstream, so DDP cannot all-reduce MPS tensors.
+            raise UserError("--device mps supports one rank only (DDP cannot reduce MPS tensors); "
+                            "use --device cpu for multi-rank torch on a Mac")
+        return "mps"
+    return "cpu"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .step import Trainer
+
+    argv = sys.argv[1:] if argv is None else argv
+    code = rank_main(argv[0], start_world, Trainer)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""Llama in PyTorch, numerically equal to transformers' LlamaForCausalLM in float32.
+
+Mirrors mlx_impl/model.py name for name: a diff between the two shows only framework differences.
+Parameter names are Hugging Face's, so a seed checkpoint loads here, in MLX and in transformers.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from common.spec import ModelSpec
+from common.weights import load_pretrained
+
+
+def attention_mask(padding_mask: torch.Tensor | None, T: int) -> torch.Tensor | None:
+    if padding_mask is None:
+        return None  # is_causal=True: the kernel builds it, no T x T tensor
+    device = padding_mask.device
+    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    keys = padding_mask.bool()[:, None, None, :]  # (B, 1, 1, T): broadcasts over heads, queries
+    # The diagonal stays visible so a query at a padded position still has a key; a fully masked
+    # row would softmax to NaN.
+    return causal & (keys | torch.eye(T, dtype=torch.bool, device=device))
+
+
+class RoPE(nn.Module):
+    """HF's rotate-half rotary embedding (what MLX's nn.RoPE(traditional=False) computes)."""
+
+    def __init__(self, dims: int, base: float, max_seq_len: int):
+        super().__init__()
+        # Same float32 arithmetic as transformers, so the angles agree bit for bit.
+        inv_freq = 1.0 / (base ** (torch.arange(0, dims, 2, dtype=torch.int64).float() / dims))
+        angles = torch.outer(torch.arange(max_seq_len).float(), inv_freq).repeat(1, 2)
+        # Non-persistent: derived from the spec, so not in state_dict or checkpoints.
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        T = x.shape[-2]
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * self.cos[:T] + torch.cat((-x2, x1), dim=-1) * self.sin[:T]
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.n_heads, self.n_kv_heads = spec.n_heads, spec.n_kv_heads
+        self.scale = spec.head_dim ** -0.5
+        self.q_proj = nn.Linear(spec.dim, spec.n_heads * spec.head_dim, bias=False)
+        self.k_proj = nn.Linear(spec.dim, spec.n_kv_heads * spec.head_dim, bias=False)
+        self.v_proj = nn.Linear(spec.dim, spec.n_kv_heads * spec.head_dim, bias=False)
+        self.o_proj = nn.Linear(spec.n_heads * spec.head_dim, spec.dim, bias=False)
+        self.rope = RoPE(spec.head_dim, base=spec.rope_theta, max_seq_len=spec.max_seq_len)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, -1).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, -1).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, -1).transpose(1, 2)
+        q, k = self.rope(q), self.rope(k)
+        # Grouped-query attention: enable_gqa shares each k/v head among n_heads / n_kv_heads queries.
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                             scale=self.scale, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.gate_proj = nn.Linear(spec.dim, spec.ffn_dim, bias=False)
+        self.up_proj = nn.Linear(spec.dim, spec.ffn_dim, bias=False)
+        self.down_proj = nn.Linear(spec.ffn_dim, spec.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(spec.dim, eps=spec.norm_eps)
+        self.self_attn = Attention(spec)
+        self.post_attention_layernorm = nn.RMSNorm(spec.dim, eps=spec.norm_eps)
+        self.mlp = MLP(spec)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.dim)
+        self.layers = nn.ModuleList(TransformerBlock(spec) for _ in range(spec.n_layers))
+        self.norm = nn.RMSNorm(spec.dim, eps=spec.norm_eps)
+
+    def forward(self, tokens: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.embed_tokens(tokens)
+        mask = attention_mask(padding_mask, tokens.shape[1])
+        for layer in self.layers:
+            h = layer(h, mask)
+        return self.norm(h)
+
+
+class Llama(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.spec = spec
+        self.model = LlamaModel(spec)
+        if not spec.tie_embeddings:
+            self.lm_head = nn.Linear(spec.dim, spec.vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """int tokens (B, T) -> logits (B, T, vocab); padding_mask (B, T) is 1 for real tokens."""
+        h = self.model(tokens, padding_mask)
+        if self.spec.tie_embeddings:
+            return F.linear(h, self.model.embed_tokens.weight)
+        return self.lm_head(h)
+
+
+def load_weights(model: Llama, weights: dict[str, np.ndarray]) -> None:
+    """Set every parameter from an HF-named dict; raises on a missing, extra or misshapen tensor."""
+    if model.spec.tie_embeddings:
+        weights = {k: v for k, v in weights.items() if k != "lm_head.weight"}
+    model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in weights.items()}, strict=True)
+
+
+def weights_of(model: Llama) -> dict[str, np.ndarray]:
+    return {k: v.detach().float().cpu().numpy().copy() for k, v in model.named_parameters()}
+
+
+def from_pretrained(path: str | Path) -> Llama:
+    spec, weights = load_pretrained(Path(path))
+    model = Llama(spec)
+    load_weights(model, weights)
+    model.eval()
+    return model
