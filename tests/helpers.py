@@ -1,0 +1,43 @@
+"""Running the real CLI in tests: each call is a subprocess, as a user would run it."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = ROOT.parent / "shared" / "data"
+
+# Small and fast: a few hundred KB of builtin stories, tiny model, short sequences.
+FAST = ["--preset", "tiny", "--seq-len", "32", "--global-batch-size", "8", "--warmup-steps", "2",
+        "--eval-every", "0", "--quiet", "--set", "builtin_corpus_bytes=400000", "--set", "builtin_vocab_size=512"]
+
+
+def dpcompare(*args, cache_dir: Path, timeout: float = 300, env: dict | None = None, check: bool = True):
+    cmd = [sys.executable, "-m", "compare.cli", *map(str, args)]
+    full_env = {**os.environ, "DPCOMPARE_CACHE": str(cache_dir), **(env or {})}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=full_env)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+                             + _log_tail(args))
+    return proc
+
+
+def _log_tail(args) -> str:
+    args = list(map(str, args))
+    if "--out" in args:
+        log = Path(args[args.index("--out") + 1]) / "log.txt"
+        if log.exists():
+            return "\nlog.txt:\n" + log.read_text()[-3000:]
+    return ""
+
+
+def losses(run_dir: Path) -> list[float]:
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((Path(run_dir) / "summary.json").read_text())
