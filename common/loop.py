@@ -120,7 +120,7 @@ def train(run_dir: Path, world: World, trainer_cls) -> None:
     if rank == 0:
         truncate_metrics(metrics_path, start_step)
     metrics = MetricsWriter(metrics_path, enabled=rank == 0)
-    status.update(force=True, status="running", device=trainer.device, start_step=start_step)
+    status.update(force=True, status="running", device=str(trainer.device), start_step=start_step)
 
     launch_time = float(os.environ.get("DPCOMPARE_LAUNCH_TIME", time.time()))
     step_times, first_step_end = [], None

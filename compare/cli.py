@@ -132,11 +132,11 @@ def add_tolerance_flags(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args, **fixed) -> RunConfig:
     overrides: dict = {}
-    for flag, _, _ in RUN_FLAGS + [("--out", 0, 0), ("--quiet", 0, 0), ("--overwrite", 0, 0),
-                                   ("--resume", 0, 0), ("--dataset-split", 0, 0), ("--text-field", 0, 0)]:
+    for flag, _, _ in RUN_FLAGS + [("--nproc", 0, 0), ("--out", 0, 0), ("--quiet", 0, 0), ("--overwrite", 0, 0),
+                                   ("--resume", 0, 0), ("--framework", 0, 0)]:
         name = flag.lstrip("-").replace("-", "_")
         value = getattr(args, name, None)
-        if value is not None:
+        if value is not None and not (name == "nproc" and isinstance(value, str)):  # compare: a list
             overrides[name] = value
     for item in getattr(args, "set", []) or []:
         key, sep, value = item.partition("=")

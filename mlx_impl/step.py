@@ -55,10 +55,13 @@ class Trainer:
             self.optimizer.update(self.model, grads)
             return loss, grad_norm
 
+        # value_and_grad swaps traced parameters into the model, so every compiled function lists the
+        # state as an output too: otherwise the model would be left holding placeholders.
         state = [self.model.state, self.optimizer.state]
-        self._micro_step = mx.compile(micro_step, inputs=state)
+        self._micro_step = mx.compile(micro_step, inputs=state, outputs=state)
         self._update = mx.compile(update, inputs=state, outputs=state)
-        self._eval_sum = mx.compile(lambda x, y, m: token_loss_sum(self.model, x, y, m), inputs=state)
+        self._eval_sum = mx.compile(lambda x, y, m: token_loss_sum(self.model, x, y, m), inputs=state,
+                                    outputs=state)
 
     def train_step(self, batches, lr, global_tokens):
         # scale = N / T: after averaging over N ranks the gradient is that of (sum of losses) / T.
