@@ -83,6 +83,13 @@ def load_plan(run_dir: Path) -> tuple[RunConfig, ModelSpec, dict]:
     return RunConfig.from_dict(plan["config"]), ModelSpec.from_dict(plan["spec"]), plan
 
 
+def resume_fingerprints(cfg: RunConfig, cache_meta: dict, token_cache: str) -> dict:
+    """What a checkpoint must share with the run that resumes it, or the batches would differ."""
+    return {"data_fingerprint": cache_meta.get("fingerprint", str(token_cache)),
+            "global_batch_size": cfg.global_batch_size, "seed": cfg.seed, "seq_len": cfg.seq_len,
+            "sequence": cfg.sequence}
+
+
 def lr_for(cfg: RunConfig, step: int) -> float:
     return lr_at(step, lr=cfg.lr, warmup_steps=cfg.warmup_steps,
                  total_steps=cfg.lr_decay_steps or cfg.steps, min_lr_ratio=cfg.min_lr_ratio)
@@ -96,9 +103,7 @@ def train(run_dir: Path, world: World, trainer_cls) -> None:
     cache = TokenCache.open(plan["token_cache"])
     train_view = SequenceView(cache.split("train"), cfg.seq_len, cfg.sequence)
     sampler = GlobalSampler(train_view.num_samples, cfg.global_batch_size, cfg.seed)
-    fingerprints = {"data_fingerprint": cache.meta.get("fingerprint", str(plan["token_cache"])),
-                    "global_batch_size": cfg.global_batch_size, "seed": cfg.seed,
-                    "seq_len": cfg.seq_len, "sequence": cfg.sequence}
+    fingerprints = resume_fingerprints(cfg, cache.meta, plan["token_cache"])
 
     start_step, resume_from = 0, None
     if cfg.resume and (resume_from := latest_checkpoint(run_dir)) is not None:
@@ -195,6 +200,8 @@ def evaluate(trainer, view: SequenceView, cfg: RunConfig, rank: int, world_size:
 
 def checkpoint(trainer, run_dir: Path, spec: ModelSpec, step: int, fingerprints: dict, rank: int) -> None:
     weights, exp_avg, exp_avg_sq = trainer.export_state()
+    if not all(np.isfinite(w).all() for w in weights.values()):
+        raise TrainingError(f"weights are not finite after step {step}; not saving (the last checkpoint is kept)")
     if rank == 0:  # every rank holds the same state; one writer
         save_checkpoint(run_dir, spec, TrainState(step=step, weights=weights, exp_avg=exp_avg,
                                                   exp_avg_sq=exp_avg_sq,

@@ -185,9 +185,10 @@ def cmd_run(args) -> int:
 
     cfg = config_from_args(args)
     run_dir = Path(cfg.out or default_out(cfg))
-    from .runner import check_run_dir
+    from .runner import check_hostfile, check_run_dir
 
     check_run_dir(run_dir, cfg.resume, cfg.overwrite)
+    check_hostfile(cfg)
     inputs = prepare_inputs(cfg)
     summary = launch(cfg, inputs, run_dir)
     return print_run_result(summary, run_dir)

@@ -84,28 +84,52 @@ def seed_checkpoint(spec: ModelSpec, seed: int, cache_dir: Path) -> Path:
     return final
 
 
-def check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
-    """Never silently overwrite a run: refuse, resume it, or (--overwrite) remove only dpcompare's files."""
+def check_run_dir(run_dir: Path, resume: bool, overwrite: bool, clear: bool = False) -> None:
+    """Never silently overwrite a run: refuse, resume it, or (--overwrite) remove only dpcompare's files
+    (and only when `clear`, i.e. once every other check has passed)."""
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"output path {run_dir} exists and is not a directory")
     holds_run = run_dir.is_dir() and any((run_dir / name).exists() for name in RUN_FILES)
     if holds_run and not (resume or overwrite):
         raise UserError(f"{run_dir} already holds a run; pass --resume to continue it, --overwrite to "
                         "replace it, or choose another --out")
-    if holds_run and overwrite and not resume:
+    if holds_run and overwrite and not resume and clear:
         for name in RUN_FILES:
             target = run_dir / name
             if target.is_dir():
                 shutil.rmtree(target)
             elif target.exists():
                 target.unlink()
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / ".write_probe"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as err:
-        raise UserError(f"cannot write to output directory {run_dir}: {err.strerror}") from None
+    parent = run_dir if run_dir.exists() else next(p for p in run_dir.parents if p.exists())
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise UserError(f"cannot write to output directory {run_dir}: {parent} is not a writable directory")
+
+
+def check_hostfile(cfg: RunConfig) -> None:
+    if not cfg.hostfile:
+        return
+    path = Path(cfg.hostfile)
+    if not path.is_file():
+        raise UserError(f"hostfile {path} not found")
+    if cfg.framework == "mlx" and cfg.resolved_backend != "mpi":
+        try:
+            hosts = json.loads(path.read_text())
+            if not isinstance(hosts, list) or not all(isinstance(h, dict) and "ssh" in h for h in hosts):
+                raise ValueError("expected a list of {\"ssh\": ..., \"ips\": [...]} objects")
+        except ValueError as err:
+            raise UserError(f"hostfile {path} does not parse as an MLX JSON hostfile: {err}") from None
+        if len(hosts) != cfg.nproc:
+            raise UserError(f"hostfile {path} lists {len(hosts)} hosts but --nproc is {cfg.nproc}")
+
+
+def check_resumable(cfg: RunConfig, inputs: Inputs, run_dir: Path) -> None:
+    """Validate the checkpoint a --resume would load before anything is started or written."""
+    from common.checkpoint import latest_checkpoint, load_checkpoint
+    from common.loop import resume_fingerprints
+
+    latest = latest_checkpoint(run_dir) if cfg.resume else None
+    if latest is not None:
+        load_checkpoint(latest, inputs.spec, resume_fingerprints(cfg, inputs.cache_meta, str(inputs.token_cache)))
 
 
 def build_command(cfg: RunConfig, run_dir: Path) -> tuple[list[str], dict, str]:
@@ -169,7 +193,14 @@ def launch(cfg: RunConfig, inputs: Inputs, run_dir: Path) -> dict:
     """Run every rank to the end (or to the first failure) and return the summary written to disk."""
     run_dir = Path(run_dir)
     check_run_dir(run_dir, cfg.resume, cfg.overwrite)
+    check_hostfile(cfg)
+    check_resumable(cfg, inputs, run_dir)
     argv, extra_env, blas = build_command(cfg, run_dir)
+    check_run_dir(run_dir, cfg.resume, cfg.overwrite, clear=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"cannot write to output directory {run_dir}: {err.strerror}") from None
     write_plan(cfg, inputs, run_dir)
     shutil.rmtree(run_dir / "ranks", ignore_errors=True)
     started = time.time()
