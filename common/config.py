@@ -200,6 +200,10 @@ class RunConfig:
             raise UserError(f"node_rank {self.node_rank} must be in [0, nnodes={self.nnodes})")
         if not 0 <= self.val_fraction < 1:
             raise UserError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
+        if self.framework == "torch" and self.device == "mps" and self.world_size > 1:
+            # gloo has no MPS support upstream, so DDP cannot all-reduce MPS tensors.
+            raise UserError("--device mps supports one torch rank only (DDP cannot reduce MPS tensors); "
+                            "use --device cpu for multi-rank torch on a Mac")
         if self.dtype == "bfloat16" and self.framework == "torch" and self.device != "cuda":
             raise UserError("dtype bfloat16 (autocast) is supported on --device cuda only; use float32")
         self.micro_batch_size  # raises when the global batch does not split

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import sys
 import time
 import traceback
@@ -58,6 +59,15 @@ def rank_main(run_dir: str, start_world, trainer_cls) -> int:
     differs between backends besides the Trainer).
     """
     rank = int(os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("MLX_RANK", 0))))
+
+    def on_sigterm(signum, frame):
+        # Launchers SIGTERM the survivors when a rank dies; say so, so the watchdog blames the right rank.
+        RankStatus.existing(Path(run_dir), rank).update(
+            force=True, status="failed", error="terminated by SIGTERM (the launcher stops the job when a peer fails)")
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     try:
         cfg, _, plan = load_plan(Path(run_dir))
         world = start_world(cfg, plan)

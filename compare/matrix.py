@@ -116,7 +116,12 @@ def rebuild_report(args) -> int:
             run_dirs += sorted(p for p in given.iterdir() if (p / "run_config.json").exists())
         else:
             raise UserError(f"{given} is neither a run directory nor a directory of runs")
-    out = Path(args.out) if args.out else (Path(args.runs[0]) if len(args.runs) == 1 else Path("runs/report"))
+    if args.out:
+        out = Path(args.out)
+    elif len(args.runs) == 1:  # a compare directory holds its report; a single run gets a report/ inside
+        given = Path(args.runs[0])
+        out = given / "report" if (given / "run_config.json").exists() else given
+    else:
+        out = Path("runs/report")
     out.mkdir(parents=True, exist_ok=True)
-    failed = [(None, None, None)] * 0
-    return finish(run_dirs, out, args, {"command": "dpcompare " + shlex.join(sys.argv[1:])}, failed)
+    return finish(run_dirs, out, args, {"command": "dpcompare " + shlex.join(sys.argv[1:])}, failed=[])

@@ -245,9 +245,13 @@ def watch(proc: subprocess.Popen, run_dir: Path, cfg: RunConfig) -> dict | None:
                                             all(r.get("step", 0) == r.get("start_step", 0) and
                                                 r.get("status") != "running" for r in ranks.values()) else 0)
         if failure is None and code is None and stalled > limit:
-            failure = {"failed_rank": slowest(ranks, world),
-                       "error": f"no rank made progress for {stalled:.0f} s (collective timeout "
-                                f"{cfg.collective_timeout_s:.0f} s); a rank is hung or its peer is gone"}
+            culprit = slowest(ranks, world)
+            info = ranks.get(culprit, {})
+            state = "is stopped (SIGSTOP?)" if process_state(info.get("pid")) == "T" else "looks hung"
+            failure = {"failed_rank": culprit,
+                       "error": f"rank {culprit} (pid {info.get('pid')}) {state} at step {info.get('step', 0)}: "
+                                f"no rank made progress for {stalled:.0f} s (collective timeout "
+                                f"{cfg.collective_timeout_s:g} s)"}
         if failure is not None:
             if bar is not None:
                 bar.close()
@@ -272,8 +276,15 @@ def diagnose(ranks: dict, world: int, local: bool, exit_code: int | None) -> dic
                                                   "(killed by a signal or out of memory?)"}
     if failed:
         # A peer's timeout error points at the wrong rank; a real error message names the culprit.
-        first = min(failed, key=lambda r: (("timed out" in r.get("error", "").lower()
-                                            or "connection" in r.get("error", "").lower()), r["rank"]))
+        first = min(failed, key=lambda r: (is_peer_error(r.get("error", "")), r["rank"]))
+        silent = [r for r in range(world) if ranks.get(r, {}).get("status") not in ("failed", "ok")]
+        if is_peer_error(first.get("error", "")) and silent:
+            culprit = silent[0]
+            state = process_state(ranks.get(culprit, {}).get("pid")) if local else "?"
+            what = "is stopped (SIGSTOP?)" if state == "T" else "stopped responding"
+            return {"failed_rank": culprit, "error": f"rank {culprit} {what} at step "
+                                                     f"{ranks.get(culprit, {}).get('step', 0)}; rank "
+                                                     f"{first['rank']} reports: {first.get('error')}"}
         return {"failed_rank": first["rank"], "error": f"rank {first['rank']} failed at step "
                                                        f"{first.get('step', 0)}: {first.get('error')}"}
     if exit_code is not None:
@@ -282,6 +293,12 @@ def diagnose(ranks: dict, world: int, local: bool, exit_code: int | None) -> dic
             return {"failed_rank": missing[0],
                     "error": f"rank {missing[0]} ended without finishing (launcher exit code {exit_code})"}
     return None
+
+
+def is_peer_error(message: str) -> bool:
+    """Errors a rank raises because a peer is gone or silent, not because of its own fault."""
+    text = message.lower()
+    return any(word in text for word in ("timed out", "timeout", "connection", "broken pipe", "peer", "sigterm"))
 
 
 def slowest(ranks: dict, world: int) -> int:

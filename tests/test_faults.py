@@ -1,0 +1,152 @@
+"""Faults: a killed, crashed or stopped rank ends the whole job quickly with a message naming it; NaN
+stops the run and keeps the last good checkpoint; resume is exact; checkpoints are refused when wrong."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from compare import environment
+from helpers import FAST, ROOT, dpcompare, losses
+
+pytestmark = pytest.mark.slow
+
+LAUNCHES = [("mlx", "ring"), ("mlx", "mpi"), ("torch", "gloo")]
+
+
+def start(cache_dir, out, *args):
+    cmd = [sys.executable, "-m", "compare.cli", "run", *FAST, "--out", str(out), *map(str, args)]
+    env = {**os.environ, "DPCOMPARE_CACHE": str(cache_dir)}
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_rank(out, rank, min_step=2, timeout=90):
+    path = out / "ranks" / f"rank{rank}.json"
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            info = json.loads(path.read_text())
+            if info.get("step", 0) >= min_step:
+                return info
+        except (OSError, json.JSONDecodeError):
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"rank {rank} never reached step {min_step}")
+
+
+def alive(pid):
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+        return state != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def all_rank_pids(out):
+    return [json.loads(p.read_text())["pid"] for p in (out / "ranks").glob("rank*.json")]
+
+
+def skip_unless_available(framework, backend):
+    if backend == "mpi" and environment.mpirun() is None:
+        pytest.skip("Open MPI (mpirun) is not installed")
+
+
+@pytest.mark.parametrize("framework, backend", LAUNCHES)
+def test_a_killed_rank_ends_the_job_within_60_s_naming_the_rank(framework, backend, cache_dir, tmp_path):
+    skip_unless_available(framework, backend)
+    out = tmp_path / "run"
+    proc = start(cache_dir, out, "--framework", framework, "--nproc", 2, "--backend", backend, "--steps", 100000)
+    victim = wait_for_rank(out, 1)
+    killed_at = time.time()
+    os.kill(victim["pid"], signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=90)
+    elapsed = time.time() - killed_at
+    print(f"{framework}/{backend}: kill -> exit in {elapsed:.1f} s")
+    assert proc.returncode != 0
+    assert elapsed < 60
+    assert "rank 1" in stderr, stderr
+    assert not any(alive(pid) for pid in all_rank_pids(out)), "no process of the job is left"
+    assert json.loads((out / "summary.json").read_text())["status"] == "failed"
+
+
+@pytest.mark.parametrize("framework, backend", LAUNCHES)
+def test_a_stopped_rank_ends_the_job_after_the_collective_timeout(framework, backend, cache_dir, tmp_path):
+    skip_unless_available(framework, backend)
+    out = tmp_path / "run"
+    proc = start(cache_dir, out, "--framework", framework, "--nproc", 2, "--backend", backend, "--steps", 100000,
+                 "--collective-timeout-s", 5)
+    victim = wait_for_rank(out, 1)
+    stopped_at = time.time()
+    os.kill(victim["pid"], signal.SIGSTOP)
+    try:
+        _, stderr = proc.communicate(timeout=90)
+    finally:
+        for pid in all_rank_pids(out):
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    elapsed = time.time() - stopped_at
+    print(f"{framework}/{backend}: SIGSTOP -> exit in {elapsed:.1f} s")
+    assert proc.returncode != 0 and elapsed < 30
+    assert "rank 1" in stderr, stderr
+
+
+@pytest.mark.parametrize("framework", ["mlx", "torch"])
+def test_nan_loss_stops_the_run_naming_the_step_and_keeps_the_last_good_checkpoint(framework, cache_dir, tmp_path):
+    out = tmp_path / "run"
+    proc = dpcompare("run", *FAST, "--framework", framework, "--out", out, "--steps", 20, "--lr", "1e30",
+                     "--warmup-steps", 0, "--checkpoint-every", 1, cache_dir=cache_dir, check=False)
+    assert proc.returncode == 1
+    assert "at step" in proc.stderr and ("nan" in proc.stderr.lower() or "finite" in proc.stderr.lower())
+    from common.checkpoint import latest_checkpoint
+    from common.weights import load_pretrained
+
+    ckpt = latest_checkpoint(out)
+    if ckpt is not None:  # whatever was saved must be loadable and finite
+        _, weights = load_pretrained(ckpt)
+        assert all(np.isfinite(w).all() for w in weights.values())
+
+
+@pytest.mark.parametrize("framework", ["mlx", "torch"])
+@pytest.mark.parametrize("world", [1, 2])
+def test_resume_is_exact_sampler_schedule_and_optimizer_state_all_continue(framework, world, cache_dir, tmp_path):
+    common = ("--framework", framework, "--nproc", world, "--lr-decay-steps", 20, "--lr", "1e-3")
+    dpcompare("run", *FAST, *common, "--steps", 20, "--out", tmp_path / "a", cache_dir=cache_dir)
+    dpcompare("run", *FAST, *common, "--steps", 10, "--out", tmp_path / "b", cache_dir=cache_dir)
+    dpcompare("run", *FAST, *common, "--steps", 20, "--resume", "--out", tmp_path / "b", cache_dir=cache_dir)
+    np.testing.assert_allclose(losses(tmp_path / "b"), losses(tmp_path / "a"), rtol=0, atol=1e-6)
+
+
+def test_a_truncated_checkpoint_is_refused_and_left_untouched(cache_dir, tmp_path):
+    out = tmp_path / "run"
+    dpcompare("run", *FAST, "--framework", "mlx", "--steps", 4, "--out", out, cache_dir=cache_dir)
+    weights = out / "checkpoints" / "step_000004" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    proc = dpcompare("run", *FAST, "--framework", "mlx", "--steps", 8, "--resume", "--out", out,
+                     cache_dir=cache_dir, check=False)
+    assert proc.returncode == 2 and "truncated" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert before == {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
+
+def test_a_checkpoint_of_another_model_is_refused(cache_dir, tmp_path):
+    out = tmp_path / "run"
+    dpcompare("run", *FAST, "--framework", "torch", "--steps", 3, "--out", out, cache_dir=cache_dir)
+    proc = dpcompare("run", *FAST, "--framework", "torch", "--steps", 6, "--resume", "--out", out,
+                     "--set", "model.n_layers=3", cache_dir=cache_dir, check=False)
+    assert proc.returncode == 2 and "another model spec" in proc.stderr
+
+
+def test_an_interrupted_save_leaves_the_previous_checkpoint_as_latest(cache_dir, tmp_path):
+    out = tmp_path / "run"
+    dpcompare("run", *FAST, "--framework", "mlx", "--steps", 4, "--checkpoint-every", 2, "--out", out,
+              cache_dir=cache_dir)
+    # What a kill during the save of step 6 leaves behind: a half-written temporary directory.
+    partial = out / "checkpoints" / ".tmp_step_000006_12345"
+    partial.mkdir()
+    (partial / "model.safetensors").write_bytes(b"\x00" * 100)
+    dpcompare("run", *FAST, "--framework", "mlx", "--steps", 6, "--resume", "--out", out, cache_dir=cache_dir)
+    assert [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()] == list(range(1, 7))

@@ -1,0 +1,173 @@
+"""The report: every file is written, the HTML stands alone and renders, the verdict comes first, MFU
+uses the stated formula."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from common.errors import UserError
+from common.flops import flops_per_token, known_peak_flops, matmul_parameters, mfu
+from common.spec import ModelSpec
+from compare.parity import Tolerances
+from compare.report import terminal_table, write_report
+from test_parity import make_run, reference_losses
+
+PEAKS = {"mlx": {"flops": 100e9, "device": "cpu", "threads": 1, "blas": "openblas"},
+         "torch": {"flops": 80e9, "device": "cpu", "threads": 1, "blas": "mkl"}}
+CONTEXT = {"command": "dpcompare compare --nproc 1,2 --out runs/x", "peaks": PEAKS, "accelerator": None}
+PLOTS = ("loss", "eval_loss", "throughput", "scaling", "memory")
+CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    """Both frameworks at 1 and 2 ranks, torch x2 failed part-way: a report with every section."""
+    root = tmp_path_factory.mktemp("runs")
+    evals = {20: 3.1, 40: 2.9}
+    dirs = [make_run(root, "mlx", 1, evals=evals, tokens_per_s=9_000),
+            make_run(root, "torch", 1, [x + 2e-6 for x in reference_losses()], evals=evals, tokens_per_s=11_000),
+            make_run(root, "mlx", 2, evals=evals, tokens_per_s=16_000),
+            make_run(root, "torch", 2, reference_losses()[:7], status="failed", tokens_per_s=12_000)]
+    out = root / "report"
+    summary = write_report(dirs, out, Tolerances(), CONTEXT)
+    return out, summary
+
+
+def test_every_file_is_written(report):
+    out, summary = report
+    for name in ("summary.json", "report.md", "report.html"):
+        assert (out / name).stat().st_size > 0
+    assert sorted(summary["plots"]) == sorted(PLOTS)
+    for path in summary["plots"].values():
+        assert (out / path).read_bytes().startswith(b"\x89PNG")
+    assert json.loads((out / "summary.json").read_text()) == json.loads(json.dumps(summary))
+
+
+def test_summary_holds_verdicts_tables_and_settings(report):
+    _, summary = report
+    assert {"verdicts", "runs", "parity", "speed", "scaling", "mfu", "tolerances", "fairness", "environment",
+            "commands", "plots"} <= set(summary)
+    assert summary["verdicts"]["all_pass"] is True and summary["verdicts"]["parity"] == "pass"
+    (speed,) = summary["speed"]  # torch x2 failed, so only N=1 compares speed
+    assert speed["faster"] == "torch" and speed["speedup"] == pytest.approx(11_000 / 9_000, rel=0.05)
+    (one, two) = summary["scaling"]["mlx"]
+    assert two["efficiency"] == pytest.approx(16_000 / (2 * 9_000), rel=0.05)
+    assert summary["commands"]["compare"] == CONTEXT["command"]
+
+
+def test_html_is_self_contained_with_every_plot_embedded(report):
+    out, summary = report
+    page = (out / "report.html").read_text()
+    sources = re.findall(r'<img[^>]*src="([^"]+)"', page)
+    assert len(sources) == len(summary["plots"]) and all(s.startswith("data:image/png;base64,") for s in sources)
+    assert not re.search(r'(src|href)="(https?:)?//', page), "no external resources"
+    assert "<link" not in page
+
+
+def test_markdown_opens_with_the_verdict(report):
+    out, _ = report
+    text = (out / "report.md").read_text()
+    verdict = text.index("## Verdict")
+    assert verdict < text.index("## Runs")
+    head = text[verdict:text.index("## Runs")]
+    assert "mlx x1 matches torch x1" in head and "2.00e-06" in head and "tolerance 0.0001" in head
+    assert "torch is 1.2" in head and "faster than mlx" in head
+    assert "89% efficiency" in head
+    assert "rank 1 died at step 7" in head  # the failed run and its error
+    assert "dpcompare compare --nproc 1,2" in text and "python -m torch_impl.launch" in text
+
+
+def test_failed_runs_appear_with_their_error(report):
+    _, summary = report
+    failed = next(r for r in summary["runs"] if r["label"] == "torch x2")
+    assert failed["status"] == "failed" and "rank 1 died" in failed["problem"]
+    assert failed["parity"] == "skipped"
+
+
+def test_mfu_uses_the_faster_measured_peak_times_the_ranks(report):
+    _, summary = report
+    row = next(r for r in summary["runs"] if r["label"] == "mlx x2")
+    assert row["peak_flops"] == pytest.approx(2 * 100e9)
+    assert row["mfu"] == pytest.approx(row["tokens_per_s"] * row["flops_per_token"] / 200e9)
+    assert "6·N + 12·L·T·d" in summary["mfu"]["formula"]
+
+
+def test_terminal_table_has_a_row_per_run_then_the_verdict(report):
+    _, summary = report
+    text = terminal_table(summary)
+    lines = text.splitlines()
+    assert lines[0].split()[:3] == ["run", "N", "status"]
+    assert [line.split()[0] + " " + line.split()[1] for line in lines[2:6]] == \
+           ["mlx x1", "torch x1", "mlx x2", "torch x2"]
+    assert "verdict: parity PASS" in text and "89%" in text
+
+
+def test_a_failed_parity_check_shows_in_every_output(tmp_path):
+    dirs = [make_run(tmp_path, "mlx", 1), make_run(tmp_path, "torch", 1, [x + 1e-3 for x in reference_losses()])]
+    summary = write_report(dirs, tmp_path / "out", Tolerances(), CONTEXT)
+    assert summary["verdicts"]["all_pass"] is False and summary["verdicts"]["parity"] == "fail"
+    assert "does NOT match" in (tmp_path / "out" / "report.md").read_text()
+    assert "FAIL" in terminal_table(summary)
+
+
+def test_plots_without_data_are_skipped(tmp_path):
+    failed = make_run(tmp_path, "mlx", 1, reference_losses()[:3], status="failed")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    summary = write_report([failed, empty], tmp_path / "out", Tolerances(), CONTEXT)
+    assert "scaling" not in summary["plots"] and "eval_loss" not in summary["plots"]
+    assert summary["verdicts"]["parity"] == "no data"
+    assert (tmp_path / "out" / "report.html").exists()
+
+
+def test_the_report_never_overwrites_a_run_directory(tmp_path):
+    run = make_run(tmp_path, "mlx", 1)
+    with pytest.raises(UserError, match="run directory"):
+        write_report([run], run, Tolerances(), CONTEXT)
+
+
+# ---- FLOPs -------------------------------------------------------------------------------------
+
+def test_flops_per_token_matches_a_hand_count():
+    spec = ModelSpec(vocab_size=100, dim=8, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=16, max_seq_len=32)
+    # Per layer: q 8x8=64, k and v 4x8=32 each, o 64, gate/up/down 8x16=128 each -> 576; lm_head 100x8=800.
+    assert matmul_parameters(spec) == 2 * 576 + 800
+    seq_len = 16
+    assert flops_per_token(spec, seq_len) == 6 * (2 * 576 + 800) + 12 * 2 * 16 * 8
+
+
+def test_tied_embeddings_count_once_as_the_output_projection():
+    spec = ModelSpec(vocab_size=100, dim=8, n_layers=1, n_heads=2, n_kv_heads=2, ffn_dim=16, tie_embeddings=True)
+    assert matmul_parameters(spec) == (64 + 2 * 64 + 64 + 3 * 128) + 800
+
+
+def test_mfu_and_known_peaks():
+    assert mfu(1000.0, 1e9, 1e13) == pytest.approx(0.1)
+    with pytest.raises(ValueError):
+        mfu(1000.0, 1e9, 0.0)
+    assert known_peak_flops("NVIDIA H100 80GB HBM3")[0] == "NVIDIA H100 SXM"
+    assert known_peak_flops("NVIDIA H100 PCIe", "bfloat16") == ("NVIDIA H100 PCIe", 756e12)
+    assert known_peak_flops("NVIDIA L40S")[0] == "NVIDIA L40S" and known_peak_flops("NVIDIA L4")[0] == "NVIDIA L4"
+    assert known_peak_flops("Apple M2 Max (38-core GPU)") == ("Apple M2 Max (38-core GPU)", 13.6e12)
+    assert known_peak_flops("Tesla T4", "bfloat16") is None  # no bf16 on T4
+    assert known_peak_flops("Some Unknown GPU") is None
+
+
+# ---- the page in a real browser ----------------------------------------------------------------
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed: the HTML report was not rendered")
+def test_report_html_renders_every_figure_in_headless_chromium(report, tmp_path):
+    out, summary = report
+    argv = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+            "--disable-background-networking", "--disable-component-update", "--disable-sync",
+            f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=5000", "--dump-dom",
+            (out / "report.html").as_uri()]
+    dom = subprocess.run(argv, capture_output=True, text=True, timeout=60).stdout
+    loaded = re.search(r'data-images-loaded="(\d+)/(\d+)"', dom)
+    assert loaded, "the page's load script did not run"
+    assert loaded.group(1) == loaded.group(2) == str(len(summary["plots"]))
