@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/dpcompare compare --frameworks mlx,torch --nproc 1,2 --out $(OUT) --overwrite
+	$(BIN)/dpcompare compare --config configs/demo.toml --frameworks mlx,torch --nproc 1,2 --out $(OUT) --overwrite
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

@@ -93,7 +93,17 @@ def throughput_stats(train_rows: list[dict], warmup_steps: int) -> dict:
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident set size."""
+    """This process's peak resident set size.
+
+    On Linux VmHWM from /proc: ru_maxrss survives fork+exec, so a rank started by a big launcher
+    process would report the launcher's peak instead of its own.
+    """
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)  # Linux reports KiB
 

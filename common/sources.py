@@ -66,7 +66,7 @@ def load_documents(dataset: str, *, split: str = "train", text_field: str = "tex
         texts = _local_texts(Path(dataset).expanduser(), split, text_field)
     documents = _clean(texts)
     if not documents:
-        raise UserError(f"dataset {dataset!r} holds no documents (no non-empty text"
+        raise UserError(f"dataset {dataset!r} is empty: it holds no documents (no non-empty text"
                         f"{'' if identity['kind'] in ('builtin', 'text') else f' in field {text_field!r}'})")
     return Documents(documents, identity)
 

@@ -235,7 +235,7 @@ def prepare_tokens(dataset: str, tokenizer, *, cache_dir: Path, split: str = "tr
         long_job = total_documents is None or total_documents > PROGRESS_MIN_DOCS
         meta = _write_splits(building, documents, info, every, total_documents, show_progress=progress and long_job)
         if meta["num_documents"] == 0:
-            raise UserError(f"dataset {dataset!r} holds no documents")
+            raise UserError(f"dataset {dataset!r} is empty: it holds no documents")
         meta.update(format_version=FORMAT_VERSION, fingerprint=fingerprint,
                     created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                     dataset=dataset, source=identity, split=split, text_field=text_field,
