@@ -85,7 +85,7 @@ class RunConfig:
     bucket_cap_mb: float = 25.0
     torch_compile: bool = False
     hostfile: str = ""
-    nnodes: int = 1                  # torch multi-node: torchrun --nnodes/--node-rank/--rdzv-endpoint
+    nnodes: int = 1                  # several nodes, each started by hand: torch (torchrun) or MLX ring
     node_rank: int = 0
     rdzv_endpoint: str = ""
     init_from: str = ""              # an HF-format Llama dir to start from instead of the seeded init
@@ -194,8 +194,18 @@ class RunConfig:
         for name in ("beta1", "beta2", "min_lr_ratio"):
             if not 0 <= getattr(self, name) < 1 + (name == "min_lr_ratio"):
                 raise UserError(f"{name} must be in [0, 1), got {getattr(self, name)}")
-        if self.nnodes > 1 and (self.framework != "torch" or not self.rdzv_endpoint):
-            raise UserError("nnodes > 1 is for torch and needs --rdzv-endpoint HOST:PORT (MLX: use --hostfile)")
+        if self.nnodes > 1 and self.framework == "torch" and not self.rdzv_endpoint:
+            raise UserError("torch with nnodes > 1 needs --rdzv-endpoint HOST:PORT (node 0's address)")
+        if self.nnodes > 1 and self.framework == "mlx":
+            # One host's share of a ring job, started here without ssh (see compare/runner.py).
+            if self.resolved_backend != "ring":
+                raise UserError(f"MLX with nnodes > 1 runs the ring backend, not {self.resolved_backend} "
+                                "(MPI: --backend mpi --nproc N --hostfile FILE starts every host through mpirun)")
+            if not self.hostfile:
+                raise UserError("MLX with nnodes > 1 needs --hostfile FILE listing every node's ring address")
+            if self.nproc != 1:
+                raise UserError("MLX with nnodes > 1 starts one rank per node: use --nproc 1 (list a host "
+                                "twice in the hostfile and start two nodes on it for two ranks there)")
         if not 0 <= self.node_rank < self.nnodes:
             raise UserError(f"node_rank {self.node_rank} must be in [0, nnodes={self.nnodes})")
         if not 0 <= self.val_fraction < 1:

@@ -138,6 +138,7 @@ def train(run_dir: Path, world: World, trainer_cls) -> None:
     status.update(force=True, status="running", device=str(trainer.device), start_step=start_step)
 
     launch_time = float(os.environ.get("DPCOMPARE_LAUNCH_TIME", time.time()))
+    fault = injected_fault(trainer.framework)
     step_times, first_step_end = [], None
     try:
         for step in range(start_step, cfg.steps):
@@ -147,6 +148,8 @@ def train(run_dir: Path, world: World, trainer_cls) -> None:
             batches = [train_view.batch(m) for m in micro_batches(mine, cfg.grad_accum)]
             lr = lr_for(cfg, step)
 
+            if fault is not None and fault.get("rank", rank) == rank and fault.get("step") == step + 1:
+                raise RuntimeError(f"injected fault at step {step + 1} (DPCOMPARE_INJECT_FAULT)")
             t0 = time.perf_counter()
             loss, grad_norm = trainer.train_step(batches, lr, global_tokens)
             step_time = time.perf_counter() - t0
@@ -180,6 +183,17 @@ def train(run_dir: Path, world: World, trainer_cls) -> None:
         time_to_first_step_s=(first_step_end - launch_time) if first_step_end else None,
         steps_run=len(step_times),
     )
+
+
+def injected_fault(framework: str) -> dict | None:
+    """Test hook: DPCOMPARE_INJECT_FAULT="framework=torch,rank=1,step=3" makes that rank raise."""
+    spec = os.environ.get("DPCOMPARE_INJECT_FAULT")
+    if not spec:
+        return None
+    fields = dict(item.split("=", 1) for item in spec.split(",") if "=" in item)
+    if fields.get("framework", framework) != framework:
+        return None
+    return {k: int(v) for k, v in fields.items() if k in ("rank", "step")}
 
 
 def check_identical_weights(trainer, weights: dict[str, np.ndarray]) -> None:

@@ -156,6 +156,8 @@ def describe(cache: TokenCache) -> str:
     for name in SPLITS:
         info = meta["splits"][name]
         lines.append(f"  {name:<10} {info['num_documents']:,} documents, {info['num_tokens']:,} tokens")
+    lines.append(f"  total      {meta['num_documents']:,} documents, {meta['num_tokens']:,} tokens "
+                 "(each document's tokens + one EOS)")
     lines.append(f"  tokenized  {meta['num_tokens']:,} tokens in {meta['tokenize_s']:.2f} s "
                  f"({meta['tokens_per_s'] / 1e6:.2f} M tokens/s)")
     return "\n".join(lines)

@@ -35,9 +35,9 @@ RUN_FLAGS = [
     ("--mlx-blas", str, "auto, system (preload OpenBLAS), bundled"),
     ("--all-reduce-size-mb", float, "MLX average_gradients bucket size"),
     ("--bucket-cap-mb", float, "torch DDP bucket size"),
-    ("--hostfile", str, "MLX hostfile (JSON for ring, text for mpi)"),
-    ("--nnodes", int, "torch: number of nodes"),
-    ("--node-rank", int, "torch: this node's rank"),
+    ("--hostfile", str, "MLX hostfile (JSON for ring, text for mpi); with --nnodes: every node's ring address"),
+    ("--nnodes", int, "nodes of a job started node by node (torch: torchrun; MLX: ring, without ssh)"),
+    ("--node-rank", int, "this node's rank with --nnodes (node 0 writes metrics.jsonl)"),
     ("--rdzv-endpoint", str, "torch: rendezvous HOST:PORT for several nodes"),
     ("--collective-timeout-s", float, "seconds without progress before a job is declared hung"),
     ("--eval-every", int, "steps between eval losses (0: only at the end)"),
@@ -200,8 +200,10 @@ def print_run_result(summary: dict, run_dir: Path) -> int:
               f"(log: {run_dir / 'log.txt'})", file=sys.stderr)
         return 1
     tps = summary.get("tokens_per_s")
+    rate = f"{tps:,.0f} tokens/s (median)" if tps is not None else "tokens/s: see node 0's metrics"
+    loss = f"{summary['final_loss']:.4f}" if summary.get("final_loss") is not None else "n/a"
     print(f"{summary['framework']} x{summary['world_size']}: {summary['steps']} steps, final loss "
-          f"{summary['final_loss']:.4f}, {tps:,.0f} tokens/s (median), wall {summary['wall_s']:.1f} s -> {run_dir}")
+          f"{loss}, {rate}, wall {summary['wall_s']:.1f} s -> {run_dir}")
     return 0
 
 

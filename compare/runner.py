@@ -6,6 +6,12 @@ rejects); torch through `torchrun`. `mlx.launch` exits 0 even when a rank dies, 
 trusted: every rank writes ranks/rank{r}.json (status, pid, heartbeat), and the watchdog below ends the
 whole job when a rank fails, dies without a word, stops, or no rank makes progress for
 `collective_timeout_s`.
+
+Several nodes (`--nnodes N --node-rank R`, one `dpcompare run` per node, each with its own `--out`):
+this process starts and watches only this node's ranks (torch: ranks R*nproc .. R*nproc+nproc-1 under
+torchrun's static rendezvous, so ranks follow --node-rank; MLX ring: rank R, started directly with
+MLX_RANK and MLX_HOSTFILE exactly as `mlx.launch` sets them, so no ssh is needed). Node 0 writes
+metrics.jsonl; every node writes its summary.json. A stall or a failing local rank ends this node's job.
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ import os
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -29,7 +36,10 @@ from common.spec import ModelSpec
 from . import environment as env
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
-RUN_FILES = ("run_config.json", "metrics.jsonl", "summary.json", "log.txt", "ranks", "checkpoints")
+RUN_FILES = ("run_config.json", "metrics.jsonl", "summary.json", "log.txt", "ranks", "checkpoints",
+             "ring_hosts.json")
+RING_HOSTFILE = "ring_hosts.json"  # MLX_HOSTFILE of a node-rank MLX ring job, written into the run dir
+RING_STARTING_PORT = 32323  # mlx.launch's default --starting-port, for hostfiles that give IPs only
 POLL_S = 0.2
 KILL_GRACE_S = 3.0
 STARTUP_GRACE_S = 120.0  # imports and data opening before a rank's first heartbeat
@@ -111,7 +121,9 @@ def check_hostfile(cfg: RunConfig) -> None:
     path = Path(cfg.hostfile)
     if not path.is_file():
         raise UserError(f"hostfile {path} not found")
-    if cfg.framework == "mlx" and cfg.resolved_backend != "mpi":
+    if cfg.framework == "mlx" and cfg.nnodes > 1:
+        ring_hosts(cfg)
+    elif cfg.framework == "mlx" and cfg.resolved_backend != "mpi":
         try:
             hosts = json.loads(path.read_text())
             if not isinstance(hosts, list) or not all(isinstance(h, dict) and "ssh" in h for h in hosts):
@@ -120,6 +132,75 @@ def check_hostfile(cfg: RunConfig) -> None:
             raise UserError(f"hostfile {path} does not parse as an MLX JSON hostfile: {err}") from None
         if len(hosts) != cfg.nproc:
             raise UserError(f"hostfile {path} lists {len(hosts)} hosts but --nproc is {cfg.nproc}")
+
+
+def ring_hosts(cfg: RunConfig) -> list[list[str]]:
+    """The MLX_HOSTFILE of a node-rank MLX ring job: one list of "ip:port" per rank, as mlx.launch writes it.
+
+    --hostfile holds either that list itself (`[["10.0.0.1:5000"], ["10.0.0.2:5000"]]`, ports of your
+    choice) or mlx.launch's hostfile (`[{"ssh": "mac1", "ips": ["10.0.0.1"]}, ...]`), whose ports are
+    assigned the way mlx.launch does: 32323 upwards, one per rank and IP.
+    """
+    path = Path(cfg.hostfile)
+    try:
+        hosts = json.loads(path.read_text())
+        if not isinstance(hosts, list) or not hosts:
+            raise ValueError("expected a JSON list with one entry per node")
+        if all(isinstance(h, dict) for h in hosts):
+            port, ring = RING_STARTING_PORT, []
+            for h in hosts:
+                ips = h.get("ips")
+                if not isinstance(ips, list) or not ips or not all(isinstance(ip, str) and ip for ip in ips):
+                    raise ValueError(f"entry {h} needs \"ips\": [\"IP\", ...] (the ring backend connects to IPs)")
+                ring.append([f"{ip}:{port + i}" for i, ip in enumerate(ips)])
+                port += len(ips)
+        elif all(isinstance(h, list) and h for h in hosts):
+            ring = hosts
+            for address in (a for h in hosts for a in h):
+                host, sep, port_text = str(address).rpartition(":")
+                if not (sep and host and port_text.isdigit() and 0 < int(port_text) < 65536):
+                    raise ValueError(f"{address!r} is not IP:PORT")
+        else:
+            raise ValueError("expected mlx.launch's [{\"ssh\": ..., \"ips\": [...]}, ...] or a ring list "
+                             "[[\"IP:PORT\", ...], ...]")
+    except (OSError, ValueError) as err:
+        raise UserError(f"hostfile {path} does not parse as an MLX ring hostfile: {err}") from None
+    if len(ring) != cfg.nnodes:
+        raise UserError(f"hostfile {path} lists {len(ring)} nodes but --nnodes is {cfg.nnodes}")
+    return ring
+
+
+def interface_toward(host: str) -> str | None:
+    """The network interface this machine reaches `host` through (Linux, macOS), or None.
+
+    gloo binds to the address the hostname resolves to, which is often 127.0.x.1 (Debian's /etc/hosts)
+    or an interface the peers cannot reach; naming the interface toward the rendezvous host fixes that.
+    """
+    import fcntl
+    import struct
+
+    request = {"linux": 0x8915, "darwin": 0xC0206921}.get(sys.platform)  # SIOCGIFADDR
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.connect((host, 9))  # UDP: no packet is sent, the kernel just picks the route
+            address = sock.getsockname()[0]
+            for _, name in socket.if_nameindex():
+                try:
+                    reply = fcntl.ioctl(sock.fileno(), request, struct.pack("256s", name.encode()[:15]))
+                except OSError:
+                    continue
+                if socket.inet_ntoa(reply[20:24]) == address:
+                    return name
+    except (OSError, TypeError, ValueError):
+        return None
+    return None
+
+
+def watched_ranks(cfg: RunConfig) -> list[int]:
+    """The ranks this process starts and watches: all of them, or this node's with --nnodes > 1."""
+    if cfg.nnodes > 1:
+        return list(range(cfg.node_rank * cfg.nproc, (cfg.node_rank + 1) * cfg.nproc))
+    return list(range(cfg.nproc))
 
 
 def check_resumable(cfg: RunConfig, inputs: Inputs, run_dir: Path) -> None:
@@ -141,13 +222,24 @@ def build_command(cfg: RunConfig, run_dir: Path) -> tuple[list[str], dict, str]:
         blas, blas_env = env.mlx_blas(cfg.mlx_blas)
         extra.update(blas_env)
     backend = cfg.resolved_backend
-    if cfg.nproc == 1 and not cfg.hostfile:
+    if cfg.nproc == 1 and not cfg.hostfile and cfg.nnodes == 1:
+        return entry, extra, blas
+    if cfg.framework == "mlx" and cfg.nnodes > 1:
+        # This node's rank of a ring job, as mlx.launch would start it on this host, minus the ssh.
+        extra.update(MLX_RANK=str(cfg.node_rank), MLX_HOSTFILE=str(Path(run_dir).resolve() / RING_HOSTFILE))
         return entry, extra, blas
     if cfg.framework == "torch":
         launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={cfg.nproc}"]
         if cfg.nnodes > 1:
+            # static: ranks follow --node-rank (c10d ignores it and numbers nodes by arrival), node 0
+            # hosts the store at the endpoint. max-restarts 0: a failed node ends the job.
             launcher += [f"--nnodes={cfg.nnodes}", f"--node-rank={cfg.node_rank}",
-                         f"--rdzv-endpoint={cfg.rdzv_endpoint}", "--rdzv-backend=c10d"]
+                         f"--rdzv-endpoint={cfg.rdzv_endpoint}", "--rdzv-backend=static", "--max-restarts=0"]
+            host = cfg.rdzv_endpoint.rpartition(":")[0].strip("[]") or cfg.rdzv_endpoint
+            if backend == "gloo" and not os.environ.get("GLOO_SOCKET_IFNAME"):
+                interface = interface_toward(host)
+                if interface:
+                    extra["GLOO_SOCKET_IFNAME"] = interface
         else:
             launcher += ["--standalone"]  # picks a free rendezvous port itself
         return launcher + ["-m", "torch_impl.launch", str(run_dir)], extra, blas
@@ -202,12 +294,15 @@ def launch(cfg: RunConfig, inputs: Inputs, run_dir: Path) -> dict:
     except OSError as err:
         raise UserError(f"cannot write to output directory {run_dir}: {err.strerror}") from None
     write_plan(cfg, inputs, run_dir)
+    if "MLX_HOSTFILE" in extra_env:
+        write_json(Path(extra_env["MLX_HOSTFILE"]), ring_hosts(cfg))
     shutil.rmtree(run_dir / "ranks", ignore_errors=True)
     started = time.time()
     child_env = {**os.environ, **extra_env, "PYTHONUNBUFFERED": "1", "DPCOMPARE_LAUNCH_TIME": str(started),
                  "PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))}
     with open(run_dir / "log.txt", "a") as log:
-        log.write(f"$ {shlex.join(argv)}\n")
+        shown = {k: v for k, v in extra_env.items() if k.startswith(("MLX_RANK", "MLX_HOSTFILE", "GLOO_"))}
+        log.write(f"$ {shlex.join([f'{k}={v}' for k, v in shown.items()] + argv)}\n")
         log.flush()
         # A session of its own: the whole job can be signalled at once, and nothing outlives it.
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -223,35 +318,46 @@ def launch(cfg: RunConfig, inputs: Inputs, run_dir: Path) -> dict:
 
 
 def watch(proc: subprocess.Popen, run_dir: Path, cfg: RunConfig) -> dict | None:
-    """None when every rank finished ok; else {"error", "failed_rank"} after stopping the job."""
-    world = cfg.nproc * cfg.nnodes
-    local = cfg.nnodes == 1 and not cfg.hostfile
+    """None when every rank finished ok; else {"error", "failed_rank"} after stopping the job.
+
+    With --nnodes > 1 only this node's ranks are watched (they are local processes); the others are
+    watched by their own node's dpcompare, and a peer that is gone shows here as a stall or a timeout."""
+    expected = watched_ranks(cfg) if cfg.nnodes > 1 else list(range(cfg.nproc * cfg.nnodes))
+    local = cfg.nnodes > 1 or not cfg.hostfile
+    lead = expected[0]
     bar = progress_bar(cfg)
     start, last_progress, last_seen = time.time(), time.time(), None
     while True:
         code = proc.poll()
-        ranks = read_ranks(run_dir, world)
+        ranks = read_ranks(run_dir, expected)
         seen = tuple((r.get("step"), r.get("status")) for r in ranks.values())
         if seen != last_seen:
             last_seen, last_progress = seen, time.time()
-        if bar is not None and 0 in ranks:
-            bar.n = ranks[0].get("step", 0)
-            if "loss" in ranks[0]:
-                bar.set_postfix(loss=f"{ranks[0]['loss']:.4f}", refresh=False)
+        if bar is not None and lead in ranks:
+            bar.n = ranks[lead].get("step", 0)
+            if "loss" in ranks[lead]:
+                bar.set_postfix(loss=f"{ranks[lead]['loss']:.4f}", refresh=False)
             bar.refresh()
-        failure = diagnose(ranks, world, local, code)
+        failure = diagnose(ranks, expected, local, code)
         stalled = time.time() - last_progress
-        limit = cfg.collective_timeout_s + (STARTUP_GRACE_S if len(ranks) < world or
+        limit = cfg.collective_timeout_s + (STARTUP_GRACE_S if len(ranks) < len(expected) or
                                             all(r.get("step", 0) == r.get("start_step", 0) and
                                                 r.get("status") != "running" for r in ranks.values()) else 0)
-        if failure is None and code is None and stalled > limit:
-            culprit = slowest(ranks, world)
+        stall = failure is None and code is None and stalled > limit
+        if stall:
+            culprit = slowest(ranks, expected)
             info = ranks.get(culprit, {})
             state = "is stopped (SIGSTOP?)" if process_state(info.get("pid")) == "T" else "looks hung"
             failure = {"failed_rank": culprit,
                        "error": f"rank {culprit} (pid {info.get('pid')}) {state} at step {info.get('step', 0)}: "
-                                f"no rank made progress for {stalled:.0f} s (collective timeout "
-                                f"{cfg.collective_timeout_s:g} s)"}
+                                f"no rank {'on this node ' if cfg.nnodes > 1 else ''}made progress for "
+                                f"{stalled:.0f} s (collective timeout {cfg.collective_timeout_s:g} s)"}
+            if culprit not in ranks:  # its status file appears once the framework has joined every rank
+                failure["error"] = (f"rank {culprit} never started: no status from it after {stalled:.0f} s "
+                                    "(a rank waits until every rank of the job has joined)")
+        if failure is not None and cfg.nnodes > 1 and (stall or is_peer_error(failure["error"])):
+            failure["error"] += (f" [node {cfg.node_rank} of {cfg.nnodes}: a rank on another node may have "
+                                 "failed, or the network between the nodes is down; see their logs]")
         if failure is not None:
             if bar is not None:
                 bar.close()
@@ -264,7 +370,9 @@ def watch(proc: subprocess.Popen, run_dir: Path, cfg: RunConfig) -> dict | None:
         time.sleep(POLL_S)
 
 
-def diagnose(ranks: dict, world: int, local: bool, exit_code: int | None) -> dict | None:
+def diagnose(ranks: dict, world, local: bool, exit_code: int | None) -> dict | None:
+    """`world`: the number of ranks (0..world-1) or the list of rank ids this process watches."""
+    expected = list(range(world)) if isinstance(world, int) else list(world)
     failed = [r for r in ranks.values() if r.get("status") == "failed"]
     for rank, info in sorted(ranks.items()):
         if info.get("status") in ("ok", "failed") or not local:
@@ -277,7 +385,7 @@ def diagnose(ranks: dict, world: int, local: bool, exit_code: int | None) -> dic
     if failed:
         # A peer's timeout error points at the wrong rank; a real error message names the culprit.
         first = min(failed, key=lambda r: (is_peer_error(r.get("error", "")), r["rank"]))
-        silent = [r for r in range(world) if ranks.get(r, {}).get("status") not in ("failed", "ok")]
+        silent = [r for r in expected if ranks.get(r, {}).get("status") not in ("failed", "ok")]
         if is_peer_error(first.get("error", "")) and silent:
             culprit = silent[0]
             state = process_state(ranks.get(culprit, {}).get("pid")) if local else "?"
@@ -288,7 +396,7 @@ def diagnose(ranks: dict, world: int, local: bool, exit_code: int | None) -> dic
         return {"failed_rank": first["rank"], "error": f"rank {first['rank']} failed at step "
                                                        f"{first.get('step', 0)}: {first.get('error')}"}
     if exit_code is not None:
-        missing = [r for r in range(world) if ranks.get(r, {}).get("status") != "ok"]
+        missing = [r for r in expected if ranks.get(r, {}).get("status") != "ok"]
         if missing:
             return {"failed_rank": missing[0],
                     "error": f"rank {missing[0]} ended without finishing (launcher exit code {exit_code})"}
@@ -301,8 +409,8 @@ def is_peer_error(message: str) -> bool:
     return any(word in text for word in ("timed out", "timeout", "connection", "broken pipe", "peer", "sigterm"))
 
 
-def slowest(ranks: dict, world: int) -> int:
-    for rank in range(world):
+def slowest(ranks: dict, world) -> int:
+    for rank in (range(world) if isinstance(world, int) else world):
         if rank not in ranks:
             return rank
         if process_state(ranks[rank].get("pid")) == "T":
@@ -329,9 +437,10 @@ def process_state(pid: int | None) -> str | None:
             return "?"
 
 
-def read_ranks(run_dir: Path, world: int) -> dict[int, dict]:
+def read_ranks(run_dir: Path, world) -> dict[int, dict]:
+    """Status files of ranks 0..world-1, or of the rank ids in `world` when it is a list."""
     ranks = {}
-    for rank in range(world):
+    for rank in (range(world) if isinstance(world, int) else world):
         data = read_json(run_dir / "ranks" / f"rank{rank}.json")
         if data:
             ranks[rank] = data
@@ -373,12 +482,15 @@ def summarize(cfg: RunConfig, run_dir: Path, argv: list[str], blas: str, wall_s:
     world = cfg.nproc * cfg.nnodes
     ranks = read_ranks(run_dir, world)
     train_rows, eval_rows = read_metrics(run_dir / "metrics.jsonl")
-    rank0 = ranks.get(0, {})
+    mine = watched_ranks(cfg) if cfg.nnodes > 1 else list(range(world))
+    rank0 = ranks.get(0, ranks.get(mine[0], {}))
     stats = throughput_stats(train_rows, cfg.timing_warmup_steps)
     summary = {
         "framework": cfg.framework, "world_size": world, "backend": cfg.resolved_backend if world > 1 else "none",
         "device": rank0.get("device", cfg.device), "status": "failed" if failure else "ok",
-        "steps": train_rows[-1]["step"] if train_rows else 0,
+        # A node other than 0 has no metrics.jsonl: its own ranks' status files say how far it got.
+        "steps": train_rows[-1]["step"] if train_rows else
+                 min(ranks.get(r, {}).get("step", 0) for r in mine) if cfg.nnodes > 1 else 0,
         **stats,
         "warmup_steps": cfg.timing_warmup_steps,
         "compile_s": rank0.get("compile_s"), "time_to_first_step_s": rank0.get("time_to_first_step_s"),
@@ -387,11 +499,13 @@ def summarize(cfg: RunConfig, run_dir: Path, argv: list[str], blas: str, wall_s:
         "peak_rss_bytes": [ranks.get(r, {}).get("peak_rss_bytes") for r in range(world)],
         "blas": blas, "threads_per_rank": cfg.threads_per_rank,
         "versions": env.versions(), "machine": env.machine(),
-        "final_loss": train_rows[-1]["loss"] if train_rows else None,
+        "final_loss": train_rows[-1]["loss"] if train_rows else rank0.get("loss") if cfg.nnodes > 1 else None,
         "final_eval_loss": eval_rows[-1]["eval_loss"] if eval_rows else None,
         "tokens_per_step": train_rows[-1]["tokens"] if train_rows else None,
         "command": shlex.join(argv), "config": cfg.to_dict(),
     }
+    if cfg.nnodes > 1:
+        summary.update(nnodes=cfg.nnodes, node_rank=cfg.node_rank, node_ranks=mine)
     if failure:
         summary.update(failure)
     return summary
