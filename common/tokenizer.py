@@ -64,6 +64,8 @@ def load_tokenizer(name: str, *, corpus_docs: Sequence[str] | None = None, vocab
                             "a tokenizer folder")
         return _from_json_file(name, path)
     if path.is_dir():
+        if (path / "tokenizer.json").is_file():
+            return _from_folder(name, path)
         return _from_pretrained(name, str(path), hub=False)
     if looks_like_path(name, (".json",)):
         raise UserError(f"tokenizer path {name!r} does not exist")
@@ -78,6 +80,31 @@ def _from_json_file(name: str, path: Path) -> TokenizerInfo:
     except Exception as e:  # the Rust side raises bare Exception for malformed files
         raise UserError(f"cannot load tokenizer file {name!r}: {_first_line(e)}") from None
     return _info(name, backend, eos_token=None, pad_token=None)
+
+
+def _from_folder(name: str, path: Path) -> TokenizerInfo:
+    """A saved HF tokenizer folder, read with `tokenizers` alone: transformers would import torch into
+    the launcher, which must stay framework-free (and it costs seconds)."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    try:
+        backend = Tokenizer.from_file(str(path / "tokenizer.json"))
+    except Exception as e:  # the Rust side raises bare Exception for malformed files
+        raise UserError(f"cannot load tokenizer {name!r}: {_first_line(e)}") from None
+    config = {}
+    if (path / "tokenizer_config.json").is_file():
+        try:
+            config = json.loads((path / "tokenizer_config.json").read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise UserError(f"cannot read {path / 'tokenizer_config.json'}: {e}") from None
+
+    def token(key: str) -> str | None:
+        value = config.get(key)
+        return value.get("content") if isinstance(value, dict) else value
+
+    return _info(name, backend, eos_token=token("eos_token"), pad_token=token("pad_token"))
 
 
 def _from_pretrained(name: str, location: str, *, hub: bool) -> TokenizerInfo:

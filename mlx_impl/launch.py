@@ -15,13 +15,7 @@ from common.loop import World, rank_main
 def start_world(cfg, plan) -> World:
     import mlx.core as mx
 
-    if cfg.device in ("gpu", "cuda", "mps"):
-        if not mx.is_available(mx.gpu):
-            raise UserError(f"--device {cfg.device}: this MLX build has no GPU")
-        mx.set_default_device(mx.gpu)
-    elif cfg.device == "cpu":
-        mx.set_default_device(mx.cpu)
-    device = "gpu" if mx.default_device() == mx.gpu else "cpu"
+    device = pick_device(cfg.device, 0, plan["world_size"])
     if plan["world_size"] == 1:
         return World(rank=0, size=1, group=None, device=device)
     backend = plan["backend"]
@@ -30,6 +24,19 @@ def start_world(cfg, plan) -> World:
         raise UserError(f"the {backend} backend started {group.size()} ranks, the run expects "
                         f"{plan['world_size']}")
     return World(rank=group.rank(), size=group.size(), group=group, device=device)
+
+
+def pick_device(requested: str, local_rank: int, world_size: int) -> str:
+    """MLX has one GPU per process (Metal or CUDA), so the local rank plays no part here."""
+    import mlx.core as mx
+
+    if requested in ("gpu", "cuda", "mps"):
+        if not mx.is_available(mx.gpu):
+            raise UserError(f"--device {requested}: this MLX build has no GPU")
+        mx.set_default_device(mx.gpu)
+    elif requested == "cpu":
+        mx.set_default_device(mx.cpu)
+    return "gpu" if mx.default_device() == mx.gpu else "cpu"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -193,7 +193,7 @@ def test_cutting_the_link_mid_run_ends_both_nodes_within_the_timeout_naming_a_ra
 @pytest.mark.parametrize("args, expected", [
     (("--framework", "mlx", "--nnodes", 2), "needs --hostfile"),
     (("--framework", "mlx", "--nnodes", 2, "--hostfile", "HOSTS", "--nproc", 2), "--nproc 1"),
-    (("--framework", "mlx", "--nnodes", 3, "--hostfile", "HOSTS"), "lists 2 nodes but --nnodes is 3"),
+    (("--framework", "mlx", "--nnodes", 4, "--hostfile", "HOSTS"), "lists 2 nodes but --nnodes is 4"),
     (("--framework", "mlx", "--nnodes", 2, "--hostfile", "BAD"), "is not IP:PORT"),
     (("--framework", "mlx", "--nnodes", 2, "--hostfile", "HOSTS", "--backend", "mpi"), "ring backend"),
     (("--framework", "torch", "--nnodes", 2), "--rdzv-endpoint"),
