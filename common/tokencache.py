@@ -341,7 +341,9 @@ def _write_splits(directory: Path, documents: Iterable[str], info, every: int, t
 
     dtype = token_dtype(info.vocab_size)
     writers = {name: _SplitWriter(directory, name, dtype) for name in SPLITS}
-    bar = tqdm(total=total_documents, unit="doc", desc="tokenizing", file=sys.stderr, disable=not show_progress)
+    # disable=None: no bar when stderr is not a terminal (CI logs, pipes), as for the training bar.
+    bar = tqdm(total=total_documents, unit="doc", desc="tokenizing", file=sys.stderr,
+               disable=None if show_progress else True, leave=False)
     started, first = time.perf_counter(), 0
     for chunk in _chunks(documents, CHUNK_DOCS):
         token_lists = info.encode_batch(chunk)
