@@ -43,6 +43,10 @@ class TrainingError(Exception):
     """The run cannot go on (NaN loss, diverging ranks); the last good checkpoint stays."""
 
 
+# This rank's status, once training has started: a failure is recorded with the step reached so far.
+_live_status: RankStatus | None = None
+
+
 @dataclass
 class World:
     """Who this process is in the job. `group` is the framework's communicator (MLX) or None (torch)."""
@@ -62,7 +66,7 @@ def rank_main(run_dir: str, start_world, trainer_cls) -> int:
 
     def on_sigterm(signum, frame):
         # Launchers SIGTERM the survivors when a rank dies; say so, so the watchdog blames the right rank.
-        RankStatus.existing(Path(run_dir), rank).update(
+        (_live_status or RankStatus.existing(Path(run_dir), rank)).update(
             force=True, status="failed", error="terminated by SIGTERM (the launcher stops the job when a peer fails)")
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
@@ -78,7 +82,7 @@ def rank_main(run_dir: str, start_world, trainer_cls) -> int:
         message = f"{type(err).__name__}: {err}" if not isinstance(err, UserError) else str(err)
         if isinstance(err, KeyboardInterrupt):
             message = "interrupted"
-        status = RankStatus.existing(Path(run_dir), rank)
+        status = _live_status or RankStatus.existing(Path(run_dir), rank)
         status.update(force=True, status="failed", error=message,
                       traceback=traceback.format_exc()[-4000:])
         print(f"rank {rank}: {message}", file=sys.stderr, flush=True)
@@ -109,7 +113,8 @@ def train(run_dir: Path, world: World, trainer_cls) -> None:
     rank, world_size = world.rank, world.size
     run_dir = Path(run_dir)
     cfg, spec, plan = load_plan(run_dir)
-    status = RankStatus(run_dir, rank)
+    global _live_status
+    status = _live_status = RankStatus(run_dir, rank)
     cache = TokenCache.open(plan["token_cache"])
     train_view = SequenceView(cache.split("train"), cfg.seq_len, cfg.sequence)
     sampler = GlobalSampler(train_view.num_samples, cfg.global_batch_size, cfg.seed)

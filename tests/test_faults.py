@@ -150,3 +150,27 @@ def test_an_interrupted_save_leaves_the_previous_checkpoint_as_latest(cache_dir,
     (partial / "model.safetensors").write_bytes(b"\x00" * 100)
     dpcompare("run", *FAST, "--framework", "mlx", "--steps", 6, "--resume", "--out", out, cache_dir=cache_dir)
     assert [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()] == list(range(1, 7))
+
+
+@pytest.mark.parametrize("framework, backend", LAUNCHES)
+def test_a_crashing_rank_ends_the_job_with_its_error_naming_the_rank(framework, backend, cache_dir, tmp_path):
+    skip_unless_available(framework, backend)
+    out = tmp_path / "run"
+    started = time.time()
+    proc = dpcompare("run", *FAST, "--framework", framework, "--nproc", 2, "--backend", backend, "--steps", 50,
+                     "--out", out, cache_dir=cache_dir, check=False,
+                     env={"DPCOMPARE_INJECT_FAULT": f"framework={framework},rank=1,step=4"})
+    assert proc.returncode == 1 and time.time() - started < 60
+    assert "rank 1 failed in step 4: RuntimeError: injected fault at step 4" in proc.stderr, proc.stderr
+    assert not any(alive(pid) for pid in all_rank_pids(out))
+
+
+def test_two_runs_at_once_do_not_collide(cache_dir, tmp_path):
+    procs = [start(cache_dir, tmp_path / f"run{i}", "--framework", fw, "--nproc", 2, "--steps", 8)
+             for i, fw in enumerate(["mlx", "mlx", "torch", "torch"])]
+    for proc in procs:
+        _, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr
+    curves = [losses(tmp_path / f"run{i}") for i in range(4)]
+    np.testing.assert_allclose(curves[0], curves[1], atol=0)  # same framework, same inputs: same numbers
+    np.testing.assert_allclose(curves[2], curves[3], atol=0)
