@@ -349,7 +349,7 @@ def watch(proc: subprocess.Popen, run_dir: Path, cfg: RunConfig) -> dict | None:
             info = ranks.get(culprit, {})
             state = "is stopped (SIGSTOP?)" if process_state(info.get("pid")) == "T" else "looks hung"
             failure = {"failed_rank": culprit,
-                       "error": f"rank {culprit} (pid {info.get('pid')}) {state} at step {info.get('step', 0)}: "
+                       "error": f"rank {culprit} (pid {info.get('pid')}) {state} in step {info.get('step', 0) + 1}: "
                                 f"no rank {'on this node ' if cfg.nnodes > 1 else ''}made progress for "
                                 f"{stalled:.0f} s (collective timeout {cfg.collective_timeout_s:g} s)"}
             if culprit not in ranks:  # its status file appears once the framework has joined every rank
@@ -379,8 +379,8 @@ def diagnose(ranks: dict, world, local: bool, exit_code: int | None) -> dict | N
             continue
         state = process_state(info.get("pid"))
         if state is None or state == "Z":
-            return {"failed_rank": rank, "error": f"rank {rank} (pid {info.get('pid')}) died at step "
-                                                  f"{info.get('step', 0)} without reporting an error "
+            return {"failed_rank": rank, "error": f"rank {rank} (pid {info.get('pid')}) died in step "
+                                                  f"{info.get('step', 0) + 1} without reporting an error "
                                                   "(killed by a signal or out of memory?)"}
     if failed:
         # A peer's timeout error points at the wrong rank; a real error message names the culprit.
@@ -390,11 +390,11 @@ def diagnose(ranks: dict, world, local: bool, exit_code: int | None) -> dict | N
             culprit = silent[0]
             state = process_state(ranks.get(culprit, {}).get("pid")) if local else "?"
             what = "is stopped (SIGSTOP?)" if state == "T" else "stopped responding"
-            return {"failed_rank": culprit, "error": f"rank {culprit} {what} at step "
-                                                     f"{ranks.get(culprit, {}).get('step', 0)}; rank "
+            return {"failed_rank": culprit, "error": f"rank {culprit} {what} in step "
+                                                     f"{ranks.get(culprit, {}).get('step', 0) + 1}; rank "
                                                      f"{first['rank']} reports: {first.get('error')}"}
-        return {"failed_rank": first["rank"], "error": f"rank {first['rank']} failed at step "
-                                                       f"{first.get('step', 0)}: {first.get('error')}"}
+        return {"failed_rank": first["rank"], "error": f"rank {first['rank']} failed in step "
+                                                       f"{first.get('step', 0) + 1}: {first.get('error')}"}
     if exit_code is not None:
         missing = [r for r in expected if ranks.get(r, {}).get("status") != "ok"]
         if missing:
