@@ -9,10 +9,10 @@ import shlex
 import sys
 from pathlib import Path
 
-from common.config import FRAMEWORKS, RunConfig
+from common.config import FRAMEWORKS
 from common.errors import ParityError, UserError
 
-from .runner import check_run_dir, launch, prepare_inputs
+from .runner import launch, prepare_inputs
 
 
 def parse_list(text: str, name: str, kind=str, allowed=None) -> list:
@@ -78,7 +78,6 @@ def check_run_dir_for_compare(out: Path, overwrite: bool) -> None:
 
 
 def finish(run_dirs: list[Path], out: Path, args, context: dict, failed: list) -> int:
-    from .parity import Tolerances
     from .report import terminal_table, write_report
 
     tol = tolerances_from_args(args)

@@ -1,10 +1,8 @@
 """Bad input: exit code 2, one line that names the problem, no traceback, nothing written or overwritten."""
-import json
 import os
 import shutil
 import stat
 
-import pytest
 
 from common.spec import ModelSpec
 from common.weights import init_weights, save_pretrained

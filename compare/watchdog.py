@@ -1,0 +1,189 @@
+"""Watching a run's ranks: `mlx.launch` exits 0 even when a rank dies, so exit codes are not trusted.
+
+Every rank writes ranks/rank{r}.json (status, pid, heartbeat, step). The watchdog ends the whole job
+when a rank fails, dies without a word, stops, or no rank makes progress for `collective_timeout_s`,
+and names the rank to blame: a peer's timeout error points at the wrong one. With several nodes each
+node watches only its own ranks.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from common.config import RunConfig
+from common.metrics import read_json
+
+POLL_S = 0.2
+KILL_GRACE_S = 3.0
+STARTUP_GRACE_S = 120.0  # imports and data opening before a rank's first heartbeat
+
+
+def watched_ranks(cfg: RunConfig) -> list[int]:
+    """The ranks this process starts and watches: all of them, or this node's with --nnodes > 1."""
+    if cfg.nnodes > 1:
+        return list(range(cfg.node_rank * cfg.nproc, (cfg.node_rank + 1) * cfg.nproc))
+    return list(range(cfg.nproc))
+
+
+def watch(proc: subprocess.Popen, run_dir: Path, cfg: RunConfig) -> dict | None:
+    """None when every rank finished ok; else {"error", "failed_rank"} after stopping the job.
+
+    With --nnodes > 1 only this node's ranks are watched (they are local processes); the others are
+    watched by their own node's dpcompare, and a peer that is gone shows here as a stall or a timeout."""
+    expected = watched_ranks(cfg) if cfg.nnodes > 1 else list(range(cfg.nproc * cfg.nnodes))
+    local = cfg.nnodes > 1 or not cfg.hostfile
+    lead = expected[0]
+    bar = progress_bar(cfg)
+    last_progress, last_seen = time.time(), None
+    while True:
+        code = proc.poll()
+        ranks = read_ranks(run_dir, expected)
+        seen = tuple((r.get("step"), r.get("status")) for r in ranks.values())
+        if seen != last_seen:
+            last_seen, last_progress = seen, time.time()
+        if bar is not None and lead in ranks:
+            bar.n = ranks[lead].get("step", 0)
+            if "loss" in ranks[lead]:
+                bar.set_postfix(loss=f"{ranks[lead]['loss']:.4f}", refresh=False)
+            bar.refresh()
+        failure = diagnose(ranks, expected, local, code)
+        stalled = time.time() - last_progress
+        limit = cfg.collective_timeout_s + (STARTUP_GRACE_S if len(ranks) < len(expected) or
+                                            all(r.get("step", 0) == r.get("start_step", 0) and
+                                                r.get("status") != "running" for r in ranks.values()) else 0)
+        stall = failure is None and code is None and stalled > limit
+        if stall:
+            culprit = slowest(ranks, expected)
+            info = ranks.get(culprit, {})
+            state = "is stopped (SIGSTOP?)" if process_state(info.get("pid")) == "T" else "looks hung"
+            failure = {"failed_rank": culprit,
+                       "error": f"rank {culprit} (pid {info.get('pid')}) {state} in step {info.get('step', 0) + 1}: "
+                                f"no rank {'on this node ' if cfg.nnodes > 1 else ''}made progress for "
+                                f"{stalled:.0f} s (collective timeout {cfg.collective_timeout_s:g} s)"}
+            if culprit not in ranks:  # its status file appears once the framework has joined every rank
+                failure["error"] = (f"rank {culprit} never started: no status from it after {stalled:.0f} s "
+                                    "(a rank waits until every rank of the job has joined)")
+        if failure is not None and cfg.nnodes > 1 and (stall or is_peer_error(failure["error"])):
+            failure["error"] += (f" [node {cfg.node_rank} of {cfg.nnodes}: a rank on another node may have "
+                                 "failed, or the network between the nodes is down; see their logs]")
+        if failure is not None:
+            if bar is not None:
+                bar.close()
+            stop_job(proc, run_dir)
+            return failure
+        if code is not None:
+            if bar is not None:
+                bar.close()
+            return None
+        time.sleep(POLL_S)
+
+
+def diagnose(ranks: dict, world, local: bool, exit_code: int | None) -> dict | None:
+    """`world`: the number of ranks (0..world-1) or the list of rank ids this process watches."""
+    expected = list(range(world)) if isinstance(world, int) else list(world)
+    failed = [r for r in ranks.values() if r.get("status") == "failed"]
+    for rank, info in sorted(ranks.items()):
+        if info.get("status") in ("ok", "failed") or not local:
+            continue
+        state = process_state(info.get("pid"))
+        if state is None or state == "Z":
+            return {"failed_rank": rank, "error": f"rank {rank} (pid {info.get('pid')}) died in step "
+                                                  f"{info.get('step', 0) + 1} without reporting an error "
+                                                  "(killed by a signal or out of memory?)"}
+    if failed:
+        # A peer's timeout error points at the wrong rank; a real error message names the culprit.
+        first = min(failed, key=lambda r: (is_peer_error(r.get("error", "")), r["rank"]))
+        silent = [r for r in expected if ranks.get(r, {}).get("status") not in ("failed", "ok")]
+        if is_peer_error(first.get("error", "")) and silent:
+            culprit = silent[0]
+            state = process_state(ranks.get(culprit, {}).get("pid")) if local else "?"
+            what = "is stopped (SIGSTOP?)" if state == "T" else "stopped responding"
+            return {"failed_rank": culprit, "error": f"rank {culprit} {what} in step "
+                                                     f"{ranks.get(culprit, {}).get('step', 0) + 1}; rank "
+                                                     f"{first['rank']} reports: {first.get('error')}"}
+        return {"failed_rank": first["rank"], "error": f"rank {first['rank']} failed in step "
+                                                       f"{first.get('step', 0) + 1}: {first.get('error')}"}
+    if exit_code is not None:
+        missing = [r for r in expected if ranks.get(r, {}).get("status") != "ok"]
+        if missing:
+            return {"failed_rank": missing[0],
+                    "error": f"rank {missing[0]} ended without finishing (launcher exit code {exit_code})"}
+    return None
+
+
+def is_peer_error(message: str) -> bool:
+    """Errors a rank raises because a peer is gone or silent, not because of its own fault."""
+    text = message.lower()
+    return any(word in text for word in ("timed out", "timeout", "connection", "broken pipe", "peer", "sigterm"))
+
+
+def slowest(ranks: dict, world) -> int:
+    for rank in (range(world) if isinstance(world, int) else world):
+        if rank not in ranks:
+            return rank
+        if process_state(ranks[rank].get("pid")) == "T":
+            return rank
+    return min(ranks, key=lambda r: (ranks[r].get("step", 0), ranks[r].get("heartbeat", 0)))
+
+
+def process_state(pid: int | None) -> str | None:
+    """Linux state letter (R, S, T stopped, Z zombie) or None when gone; "?" where /proc is absent."""
+    if not pid:
+        return "?"
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return None
+    except OSError:
+        try:
+            os.kill(pid, 0)
+            return "?"
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            return "?"
+
+
+def read_ranks(run_dir: Path, world) -> dict[int, dict]:
+    """Status files of ranks 0..world-1, or of the rank ids in `world` when it is a list."""
+    ranks = {}
+    for rank in (range(world) if isinstance(world, int) else world):
+        data = read_json(run_dir / "ranks" / f"rank{rank}.json")
+        if data:
+            ranks[rank] = data
+    return ranks
+
+
+def stop_job(proc: subprocess.Popen, run_dir: Path) -> None:
+    """SIGTERM the job's process group and every known rank, then SIGKILL what is left."""
+    pids = {info.get("pid") for info in read_ranks(run_dir, 4096).values()} - {None}
+    targets = [("group", proc.pid)] + [("pid", p) for p in pids]
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for kind, ident in targets:
+            try:
+                if kind == "group":
+                    os.killpg(ident, sig)
+                else:
+                    os.kill(ident, signal.SIGCONT)  # a stopped rank cannot act on SIGTERM
+                    os.kill(ident, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        deadline = time.time() + KILL_GRACE_S
+        while time.time() < deadline and (proc.poll() is None or any(process_state(p) not in (None, "Z") for p in pids)):
+            time.sleep(0.05)
+    proc.wait()
+
+
+def progress_bar(cfg: RunConfig):
+    if cfg.quiet:
+        return None
+    from tqdm import tqdm
+
+    # disable=None turns the bar off when stderr is not a terminal (CI logs, pipes).
+    return tqdm(total=cfg.steps, desc=f"{cfg.framework} x{cfg.nproc * cfg.nnodes}", unit="step",
+                disable=None, leave=False, dynamic_ncols=True)
+
