@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     code = rank_main(argv[0], start_world, Trainer)
     import torch.distributed as dist
 
-    if dist.is_initialized():
+    # After a failure a peer may be gone: tearing the group down could block on it, so just exit.
+    if code == 0 and dist.is_initialized():
         dist.destroy_process_group()
     return code
 
