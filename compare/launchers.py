@@ -1,7 +1,8 @@
 """The command lines that start a run's ranks, one launcher per framework and backend.
 
-One rank runs as plain python (`mlx.launch -n 1` crashes). MLX ring goes through `mlx.launch`, MLX MPI
-through `mpirun` directly (mlx.launch's MPI mode passes `--output :raw`, which Open MPI 4 rejects),
+One rank runs as plain python (`mlx.launch -n 1` crashes). MLX ring on one machine goes through
+`compare.spawn` (what `mlx.launch -n N` does, without its busy output relay), across hosts through
+`mlx.launch --hostfile` (ssh); MLX MPI through `mpirun` directly (mlx.launch's MPI mode passes `--output :raw`, which Open MPI 4 rejects),
 torch through `torchrun`. Several nodes (`--nnodes N --node-rank R`, one `dpcompare run` per node):
 torch uses torchrun's static rendezvous, so ranks follow --node-rank; an MLX ring node starts its rank
 directly with MLX_RANK and MLX_HOSTFILE exactly as `mlx.launch` sets them, so no ssh is needed.
@@ -151,6 +152,11 @@ def build_command(cfg: RunConfig, run_dir: Path) -> tuple[list[str], dict, str]:
             for key in list(extra) + ["PYTHONPATH", "DPCOMPARE_LAUNCH_TIME", "PYTHONUNBUFFERED"]:
                 argv += ["-x", key]
         return argv + entry, extra, blas
+    if backend == "ring" and not cfg.hostfile:
+        # One machine: our own spawner, since mlx.launch's output relay keeps a core busy.
+        spawner = [sys.executable, "-m", "compare.spawn", "--ranks", str(cfg.nproc),
+                   "--ring-hostfile", str(Path(run_dir).resolve() / RING_HOSTFILE)]
+        return spawner + ["--"] + entry, extra, blas
     launcher = env.mlx_launch_command() + ["--backend", backend]
     if cfg.hostfile:
         launcher += ["--hostfile", cfg.hostfile]
