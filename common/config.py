@@ -84,6 +84,9 @@ class RunConfig:
     all_reduce_size_mb: float = 32.0
     bucket_cap_mb: float = 25.0
     torch_compile: bool = False
+    # glibc malloc that keeps freed memory instead of unmapping it: 1.3-1.4x faster CPU steps for both
+    # frameworks (fewer page faults), at up to 1.7x the peak RSS. Off by default: it changes memory figures.
+    tune_malloc: bool = False
     hostfile: str = ""
     nnodes: int = 1                  # several nodes, each started by hand: torch (torchrun) or MLX ring
     node_rank: int = 0

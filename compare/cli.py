@@ -42,6 +42,7 @@ RUN_FLAGS = [
     ("--collective-timeout-s", float, "seconds without progress before a job is declared hung"),
     ("--eval-every", int, "steps between eval losses (0: only at the end)"),
     ("--checkpoint-every", int, "steps between checkpoints (0: only at the end)"),
+    ("--tune-malloc", None, "glibc malloc that keeps freed memory: faster CPU steps, higher peak RSS"),
     ("--init-from", str, "start from this HF-format Llama dir instead of the seeded init"),
     ("--cache-dir", str, "where token caches and seed checkpoints live"),
 ]
@@ -115,7 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
 def add_run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="TOML config file (flags override it)")
     for flag, kind, text in RUN_FLAGS:
-        parser.add_argument(flag, type=kind, help=text)
+        if kind is None:  # an on/off switch
+            parser.add_argument(flag, action="store_true", default=None, help=text)
+        else:
+            parser.add_argument(flag, type=kind, help=text)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="any config field, e.g. --set model.n_layers=2 --set weight_decay=0")
     parser.add_argument("--out", help="output directory")

@@ -66,6 +66,14 @@ def thread_env(threads: int) -> dict:
             "VECLIB_MAXIMUM_THREADS": n, "TOKENIZERS_PARALLELISM": "false"}
 
 
+def malloc_env() -> dict:
+    """glibc: serve big allocations from the heap and never trim it, so the arrays a step frees are
+    reused by the next step instead of being unmapped and faulted in again (benchmarks/bench_malloc.py)."""
+    if not sys.platform.startswith("linux"):
+        return {}
+    return {"MALLOC_MMAP_THRESHOLD_": str(4 * 2**30), "MALLOC_TRIM_THRESHOLD_": str(64 * 2**30)}
+
+
 def mpirun() -> str | None:
     return shutil.which("mpirun")
 

@@ -109,6 +109,8 @@ def build_command(cfg: RunConfig, run_dir: Path) -> tuple[list[str], dict, str]:
     """(argv, extra environment, BLAS description) that start every rank of this run."""
     entry = [sys.executable, "-m", f"{cfg.framework}_impl.launch", str(run_dir)]
     extra = env.thread_env(cfg.threads_per_rank)
+    if cfg.tune_malloc:
+        extra.update(env.malloc_env())
     blas = "framework default"
     if cfg.framework == "mlx":
         blas, blas_env = env.mlx_blas(cfg.mlx_blas)

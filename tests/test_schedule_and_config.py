@@ -93,3 +93,19 @@ def test_malformed_toml_is_a_user_error(tmp_path):
     bad.write_text("steps = = 3\n")
     with pytest.raises(UserError, match="not valid TOML"):
         RunConfig.from_sources(str(bad))
+
+
+def test_launch_settings_are_the_same_for_both_frameworks(tmp_path):
+    from compare.launchers import build_command
+
+    envs = {}
+    for framework in ("mlx", "torch"):
+        for tuned in (False, True):
+            cfg = RunConfig.from_dict({"framework": framework, "threads_per_rank": 3, "tune_malloc": tuned,
+                                       "mlx_blas": "bundled"})
+            _, env, _ = build_command(cfg, tmp_path)
+            envs[framework, tuned] = env
+    assert envs["mlx", False] == envs["torch", False]
+    assert envs["mlx", True] == envs["torch", True]
+    assert envs["mlx", False]["OMP_NUM_THREADS"] == "3" and "MALLOC_MMAP_THRESHOLD_" not in envs["mlx", False]
+    assert "MALLOC_MMAP_THRESHOLD_" in envs["torch", True]
