@@ -40,7 +40,8 @@ rank = int(os.environ.get("RANK", 0))
 if world > 1:
     dist.init_process_group("gloo")
 model = Llama(preset(args.preset).with_(vocab_size=args.vocab))
-suite_options = {"gradient_as_bucket_view": True, "static_graph": True} if args.ddp_as_suite else {}
+# static_graph cannot run under no_sync() (a DDP assertion); a step that does not communicate has no use for it.
+suite_options = {"gradient_as_bucket_view": True, "static_graph": not args.no_sync} if args.ddp_as_suite else {}
 ddp = DDP(model, **suite_options) if world > 1 else model
 optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
