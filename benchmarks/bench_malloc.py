@@ -1,23 +1,23 @@
-"""Page faults from freed-and-refetched memory: `dpcompare run` with and without glibc malloc tuning.
+"""Page faults from freed-and-refetched memory: `dpcompare run` with and without `--tune-malloc`.
 
     python benchmarks/bench_malloc.py [--quick] [--out runs/bench/malloc.json]
 
 Both frameworks allocate their large activations (the `small` logits are 1024 x 50257 floats) afresh
 every step. glibc serves blocks above its mmap threshold (at most 32 MB) with mmap and unmaps them on
 free, so every step faults the same memory in again, page by page (MLX's CPU buffer cache holds only
-32 MB by default). Setting MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_ in the environment (the
-runner passes it to the ranks) keeps freed memory in the heap. Runs alternate plain / tuned, Linux only.
+32 MB by default). `--tune-malloc` sets MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_ for the ranks
+(compare/environment.py malloc_env), which keeps freed memory in the heap. Runs alternate plain / tuned;
+Linux (glibc) only.
 """
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
 from pathlib import Path
 
 import benchlib
 
-TUNED = {"MALLOC_MMAP_THRESHOLD_": str(2**32), "MALLOC_TRIM_THRESHOLD_": str(2**36)}
+from compare.environment import malloc_env
 
 
 def main() -> None:
@@ -41,15 +41,8 @@ def main() -> None:
                 for _ in range(repeats):
                     for mode in runs:
                         benchlib.wait_for_quiet()
-                        saved = dict(os.environ)
-                        if mode == "tuned":
-                            os.environ.update(TUNED)
-                        try:
-                            s = benchlib.dpcompare_run(Path(work) / mode, framework, nproc, a.preset, a.steps,
-                                                       a.seq_len, a.batch)
-                        finally:
-                            os.environ.clear()
-                            os.environ.update(saved)
+                        s = benchlib.dpcompare_run(Path(work) / mode, framework, nproc, a.preset, a.steps, a.seq_len,
+                                                   a.batch, extra=["--tune-malloc"] if mode == "tuned" else [])
                         runs[mode].append(s["tokens_per_s"])
                         rss[mode].append(max(s["peak_rss_bytes"]))
                 plain, tuned = benchlib.median(runs["plain"]), benchlib.median(runs["tuned"])
@@ -61,9 +54,9 @@ def main() -> None:
                                 ("plain_tokens_per_s", "plain tok/s", ".0f"), ("tuned_tokens_per_s", "tuned tok/s", ".0f"),
                                 ("speedup", "speedup", ".2f"), ("plain_peak_rss_MiB", "plain RSS MiB", ".0f"),
                                 ("tuned_peak_rss_MiB", "tuned RSS MiB", ".0f")],
-                         title=f"glibc malloc tuning ({' '.join(f'{k}={v}' for k, v in TUNED.items())}), "
+                         title=f"--tune-malloc ({' '.join(f'{k}={v}' for k, v in malloc_env().items())}), "
                                f"{a.preset}, seq {a.seq_len}, global batch {a.batch}, {repeats} pair(s)")
-    benchlib.write_result(a.out, "malloc", {**vars(a), "out": str(a.out), "repeats": repeats, "tuned_env": TUNED}, rows)
+    benchlib.write_result(a.out, "malloc", {**vars(a), "out": str(a.out), "repeats": repeats, "tuned_env": malloc_env()}, rows)
 
 
 if __name__ == "__main__":

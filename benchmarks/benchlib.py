@@ -27,7 +27,7 @@ DPCOMPARE = [sys.executable, "-m", "compare.cli"]
 SHARED_DATA = REPO.parent / "shared" / "data"
 # The MLX blog's setup: TinyStories with the GPT-2 tokenizer (vocab 50257), for the `small` preset.
 TINYSTORIES = ["--dataset", str(SHARED_DATA / "tinystories" / "train.txt"), "--tokenizer", str(SHARED_DATA / "gpt2")]
-# `tiny` keeps its own vocabulary (2048) only with the builtin corpus and tokenizer; with GPT-2's 50257
+# `tiny` keeps a small vocabulary (the builtin tokenizer's, about 1,000) only with the builtin data; with GPT-2's 50257
 # tokens its output projection would be most of the work.
 BUILTIN: list[str] = ["--dataset", "builtin", "--tokenizer", "builtin"]
 
@@ -43,7 +43,7 @@ def dpcompare_run(out: Path, framework: str, nproc: int, preset: str, steps: int
     """One `dpcompare run`; returns its summary.json (raises when the run failed)."""
     argv = DPCOMPARE + ["run", "--framework", framework, "--nproc", str(nproc), "--preset", preset,
                         "--steps", str(steps), "--seq-len", str(seq_len), "--global-batch-size", str(batch),
-                        "--threads-per-rank", str(threads), "--set", "eval_every=0", *data_args(preset),
+                        "--threads-per-rank", str(threads), "--eval-every", "0", *data_args(preset),
                         *extra, "--out", str(out), "--quiet", "--overwrite"]
     proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True)
     summary_path = Path(out) / "summary.json"
