@@ -21,6 +21,7 @@ from pathlib import Path
 from .errors import UserError
 from .sampler import check_divisible
 from .spec import ModelSpec, preset
+from .strategy import STRATEGIES, data_parallel
 
 FRAMEWORKS = ("mlx", "torch")
 BACKENDS = {"mlx": ("auto", "ring", "mpi", "nccl"), "torch": ("auto", "gloo", "nccl")}
@@ -76,6 +77,7 @@ class RunConfig:
     # Where and how it runs.
     framework: str = "mlx"
     nproc: int = 1
+    strategy: str = "ddp"            # ddp, fsdp or tp (common/strategy.py)
     backend: str = "auto"
     device: str = "auto"
     dtype: str = "float32"
@@ -158,8 +160,13 @@ class RunConfig:
         return self.nproc * self.nnodes
 
     @property
+    def data_parallel_size(self) -> int:
+        """Ranks that read different samples: all of them, except under tp (one replica between them)."""
+        return data_parallel(self.strategy, 0, self.world_size)[1]
+
+    @property
     def micro_batch_size(self) -> int:
-        return check_divisible(self.global_batch_size, self.world_size, self.grad_accum)
+        return check_divisible(self.global_batch_size, self.data_parallel_size, self.grad_accum)
 
     @property
     def resolved_backend(self) -> str:
@@ -182,6 +189,7 @@ class RunConfig:
         _choice("device", self.device, DEVICES)
         _choice("mlx_blas", self.mlx_blas, MLX_BLAS)
         _choice("dtype", self.dtype, DTYPES)
+        _choice("strategy", self.strategy, STRATEGIES)
         for name in ("seq_len", "global_batch_size", "grad_accum", "steps", "nproc", "threads_per_rank",
                      "builtin_vocab_size", "builtin_corpus_bytes", "eval_batches", "nnodes"):
             _positive(name, getattr(self, name))

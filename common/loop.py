@@ -35,6 +35,7 @@ from .sampler import GlobalSampler, micro_batches, rank_slice
 from .schedule import lr_at
 from .sequences import SequenceView
 from .spec import ModelSpec
+from .strategy import data_parallel
 from .tokencache import TokenCache
 from .weights import load_pretrained
 
@@ -113,6 +114,7 @@ def train(run_dir: Path, world: World, trainer_cls) -> None:
     rank, world_size = world.rank, world.size
     run_dir = Path(run_dir)
     cfg, spec, plan = load_plan(run_dir)
+    dp_rank, dp_size = data_parallel(cfg.strategy, rank, world_size)
     global _live_status
     status = _live_status = RankStatus(run_dir, rank)
     cache = TokenCache.open(plan["token_cache"])
@@ -149,7 +151,7 @@ def train(run_dir: Path, world: World, trainer_cls) -> None:
         for step in range(start_step, cfg.steps):
             indices = sampler.global_batch_indices(step)
             global_tokens = train_view.real_target_count(indices)
-            mine = rank_slice(indices, rank, world_size)
+            mine = rank_slice(indices, dp_rank, dp_size)
             batches = [train_view.batch(m) for m in micro_batches(mine, cfg.grad_accum)]
             lr = lr_for(cfg, step)
 
@@ -172,7 +174,7 @@ def train(run_dir: Path, world: World, trainer_cls) -> None:
 
             done = step + 1
             if valid_view is not None and cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
-                metrics.write({"step": done, "eval_loss": evaluate(trainer, valid_view, cfg, rank, world_size)})
+                metrics.write({"step": done, "eval_loss": evaluate(trainer, valid_view, cfg, dp_rank, dp_size)})
             if done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
                 checkpoint(trainer, run_dir, spec, done, fingerprints, rank)
     finally:
@@ -213,7 +215,9 @@ def check_identical_weights(trainer, weights: dict[str, np.ndarray]) -> None:
 
 
 def evaluate(trainer, view: SequenceView, cfg: RunConfig, rank: int, world_size: int) -> float:
-    """Global token-mean loss over a fixed set of validation samples, the same for every world size."""
+    """Global token-mean loss over a fixed set of validation samples, the same for every world size.
+
+    rank and world_size are data-parallel ones (common/strategy.py); `trainer.all_sum` sums over them."""
     per_rank = cfg.global_batch_size // world_size
     count = min(cfg.eval_batches * cfg.global_batch_size, view.num_samples)
     count -= count % world_size
