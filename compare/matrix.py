@@ -12,6 +12,7 @@ from pathlib import Path
 from common.config import FRAMEWORKS
 from common.errors import ParityError, UserError
 
+from .flags import config_from_args
 from .runner import launch, prepare_inputs
 
 
@@ -34,8 +35,6 @@ def parse_list(text: str, name: str, kind=str, allowed=None) -> list:
 
 
 def run_matrix(args) -> int:
-    from .cli import config_from_args
-
     frameworks = parse_list(args.frameworks, "frameworks", allowed=FRAMEWORKS)
     world_sizes = parse_list(args.nproc, "nproc", kind=int)
     # The backend flag names one framework's backend; `auto` lets each framework pick its own.

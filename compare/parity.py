@@ -1,14 +1,22 @@
-"""Do the loss curves agree? Cross-framework pairs at each world size, and DP invariance (N vs 1).
+"""Do the loss curves agree? Every pair of runs that should compute the same model, judged.
 
-Three checks per pair, each with its own tolerance (Tolerances):
-    per_step  max |loss_a - loss_b| over the first `parity_steps` steps. In fp32 from identical weights
-              and batches the curves start equal up to summation order; this catches a wrong gradient,
-              optimizer or data order immediately, before chaotic divergence sets in.
+Pairs (each run is a framework x strategy x dtype x world size):
+    cross_framework  MLX vs torch, same strategy, dtype and world size.
+    dp_invariance    ddp at N ranks vs ddp at 1 rank, one framework: the same global batch gives the same loss.
+    strategy         fsdp at N vs ddp at N, and tp at N vs ddp at 1 (tp ranks all read the whole batch):
+                     sharding or splitting the model must not change what it computes.
+    precision        bfloat16 vs float32 of one framework, strategy and world size: how far bf16 moves
+                     the curve (trend and eval only; per step they part ways at once).
+
+Checks, each with its own tolerance (Tolerances):
+    per_step  max |loss_a - loss_b| over the first `parity_steps` steps (relative in bfloat16). In fp32 from
+              identical weights and batches the curves start equal up to summation order; this catches a
+              wrong gradient, optimizer or data order immediately, before chaotic divergence sets in.
     curve     max relative difference of the moving averages (window `curve_window`) over all common
               steps: after many steps rounding differences grow, so only the trend is compared.
     eval      max relative difference of eval losses at common eval steps.
 Runs are paired only when their configs agree on everything that changes the numbers; the rest
-(framework, ranks, backend, threads, output paths) is what the comparison is about.
+(framework, strategy, ranks, backend, threads, output paths) is what the comparison is about.
 """
 from __future__ import annotations
 
@@ -19,6 +27,8 @@ import numpy as np
 
 from common.metrics import read_json, read_metrics
 
+from .labels import run_label
+
 
 @dataclass
 class Tolerances:
@@ -27,7 +37,30 @@ class Tolerances:
     curve_rtol: float = 0.02    # relative difference of the moving averages
     curve_window: int = 10      # moving-average window, steps
     eval_rtol: float = 0.02     # relative difference of eval losses
-    dp_atol: float = 1e-4       # per-step absolute difference, N ranks vs 1
+    dp_atol: float = 1e-4       # per-step absolute difference, N ranks vs 1, and strategy vs ddp
+    # bfloat16 rounds at about 4e-3 relative, so its checks are relative and wider (measured: docs/precision.md).
+    bf16_loss_rtol: float = 2e-2      # per step, MLX bf16 vs torch bf16
+    bf16_dp_rtol: float = 2e-2        # per step, bf16 N ranks vs 1, and strategy vs ddp
+    bf16_curve_rtol: float = 0.03     # moving averages, across frameworks in bf16
+    bf16_eval_rtol: float = 0.03      # eval loss, across frameworks in bf16
+    precision_curve_rtol: float = 0.05  # moving averages, bf16 vs fp32 of one framework
+    precision_eval_rtol: float = 0.05   # eval loss, bf16 vs fp32 of one framework
+
+    def per_step(self, kind: str, dtype: str) -> tuple[float, bool]:
+        """(tolerance, relative?) of the per-step check of a pair of this kind and dtype."""
+        if dtype == "bfloat16":
+            return (self.bf16_loss_rtol if kind == "cross_framework" else self.bf16_dp_rtol), True
+        return (self.loss_atol if kind == "cross_framework" else self.dp_atol), False
+
+    def trend(self, kind: str, dtype: str) -> tuple[float, float]:
+        """(curve rtol, eval rtol) of a pair of this kind and dtype."""
+        if kind == "precision":
+            return self.precision_curve_rtol, self.precision_eval_rtol
+        if dtype == "bfloat16":
+            return self.bf16_curve_rtol, self.bf16_eval_rtol
+        return self.curve_rtol, self.eval_rtol
+
+PAIR_KINDS = ("cross_framework", "dp_invariance", "strategy", "precision")
 
 
 # Config keys that may differ between runs that are still compared: how and where a run executes,
@@ -59,6 +92,14 @@ class RunData:
         return self.summary.get("framework") or self.config.get("framework", "?")
 
     @property
+    def strategy(self) -> str:
+        return self.summary.get("strategy") or self.config.get("strategy", "ddp")
+
+    @property
+    def dtype(self) -> str:
+        return self.config.get("dtype", "float32")
+
+    @property
     def world_size(self) -> int:
         return int(self.summary.get("world_size") or self.run_config.get("world_size") or
                    self.config.get("nproc", 1) * self.config.get("nnodes", 1))
@@ -86,7 +127,7 @@ def load_run(run_dir: Path) -> RunData:
     run_config = read_json(run_dir / "run_config.json", None) or {}
     train, evals = read_metrics(run_dir / "metrics.jsonl")
     run = RunData(run_dir, summary, train, evals, run_config)
-    run.label = f"{run.framework} x{run.world_size}"
+    run.label = run_label(run.framework, run.world_size, run.strategy, run.dtype)
     if not summary and not run_config:
         run.problem = f"no run files in {run_dir}"
     elif not summary:
@@ -101,8 +142,8 @@ def load_run(run_dir: Path) -> RunData:
 
 
 def assign_labels(runs: list[RunData]) -> None:
-    """"mlx x2" alone when unique; backend, then directory name appended where needed."""
-    base = [f"{r.framework} x{r.world_size}" for r in runs]
+    """"mlx x2" (or "mlx fsdp bf16 x2") alone when unique; backend, then directory name appended where needed."""
+    base = [run_label(r.framework, r.world_size, r.strategy, r.dtype) for r in runs]
     for run, label in zip(runs, base):
         run.label = label
         if base.count(label) > 1 and run.world_size > 1:
@@ -113,12 +154,14 @@ def assign_labels(runs: list[RunData]) -> None:
             run.label = f"{run.label} ({run.run_dir.name})"
 
 
-def comparable(a: RunData, b: RunData) -> dict:
-    """{key: [a's value, b's value]} for every difference that changes the numbers; empty = comparable."""
+def comparable(a: RunData, b: RunData, ignore: tuple = ()) -> dict:
+    """{key: [a's value, b's value]} for every difference that changes the numbers; empty = comparable.
+
+    `ignore`: keys that differ on purpose in this kind of pair (dtype, for bf16 vs fp32)."""
     diffs = {}
     ca, cb = a.config, b.config
     for key in sorted(set(ca) | set(cb)):
-        if key not in RUN_ONLY_KEYS and ca.get(key) != cb.get(key):
+        if key not in RUN_ONLY_KEYS and key not in ignore and ca.get(key) != cb.get(key):
             diffs[key] = [ca.get(key), cb.get(key)]
     for section in ("spec", "data"):
         sa, sb = a.run_config.get(section) or {}, b.run_config.get(section) or {}
@@ -138,8 +181,9 @@ def moving_average(values: np.ndarray, window: int) -> np.ndarray:
 
 def compare_pair(a: RunData, b: RunData, kind: str, tol: Tolerances) -> dict:
     result = {"kind": kind, "a": a.label, "b": b.label, "a_dir": str(a.run_dir), "b_dir": str(b.run_dir),
-              "world_size": [a.world_size, b.world_size]}
-    diffs = comparable(a, b)
+              "world_size": [a.world_size, b.world_size], "dtype": a.dtype if a.dtype == b.dtype else
+              f"{a.dtype} vs {b.dtype}", "strategy": [a.strategy, b.strategy]}
+    diffs = comparable(a, b, ignore=("dtype",) if kind == "precision" else ())
     if diffs:
         return {**result, "comparable": False, "differences": diffs, "verdict": "not comparable",
                 "checks": {}}
@@ -149,12 +193,16 @@ def compare_pair(a: RunData, b: RunData, kind: str, tol: Tolerances) -> dict:
         return {**result, "comparable": True, "differences": {}, "verdict": "no data", "checks": {}}
     ya, yb = np.array([la[s] for s in steps]), np.array([lb[s] for s in steps])
     abs_diff = np.abs(ya - yb)
-    atol = tol.dp_atol if kind == "dp_invariance" else tol.loss_atol
     first = [i for i, s in enumerate(steps) if s <= tol.parity_steps]
-    checks = {"per_step": per_step_check(steps, abs_diff, first, atol, tol.parity_steps)}
-    if kind == "cross_framework":
-        checks["curve"] = curve_check(ya, yb, tol)
-        checks["eval"] = eval_check(a.eval_losses(), b.eval_losses(), tol.eval_rtol)
+    checks = {}
+    if kind != "precision":  # bf16 and fp32 part ways from the first step: only their trends compare
+        limit, relative = tol.per_step(kind, a.dtype)
+        diff = abs_diff / np.maximum(np.abs(yb), 1e-12) if relative else abs_diff
+        checks["per_step"] = per_step_check(steps, diff, first, limit, tol.parity_steps, relative)
+    if kind in ("cross_framework", "precision"):
+        curve_rtol, eval_rtol = tol.trend(kind, a.dtype)
+        checks["curve"] = curve_check(ya, yb, curve_rtol, tol.curve_window)
+        checks["eval"] = eval_check(a.eval_losses(), b.eval_losses(), eval_rtol)
     verdicts = [c["verdict"] for c in checks.values() if c["verdict"] in ("pass", "fail")]
     verdict = "fail" if "fail" in verdicts else ("pass" if verdicts else "no data")
     return {**result, "comparable": True, "differences": {}, "verdict": verdict, "checks": checks,
@@ -162,23 +210,27 @@ def compare_pair(a: RunData, b: RunData, kind: str, tol: Tolerances) -> dict:
             "diff_series": {"steps": steps, "abs_diff": [float(x) for x in abs_diff]}}
 
 
-def per_step_check(steps: list[int], abs_diff: np.ndarray, first: list[int], atol: float, k: int) -> dict:
+def per_step_check(steps: list[int], diff: np.ndarray, first: list[int], limit: float, k: int,
+                   relative: bool = False) -> dict:
+    """`diff` holds |Δloss| per step, or |Δloss| / |loss_b| when `relative` (bfloat16)."""
     if not first:
-        return {"verdict": "no data", "steps_compared": 0, "tolerance": atol, "parity_steps": k}
-    worst = max(first, key=lambda i: abs_diff[i])
-    value = float(abs_diff[worst])
-    return {"verdict": "pass" if value <= atol else "fail", "max_abs_diff": value, "at_step": steps[worst],
-            "steps_compared": len(first), "tolerance": atol, "parity_steps": k,
-            "mean_abs_diff": float(np.mean(abs_diff[first]))}
+        return {"verdict": "no data", "steps_compared": 0, "tolerance": limit, "parity_steps": k,
+                "relative": relative}
+    worst = max(first, key=lambda i: diff[i])
+    value = float(diff[worst])
+    key = "max_rel_diff" if relative else "max_abs_diff"
+    return {"verdict": "pass" if value <= limit else "fail", key: value, "at_step": steps[worst],
+            "steps_compared": len(first), "tolerance": limit, "parity_steps": k, "relative": relative,
+            "mean_rel_diff" if relative else "mean_abs_diff": float(np.mean(diff[first]))}
 
 
-def curve_check(ya: np.ndarray, yb: np.ndarray, tol: Tolerances) -> dict:
-    ma, mb = moving_average(ya, tol.curve_window), moving_average(yb, tol.curve_window)
+def curve_check(ya: np.ndarray, yb: np.ndarray, rtol: float, window: int) -> dict:
+    ma, mb = moving_average(ya, window), moving_average(yb, window)
     rel = np.abs(ma - mb) / np.maximum(np.abs(mb), 1e-12)
     value = float(rel.max())
-    return {"verdict": "pass" if value <= tol.curve_rtol else "fail", "max_rel_diff": value,
-            "at_index": int(rel.argmax()), "window": tol.curve_window, "steps_compared": len(ya),
-            "tolerance": tol.curve_rtol, "final_rel_diff": float(rel[-1])}
+    return {"verdict": "pass" if value <= rtol else "fail", "max_rel_diff": value,
+            "at_index": int(rel.argmax()), "window": window, "steps_compared": len(ya),
+            "tolerance": rtol, "final_rel_diff": float(rel[-1])}
 
 
 def eval_check(ea: dict[int, float], eb: dict[int, float], rtol: float) -> dict:
@@ -199,19 +251,10 @@ def judge(runs: list[RunData], tol: Tolerances) -> dict:
     skipped = [{"label": r.label, "run_dir": str(r.run_dir), "status": r.status, "reason": r.problem}
                for r in runs if not r.ok]
     order = {"mlx": 0, "torch": 1}
-    usable.sort(key=lambda r: (r.world_size, order.get(r.framework, 9), r.framework))
-    cross = [compare_pair(a, b, "cross_framework", tol)
-             for i, a in enumerate(usable) for b in usable[i + 1:]
-             if a.world_size == b.world_size and a.framework != b.framework]
-    dp = []
-    for framework in dict.fromkeys(r.framework for r in usable):
-        baseline = next((r for r in usable if r.framework == framework and r.world_size == 1), None)
-        if baseline is None:
-            continue
-        dp += [compare_pair(r, baseline, "dp_invariance", tol)
-               for r in usable if r.framework == framework and r.world_size > 1]
-    pairs = cross + dp
-    verdicts = [p["verdict"] for p in pairs]
+    usable.sort(key=lambda r: (r.world_size, STRATEGY_ORDER.get(r.strategy, 9), r.dtype != "float32",
+                               order.get(r.framework, 9), r.framework))
+    pairs = {kind: [compare_pair(a, b, kind, tol) for a, b in find_pairs(usable, kind)] for kind in PAIR_KINDS}
+    verdicts = [p["verdict"] for kind in PAIR_KINDS for p in pairs[kind]]
     if "fail" in verdicts:
         overall = "fail"
     elif "pass" in verdicts:
@@ -222,14 +265,49 @@ def judge(runs: list[RunData], tol: Tolerances) -> dict:
         overall = "no data"
     return {"tolerances": asdict(tol), "overall": overall, "all_pass": "fail" not in verdicts,
             "runs": [{"label": r.label, "run_dir": str(r.run_dir), "framework": r.framework,
-                      "world_size": r.world_size, "status": r.status, "judged": r.ok} for r in runs],
-            "skipped": skipped, "cross_framework": cross, "dp_invariance": dp}
+                      "strategy": r.strategy, "dtype": r.dtype, "world_size": r.world_size, "status": r.status,
+                      "judged": r.ok} for r in runs],
+            "skipped": skipped, **pairs}
+
+
+STRATEGY_ORDER = {"ddp": 0, "fsdp": 1, "tp": 2}
+
+
+def find_pairs(runs: list[RunData], kind: str) -> list[tuple[RunData, RunData]]:
+    """The (a, b) pairs of one kind among finished runs, in report order; b is the reference."""
+    def first(**want):
+        return next((r for r in runs if all(getattr(r, k) == v for k, v in want.items())), None)
+
+    found = []
+    for a in runs:
+        if kind == "cross_framework":
+            found += [(a, b) for b in runs[runs.index(a) + 1:]
+                      if (b.strategy, b.dtype, b.world_size) == (a.strategy, a.dtype, a.world_size)
+                      and b.framework != a.framework]
+        elif kind == "dp_invariance" and a.strategy == "ddp" and a.world_size > 1:
+            ref = first(framework=a.framework, strategy="ddp", dtype=a.dtype, world_size=1)
+            found += [(a, ref)] if ref else []
+        elif kind == "strategy" and a.strategy == "fsdp":
+            ref = first(framework=a.framework, strategy="ddp", dtype=a.dtype, world_size=a.world_size)
+            found += [(a, ref)] if ref else []
+        elif kind == "strategy" and a.strategy == "tp":
+            # A tp job is one model replica: it must compute what one ddp rank computes.
+            ref = (first(framework=a.framework, strategy="ddp", dtype=a.dtype, world_size=1) or
+                   first(framework=a.framework, strategy="ddp", dtype=a.dtype, world_size=a.world_size))
+            found += [(a, ref)] if ref else []
+        elif kind == "precision" and a.dtype != "float32":
+            ref = first(framework=a.framework, strategy=a.strategy, dtype="float32", world_size=a.world_size)
+            found += [(a, ref)] if ref else []
+    return found
+
+
+def all_pairs(parity: dict) -> list[dict]:
+    return [p for kind in PAIR_KINDS for p in parity.get(kind, [])]
 
 
 def run_verdict(parity: dict, label: str) -> str:
     """The worst verdict among the pairs a run takes part in ("-" when it is in none)."""
-    verdicts = [p["verdict"] for p in parity["cross_framework"] + parity["dp_invariance"]
-                if label in (p["a"], p["b"])]
+    verdicts = [p["verdict"] for p in all_pairs(parity) if label in (p["a"], p["b"])]
     for worst in ("fail", "not comparable", "no data", "pass"):
         if worst in verdicts:
             return worst

@@ -1,0 +1,225 @@
+"""The numbers of a report, computed from run directories: per-run rows, speed and scaling tables,
+fairness and environment notes, and the verdict lines. Nothing here renders; compare/render.py does.
+"""
+from __future__ import annotations
+
+import shlex
+from dataclasses import fields
+
+from common.config import RunConfig
+from common.metrics import throughput_stats
+
+from .mfu import PeakFinder
+from .parity import RunData, run_verdict
+
+MB = 1e6
+NOISE_NOTE = "the p10–p90 ranges overlap: within step-to-step noise"
+TIMING_NOTE = ("step timers stop only after the framework finished the step's work (mx.eval / .item() on "
+               "the loss), so lazy or asynchronous execution is not under-counted")
+
+
+def run_row(run: RunData, parity: dict, peaks: "PeakFinder") -> dict:
+    s, cfg = run.summary, run.config
+    stats = {k: s.get(k) for k in ("tokens_per_s", "tokens_per_s_p10", "tokens_per_s_p90", "step_time_s",
+                                   "timed_steps")}
+    if stats["tokens_per_s"] is None and run.train:  # no summary: derive from the metrics written so far
+        stats.update(throughput_stats(run.train, s.get("warmup_steps", cfg.get("timing_warmup_steps", 0))))
+    losses, evals = run.losses(), run.eval_losses()
+    row = {
+        "label": run.label, "run_dir": str(run.run_dir), "framework": run.framework,
+        "world_size": run.world_size, "backend": s.get("backend", run.run_config.get("backend")),
+        "device": str(s.get("device", cfg.get("device", "?"))), "status": run.status, "ok": run.ok,
+        "problem": run.problem or None, "error": s.get("error"), "failed_rank": s.get("failed_rank"),
+        "steps": s.get("steps", max(losses) if losses else 0), "planned_steps": cfg.get("steps"),
+        "final_loss": s.get("final_loss", losses[max(losses)] if losses else None),
+        "final_eval_loss": s.get("final_eval_loss", evals[max(evals)] if evals else None),
+        **stats,
+        "step_time_ms": stats["step_time_s"] * 1e3 if stats.get("step_time_s") else None,
+        "compile_s": s.get("compile_s"), "warmup_steps": s.get("warmup_steps", cfg.get("timing_warmup_steps")),
+        "time_to_first_step_s": s.get("time_to_first_step_s"), "wall_s": s.get("wall_s"),
+        "peak_mem_mb": [None if b is None else b / MB for b in s.get("peak_mem_bytes") or []],
+        "peak_rss_mb": [None if b is None else b / MB for b in s.get("peak_rss_bytes") or []],
+        "threads_per_rank": s.get("threads_per_rank", cfg.get("threads_per_rank")),
+        "blas": s.get("blas"), "tokens_per_step": s.get("tokens_per_step"),
+        "dtype": cfg.get("dtype", "float32"), "seq_len": cfg.get("seq_len"),
+        "command": s.get("command"), "rerun": rerun_command(cfg, run.framework, run.world_size),
+        "parity": run_verdict(parity, run.label) if run.ok else "skipped",
+    }
+    row.update(peaks.mfu_for(run, row))
+    return row
+
+
+def scaling_table(rows: list[dict]) -> dict:
+    """{framework: [{world_size, tokens_per_s, speedup, efficiency}]} over runs that finished."""
+    table = {}
+    for framework in dict.fromkeys(r["framework"] for r in rows):
+        done = sorted((r for r in rows if r["framework"] == framework and r["ok"] and r.get("tokens_per_s")),
+                      key=lambda r: r["world_size"])
+        base = next((r for r in done if r["world_size"] == 1), None)
+        table[framework] = [{
+            "label": r["label"], "world_size": r["world_size"], "tokens_per_s": r["tokens_per_s"],
+            "speedup": r["tokens_per_s"] / base["tokens_per_s"] if base else None,
+            "efficiency": r["tokens_per_s"] / (r["world_size"] * base["tokens_per_s"]) if base else None,
+        } for r in done]
+    for row in rows:
+        point = next((p for p in table.get(row["framework"], []) if p["label"] == row["label"]), None)
+        row["scaling_efficiency"] = point["efficiency"] if point else None
+    return table
+
+
+def speed_table(rows: list[dict]) -> list[dict]:
+    """Framework against framework at each world size: ratio of median tokens/s."""
+    done = [r for r in rows if r["ok"] and r.get("tokens_per_s")]
+    table = []
+    for n in sorted({r["world_size"] for r in done}):
+        at_n = {}
+        for r in done:
+            if r["world_size"] == n:
+                at_n.setdefault(r["framework"], r)
+        frameworks = sorted(at_n, key=lambda f: (f != "mlx", f))
+        for i, fa in enumerate(frameworks):
+            for fb in frameworks[i + 1:]:
+                a, b = at_n[fa], at_n[fb]
+                fast, slow = (a, b) if a["tokens_per_s"] >= b["tokens_per_s"] else (b, a)
+                # Overlapping p10-p90 ranges: the gap is within the step-to-step spread.
+                overlap = (fast.get("tokens_per_s_p10") or fast["tokens_per_s"]) <= \
+                          (slow.get("tokens_per_s_p90") or slow["tokens_per_s"])
+                table.append({"world_size": n, "a": a["label"], "b": b["label"],
+                              "a_tokens_per_s": a["tokens_per_s"], "b_tokens_per_s": b["tokens_per_s"],
+                              "ratio_a_over_b": a["tokens_per_s"] / b["tokens_per_s"],
+                              "faster": fast["framework"], "slower": slow["framework"],
+                              "faster_tokens_per_s": fast["tokens_per_s"], "slower_tokens_per_s": slow["tokens_per_s"],
+                              "speedup": fast["tokens_per_s"] / slow["tokens_per_s"], "within_noise": bool(overlap)})
+    return table
+
+
+def rerun_command(cfg: dict, framework: str, world_size: int) -> str:
+    """A `dpcompare run` line with every setting that differs from the defaults."""
+    if not cfg:
+        return ""
+    defaults = RunConfig().to_dict()
+    parts = ["dpcompare", "run", "--framework", framework, "--nproc", str(cfg.get("nproc", world_size))]
+    skip = {"framework", "nproc", "out", "resume", "overwrite", "quiet", "model"}
+    names = [f.name for f in fields(RunConfig)]
+    for key in names:
+        if key in skip or key not in cfg or cfg[key] == defaults.get(key):
+            continue
+        parts += ["--set", f"{key}={cfg[key]}"]
+    for key, value in (cfg.get("model") or {}).items():
+        parts += ["--set", f"model.{key}={value}"]
+    parts += ["--out", cfg.get("out") or f"runs/{framework}-n{world_size}"]
+    return shlex.join(parts)
+
+
+def fairness_info(runs: list[RunData], rows: list[dict], context: dict) -> dict:
+    done = [r for r in rows if r["ok"]]
+    threads = {r["label"]: r["threads_per_rank"] for r in rows}
+    tokens = {r["label"]: r["tokens_per_step"] for r in rows}
+    warnings = []
+    if len({r["threads_per_rank"] for r in done}) > 1:
+        warnings.append("threads per rank differ between runs: speed is not compared like for like")
+    if len({r["tokens_per_step"] for r in done}) > 1:
+        warnings.append("tokens per step differ between runs: tokens/s still compares, loss parity cannot")
+    for run, row in zip(runs, rows):
+        cpus = (run.summary.get("machine") or {}).get("cpus")
+        if row["ok"] and row["device"] == "cpu" and cpus and row["world_size"] * (row["threads_per_rank"] or 1) > cpus:
+            warnings.append(f"{row['label']}: {row['world_size']} ranks x {row['threads_per_rank']} thread(s) on "
+                            f"{cpus} CPUs: ranks share cores, so its speed measures oversubscription")
+    hosts = {(r.summary.get("machine") or {}).get("host") for r in runs if r.summary.get("machine")}
+    if len(hosts) > 1:
+        warnings.append(f"runs come from different machines ({', '.join(sorted(map(str, hosts)))}): "
+                        "speeds are not comparable")
+    notes = [TIMING_NOTE,
+             "throughput is the median over steps after each run's warmup steps; p10/p90 show the spread",
+             "runs are paired for parity only when their configs agree on everything that changes the numbers "
+             "(seed, data, tokenizer, model, batch, schedule): such runs read the same global batches and start "
+             "from the same seed checkpoint"]
+    if str(context.get("command") or "").startswith("dpcompare compare"):
+        notes.append("dpcompare compare ran the runs one after another, never concurrently, so they did not "
+                     "compete for cores")
+    if any(r["framework"] == "torch" and r["device"] == "cpu" for r in rows):
+        notes.append("torch on CPU keeps no allocator statistics: its framework peak memory is the process "
+                     "peak RSS; MLX reports mx.get_peak_memory(), its allocator's peak")
+    return {"threads_per_rank": threads, "warmup_steps": {r["label"]: r["warmup_steps"] for r in rows},
+            "tokens_per_step": tokens, "blas": {r["label"]: r["blas"] for r in rows},
+            "same_threads": len({r["threads_per_rank"] for r in done}) <= 1,
+            "same_tokens_per_step": len({r["tokens_per_step"] for r in done}) <= 1,
+            "notes": notes, "warnings": warnings}
+
+
+def environment_info(runs: list[RunData], rows: list[dict], peaks: PeakFinder) -> dict:
+    first = next((r.summary for r in runs if r.summary.get("machine")), {})
+    return {"machine": first.get("machine"), "versions": first.get("versions"),
+            "blas": {fw: sorted({str(r["blas"]) for r in rows if r["framework"] == fw})
+                     for fw in dict.fromkeys(r["framework"] for r in rows)},
+            "backends": {r["label"]: r["backend"] for r in rows},
+            "devices": {r["label"]: r["device"] for r in rows},
+            "threads_per_rank": {r["label"]: r["threads_per_rank"] for r in rows},
+            "cpu_peaks": {str(t): p for t, p in peaks.cpu_peaks.items()},
+            "accelerator": peaks._accelerator}
+
+
+
+def verdicts(parity: dict, speed: list[dict], scaling: dict, rows: list[dict], fairness: dict) -> dict:
+    lines = []
+    frameworks = {r["framework"] for r in rows}
+    if len(frameworks) > 1 and not parity["cross_framework"]:
+        lines.append("Parity, " + " vs ".join(sorted(frameworks)) + ": not judged, no world size has a finished "
+                     "run of more than one framework")
+    for pair in parity["cross_framework"]:
+        lines.append(f"Parity, N={pair['world_size'][0]}: " + pair_sentence(pair))
+    for pair in parity["dp_invariance"]:
+        lines.append("DP invariance: " + pair_sentence(pair))
+    for s in speed:
+        lines.append(f"Speed, N={s['world_size']}: {s['faster']} is {s['speedup']:.2f}x faster than {s['slower']} "
+                     f"({s['faster_tokens_per_s']:,.0f} vs {s['slower_tokens_per_s']:,.0f} tokens/s median)"
+                     + (f"; {NOISE_NOTE}" if s["within_noise"] else ""))
+    for framework, points in scaling.items():
+        scaled = [p for p in points if p["world_size"] > 1 and p["efficiency"] is not None]
+        if scaled:
+            lines.append(f"Scaling, {framework}: " + ", ".join(
+                f"{p['world_size']} ranks {p['speedup']:.2f}x ({100 * p['efficiency']:.0f}% efficiency"
+                + (", slower than 1 rank)" if p["speedup"] < 1 else ")") for p in scaled))
+    for row in rows:
+        if not row["ok"]:
+            lines.append(f"Skipped, {row['label']}: {row['problem']}")
+    if not lines:
+        lines.append("Nothing to compare: no run finished")
+    skipped = len(parity["skipped"])
+    headline = f"parity {parity['overall'].upper()}" + (f" ({skipped} run(s) skipped)" if skipped else "")
+    return {"all_pass": parity["all_pass"], "parity": parity["overall"], "headline": headline, "lines": lines,
+            "warnings": fairness["warnings"]}
+
+
+def pair_sentence(pair: dict) -> str:
+    a, b = pair["a"], pair["b"]
+    if pair["verdict"] == "not comparable":
+        diffs = ", ".join(f"{k} ({va!r} vs {vb!r})" for k, (va, vb) in list(pair["differences"].items())[:4])
+        return f"{a} and {b} are not comparable: their configs differ in {diffs}"
+    if pair["verdict"] == "no data":
+        return f"{a} vs {b}: no common steps to compare"
+    checks = pair["checks"]
+    step = checks["per_step"]
+    verb = {"pass": "matches", "fail": "does NOT match"}[pair["verdict"]]
+    text = f"{a} {verb} {b}"
+    if step["verdict"] != "no data":
+        text += (f": max |Δloss| {step['max_abs_diff']:.2e} over the first {step['steps_compared']} steps "
+                 f"(tolerance {step['tolerance']:g}{', FAIL' if step['verdict'] == 'fail' else ''})")
+    if "curve" in checks:
+        c = checks["curve"]
+        text += (f"; moving averages within {rel_pct(c['max_rel_diff'])} over {c['steps_compared']} steps "
+                 f"(tolerance {100 * c['tolerance']:g}%{', FAIL' if c['verdict'] == 'fail' else ''})")
+    if checks.get("eval", {}).get("verdict") in ("pass", "fail"):
+        e = checks["eval"]
+        text += (f"; eval loss within {rel_pct(e['max_rel_diff'])} "
+                 f"(tolerance {100 * e['tolerance']:g}%{', FAIL' if e['verdict'] == 'fail' else ''})")
+    return text
+
+
+def rel_pct(value) -> str:
+    """Relative differences as percentages, readable from exact zero up to whole percent."""
+    if value is None:
+        return "–"
+    if value == 0:
+        return "0%"
+    return "<0.001%" if value < 1e-5 else f"{100 * value:.3g}%"

@@ -1,0 +1,98 @@
+"""Command-line flags shared by `run`, `compare` and `report`, and the RunConfig they build.
+
+Its own module so that cli.py (the parsers) and matrix.py (the comparison) both import it, and neither
+imports the other.
+"""
+from __future__ import annotations
+
+import argparse
+
+from common.config import RunConfig
+from common.errors import UserError
+
+# Flags shared by `run` and `compare`, each mapped onto the RunConfig field of the same name.
+RUN_FLAGS = [
+    ("--preset", str, "model preset: tiny, small (MLX blog), base (PyTorch DDP article)"),
+    ("--steps", int, "total optimizer steps of the run"),
+    ("--global-batch-size", int, "sequences per optimizer step, over all ranks"),
+    ("--seq-len", int, "tokens per sequence"),
+    ("--grad-accum", int, "micro-steps per optimizer step"),
+    ("--lr", float, "peak learning rate (AdamW)"),
+    ("--warmup-steps", int, "linear LR warmup steps"),
+    ("--lr-decay-steps", int, "cosine horizon (default: --steps)"),
+    ("--seed", int, "seed of the initial weights and the data order"),
+    ("--dataset", str, "builtin, a local .txt/.jsonl/.parquet/save_to_disk dir, or a HF hub name"),
+    ("--dataset-split", str, "split of a hub or save_to_disk dataset"),
+    ("--text-field", str, "column holding the text"),
+    ("--tokenizer", str, "builtin, a tokenizer dir or hub name (gpt2), or a tokenizer.json"),
+    ("--sequence", str, "packing (default) or padding"),
+    ("--strategy", str, "ddp (replicated), fsdp (sharded) or tp (tensor parallel)"),
+    ("--backend", str, "distributed backend: auto, ring, mpi, nccl (mlx); auto, gloo, nccl (torch)"),
+    ("--device", str, "auto, cpu, cuda, mps, gpu"),
+    ("--dtype", str, "float32, or bfloat16 (mixed precision: bf16 compute, fp32 master weights)"),
+    ("--threads-per-rank", int, "CPU threads per rank, the same for both frameworks"),
+    ("--mlx-blas", str, "auto, system (preload OpenBLAS), bundled"),
+    ("--all-reduce-size-mb", float, "MLX average_gradients bucket size"),
+    ("--bucket-cap-mb", float, "torch DDP bucket size"),
+    ("--hostfile", str, "MLX hostfile (JSON for ring, text for mpi); with --nnodes: every node's ring address"),
+    ("--nnodes", int, "nodes of a job started node by node (torch: torchrun; MLX: ring, without ssh)"),
+    ("--node-rank", int, "this node's rank with --nnodes (node 0 writes metrics.jsonl)"),
+    ("--rdzv-endpoint", str, "torch: rendezvous HOST:PORT for several nodes"),
+    ("--collective-timeout-s", float, "seconds without progress before a job is declared hung"),
+    ("--eval-every", int, "steps between eval losses (0: only at the end)"),
+    ("--checkpoint-every", int, "steps between checkpoints (0: only at the end)"),
+    ("--tune-malloc", None, "glibc malloc that keeps freed memory: faster CPU steps, higher peak RSS"),
+    ("--init-from", str, "start from this HF-format Llama dir instead of the seeded init"),
+    ("--cache-dir", str, "where token caches and seed checkpoints live"),
+]
+
+
+
+def add_run_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="TOML config file (flags override it)")
+    for flag, kind, text in RUN_FLAGS:
+        if kind is None:  # an on/off switch
+            parser.add_argument(flag, action="store_true", default=None, help=text)
+        else:
+            parser.add_argument(flag, type=kind, help=text)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="any config field, e.g. --set model.n_layers=2 --set weight_decay=0")
+    parser.add_argument("--out", help="output directory")
+    parser.add_argument("--overwrite", action="store_true", default=None,
+                        help="replace dpcompare's files in an output directory that holds a run")
+    parser.add_argument("--quiet", action="store_true", default=None, help="no progress bars")
+
+
+def add_tolerance_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--loss-atol", type=float, default=None, help="per-step loss tolerance (fp32)")
+    parser.add_argument("--parity-steps", type=int, default=None, help="steps compared step by step")
+    parser.add_argument("--curve-rtol", type=float, default=None, help="relative tolerance of whole curves")
+
+
+def config_from_args(args, **fixed) -> RunConfig:
+    overrides: dict = {}
+    for flag, _, _ in RUN_FLAGS + [("--nproc", 0, 0), ("--out", 0, 0), ("--quiet", 0, 0), ("--overwrite", 0, 0),
+                                   ("--resume", 0, 0), ("--framework", 0, 0)]:
+        name = flag.lstrip("-").replace("-", "_")
+        value = getattr(args, name, None)
+        if value is not None and not (name == "nproc" and isinstance(value, str)):  # compare: a list
+            overrides[name] = value
+    for item in getattr(args, "set", []) or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise UserError(f"--set expects KEY=VALUE, got {item!r}")
+        if key.startswith("model."):
+            overrides.setdefault("model", {})[key[len("model."):]] = _parse_scalar(value)
+        else:
+            overrides[key] = value
+    overrides.update({k: v for k, v in fixed.items() if v is not None})
+    return RunConfig.from_sources(getattr(args, "config", None), overrides)
+
+
+def _parse_scalar(text: str):
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)
