@@ -10,6 +10,7 @@ from common.config import RunConfig
 from common.metrics import throughput_stats
 
 from .mfu import PeakFinder
+from .labels import run_parts
 from .parity import RunData, run_verdict
 
 MB = 1e6
@@ -41,7 +42,13 @@ def run_row(run: RunData, parity: dict, peaks: "PeakFinder") -> dict:
         "peak_rss_mb": [None if b is None else b / MB for b in s.get("peak_rss_bytes") or []],
         "threads_per_rank": s.get("threads_per_rank", cfg.get("threads_per_rank")),
         "blas": s.get("blas"), "tokens_per_step": s.get("tokens_per_step"),
-        "dtype": cfg.get("dtype", "float32"), "seq_len": cfg.get("seq_len"),
+        "dtype": cfg.get("dtype", "float32"), "seq_len": cfg.get("seq_len"), "strategy": run.strategy,
+        "precision": s.get("precision"), "device_note": s.get("device_note"),
+        # Bytes of parameters, gradients and optimizer state each rank holds (FSDP shards them).
+        "state_mb": {k: [None if b is None else b / MB for b in v] for k, v in (s.get("state_bytes") or {}).items()},
+        "comm_bytes_per_step": s.get("comm_bytes_per_step"),
+        "comm_bytes_per_step_estimate": s.get("comm_bytes_per_step_estimate"),
+        "reduce_scatter": s.get("reduce_scatter"),
         "command": s.get("command"), "rerun": rerun_command(cfg, run.framework, run.world_size),
         "parity": run_verdict(parity, run.label) if run.ok else "skipped",
     }
@@ -49,47 +56,80 @@ def run_row(run: RunData, parity: dict, peaks: "PeakFinder") -> dict:
     return row
 
 
+def group_of(row: dict) -> str:
+    """"mlx", "mlx fsdp", "torch bf16": the runs of one framework, strategy and dtype."""
+    return " ".join(run_parts(row["framework"], row.get("strategy", "ddp"), row.get("dtype", "float32")))
+
+
 def scaling_table(rows: list[dict]) -> dict:
-    """{framework: [{world_size, tokens_per_s, speedup, efficiency}]} over runs that finished."""
+    """{group: [{world_size, tokens_per_s, speedup, efficiency}]} over runs that finished; every group is
+    measured against the 1-rank ddp run of its framework and dtype."""
     table = {}
-    for framework in dict.fromkeys(r["framework"] for r in rows):
-        done = sorted((r for r in rows if r["framework"] == framework and r["ok"] and r.get("tokens_per_s")),
-                      key=lambda r: r["world_size"])
-        base = next((r for r in done if r["world_size"] == 1), None)
-        table[framework] = [{
+    done = [r for r in rows if r["ok"] and r.get("tokens_per_s")]
+    for group in dict.fromkeys(group_of(r) for r in rows):
+        points = sorted((r for r in done if group_of(r) == group), key=lambda r: r["world_size"])
+        if not points:
+            table[group] = []
+            continue
+        one = points[0]
+        base = next((r for r in done if r["framework"] == one["framework"] and r["dtype"] == one["dtype"]
+                     and r.get("strategy", "ddp") == "ddp" and r["world_size"] == 1), None)
+        table[group] = [{
             "label": r["label"], "world_size": r["world_size"], "tokens_per_s": r["tokens_per_s"],
             "speedup": r["tokens_per_s"] / base["tokens_per_s"] if base else None,
             "efficiency": r["tokens_per_s"] / (r["world_size"] * base["tokens_per_s"]) if base else None,
-        } for r in done]
+        } for r in points]
     for row in rows:
-        point = next((p for p in table.get(row["framework"], []) if p["label"] == row["label"]), None)
+        point = next((p for p in table.get(group_of(row), []) if p["label"] == row["label"]), None)
         row["scaling_efficiency"] = point["efficiency"] if point else None
     return table
 
 
 def speed_table(rows: list[dict]) -> list[dict]:
-    """Framework against framework at each world size: ratio of median tokens/s."""
+    """Median tokens/s ratios: framework against framework (same strategy, dtype and world size), and
+    within a framework, each strategy against ddp and bf16 against fp32 (kind: framework, strategy, dtype)."""
     done = [r for r in rows if r["ok"] and r.get("tokens_per_s")]
     table = []
+
+    def add(kind: str, a: dict, b: dict) -> None:
+        fast, slow = (a, b) if a["tokens_per_s"] >= b["tokens_per_s"] else (b, a)
+        # Overlapping p10-p90 ranges: the gap is within the step-to-step spread.
+        overlap = (fast.get("tokens_per_s_p10") or fast["tokens_per_s"]) <= \
+                  (slow.get("tokens_per_s_p90") or slow["tokens_per_s"])
+        setting = " ".join(run_parts("", a.get("strategy", "ddp"), a["dtype"])[1:]) if kind == "framework" else ""
+        table.append({"kind": kind, "setting": setting, "world_size": a["world_size"], "a": a["label"], "b": b["label"],
+                      "a_tokens_per_s": a["tokens_per_s"], "b_tokens_per_s": b["tokens_per_s"],
+                      "ratio_a_over_b": a["tokens_per_s"] / b["tokens_per_s"],
+                      "faster": fast["framework"] if kind == "framework" else fast["label"],
+                      "slower": slow["framework"] if kind == "framework" else slow["label"],
+                      "faster_label": fast["label"], "slower_label": slow["label"],
+                      "faster_tokens_per_s": fast["tokens_per_s"], "slower_tokens_per_s": slow["tokens_per_s"],
+                      "speedup": fast["tokens_per_s"] / slow["tokens_per_s"], "within_noise": bool(overlap)})
+
+    def first(**want):
+        return next((r for r in done if all(r.get(k) == v for k, v in want.items())), None)
+
     for n in sorted({r["world_size"] for r in done}):
-        at_n = {}
-        for r in done:
-            if r["world_size"] == n:
-                at_n.setdefault(r["framework"], r)
-        frameworks = sorted(at_n, key=lambda f: (f != "mlx", f))
-        for i, fa in enumerate(frameworks):
-            for fb in frameworks[i + 1:]:
-                a, b = at_n[fa], at_n[fb]
-                fast, slow = (a, b) if a["tokens_per_s"] >= b["tokens_per_s"] else (b, a)
-                # Overlapping p10-p90 ranges: the gap is within the step-to-step spread.
-                overlap = (fast.get("tokens_per_s_p10") or fast["tokens_per_s"]) <= \
-                          (slow.get("tokens_per_s_p90") or slow["tokens_per_s"])
-                table.append({"world_size": n, "a": a["label"], "b": b["label"],
-                              "a_tokens_per_s": a["tokens_per_s"], "b_tokens_per_s": b["tokens_per_s"],
-                              "ratio_a_over_b": a["tokens_per_s"] / b["tokens_per_s"],
-                              "faster": fast["framework"], "slower": slow["framework"],
-                              "faster_tokens_per_s": fast["tokens_per_s"], "slower_tokens_per_s": slow["tokens_per_s"],
-                              "speedup": fast["tokens_per_s"] / slow["tokens_per_s"], "within_noise": bool(overlap)})
+        for strategy in ("ddp", "fsdp", "tp"):
+            for dtype in dict.fromkeys(r["dtype"] for r in done):
+                at = {}
+                for r in done:
+                    if (r["world_size"], r.get("strategy", "ddp"), r["dtype"]) == (n, strategy, dtype):
+                        at.setdefault(r["framework"], r)
+                frameworks = sorted(at, key=lambda f: (f != "mlx", f))
+                for i, fa in enumerate(frameworks):
+                    for fb in frameworks[i + 1:]:
+                        add("framework", at[fa], at[fb])
+    for r in done:
+        if r.get("strategy", "ddp") != "ddp":
+            ref = first(framework=r["framework"], strategy="ddp", dtype=r["dtype"], world_size=r["world_size"])
+            if ref:
+                add("strategy", r, ref)
+        if r["dtype"] != "float32":
+            ref = first(framework=r["framework"], strategy=r.get("strategy", "ddp"), dtype="float32",
+                        world_size=r["world_size"])
+            if ref:
+                add("dtype", r, ref)
     return table
 
 
@@ -170,16 +210,23 @@ def verdicts(parity: dict, speed: list[dict], scaling: dict, rows: list[dict], f
         lines.append(f"Parity, N={pair['world_size'][0]}: " + pair_sentence(pair))
     for pair in parity["dp_invariance"]:
         lines.append("DP invariance: " + pair_sentence(pair))
+    for pair in parity.get("strategy", []):
+        lines.append(f"Strategy, {pair['strategy'][0]}: " + pair_sentence(pair))
+    for pair in parity.get("precision", []):
+        lines.append("Precision: " + pair_sentence(pair))
     for s in speed:
-        lines.append(f"Speed, N={s['world_size']}: {s['faster']} is {s['speedup']:.2f}x faster than {s['slower']} "
+        what = {"framework": "Speed", "strategy": "Cost of the strategy", "dtype": "Cost of bf16"}[s.get("kind", "framework")]
+        where = f"N={s['world_size']}" + (f", {s['setting']}" if s.get("setting") else "")
+        lines.append(f"{what}, {where}: {s['faster']} is {s['speedup']:.2f}x faster than {s['slower']} "
                      f"({s['faster_tokens_per_s']:,.0f} vs {s['slower_tokens_per_s']:,.0f} tokens/s median)"
                      + (f"; {NOISE_NOTE}" if s["within_noise"] else ""))
-    for framework, points in scaling.items():
+    for group, points in scaling.items():
         scaled = [p for p in points if p["world_size"] > 1 and p["efficiency"] is not None]
         if scaled:
-            lines.append(f"Scaling, {framework}: " + ", ".join(
+            lines.append(f"Scaling, {group}: " + ", ".join(
                 f"{p['world_size']} ranks {p['speedup']:.2f}x ({100 * p['efficiency']:.0f}% efficiency"
                 + (", slower than 1 rank)" if p["speedup"] < 1 else ")") for p in scaled))
+    lines += memory_lines(rows)
     for row in rows:
         if not row["ok"]:
             lines.append(f"Skipped, {row['label']}: {row['problem']}")
@@ -191,6 +238,30 @@ def verdicts(parity: dict, speed: list[dict], scaling: dict, rows: list[dict], f
             "warnings": fairness["warnings"]}
 
 
+def state_total_mb(row: dict) -> float | None:
+    """The most parameter + gradient + optimizer MB any rank of the run holds."""
+    parts = [row.get("state_mb", {}).get(k) or [] for k in ("params", "grads", "optimizer")]
+    if not all(parts) or any(v is None for p in parts for v in p):
+        return None
+    return max(sum(values) for values in zip(*parts))
+
+
+def memory_lines(rows: list[dict]) -> list[str]:
+    """What sharding saves: each non-ddp run's per-rank state against its ddp run at the same world size."""
+    lines = []
+    for row in rows:
+        if not row["ok"] or row.get("strategy", "ddp") == "ddp" or state_total_mb(row) is None:
+            continue
+        ref = next((r for r in rows if r["ok"] and r["framework"] == row["framework"] and r["dtype"] == row["dtype"]
+                    and r.get("strategy", "ddp") == "ddp" and r["world_size"] == row["world_size"]), None)
+        if ref is None or not state_total_mb(ref):
+            continue
+        mine, theirs = state_total_mb(row), state_total_mb(ref)
+        lines.append(f"Memory, {row['label']}: parameters + gradients + optimizer state {mine:,.1f} MB per rank, "
+                     f"{mine / theirs:.2f}x {ref['label']}'s {theirs:,.1f} MB")
+    return lines
+
+
 def pair_sentence(pair: dict) -> str:
     a, b = pair["a"], pair["b"]
     if pair["verdict"] == "not comparable":
@@ -199,15 +270,22 @@ def pair_sentence(pair: dict) -> str:
     if pair["verdict"] == "no data":
         return f"{a} vs {b}: no common steps to compare"
     checks = pair["checks"]
-    step = checks["per_step"]
+    step = checks.get("per_step", {"verdict": "no data"})
     verb = {"pass": "matches", "fail": "does NOT match"}[pair["verdict"]]
+    if pair.get("kind") == "precision":
+        verb = {"pass": "stays close to", "fail": "departs from"}[pair["verdict"]]
     text = f"{a} {verb} {b}"
-    if step["verdict"] != "no data":
+    if step["verdict"] == "no data" and "curve" in checks:
+        text += ":"
+    elif step.get("relative"):
+        text += (f": max relative |Δloss| {rel_pct(step['max_rel_diff'])} over the first {step['steps_compared']} "
+                 f"steps (tolerance {100 * step['tolerance']:g}%{', FAIL' if step['verdict'] == 'fail' else ''})")
+    elif step["verdict"] != "no data":
         text += (f": max |Δloss| {step['max_abs_diff']:.2e} over the first {step['steps_compared']} steps "
                  f"(tolerance {step['tolerance']:g}{', FAIL' if step['verdict'] == 'fail' else ''})")
     if "curve" in checks:
         c = checks["curve"]
-        text += (f"; moving averages within {rel_pct(c['max_rel_diff'])} over {c['steps_compared']} steps "
+        text += (f"{';' if not text.endswith(':') else ''} moving averages within {rel_pct(c['max_rel_diff'])} over {c['steps_compared']} steps "
                  f"(tolerance {100 * c['tolerance']:g}%{', FAIL' if c['verdict'] == 'fail' else ''})")
     if checks.get("eval", {}).get("verdict") in ("pass", "fail"):
         e = checks["eval"]

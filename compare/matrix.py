@@ -1,7 +1,9 @@
-"""`dpcompare compare`: every framework x world size on the same data, weights and schedule, then a report.
+"""`dpcompare compare`: every framework x strategy x dtype x world size on the same data, weights and
+schedule, then a report.
 
-Runs go one at a time so they never compete for cores. The token cache and the seed checkpoint are
-prepared once, before the first run, and every run reads the same files.
+Runs go one at a time so they never compete for cores. Every run's config and output directory are
+checked before the first one starts; the token cache and the seed checkpoint are prepared once, and
+every run reads the same files.
 """
 from __future__ import annotations
 
@@ -9,11 +11,13 @@ import shlex
 import sys
 from pathlib import Path
 
-from common.config import FRAMEWORKS
+from common.config import DTYPES, FRAMEWORKS, read_toml
 from common.errors import ParityError, UserError
+from common.strategy import STRATEGIES
 
 from .flags import config_from_args
-from .runner import launch, prepare_inputs
+from .labels import run_dirname, run_label
+from .runner import check_run_dir, launch, prepare_inputs
 
 
 def parse_list(text: str, name: str, kind=str, allowed=None) -> list:
@@ -37,33 +41,62 @@ def parse_list(text: str, name: str, kind=str, allowed=None) -> list:
 def run_matrix(args) -> int:
     frameworks = parse_list(args.frameworks, "frameworks", allowed=FRAMEWORKS)
     world_sizes = parse_list(args.nproc, "nproc", kind=int)
+    toml = read_toml(args.config) if getattr(args, "config", None) else {}
+    strategies = parse_list(args.strategies or args.strategy or toml.get("strategy", "ddp"), "strategies",
+                            allowed=STRATEGIES)
+    dtypes = parse_list(args.dtypes or args.dtype or toml.get("dtype", "float32"), "dtypes", allowed=DTYPES)
     # The backend flag names one framework's backend; `auto` lets each framework pick its own.
-    base = config_from_args(args, framework=frameworks[0], nproc=max(world_sizes))
+    base = config_from_args(args, framework=frameworks[0], nproc=max(world_sizes), strategy="ddp",
+                            dtype="float32")
     out = Path(base.out or "runs/compare")
     check_run_dir_for_compare(out, base.overwrite)
-    configs = {(fw, n): base.replace(framework=fw, nproc=n,
-                                     backend=base.backend if fw == frameworks[0] else "auto")
-               for fw in frameworks for n in world_sizes}
+    configs, left_out = plan_matrix(base, frameworks, strategies, dtypes, world_sizes, out)
+    for reason in left_out:
+        print(f"dpcompare: note: {reason}", file=sys.stderr)
     inputs = prepare_inputs(base)
     out.mkdir(parents=True, exist_ok=True)
     run_dirs, failed = [], []
-    for (fw, n), cfg in configs.items():
-        run_dir = out / f"{fw}-n{n}"
-        print(f"== {fw} x{n} ({cfg.resolved_backend if n > 1 else 'single process'}) -> {run_dir}",
-              file=sys.stderr, flush=True)
+    for (label, run_dir), cfg in configs.items():
+        where = cfg.resolved_backend if cfg.world_size > 1 else "single process"
+        print(f"== {label} ({where}) -> {run_dir}", file=sys.stderr, flush=True)
         try:
-            summary = launch(cfg.replace(out=str(run_dir)), inputs, run_dir)
+            summary = launch(cfg, inputs, run_dir)
         except UserError as err:
             summary = {"status": "failed", "error": str(err)}
         if summary["status"] != "ok":
-            failed.append((fw, n, summary.get("error")))
+            failed.append((label, summary.get("error")))
             print(f"   failed: {summary.get('error')}", file=sys.stderr, flush=True)
         run_dirs.append(run_dir)
     command = "dpcompare " + shlex.join(sys.argv[1:]) if sys.argv else ""
     return finish(run_dirs, out, args, {"command": command}, failed)
 
 
+def plan_matrix(base, frameworks, strategies, dtypes, world_sizes, out: Path) -> tuple[dict, list[str]]:
+    """{(label, run_dir): RunConfig} for every run, each validated and its directory checked now, before
+    anything trains; and the combinations left out, with the reason (fsdp and tp need 2 ranks or more)."""
+    configs, left_out = {}, []
+    for strategy in strategies:
+        for dtype in dtypes:
+            for fw in frameworks:
+                for n in world_sizes:
+                    if strategy != "ddp" and n == 1:
+                        left_out.append(f"{run_label(fw, n, strategy, dtype)} left out: {strategy} needs 2 or "
+                                        "more ranks (its reference is the ddp run)")
+                        continue
+                    run_dir = out / run_dirname(fw, n, strategy, dtype)
+                    cfg = base.replace(framework=fw, nproc=n, strategy=strategy, dtype=dtype, out=str(run_dir),
+                                       backend=base.backend if fw == frameworks[0] else "auto")
+                    check_run_dir(run_dir, cfg.resume, cfg.overwrite)
+                    configs[(run_label(fw, n, strategy, dtype), run_dir)] = cfg
+    if not configs:
+        raise UserError("nothing to run: " + "; ".join(left_out))
+    return configs, left_out
+
+
 def check_run_dir_for_compare(out: Path, overwrite: bool) -> None:
+    if (out / "run_config.json").exists():
+        raise UserError(f"{out} is a run directory: a comparison writes its runs and report into --out; "
+                        "choose another --out")
     if (out / "summary.json").exists() and not overwrite:
         raise UserError(f"{out} already holds a comparison; pass --overwrite or choose another --out")
     if out.exists() and not out.is_dir():
@@ -84,8 +117,8 @@ def finish(run_dirs: list[Path], out: Path, args, context: dict, failed: list) -
     print(terminal_table(summary))
     print(f"\nreport: {out / 'report.html'}  ({out / 'report.md'}, {out / 'summary.json'})")
     if failed:
-        for fw, n, error in failed:
-            print(f"dpcompare: error: {fw} x{n} failed: {error}", file=sys.stderr)
+        for label, error in failed:
+            print(f"dpcompare: error: {label} failed: {error}", file=sys.stderr)
         return 1
     if getattr(args, "strict", False) and not summary.get("verdicts", {}).get("all_pass", True):
         raise ParityError("a parity verdict failed (--strict); see the report")
