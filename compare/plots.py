@@ -177,7 +177,14 @@ def memory_figure(rows: list[dict]):
                 bars.append((f"{row['label']}\nrank {rank}", row["framework"], mem, rss))
     if not bars:
         return None
-    fig, ax = plt.subplots(figsize=(max(6.4, 0.9 * len(bars) + 2), 4.2))
+    states = [(row["label"], row["framework"], row["state_mb"]) for row in rows
+              if row.get("state_mb") and all(row["state_mb"].get(k) for k in STATE_PARTS)]
+    width = max(6.4, 0.9 * len(bars) + 2)
+    if states:
+        fig, (ax, ax_state) = plt.subplots(1, 2, figsize=(width + 0.9 * len(states) + 2, 4.2),
+                                           gridspec_kw={"width_ratios": [len(bars) + 1, len(states) + 1]})
+    else:
+        fig, ax = plt.subplots(figsize=(width, 4.2))
     x = np.arange(len(bars))
     ax.bar(x - 0.2, [b[2] or 0 for b in bars], 0.4, color=[color(b[1]) for b in bars])
     ax.bar(x + 0.2, [b[3] or 0 for b in bars], 0.4, color=[color(b[1]) for b in bars], alpha=0.45,
@@ -189,4 +196,27 @@ def memory_figure(rows: list[dict]):
               plt.Rectangle((0, 0), 1, 1, facecolor="#777777", alpha=0.45, hatch="//", edgecolor="white")]
     ax.legend(legend, ["framework peak", "process peak RSS"], fontsize=8)
     ax.grid(alpha=0.3, axis="y")
+    if states:
+        state_figure(ax_state, states)
     return fig
+
+
+STATE_PARTS = ("params", "grads", "optimizer")
+
+
+def state_figure(ax, states: list[tuple]) -> None:
+    """Stacked parameter, gradient and optimizer MB that the largest rank of each run holds: what
+    sharding saves, next to the peaks."""
+    x = np.arange(len(states))
+    bottom = np.zeros(len(states))
+    for part, alpha in zip(STATE_PARTS, (1.0, 0.6, 0.3)):
+        values = np.array([max(v or 0 for v in state[part]) for _, _, state in states])
+        ax.bar(x, values, 0.6, bottom=bottom, color=[color(fw) for _, fw, _ in states], alpha=alpha,
+               edgecolor="white", label=part)
+        bottom += values
+    ax.set_xticks(x, [label for label, _, _ in states], fontsize=8)
+    ax.set_ylabel("MB")
+    ax.set_title("Training state per rank")
+    handles = [plt.Rectangle((0, 0), 1, 1, color="#777777", alpha=a) for a in (1.0, 0.6, 0.3)]
+    ax.legend(handles, ["parameters", "gradients", "optimizer state"], fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
