@@ -96,6 +96,7 @@ class RunConfig:
     init_from: str = ""              # an HF-format Llama dir to start from instead of the seeded init
     collective_timeout_s: float = 60.0
     timing_warmup_steps: int = 3
+    profile_steps: int = 2           # extra instrumented steps after the run for the time breakdown; 0 = none
     out: str = ""
     resume: bool = False
     overwrite: bool = False
@@ -193,7 +194,8 @@ class RunConfig:
         for name in ("seq_len", "global_batch_size", "grad_accum", "steps", "nproc", "threads_per_rank",
                      "builtin_vocab_size", "builtin_corpus_bytes", "eval_batches", "nnodes"):
             _positive(name, getattr(self, name))
-        for name in ("warmup_steps", "lr_decay_steps", "eval_every", "checkpoint_every", "timing_warmup_steps", "seed"):
+        for name in ("warmup_steps", "lr_decay_steps", "eval_every", "checkpoint_every", "timing_warmup_steps", "seed",
+                     "profile_steps"):
             if getattr(self, name) < 0:
                 raise UserError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("lr", "adam_eps", "all_reduce_size_mb", "bucket_cap_mb", "collective_timeout_s"):

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .breakdown import profile
 from .checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import RunConfig
 from .errors import UserError
@@ -146,14 +147,20 @@ def train(run_dir: Path, world: World, trainer_cls) -> None:
 
     launch_time = float(os.environ.get("DPCOMPARE_LAUNCH_TIME", time.time()))
     fault = injected_fault(trainer.framework)
-    step_times, first_step_end = [], None
+    step_times, data_times, first_step_end = [], [], None
+
+    def step_inputs(step: int):
+        """(this rank's micro-batches, lr, global real-token count) of an optimizer step."""
+        indices = sampler.global_batch_indices(step)
+        mine = rank_slice(indices, dp_rank, dp_size)
+        batches = [train_view.batch(m) for m in micro_batches(mine, cfg.grad_accum)]
+        return batches, lr_for(cfg, step), train_view.real_target_count(indices)
+
     try:
         for step in range(start_step, cfg.steps):
-            indices = sampler.global_batch_indices(step)
-            global_tokens = train_view.real_target_count(indices)
-            mine = rank_slice(indices, dp_rank, dp_size)
-            batches = [train_view.batch(m) for m in micro_batches(mine, cfg.grad_accum)]
-            lr = lr_for(cfg, step)
+            t_data = time.perf_counter()
+            batches, lr, global_tokens = step_inputs(step)
+            data_times.append(time.perf_counter() - t_data)
 
             if fault is not None and fault.get("rank", rank) == rank and fault.get("step") == step + 1:
                 raise RuntimeError(f"injected fault at step {step + 1} (DPCOMPARE_INJECT_FAULT)")
@@ -182,6 +189,11 @@ def train(run_dir: Path, world: World, trainer_cls) -> None:
 
     timed = step_times[cfg.timing_warmup_steps:] or step_times
     median = float(np.median(timed)) if timed else 0.0
+    if cfg.profile_steps and timed:
+        breakdown = profile(trainer, lambda k: step_inputs(cfg.steps + k), cfg.profile_steps, median,
+                            float(np.median(data_times)), world_size,
+                            progress=lambda k: status.update(force=True, status="profiling", profile_step=k))
+        status.update(force=True, breakdown=breakdown)
     status.update(
         force=True, status="ok",
         peak_mem_bytes=trainer.peak_memory_bytes(), peak_rss_bytes=peak_rss_bytes(),

@@ -49,6 +49,7 @@ def run_row(run: RunData, parity: dict, peaks: "PeakFinder") -> dict:
         "comm_bytes_per_step": s.get("comm_bytes_per_step"),
         "comm_bytes_per_step_estimate": s.get("comm_bytes_per_step_estimate"),
         "reduce_scatter": s.get("reduce_scatter"),
+        "breakdown": s.get("breakdown"),
         "command": s.get("command"), "rerun": rerun_command(cfg, run.framework, run.world_size),
         "parity": run_verdict(parity, run.label) if run.ok else "skipped",
     }
@@ -130,7 +131,24 @@ def speed_table(rows: list[dict]) -> list[dict]:
                         world_size=r["world_size"])
             if ref:
                 add("dtype", r, ref)
+    by_label = {r["label"]: r for r in done}
+    for entry in table:
+        entry["phase_gap"] = phase_gap(by_label[entry["faster_label"]], by_label[entry["slower_label"]])
     return table
+
+
+BREAKDOWN_PHASES = ("data", "forward", "backward", "communication", "optimizer", "other")
+
+
+def phase_gap(fast: dict, slow: dict) -> str | None:
+    """The phase of the step breakdown whose time differs most between two runs, as a sentence."""
+    a, b = fast.get("breakdown"), slow.get("breakdown")
+    if not a or not b:
+        return None
+    phase = max(BREAKDOWN_PHASES, key=lambda p: abs((b.get(p) or 0) - (a.get(p) or 0)))
+    fa, fb = (a.get(phase) or 0) * 1e3, (b.get(phase) or 0) * 1e3
+    return (f"the phase that differs most is {phase} ({fb:,.1f} ms in {slow['label']} vs {fa:,.1f} ms in "
+            f"{fast['label']} per step)")
 
 
 def rerun_command(cfg: dict, framework: str, world_size: int) -> str:
@@ -219,7 +237,8 @@ def verdicts(parity: dict, speed: list[dict], scaling: dict, rows: list[dict], f
         where = f"N={s['world_size']}" + (f", {s['setting']}" if s.get("setting") else "")
         lines.append(f"{what}, {where}: {s['faster']} is {s['speedup']:.2f}x faster than {s['slower']} "
                      f"({s['faster_tokens_per_s']:,.0f} vs {s['slower_tokens_per_s']:,.0f} tokens/s median)"
-                     + (f"; {NOISE_NOTE}" if s["within_noise"] else ""))
+                     + (f"; {NOISE_NOTE}" if s["within_noise"] else "")
+                     + (f"; {s['phase_gap']}" if s.get("phase_gap") else ""))
     for group, points in scaling.items():
         scaled = [p for p in points if p["world_size"] > 1 and p["efficiency"] is not None]
         if scaled:

@@ -37,6 +37,7 @@ def make_plots(runs: list, parity: dict, rows: list[dict], scaling: dict, out_di
                        ("eval_loss", lambda: eval_figure(runs, sizes)),
                        ("throughput", lambda: throughput_figure(rows)),
                        ("scaling", lambda: scaling_figure(scaling)),
+                       ("breakdown", lambda: breakdown_figure(rows)),
                        ("memory", lambda: memory_figure(rows))):
         fig = draw()
         if fig is None:
@@ -220,3 +221,29 @@ def state_figure(ax, states: list[tuple]) -> None:
     handles = [plt.Rectangle((0, 0), 1, 1, color="#777777", alpha=a) for a in (1.0, 0.6, 0.3)]
     ax.legend(handles, ["parameters", "gradients", "optimizer state"], fontsize=8)
     ax.grid(alpha=0.3, axis="y")
+
+
+PHASE_COLORS = {"data": "#8c8c8c", "forward": "#4c72b0", "backward": "#55a868", "communication": "#c44e52",
+                "optimizer": "#dd8452", "other": "#cccccc"}
+
+
+def breakdown_figure(rows: list[dict]):
+    """One stacked bar per run: milliseconds per step in each phase, with the uninstrumented step as a tick."""
+    have = [r for r in rows if r.get("breakdown")]
+    if not have:
+        return None
+    fig, ax = plt.subplots(figsize=(max(6.4, 1.1 * len(have) + 2.5), 4.2))
+    x = np.arange(len(have))
+    bottom = np.zeros(len(have))
+    for phase, shade in PHASE_COLORS.items():
+        values = np.array([(r["breakdown"].get(phase) or 0) * 1e3 for r in have])
+        ax.bar(x, values, 0.6, bottom=bottom, color=shade, label=phase, edgecolor="white", linewidth=0.5)
+        bottom += values
+    steps = [r["breakdown"]["step_s"] * 1e3 for r in have]
+    ax.scatter(x, steps, marker="_", s=900, color="black", zorder=3, label="step (uninstrumented)")
+    ax.set_xticks(x, [r["label"] for r in have], fontsize=8)
+    ax.set_ylabel("ms per step")
+    ax.set_title("Where the time goes")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.grid(alpha=0.3, axis="y")
+    return fig

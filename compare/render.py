@@ -8,7 +8,7 @@ import base64
 import html
 from pathlib import Path
 
-from .findings import rel_pct
+from .findings import BREAKDOWN_PHASES, rel_pct
 from .parity import all_pairs
 
 PAIR_NAMES = {"cross_framework": "MLX vs torch", "dp_invariance": "N ranks vs 1", "strategy": "strategy vs ddp",
@@ -66,11 +66,13 @@ def report_blocks(s: dict) -> list[tuple]:
               ("verdict", v["parity"], v["headline"], v["lines"], v["warnings"])]
     blocks += [("h2", "Runs"), ("table", RUN_HEADERS, [run_cells(r) for r in s["runs"]])]
     blocks += parity_blocks(s["parity"])
+    blocks += breakdown_blocks(s["runs"])
     blocks += memory_blocks(s["runs"])
     blocks += precision_blocks(s["runs"])
     figures = [(title, s["plots"][name], name == "loss") for name, title in (
         ("loss", "Loss curves"), ("eval_loss", "Eval loss"), ("throughput", "Throughput"),
-        ("scaling", "Scaling"), ("memory", "Memory per rank")) if name in s["plots"]]
+        ("scaling", "Scaling"), ("breakdown", "Where the time goes"), ("memory", "Memory per rank"))
+        if name in s["plots"]]
     if figures:
         blocks += [("h2", "Figures"), ("figs", figures)]
     if s["scaling"] and any(len(p) > 1 for p in s["scaling"].values()):
@@ -170,6 +172,31 @@ def parity_blocks(p: dict) -> list[tuple]:
     if p["skipped"]:
         blocks.append(("ul", [f"skipped {r['label']} ({r['run_dir']}): {r['reason']}" for r in p["skipped"]]))
     return blocks
+
+
+def breakdown_blocks(rows: list[dict]) -> list[tuple]:
+    have = [r for r in rows if r.get("breakdown")]
+    if not have:
+        return []
+    table = []
+    for r in have:
+        b = r["breakdown"]
+        overhead = b.get("instrumentation_overhead")
+        limit = f"{1 / r['mfu']:.1f}x" if r.get("mfu") else "–"
+        table.append((r["label"], fmt(b["step_s"] * 1e3, ",.1f"),
+                      *(fmt(b.get(p, 0) * 1e3, ",.1f") for p in BREAKDOWN_PHASES),
+                      fmt(b.get("phases_sum_s", 0) * 1e3, ",.1f"),
+                      "–" if overhead is None else f"{100 * overhead:+.0f}%", limit))
+    return [("h2", "Where the time goes"),
+            ("p", "Milliseconds per optimizer step, from extra steps run after the last checkpoint: forward, "
+                  "backward and optimizer from steps that wait for the device after each phase and skip the "
+                  "gradient sync; communication is the median step with gradient sync minus the median step "
+                  "without it (what overlap does not hide); other is the rest of the instrumented step; data "
+                  "is batch assembly on the host, outside the step timer. 'sum vs step' is what the "
+                  "instrumentation itself adds to the run's median step. 'x limit' is the step time over the "
+                  "time its matmul FLOPs take at the peak used for MFU."),
+            ("table", ("run", "step ms", *(f"{p} ms" for p in BREAKDOWN_PHASES), "phases ms", "sum vs step",
+                       "x limit"), table)]
 
 
 def memory_blocks(rows: list[dict]) -> list[tuple]:

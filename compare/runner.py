@@ -171,6 +171,7 @@ def summarize(cfg: RunConfig, run_dir: Path, argv: list[str], blas: str, wall_s:
         **stats,
         "warmup_steps": cfg.timing_warmup_steps,
         "compile_s": rank0.get("compile_s"), "time_to_first_step_s": rank0.get("time_to_first_step_s"),
+        "breakdown": rank0.get("breakdown"), "strategy": cfg.strategy, "dtype": cfg.dtype,
         "wall_s": wall_s,
         "peak_mem_bytes": [ranks.get(r, {}).get("peak_mem_bytes") for r in range(world)],
         "peak_rss_bytes": [ranks.get(r, {}).get("peak_rss_bytes") for r in range(world)],
