@@ -41,6 +41,7 @@ RUN_FLAGS = [
     ("--collective-timeout-s", float, "seconds without progress before a job is declared hung"),
     ("--eval-every", int, "steps between eval losses (0: only at the end)"),
     ("--checkpoint-every", int, "steps between checkpoints (0: only at the end)"),
+    ("--profile-steps", int, "extra instrumented steps after the run for the time breakdown (0: none)"),
     ("--tune-malloc", None, "glibc malloc that keeps freed memory: faster CPU steps, higher peak RSS"),
     ("--init-from", str, "start from this HF-format Llama dir instead of the seeded init"),
     ("--cache-dir", str, "where token caches and seed checkpoints live"),

@@ -6,6 +6,8 @@ its gradients by N / global_tokens; `nn.average_gradients` then divides the all-
 """
 from __future__ import annotations
 
+import time
+
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
@@ -43,27 +45,37 @@ class Trainer:
             loss_sum, grads = loss_and_grad(self.model, inputs, targets, mask)
             return loss_sum, tree_map(lambda g: g * scale, grads)
 
-        def update(grads, loss_sum):
-            grads = dict(grads, **{LOSS_KEY: loss_sum})
-            if world_size > 1:
-                grads = nn.average_gradients(grads, group=group, all_reduce_size=reduce_bytes)
-            loss = grads.pop(LOSS_KEY)
-            if grad_clip > 0:
-                grads, grad_norm = optim.clip_grad_norm(grads, grad_clip)
-            else:
-                grad_norm = mx.sqrt(sum((g * g).sum() for _, g in tree_flatten(grads)))
-            self.optimizer.update(self.model, grads)
-            return loss, grad_norm
+        def make_update(sync: bool):
+            def update(grads, loss_sum):
+                grads = dict(grads, **{LOSS_KEY: loss_sum})
+                if world_size > 1 and sync:
+                    grads = nn.average_gradients(grads, group=group, all_reduce_size=reduce_bytes)
+                loss = grads.pop(LOSS_KEY)
+                if grad_clip > 0:
+                    grads, grad_norm = optim.clip_grad_norm(grads, grad_clip)
+                else:
+                    grad_norm = mx.sqrt(sum((g * g).sum() for _, g in tree_flatten(grads)))
+                self.optimizer.update(self.model, grads)
+                return loss, grad_norm
+            return update
 
         # value_and_grad swaps traced parameters into the model, so every compiled function lists the
         # state as an output too: otherwise the model would be left holding placeholders.
         state = [self.model.state, self.optimizer.state]
         self._micro_step = mx.compile(micro_step, inputs=state, outputs=state)
-        self._update = mx.compile(update, inputs=state, outputs=state)
+        self._update = {sync: mx.compile(make_update(sync), inputs=state, outputs=state) for sync in (True, False)}
         self._eval_sum = mx.compile(lambda x, y, m: token_loss_sum(self.model, x, y, m), inputs=state,
                                     outputs=state)
 
-    def train_step(self, batches, lr, global_tokens):
+    def train_step(self, batches, lr, global_tokens, sync=True):
+        """sync=False skips the gradient all-reduce (time breakdown only: the ranks' weights part ways)."""
+        loss_sum, grads = self._gradients(batches, global_tokens)
+        self.optimizer.learning_rate = mx.array(lr, dtype=mx.float32)
+        loss, grad_norm = self._update[sync](grads, loss_sum)
+        mx.eval(loss, grad_norm, self.model.state, self.optimizer.state)  # the step is done when timed
+        return loss.item(), grad_norm.item()
+
+    def _gradients(self, batches, global_tokens):
         # scale = N / T: after averaging over N ranks the gradient is that of (sum of losses) / T.
         scale = mx.array(self.world_size / global_tokens, dtype=mx.float32)
         loss_sum, grads = None, None
@@ -74,10 +86,25 @@ class Trainer:
                 loss_sum, grads = micro_loss, micro_grads
             else:  # accumulate lazily; communication happens only in `update`
                 loss_sum, grads = loss_sum + micro_loss, tree_map(mx.add, grads, micro_grads)
+        return loss_sum, grads
+
+    def profile_step(self, batches, lr, global_tokens):
+        """One step without gradient sync that waits for each phase (common/breakdown.py): forward from a
+        forward-only pass, backward as forward+backward minus it, then the update."""
+        start = time.perf_counter()
+        for inputs, targets, mask in batches:
+            mx.eval(self._eval_sum(mx.array(inputs), mx.array(targets), mx.array(mask)))
+        forward = time.perf_counter() - start
+        t = time.perf_counter()
+        loss_sum, grads = self._gradients(batches, global_tokens)
+        mx.eval(loss_sum, grads)
+        forward_backward = time.perf_counter() - t
+        t = time.perf_counter()
         self.optimizer.learning_rate = mx.array(lr, dtype=mx.float32)
-        loss, grad_norm = self._update(grads, loss_sum)
-        mx.eval(loss, grad_norm, self.model.state, self.optimizer.state)  # the step is done when timed
-        return loss.item(), grad_norm.item()
+        mx.eval(self._update[False](grads, loss_sum), self.model.state, self.optimizer.state)
+        optimizer = time.perf_counter() - t
+        return {"forward": forward, "backward": max(0.0, forward_backward - forward), "optimizer": optimizer,
+                "total": time.perf_counter() - start - forward}  # the extra forward pass is not part of a step
 
     def eval_loss_sum(self, inputs, targets, mask):
         return self._eval_sum(mx.array(inputs), mx.array(targets), mx.array(mask)).item()

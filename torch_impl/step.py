@@ -7,6 +7,7 @@ its loss by N / global_tokens; DDP then averages (divides the all-reduced sum by
 from __future__ import annotations
 
 import contextlib
+import time
 
 import numpy as np
 import torch
@@ -49,31 +50,65 @@ class Trainer:
                                            eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
         self.names = {p: n for n, p in self.model.named_parameters()}
 
-    def _forward_loss(self, inputs, targets, mask):
+    def _forward_loss(self, model, inputs, targets, mask):
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            return token_loss_sum(self.wrapped, inputs, targets, mask)
+            return token_loss_sum(model, inputs, targets, mask)
 
-    def train_step(self, batches, lr, global_tokens):
+    def train_step(self, batches, lr, global_tokens, sync=True):
+        """sync=False skips the gradient all-reduce (time breakdown only: the ranks' weights part ways)."""
+        loss_sum = self._gradients(batches, global_tokens, self.wrapped if sync else self.model)
+        grad_norm = self._update(lr)
+        if self.world_size > 1 and sync:
+            dist.all_reduce(loss_sum)
+        loss = (loss_sum / global_tokens).item()  # .item() waits for the device: the step is done
+        return loss, grad_norm.item()
+
+    def _gradients(self, batches, global_tokens, model):
+        """`model`: the DDP wrapper, or the bare model, which runs no gradient hooks and so never syncs."""
         scale = self.world_size / global_tokens
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for i, (inputs, targets, mask) in enumerate(batches):
             last = i == len(batches) - 1
             # Communicate only on the micro-step that ends the optimizer step.
-            sync = contextlib.nullcontext() if last or self.world_size == 1 else self.wrapped.no_sync()
+            sync = contextlib.nullcontext() if last or model is not self.wrapped or self.world_size == 1 \
+                else self.wrapped.no_sync()
             with sync:
-                micro = self._forward_loss(*self._to_device(inputs, targets, mask))
+                micro = self._forward_loss(model, *self._to_device(inputs, targets, mask))
                 (micro * scale).backward()
             loss_sum += micro.detach().double()
+        return loss_sum
+
+    def _update(self, lr):
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
                                                    self.grad_clip if self.grad_clip > 0 else float("inf"))
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=self.world_size == 1)  # bucket views must stay allocated
-        if self.world_size > 1:
-            dist.all_reduce(loss_sum)
-        loss = (loss_sum / global_tokens).item()  # .item() waits for the device: the step is done
-        return loss, grad_norm.item()
+        return grad_norm
+
+    def profile_step(self, batches, lr, global_tokens):
+        """One step without gradient sync that waits for each phase (common/breakdown.py): forward from a
+        forward-only pass, backward as forward+backward minus it, then the update."""
+        start = time.perf_counter()
+        with torch.no_grad():
+            for inputs, targets, mask in batches:
+                self._forward_loss(self.model, *self._to_device(inputs, targets, mask)).item()
+        forward = time.perf_counter() - start
+        t = time.perf_counter()
+        self._gradients(batches, global_tokens, self.model).item()
+        self._wait()
+        forward_backward = time.perf_counter() - t
+        t = time.perf_counter()
+        self._update(lr).item()
+        self._wait()
+        optimizer = time.perf_counter() - t
+        return {"forward": forward, "backward": max(0.0, forward_backward - forward), "optimizer": optimizer,
+                "total": time.perf_counter() - start - forward}  # the extra forward pass is not part of a step
+
+    def _wait(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     @torch.no_grad()
     def eval_loss_sum(self, inputs, targets, mask):
