@@ -1,16 +1,21 @@
 """`dpcompare`: one CLI for preparing data, running one backend, comparing both, and reporting.
 
 User mistakes (common.errors.UserError) become one line on stderr and exit code 2; a failed run exits 1;
-a failed parity verdict under --strict exits 3.
+a failed parity verdict under --strict exits 3. SIGINT, SIGTERM or SIGHUP stops the job, marks the run
+interrupted and exits 128 + the signal number (130, 143, 129).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
 from pathlib import Path
 
 from common.config import RunConfig
 from common.errors import ParityError, UserError
+
+from .watchdog import install_stop_handlers, restore_handlers
 
 # Flags shared by `run` and `compare`, each mapped onto the RunConfig field of the same name.
 RUN_FLAGS = [
@@ -51,14 +56,20 @@ RUN_FLAGS = [
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # SIGTERM (kill, timeout, CI, systemd) and SIGHUP (a closed ssh session) stop a job like Ctrl-C does.
+    previous = install_stop_handlers()
     try:
         return args.handler(args)
     except (UserError, ParityError) as err:
         print(f"dpcompare: error: {err}", file=sys.stderr)
         return err.exit_code
-    except KeyboardInterrupt:
-        print("dpcompare: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as err:
+        signum = getattr(err, "signum", signal.SIGINT)
+        with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
+            print(f"dpcompare: {getattr(err, 'detail', None) or 'interrupted'}", file=sys.stderr)
+        return 128 + signum  # what a shell reports for a process killed by that signal
+    finally:
+        restore_handlers(previous)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -95,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--frameworks", default="mlx,torch", help="comma list, e.g. mlx,torch")
     compare.add_argument("--nproc", default="1,2", help="comma list of world sizes, e.g. 1,2")
     compare.add_argument("--strict", action="store_true", help="exit 3 when a parity verdict fails")
+    compare.add_argument("--report-on-interrupt", action="store_true",
+                         help="when stopped by a signal, still write the report from the runs that finished")
     add_tolerance_flags(compare)
     add_run_flags(compare)
     compare.set_defaults(handler=cmd_compare)

@@ -56,12 +56,24 @@ def run_matrix(args) -> int:
             summary = launch(cfg.replace(out=str(run_dir)), inputs, run_dir)
         except UserError as err:
             summary = {"status": "failed", "error": str(err)}
+        except KeyboardInterrupt as stop:  # a signal stops the whole matrix: no further run starts
+            raise matrix_interrupted(stop, run_dirs, out, args, failed)
         if summary["status"] != "ok":
             failed.append((fw, n, summary.get("error")))
             print(f"   failed: {summary.get('error')}", file=sys.stderr, flush=True)
         run_dirs.append(run_dir)
     command = "dpcompare " + shlex.join(sys.argv[1:]) if sys.argv else ""
     return finish(run_dirs, out, args, {"command": command}, failed)
+
+
+def matrix_interrupted(stop: KeyboardInterrupt, run_dirs: list[Path], out: Path, args, failed: list):
+    """No report from a half-finished matrix unless asked (--report-on-interrupt): its verdicts would
+    silently lack runs. `dpcompare report` still builds one from whatever finished."""
+    if getattr(args, "report_on_interrupt", False) and run_dirs:
+        finish(run_dirs, out, args, {"command": "dpcompare " + shlex.join(sys.argv[1:])}, failed)
+    stop.detail = (f"{getattr(stop, 'detail', None) or 'interrupted'}; the comparison stopped there "
+                   f"(dpcompare report {out} reports the runs that finished)")
+    return stop
 
 
 def check_run_dir_for_compare(out: Path, overwrite: bool) -> None:
