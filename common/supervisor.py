@@ -29,15 +29,29 @@ STOP_FILE = "stop.json"  # in the run directory's ranks/, written by dpcompare b
 POLL_S = 0.5
 
 
+_exited = threading.Event()  # set by the watch once it has seen the supervisor exit
+
+
 def identity() -> str:
     """This process as the supervisor of the jobs it starts: the value of DPCOMPARE_SUPERVISOR."""
-    return f"{os.uname().nodename}:{os.getpid()}:{_start_time(os.getpid()) or ''}"
+    return f"{_here()}:{os.getpid()}:{_start_time(os.getpid()) or ''}"
+
+
+def _here() -> str:
+    """Where a pid means this process: the host, and on Linux the pid namespace (containers that share
+    a host name do not share pids)."""
+    try:
+        return f"{os.uname().nodename}/{os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return os.uname().nodename
 
 
 def _start_time(pid: int) -> str | None:
-    """Linux: the process's start time in clock ticks since boot, None when it is gone; "" without /proc."""
+    """Linux: the process's start time in clock ticks since boot; None when it is gone or a zombie (an
+    exited supervisor whose parent has not reaped it yet); "" where there is no /proc."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return None if fields[0] in ("Z", "X") else fields[19]
     except FileNotFoundError:
         return None
     except (OSError, IndexError):
@@ -48,13 +62,15 @@ def _parse(value: str | None) -> tuple[int, str] | None:
     """(pid, start time) of a supervisor on this host, or None when there is none to watch."""
     try:
         host, pid, start = (value or "").rsplit(":", 2)
-        return (int(pid), start) if host == os.uname().nodename else None
+        return (int(pid), start) if host == _here() else None
     except ValueError:
         return None
 
 
 def supervisor_gone(value: str | None = None) -> bool:
     """True when the supervisor named in DPCOMPARE_SUPERVISOR (or `value`) has exited."""
+    if _exited.is_set():
+        return True
     parsed = _parse(value if value is not None else os.environ.get(ENV))
     if parsed is None:
         return False
@@ -62,7 +78,7 @@ def supervisor_gone(value: str | None = None) -> bool:
     if start:
         return _start_time(pid) != start
     try:
-        os.kill(pid, 0)
+        os.kill(pid, 0)  # no /proc (macOS): a pid alive now is taken for the supervisor
         return False
     except ProcessLookupError:
         return True
@@ -78,26 +94,27 @@ def watch_supervisor(on_gone) -> bool:
     pid, start = parsed
 
     def wait():
-        if not start and hasattr(select, "kqueue"):
-            _wait_kqueue(pid)
-        while not supervisor_gone():
-            time.sleep(POLL_S)
+        # kqueue reports the exit itself, before the parent reaps the zombie that kill(pid, 0) still sees.
+        if not (not start and hasattr(select, "kqueue") and _wait_kqueue(pid)):
+            while not supervisor_gone():
+                time.sleep(POLL_S)
+        _exited.set()
         on_gone()
 
     threading.Thread(target=wait, name="supervisor-watch", daemon=True).start()
     return True
 
 
-def _wait_kqueue(pid: int) -> None:
-    """macOS/BSD: block until process `pid` exits; on any error return and let the caller poll."""
+def _wait_kqueue(pid: int) -> bool:
+    """macOS/BSD: block until process `pid` exits (True); False on any error, and the caller polls."""
     try:
         queue = select.kqueue()
         event = select.kevent(pid, filter=select.KQ_FILTER_PROC,
                               flags=select.KQ_EV_ADD | select.KQ_EV_ONESHOT, fflags=select.KQ_NOTE_EXIT)
-        queue.control([event], 0, 0)
-        queue.control(None, 1, None)
-    except (OSError, AttributeError, ValueError):  # ESRCH: already gone; the poll that follows sees it
-        pass
+        queue.control([event], 0, 0)  # ESRCH (an OSError) when it is gone already
+        return bool(queue.control(None, 1, None))
+    except (OSError, AttributeError, ValueError):
+        return False
 
 
 def request_stop(run_dir: Path, reason: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -174,6 +175,8 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 def install_stop_handlers() -> dict:
     """Turn the first stop signal into Interrupted; later ones are ignored so the cleanup is not cut short
     (it is bounded by 2 x KILL_GRACE_S). Returns the previous handlers, for restore_handlers."""
+    if threading.current_thread() is not threading.main_thread():  # signal.signal works there only
+        return {}
     stopping = []
 
     def handler(signum, frame):

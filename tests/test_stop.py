@@ -12,11 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from common import supervisor
 from common.checkpoint import latest_checkpoint
 from compare import environment
 from helpers import FAST, ROOT, dpcompare, losses, summary
-
-pytestmark = pytest.mark.slow
 
 LAUNCHES = [("mlx", "ring"), ("mlx", "mpi"), ("torch", "gloo")]
 STOP_LIMIT_S = 10.0
@@ -94,11 +93,30 @@ def rank_statuses(run_dir):
     return sorted(json.loads(p.read_text())["status"] for p in (run_dir / "ranks").glob("rank*.json"))
 
 
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="Linux /proc")
+def test_a_supervisor_counts_as_gone_once_exited_even_unreaped_or_its_pid_recycled():
+    child = subprocess.Popen(["sleep", "60"])
+    start = supervisor._start_time(child.pid)
+    here = f"{supervisor._here()}:{child.pid}"
+    assert not supervisor.supervisor_gone(f"{here}:{start}")
+    assert supervisor.supervisor_gone(f"{here}:{int(start) + 1}")  # another process under the same pid
+    assert not supervisor.supervisor_gone(f"elsewhere:{child.pid}:{int(start) + 1}")  # not ours to watch
+    child.kill()  # a zombie now: exited, not yet reaped
+    deadline = time.time() + 5
+    while not supervisor.supervisor_gone(f"{here}:{start}") and time.time() < deadline:
+        time.sleep(0.05)
+    assert supervisor.supervisor_gone(f"{here}:{start}")
+    assert Path(f"/proc/{child.pid}").exists()
+    child.wait()
+    assert supervisor.supervisor_gone(f"{here}:{start}")
+
+
 def skip_unless_available(backend):
     if backend == "mpi" and environment.mpirun() is None:
         pytest.skip("Open MPI (mpirun) is not installed")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
 @pytest.mark.parametrize("framework, backend", LAUNCHES)
 def test_a_stop_signal_to_dpcompare_ends_the_job_marks_it_interrupted_and_resume_is_exact(
@@ -126,6 +144,7 @@ def test_a_stop_signal_to_dpcompare_ends_the_job_marks_it_interrupted_and_resume
     assert summary(out)["status"] == "ok"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("framework, backend", LAUNCHES)
 def test_a_killed_dpcompare_leaves_no_rank_running_and_the_last_checkpoint_intact(
         framework, backend, cache_dir, tmp_path):
@@ -146,6 +165,7 @@ def test_a_killed_dpcompare_leaves_no_rank_running_and_the_last_checkpoint_intac
         assert all(np.isfinite(v).all() for v in load_file(str(latest / name)).values())
 
 
+@pytest.mark.slow
 def test_sigterm_of_compare_stops_the_matrix_without_writing_a_report(cache_dir, tmp_path):
     out = tmp_path / "cmp"
     proc = start(cache_dir, "compare", "--frameworks", "mlx,torch", "--nproc", 2, *ENDLESS, "--out", out)
