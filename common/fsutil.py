@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from pathlib import Path
 
 
@@ -10,7 +11,8 @@ from pathlib import Path
 def atomic_path(path: Path):
     """Yield a temporary path beside `path`; on success fsync it and rename it over `path`."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    # Per thread too: a rank's supervisor watch may record its status while the loop writes a heartbeat.
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.{threading.get_ident()}")
     try:
         yield tmp
         with open(tmp, "rb") as f:

@@ -37,6 +37,7 @@ from .schedule import lr_at
 from .sequences import SequenceView
 from .spec import ModelSpec
 from .strategy import data_parallel
+from .supervisor import stop_reason, watch_supervisor
 from .tokencache import TokenCache
 from .weights import load_pretrained
 
@@ -68,12 +69,27 @@ def rank_main(run_dir: str, start_world, trainer_cls) -> int:
 
     def on_sigterm(signum, frame):
         # Launchers SIGTERM the survivors when a rank dies; say so, so the watchdog blames the right rank.
+        # But when dpcompare itself was stopped (ranks/stop.json) or is gone, this is no failure.
+        reason = stop_reason(run_dir)
         (_live_status or RankStatus.existing(Path(run_dir), rank)).update(
-            force=True, status="failed", error="terminated by SIGTERM (the launcher stops the job when a peer fails)")
+            force=True, **({"status": "interrupted", "error": f"stopped: {reason}"} if reason else
+                           {"status": "failed", "error": "terminated by SIGTERM (the launcher stops the job when "
+                                                         "a peer fails)"}))
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
 
+    def on_supervisor_gone():
+        # Nobody is left to stop this job (dpcompare was SIGKILLed): end it from here, even mid-collective.
+        # A checkpoint being saved is abandoned in its temporary directory; `latest` stays complete.
+        try:
+            (_live_status or RankStatus.existing(Path(run_dir), rank)).update(
+                force=True, status="interrupted", error=f"stopped: {stop_reason(run_dir)}")
+            print(f"rank {rank}: {stop_reason(run_dir)}; exiting", file=sys.stderr, flush=True)
+        finally:
+            os._exit(1)
+
     signal.signal(signal.SIGTERM, on_sigterm)
+    watch_supervisor(on_supervisor_gone)
     try:
         cfg, _, plan = load_plan(Path(run_dir))
         world = start_world(cfg, plan)
@@ -85,7 +101,9 @@ def rank_main(run_dir: str, start_world, trainer_cls) -> int:
         if isinstance(err, KeyboardInterrupt):
             message = "interrupted"
         status = _live_status or RankStatus.existing(Path(run_dir), rank)
-        status.update(force=True, status="failed", error=message,
+        reason = stop_reason(run_dir)  # a peer stopped by dpcompare makes this rank's collective fail
+        status.update(force=True, status="interrupted" if reason else "failed",
+                      error=f"stopped: {reason} ({message})" if reason else message,
                       traceback=traceback.format_exc()[-4000:])
         print(f"rank {rank}: {message}", file=sys.stderr, flush=True)
         return 2 if isinstance(err, UserError) else 1

@@ -3,7 +3,9 @@
 Run directory (one per framework x world size):
     run_config.json          the resolved RunConfig this run was started with
     metrics.jsonl            rank 0, one JSON object per line (see TRAIN_FIELDS / EVAL_FIELDS)
-    ranks/rank{r}.json       per-rank status, heartbeat and peak memory (written by every rank)
+    ranks/rank{r}.json       per-rank status (starting, running, ok, failed, interrupted), heartbeat and
+                             peak memory (written by every rank)
+    ranks/stop.json          written by dpcompare before it stops the job on a signal (common/supervisor.py)
     summary.json             written by the launcher once all ranks ended (see SUMMARY_FIELDS)
     checkpoints/step_XXXXXX/ model.safetensors + config.json + optimizer.safetensors + state.json
     log.txt                  everything the ranks printed

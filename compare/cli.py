@@ -1,11 +1,14 @@
 """`dpcompare`: one CLI for preparing data, running one backend, comparing both, and reporting.
 
 User mistakes (common.errors.UserError) become one line on stderr and exit code 2; a failed run exits 1;
-a failed parity verdict under --strict exits 3.
+a failed parity verdict under --strict exits 3. SIGINT, SIGTERM or SIGHUP stops the job, marks the run
+interrupted and exits 128 + the signal number (130, 143, 129).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
 from pathlib import Path
 
@@ -13,18 +16,26 @@ from common.config import RunConfig
 from common.errors import ParityError, UserError
 
 from .flags import add_run_flags, add_tolerance_flags, config_from_args
+from .watchdog import install_stop_handlers, restore_handlers
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # SIGTERM (kill, timeout, CI, systemd) and SIGHUP (a closed ssh session) stop a job like Ctrl-C does.
+    previous = install_stop_handlers()
     try:
         return args.handler(args)
     except (UserError, ParityError) as err:
         print(f"dpcompare: error: {err}", file=sys.stderr)
         return err.exit_code
-    except KeyboardInterrupt:
-        print("dpcompare: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as err:
+        signum = getattr(err, "signum", signal.SIGINT)
+        with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
+            print(f"dpcompare: {getattr(err, 'detail', None) or 'interrupted'}", file=sys.stderr)
+        return 128 + signum  # what a shell reports for a process killed by that signal
+    finally:
+        restore_handlers(previous)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -63,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--strategies", help="comma list of ddp, fsdp, tp (default: --strategy, or ddp)")
     compare.add_argument("--dtypes", help="comma list of float32, bfloat16 (default: --dtype, or float32)")
     compare.add_argument("--strict", action="store_true", help="exit 3 when a parity verdict fails")
+    compare.add_argument("--report-on-interrupt", action="store_true",
+                         help="when stopped by a signal, still write the report from the runs that finished")
     add_tolerance_flags(compare)
     add_run_flags(compare)
     compare.set_defaults(handler=cmd_compare)

@@ -151,7 +151,8 @@ def build_command(cfg: RunConfig, run_dir: Path) -> tuple[list[str], dict, str]:
             if os.geteuid() == 0:
                 argv += ["--allow-run-as-root"]
             argv += ["--oversubscribe"]
-            for key in list(extra) + ["PYTHONPATH", "DPCOMPARE_LAUNCH_TIME", "PYTHONUNBUFFERED"]:
+            for key in list(extra) + ["PYTHONPATH", "DPCOMPARE_LAUNCH_TIME", "PYTHONUNBUFFERED",
+                                      "DPCOMPARE_SUPERVISOR"]:
                 argv += ["-x", key]
         return argv + entry, extra, blas
     if backend == "ring" and not cfg.hostfile:

@@ -63,6 +63,8 @@ def run_matrix(args) -> int:
             summary = launch(cfg, inputs, run_dir)
         except UserError as err:
             summary = {"status": "failed", "error": str(err)}
+        except KeyboardInterrupt as stop:  # a signal stops the whole matrix: no further run starts
+            raise matrix_interrupted(stop, run_dirs, out, args, failed)
         if summary["status"] != "ok":
             failed.append((label, summary.get("error")))
             print(f"   failed: {summary.get('error')}", file=sys.stderr, flush=True)
@@ -91,6 +93,16 @@ def plan_matrix(base, frameworks, strategies, dtypes, world_sizes, out: Path) ->
     if not configs:
         raise UserError("nothing to run: " + "; ".join(left_out))
     return configs, left_out
+
+
+def matrix_interrupted(stop: KeyboardInterrupt, run_dirs: list[Path], out: Path, args, failed: list):
+    """No report from a half-finished matrix unless asked (--report-on-interrupt): its verdicts would
+    silently lack runs. `dpcompare report` still builds one from whatever finished."""
+    if getattr(args, "report_on_interrupt", False) and run_dirs:
+        finish(run_dirs, out, args, {"command": "dpcompare " + shlex.join(sys.argv[1:])}, failed)
+    stop.detail = (f"{getattr(stop, 'detail', None) or 'interrupted'}; the comparison stopped there "
+                   f"(dpcompare report {out} reports the runs that finished)")
+    return stop
 
 
 def check_run_dir_for_compare(out: Path, overwrite: bool) -> None:

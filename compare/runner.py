@@ -10,11 +10,13 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from common import supervisor
 from common.config import RunConfig
 from common.errors import UserError
 from common.metrics import read_metrics, throughput_stats, write_json
@@ -136,22 +138,42 @@ def launch(cfg: RunConfig, inputs: Inputs, run_dir: Path) -> dict:
     shutil.rmtree(run_dir / "ranks", ignore_errors=True)
     started = time.time()
     child_env = {**os.environ, **extra_env, "PYTHONUNBUFFERED": "1", "DPCOMPARE_LAUNCH_TIME": str(started),
+                 supervisor.ENV: supervisor.identity(),  # ranks exit by themselves if this process dies
                  "PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))}
     with open(run_dir / "log.txt", "a") as log:
         shown = {k: v for k, v in extra_env.items() if k.startswith(("MLX_RANK", "MLX_HOSTFILE", "GLOO_"))}
         log.write(f"$ {shlex.join([f'{k}={v}' for k, v in shown.items()] + argv)}\n")
         log.flush()
-        # A session of its own: the whole job can be signalled at once, and nothing outlives it.
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=child_env, cwd=PROJECT_ROOT, start_new_session=True)
+        interrupted = proc = None
         try:
+            # A session of its own: the whole job can be signalled at once, and nothing outlives it.
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=child_env, cwd=PROJECT_ROOT, start_new_session=True)
             failure = watch(proc, run_dir, cfg)
-        except KeyboardInterrupt:
-            stop_job(proc, run_dir)
-            failure = {"error": "interrupted by the user", "failed_rank": None}
+        except KeyboardInterrupt as stop:  # Interrupted, or a plain KeyboardInterrupt (SIGINT)
+            interrupted = stop
+            failure = stop_interrupted(proc, run_dir, cfg, getattr(stop, "signum", signal.SIGINT))
     summary = summarize(cfg, run_dir, argv, blas, time.time() - started, failure)
     write_json(run_dir / "summary.json", summary)
+    if interrupted is not None:
+        interrupted.detail = summary["error"]
+        raise interrupted
     return summary
+
+
+def stop_interrupted(proc: subprocess.Popen | None, run_dir: Path, cfg: RunConfig, signum: int) -> dict:
+    """Stop the whole job because dpcompare was signalled; the summary's status becomes "interrupted"."""
+    from common.checkpoint import latest_checkpoint
+
+    name = signal.Signals(signum).name
+    if proc is not None:  # else the signal came during Popen: the ranks see this process gone and exit
+        stop_job(proc, run_dir, reason=f"dpcompare received {name}")
+    ranks = read_ranks(run_dir, watched_ranks(cfg))
+    step = max((r.get("step", 0) for r in ranks.values()), default=0)
+    latest = latest_checkpoint(run_dir)
+    kept = f"last checkpoint {latest.name} (continue with --resume)" if latest else "no checkpoint yet"
+    return {"status": "interrupted", "signal": name, "failed_rank": None,
+            "error": f"{cfg.framework} x{cfg.nproc * cfg.nnodes} interrupted by {name} after step {step}; {kept}"}
 
 
 def summarize(cfg: RunConfig, run_dir: Path, argv: list[str], blas: str, wall_s: float,

@@ -37,7 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop(ranks, signal.SIGTERM) or sys.exit(143))
     code = 0
     while ranks:
-        pid, status = os.wait()
+        try:
+            pid, status = os.wait()
+        except ChildProcessError:  # stop() below has reaped the others
+            break
         rank = ranks.pop(pid, None)
         exit_code = os.waitstatus_to_exitcode(status)
         if rank is not None and exit_code != 0 and code == 0:

@@ -10,11 +10,13 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
 from common.config import RunConfig
-from common.metrics import read_json
+from common.metrics import read_json, write_json
+from common.supervisor import request_stop
 
 POLL_S = 0.2
 KILL_GRACE_S = 3.0
@@ -158,8 +160,45 @@ def read_ranks(run_dir: Path, world) -> dict[int, dict]:
     return ranks
 
 
-def stop_job(proc: subprocess.Popen, run_dir: Path) -> None:
-    """SIGTERM the job's process group and every known rank, then SIGKILL what is left."""
+class Interrupted(KeyboardInterrupt):
+    """dpcompare itself got SIGINT, SIGTERM or SIGHUP: stop the job, mark it interrupted, exit 128+signum."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+        self.detail: str | None = None  # what was stopped, filled in on the way out
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def install_stop_handlers() -> dict:
+    """Turn the first stop signal into Interrupted; later ones are ignored so the cleanup is not cut short
+    (it is bounded by 2 x KILL_GRACE_S). Returns the previous handlers, for restore_handlers."""
+    if threading.current_thread() is not threading.main_thread():  # signal.signal works there only
+        return {}
+    stopping = []
+
+    def handler(signum, frame):
+        if not stopping:
+            stopping.append(signum)
+            raise Interrupted(signum)
+
+    return {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
+
+
+def restore_handlers(previous: dict) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+
+def stop_job(proc: subprocess.Popen, run_dir: Path, reason: str | None = None) -> None:
+    """SIGTERM the job's process group and every known rank, then SIGKILL what is left.
+
+    `reason`: dpcompare was stopped, not the job failing; the ranks are told first (ranks/stop.json) so
+    they record "interrupted", and ranks killed before they could say so are marked so afterwards."""
+    if reason:
+        request_stop(run_dir, reason)
     pids = {info.get("pid") for info in read_ranks(run_dir, 4096).values()} - {None}
     targets = [("group", proc.pid)] + [("pid", p) for p in pids]
     for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -176,6 +215,16 @@ def stop_job(proc: subprocess.Popen, run_dir: Path) -> None:
         while time.time() < deadline and (proc.poll() is None or any(process_state(p) not in (None, "Z") for p in pids)):
             time.sleep(0.05)
     proc.wait()
+    if reason:
+        mark_interrupted(run_dir, reason)
+
+
+def mark_interrupted(run_dir: Path, reason: str) -> None:
+    """Status files of ranks that were SIGKILLed mid-step (or blocked in a collective) still say running."""
+    for path in (Path(run_dir) / "ranks").glob("rank*.json"):
+        info = read_json(path)
+        if info and info.get("status") in ("starting", "running"):
+            write_json(path, {**info, "status": "interrupted", "error": f"stopped: {reason}"})
 
 
 def progress_bar(cfg: RunConfig):

@@ -1,0 +1,182 @@
+"""No orphaned ranks: a signal to the dpcompare process alone (kill, timeout, CI, systemd, a closed ssh
+session, the OOM killer) ends the whole job within 10 s: launcher and ranks, with the run marked
+interrupted and the last complete checkpoint kept, from which --resume continues exactly."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from common import supervisor
+from common.checkpoint import latest_checkpoint
+from compare import environment
+from helpers import FAST, ROOT, dpcompare, losses, summary
+
+LAUNCHES = [("mlx", "ring"), ("mlx", "mpi"), ("torch", "gloo")]
+STOP_LIMIT_S = 10.0
+# Runs are long enough never to finish on their own; the LR horizon is fixed so that a resumed run and
+# its reference follow the same schedule whatever --steps they are given.
+ENDLESS = ("--steps", 100000, "--lr-decay-steps", 40, "--checkpoint-every", 2)
+
+
+def start(cache_dir, command, *args):
+    cmd = [sys.executable, "-m", "compare.cli", command, *FAST, *map(str, args)]
+    env = {**os.environ, "DPCOMPARE_CACHE": str(cache_dir)}
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_ranks(run_dir, world=2, min_step=3, timeout=120):
+    """Until every rank has done `min_step` steps (so checkpoint step 2 is complete)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        steps = []
+        for rank in range(world):
+            try:
+                steps.append(json.loads((run_dir / "ranks" / f"rank{rank}.json").read_text()).get("step", 0))
+            except (OSError, json.JSONDecodeError):
+                steps.append(0)
+        if min(steps) >= min_step:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the ranks never reached step {min_step} in {run_dir}")
+
+
+def descendants(pid):
+    """Every process below `pid`, found through /proc's parent links (taken before the signal: after it
+    the orphans are reparented)."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def alive(pid):
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def signal_and_time(proc, run_dir, sig):
+    """Send `sig` to the dpcompare process only; (seconds to its exit, seconds until no process of the
+    job is left, stderr). Leftovers are killed so that a failing test leaves nothing behind."""
+    job = descendants(proc.pid) | {json.loads(p.read_text())["pid"] for p in (run_dir / "ranks").glob("rank*.json")}
+    assert len(job) >= 3, f"expected a launcher and two ranks, found {job}"
+    sent = time.time()
+    os.kill(proc.pid, sig)
+    _, stderr = proc.communicate(timeout=60)
+    exited = time.time() - sent
+    while any(alive(p) for p in job) and time.time() - sent < STOP_LIMIT_S + 5:
+        time.sleep(0.05)
+    gone = time.time() - sent
+    left = [p for p in job if alive(p)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes of the job still alive {gone:.1f} s after {sig.name}: {left}"
+    return exited, gone, stderr
+
+
+def rank_statuses(run_dir):
+    return sorted(json.loads(p.read_text())["status"] for p in (run_dir / "ranks").glob("rank*.json"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="Linux /proc")
+def test_a_supervisor_counts_as_gone_once_exited_even_unreaped_or_its_pid_recycled():
+    child = subprocess.Popen(["sleep", "60"])
+    start = supervisor._start_time(child.pid)
+    here = f"{supervisor._here()}:{child.pid}"
+    assert not supervisor.supervisor_gone(f"{here}:{start}")
+    assert supervisor.supervisor_gone(f"{here}:{int(start) + 1}")  # another process under the same pid
+    assert not supervisor.supervisor_gone(f"elsewhere:{child.pid}:{int(start) + 1}")  # not ours to watch
+    child.kill()  # a zombie now: exited, not yet reaped
+    deadline = time.time() + 5
+    while not supervisor.supervisor_gone(f"{here}:{start}") and time.time() < deadline:
+        time.sleep(0.05)
+    assert supervisor.supervisor_gone(f"{here}:{start}")
+    assert Path(f"/proc/{child.pid}").exists()
+    child.wait()
+    assert supervisor.supervisor_gone(f"{here}:{start}")
+
+
+def skip_unless_available(backend):
+    if backend == "mpi" and environment.mpirun() is None:
+        pytest.skip("Open MPI (mpirun) is not installed")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+@pytest.mark.parametrize("framework, backend", LAUNCHES)
+def test_a_stop_signal_to_dpcompare_ends_the_job_marks_it_interrupted_and_resume_is_exact(
+        framework, backend, sig, cache_dir, tmp_path):
+    skip_unless_available(backend)
+    job = ("--framework", framework, "--nproc", 2, "--backend", backend)
+    out = tmp_path / "run"
+    proc = start(cache_dir, "run", *job, *ENDLESS, "--out", out)
+    wait_for_ranks(out)
+    exited, gone, stderr = signal_and_time(proc, out, sig)
+    print(f"{framework}/{backend} {sig.name}: dpcompare exited after {exited:.2f} s, job gone after {gone:.2f} s")
+    assert proc.returncode == 128 + sig, stderr
+    assert exited < STOP_LIMIT_S and gone < STOP_LIMIT_S
+    assert f"interrupted by {sig.name}" in stderr and len(stderr.strip().splitlines()) == 1, stderr
+    assert summary(out)["status"] == "interrupted"
+    assert rank_statuses(out) == ["interrupted", "interrupted"]
+    if sig != signal.SIGTERM:  # the resume check once per backend keeps the suite short
+        return
+    # --resume from the last complete checkpoint gives the losses of a run never interrupted.
+    resumed_from = int(latest_checkpoint(out).name.split("_")[1])
+    steps = ("--steps", resumed_from + 4, "--lr-decay-steps", 40, "--checkpoint-every", 2)
+    dpcompare("run", *FAST, *job, *steps, "--resume", "--out", out, cache_dir=cache_dir)
+    dpcompare("run", *FAST, *job, *steps, "--out", tmp_path / "reference", cache_dir=cache_dir)
+    np.testing.assert_allclose(losses(out), losses(tmp_path / "reference"), rtol=0, atol=1e-6)
+    assert summary(out)["status"] == "ok"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("framework, backend", LAUNCHES)
+def test_a_killed_dpcompare_leaves_no_rank_running_and_the_last_checkpoint_intact(
+        framework, backend, cache_dir, tmp_path):
+    skip_unless_available(backend)
+    out = tmp_path / "run"
+    proc = start(cache_dir, "run", "--framework", framework, "--nproc", 2, "--backend", backend, *ENDLESS,
+                 "--out", out)
+    wait_for_ranks(out)
+    _, gone, _ = signal_and_time(proc, out, signal.SIGKILL)
+    print(f"{framework}/{backend} SIGKILL: job gone after {gone:.2f} s")
+    assert gone < STOP_LIMIT_S
+    assert rank_statuses(out) == ["interrupted", "interrupted"]  # each rank saw its supervisor gone
+    from safetensors.numpy import load_file
+
+    latest = latest_checkpoint(out)
+    assert json.loads((latest / "state.json").read_text())["step"] >= 2
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        assert all(np.isfinite(v).all() for v in load_file(str(latest / name)).values())
+
+
+@pytest.mark.slow
+def test_sigterm_of_compare_stops_the_matrix_without_writing_a_report(cache_dir, tmp_path):
+    out = tmp_path / "cmp"
+    proc = start(cache_dir, "compare", "--frameworks", "mlx,torch", "--nproc", 2, *ENDLESS, "--out", out)
+    wait_for_ranks(out / "mlx-n2")
+    exited, gone, stderr = signal_and_time(proc, out / "mlx-n2", signal.SIGTERM)
+    print(f"compare SIGTERM: dpcompare exited after {exited:.2f} s, job gone after {gone:.2f} s")
+    assert proc.returncode == 143 and exited < STOP_LIMIT_S and gone < STOP_LIMIT_S, stderr
+    assert summary(out / "mlx-n2")["status"] == "interrupted"
+    assert rank_statuses(out / "mlx-n2") == ["interrupted", "interrupted"]
+    assert not (out / "torch-n2").exists(), "the next run of the matrix was started"
+    assert not (out / "report.md").exists() and not (out / "summary.json").exists()
+    assert f"dpcompare report {out}" in stderr
+    report = dpcompare("report", out, cache_dir=cache_dir)  # still works on what there is
+    assert "interrupted" in (out / "report.md").read_text(), report.stdout
