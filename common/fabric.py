@@ -22,6 +22,7 @@ from typing import Callable
 
 RESULT_PREFIX = "dpcompare-fabric-result "
 WARMUP_CALLS = 2
+PREDICT_FROM_BYTES = 256 * 1024
 STARTED = time.monotonic()  # imported before the framework: the rank's own clock for its time budget
 
 
@@ -60,13 +61,15 @@ def planned_calls(size: int, max_calls: int, budget_bytes: int) -> int:
 
 
 def measure(c: Collectives, sizes: list[int], max_calls: int = 50, budget_bytes: int = 512 * 2**20,
-            time_budget_s: float = math.inf) -> list[dict]:
-    """[{"size_bytes", "times_s"}] per size measured; sizes that would not fit the time budget are left out."""
-    deadline = STARTED + time_budget_s
+            time_budget_s: float = math.inf, started: float = STARTED) -> list[dict]:
+    """[{"size_bytes", "times_s"}] per size measured; sizes that would not fit the time budget, counted from
+    `started` (time.monotonic(); default: when this module was imported), are left out."""
+    deadline = started + time_budget_s
     results, last = [], None  # last: (size, seconds per call) of the previous size, to predict the next
     for i, size in enumerate(sizes):
         left = deadline - time.monotonic()
-        predicted = last[1] * size / last[0] if last else 0.0
+        # Time grows with the bytes only past the latency-bound sizes: predict from 256 KB up.
+        predicted = last[1] * size / last[0] if last and last[0] >= PREDICT_FROM_BYTES else 0.0
         go = c.from_rank0(1.0 if left > (WARMUP_CALLS + 1) * predicted else 0.0)
         if go < 0.5:
             break

@@ -76,8 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="measure all-reduce latency and bandwidth of every usable backend (2 local ranks, "
                              "or the hosts of --hostfile) and estimate a step's gradient sync")
     doctor.add_argument("--hostfile", help="--fabric across these hosts: an MLX JSON hostfile (mlx.launch, ssh)")
-    doctor.add_argument("--backend", help="--fabric: only this backend (ring, mpi, gloo, nccl, jaccl, "
-                                          "jaccl-ring, or mlx:ring ...)")
+    doctor.add_argument("--backend", help="--fabric: only these backends, a comma list (ring, mpi, gloo, nccl, "
+                                          "mlx:nccl, ...); with --hostfile: jaccl, jaccl-ring or ring")
     doctor.add_argument("--nproc", type=int, default=2, help="--fabric: local ranks (default 2)")
     doctor.add_argument("--max-mb", type=float, default=32.0, help="--fabric: largest message, MB (default 32)")
     doctor.add_argument("--time-budget-s", type=float, default=55.0,

@@ -78,21 +78,27 @@ def sizes_for(max_mb: float) -> list[int]:
     return [LATENCY_BYTES, *middle, large]
 
 
-def probe_frameworks() -> tuple[dict, dict]:
-    """Both frameworks' probes (doctor.py's), side by side: importing torch takes seconds."""
+def probe_frameworks(mlx_needed: bool = True, torch_needed: bool = True) -> tuple[dict, dict]:
+    """doctor.py's probes of the frameworks, side by side (importing torch takes seconds)."""
     from .doctor import probe
 
+    def run(framework: str, code: str, needed: bool) -> dict:
+        if not needed:
+            return {"error": "not needed"}
+        return probe(code, timeout=60) if env.version(framework) else {"error": "not installed"}
+
     with ThreadPoolExecutor(2) as pool:
-        mlx = pool.submit(lambda: probe(MLX_PROBE, timeout=60) if env.version("mlx") else {"error": "not installed"})
-        torch = pool.submit(lambda: probe(TORCH_PROBE, timeout=60) if env.version("torch") else
-                            {"error": "not installed"})
+        mlx = pool.submit(run, "mlx", MLX_PROBE, mlx_needed)
+        torch = pool.submit(run, "torch", TORCH_PROBE, torch_needed)
         return mlx.result(), torch.result()
 
 
 def usable_backends(nproc: int, hostfile: str | None, backend: str | None) -> list[tuple[str, str, str]]:
     """(framework, backend, device) of every job to run; with a hostfile, MLX across its hosts only
     (torch across hosts needs one torchrun per host, which this machine cannot start)."""
-    mlx, torch = probe_frameworks()
+    wanted = {name.strip() for name in (backend or "").split(",") if name.strip()}
+    only_mlx = hostfile or (wanted and all(name.startswith("mlx:") for name in wanted))
+    mlx, torch = probe_frameworks(torch_needed=not only_mlx)
     mlx_ok = mlx.get("backends", {})
     if hostfile:
         named = backend or read_mlx_hostfile(hostfile).backend or "ring"
@@ -109,8 +115,8 @@ def usable_backends(nproc: int, hostfile: str | None, backend: str | None) -> li
                   ("torch", "gloo", "cpu", torch.get("backends", {}).get("gloo")),
                   ("torch", "nccl", "cuda", torch.get("backends", {}).get("nccl") and gpus >= nproc)]
     jobs = [(f, b, d) for f, b, d, ok in candidates if ok]
-    if backend:
-        chosen = [job for job in jobs if backend in (job[1], f"{job[0]}:{job[1]}")]
+    if wanted:  # a comma list of backend names (every framework's) or framework:backend
+        chosen = [job for job in jobs if {job[1], f"{job[0]}:{job[1]}"} & wanted]
         if not chosen:
             raise UserError(f"--backend {backend}: not usable here; usable: "
                             f"{', '.join(f'{f}:{b}' for f, b, _ in jobs) or 'none'}")
