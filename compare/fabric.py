@@ -237,9 +237,9 @@ def device_peak(row: Measured) -> tuple[str, float] | None:
 
         name = accelerator_name()
         known = known_peak_flops(name or "")
-        return (f"{known[0]} peak", known[1]) if known else None
+        return (f"the {known[0]}'s peak", known[1]) if known else None
     flops = cached_cpu_peak(row.framework)
-    return (f"CPU, {row.framework} matmul peak measured by doctor --peak", flops) if flops else None
+    return (f"{row.framework}'s CPU matmul peak from doctor --peak", flops) if flops else None
 
 
 @dataclass
@@ -320,19 +320,17 @@ def render(rows: list[Measured], workload: Workload, hostfile: str | None, nproc
             continue
         sync = r.sync_s(workload.grad_bytes, bucket_bytes(r.framework))
         peak = device_peak(r)
-        text = f"  {r.name:<11} ~{sync * 1e3:,.1f} ms"
+        text = f"  {r.name:<11} ~{sync * 1e3:,.0f} ms per step"
         if peak is None:
-            lines.append(text + " (no peak known for this device to compare a step with: `dpcompare doctor "
-                                "--peak` measures the CPU's)")
+            lines.append(text + "; no peak known for this device to compare with (`dpcompare doctor --peak` "
+                                "measures the CPU's)")
             continue
         compute = workload.compute_at_peak_s(r.ranks, peak[1])
-        lines.append(text + f"; the step's compute takes at least {compute * 1e3:,.1f} ms per rank "
-                            f"({tokens / r.ranks:,.0f} tokens at {peak[1] / 1e12:.3g} TFLOP/s, {peak[0]})")
+        lines.append(text + f"; its compute takes at least {compute * 1e3:,.0f} ms per rank ({tokens / r.ranks:,.0f} "
+                            f"tokens at {peak[1] / 1e12:.3g} TFLOP/s: {peak[0]})")
         if sync > compute:
-            needed = workload.grad_bytes / compute
-            lines.append(f"  WARNING {r.name}: at {r.bandwidth_Bps / 1e9:.2f} GB/s syncing {grad_mb:,.0f} MB takes "
-                         f"longer than the compute itself: training will wait on the network. It needs about "
-                         f"{needed / 1e9:.2f} GB/s or more, or more tokens per step (--global-batch-size, "
-                         f"--grad-accum) to hide it.")
+            lines.append(f"  WARNING {r.name}: the sync alone outlasts the compute, so the network sets the pace. "
+                         f"It needs {workload.grad_bytes / compute / 1e9:.2f} GB/s or more (measured "
+                         f"{r.bandwidth_Bps / 1e9:.2f}), or more tokens per step (--global-batch-size, --grad-accum).")
     lines += ["", f"doctor --fabric took {wall_s:.1f} s"]
     return "\n".join(lines)
