@@ -78,7 +78,7 @@ def doctor(measure_peak: bool = False) -> str:
             f"  mpi         {'yes' if usable['mpi'] else 'no'}; mpirun: {env.mpirun() or 'not found'}; "
             f"libmpi: {env.libmpi() or 'not found'}",
             f"  nccl        {'yes' if usable['nccl'] else 'no'}",
-            f"  jaccl       {'yes' if usable['jaccl'] else 'no'} (jaccl, jaccl-ring: RDMA over Thunderbolt 5 between Macs)",
+            f"  jaccl       {'yes' if usable['jaccl'] else 'no'} (jaccl, jaccl-ring: Thunderbolt 5 RDMA between Macs)",
             f"  BLAS linked {mlx_linked_blas()}",
             f"  --mlx-blas auto uses: {env.mlx_blas('auto')[0]}",
         ]

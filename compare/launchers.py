@@ -189,7 +189,7 @@ def check_available(cfg: RunConfig) -> None:
         expr = PROBES[(cfg.framework, "backend" if cfg.framework == "mlx" else backend)].format(name=name)
         checks.append((expr, f"has no {backend} backend; it needs {need}"))
     if cfg.device in ("cuda", "mps", "gpu"):
-        key = (cfg.framework, "device") if cfg.framework == "mlx" else ("torch", "mps" if cfg.device == "mps" else "cuda")
+        key = ("mlx", "device") if cfg.framework == "mlx" else ("torch", "mps" if cfg.device == "mps" else "cuda")
         checks.append((PROBES[key], f"sees no {cfg.device} device"))
     if not checks:
         return

@@ -72,8 +72,8 @@ def test_doctor_fabric_measures_latency_and_bandwidth_of_both_frameworks_on_two_
 @pytest.mark.slow
 def test_doctor_fabric_across_a_hostfile_starts_the_ranks_through_mlx_launch(cache_dir, tmp_path):
     hostfile = tmp_path / "hosts.json"  # mlx.launch runs 127.0.0.1 hosts locally, without ssh
-    hostfile.write_text(json.dumps({"backend": "ring", "envs": [], "hosts": [{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]},
-                                                                             {"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}]}))
+    local = {"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}
+    hostfile.write_text(json.dumps({"backend": "ring", "envs": [], "hosts": [local, local]}))
     proc = dpcompare("doctor", "--fabric", "--hostfile", hostfile, "--max-mb", 1, "--time-budget-s", 30,
                      cache_dir=cache_dir, timeout=60)
     assert set(rows(proc.stdout)) == {"mlx ring"} and f"across the hosts of {hostfile}" in proc.stdout
