@@ -39,7 +39,7 @@ def sweep(framework: str, backend: str, sizes: list[int], work: Path) -> list[di
                            *map(str, sizes)], framework, 2, backend=backend)
     name = f"{framework} {backend}"
     rows = []
-    for r in json.loads(out.read_text()):
+    for r in json.loads(out.read_text())["results"]:
         t, fast = benchlib.median(r["times_s"]), float(np.percentile(r["times_s"], 10))
         # N=2: algorithm and bus bandwidth coincide (busbw = algbw * 2 (N-1) / N).
         rows.append({"backend": name, "size_bytes": r["size_bytes"], "time_s": t, "latency_us": t * 1e6,

@@ -24,7 +24,11 @@ from .spec import ModelSpec, preset
 from .strategy import STRATEGIES, data_parallel
 
 FRAMEWORKS = ("mlx", "torch")
-BACKENDS = {"mlx": ("auto", "ring", "mpi", "nccl"), "torch": ("auto", "gloo", "nccl")}
+# jaccl and jaccl-ring: RDMA over Thunderbolt 5 between Macs (a mesh, or a ring of neighbours), through
+# mlx.launch --hostfile only.
+BACKENDS = {"mlx": ("auto", "ring", "mpi", "nccl", "jaccl", "jaccl-ring"), "torch": ("auto", "gloo", "nccl")}
+HOSTFILE_ONLY_BACKENDS = ("jaccl", "jaccl-ring")
+COMMUNICATION_STREAMS = ("auto", "cpu", "default")  # mlx_impl/comm.py
 SEQUENCE_MODES = ("packing", "padding")
 DEVICES = ("auto", "cpu", "cuda", "mps", "gpu")
 MLX_BLAS = ("auto", "system", "bundled")
@@ -84,6 +88,9 @@ class RunConfig:
     threads_per_rank: int = 1
     mlx_blas: str = "auto"
     all_reduce_size_mb: float = 32.0
+    # MLX: the stream collectives run on. auto = the CPU stream on a Metal GPU, where a collective on the
+    # GPU stream that waits ~5 s for a slow peer is killed by Metal's watchdog (mlx_impl/comm.py).
+    communication_stream: str = "auto"
     bucket_cap_mb: float = 25.0
     torch_compile: bool = False
     # glibc malloc that keeps freed memory instead of unmapping it: 1.3-1.4x faster CPU steps for both
@@ -191,6 +198,7 @@ class RunConfig:
         _choice("mlx_blas", self.mlx_blas, MLX_BLAS)
         _choice("dtype", self.dtype, DTYPES)
         _choice("strategy", self.strategy, STRATEGIES)
+        _choice("communication_stream", self.communication_stream, COMMUNICATION_STREAMS)
         for name in ("seq_len", "global_batch_size", "grad_accum", "steps", "nproc", "threads_per_rank",
                      "builtin_vocab_size", "builtin_corpus_bytes", "eval_batches", "nnodes"):
             _positive(name, getattr(self, name))
@@ -223,10 +231,13 @@ class RunConfig:
             raise UserError(f"node_rank {self.node_rank} must be in [0, nnodes={self.nnodes})")
         if not 0 <= self.val_fraction < 1:
             raise UserError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
-        if self.framework == "torch" and self.device == "mps" and self.world_size > 1:
-            # gloo has no MPS support upstream, so DDP cannot all-reduce MPS tensors.
-            raise UserError("--device mps supports one torch rank only (DDP cannot reduce MPS tensors); "
-                            "use --device cpu for multi-rank torch on a Mac")
+        if self.resolved_backend in HOSTFILE_ONLY_BACKENDS and self.world_size > 1 and not self.hostfile:
+            raise UserError(f"--backend {self.resolved_backend} runs between Macs through mlx.launch: it needs "
+                            "--hostfile FILE (mlx.distributed_config --backend "
+                            f"{self.resolved_backend} --output-hostfile FILE writes one)")
+        if self.framework == "mlx" and self.resolved_backend == "nccl" and self.communication_stream == "cpu":
+            raise UserError("communication_stream cpu does not work with the nccl backend (NCCL reduces GPU "
+                            "memory on the GPU stream); use auto")
         if self.dtype == "bfloat16" and self.framework == "torch" and self.device != "cuda":
             raise UserError("dtype bfloat16 (autocast) is supported on --device cuda only; use float32")
         self.micro_batch_size  # raises when the global batch does not split

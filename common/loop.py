@@ -204,6 +204,7 @@ def train(run_dir: Path, world: World, trainer_cls) -> None:
                 checkpoint(trainer, run_dir, spec, done, fingerprints, rank)
     finally:
         metrics.close()
+    check_same_step(trainer, start_step + len(step_times))
 
     timed = step_times[cfg.timing_warmup_steps:] or step_times
     median = float(np.median(timed)) if timed else 0.0
@@ -242,6 +243,16 @@ def check_identical_weights(trainer, weights: dict[str, np.ndarray]) -> None:
     if abs(spread) > 1e-6 * max(1.0, total_sq):
         raise TrainingError("ranks hold different initial weights (checksum mismatch); check that every "
                             "host reads the same seed checkpoint")
+
+
+def check_same_step(trainer, step: int) -> None:
+    """Every rank must end at the same step: one that skipped or repeated steps while its collectives
+    still matched would have trained on other batches. A rank whose step is not the mean over the ranks
+    raises (exact in float32 up to 2**24 steps)."""
+    count, total = trainer.all_sum(np.array([1.0, step], dtype=np.float64))
+    if abs(total - count * step) > 0.5:
+        raise TrainingError(f"ranks ended at different steps: this rank at {step}, the mean over "
+                            f"{count:.0f} ranks {total / count:g}; check that every node runs the same --steps")
 
 
 def evaluate(trainer, view: SequenceView, cfg: RunConfig, rank: int, world_size: int) -> float:

@@ -49,6 +49,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     doctor = sub.add_parser("doctor", help="what this machine can run: frameworks, devices, backends, BLAS")
     doctor.add_argument("--peak", action="store_true", help="also measure each framework's matmul peak")
+    doctor.add_argument("--fabric", action="store_true",
+                        help="measure all-reduce latency and bandwidth of every usable backend (2 local ranks, "
+                             "or the hosts of --hostfile) and estimate a step's gradient sync")
+    doctor.add_argument("--hostfile", help="--fabric across these hosts: an MLX JSON hostfile (mlx.launch, ssh)")
+    doctor.add_argument("--backend", help="--fabric: only these backends, a comma list (ring, mpi, gloo, nccl, "
+                                          "mlx:nccl, ...); with --hostfile: jaccl, jaccl-ring or ring")
+    doctor.add_argument("--nproc", type=int, default=2, help="--fabric: local ranks (default 2)")
+    doctor.add_argument("--max-mb", type=float, default=32.0, help="--fabric: largest message, MB (default 32)")
+    doctor.add_argument("--time-budget-s", type=float, default=55.0,
+                        help="--fabric: the whole measurement's time limit (default 55)")
+    doctor.add_argument("--preset", default="small", help="--fabric: the model whose gradient sync is estimated")
+    doctor.add_argument("--seq-len", type=int, default=128, help="--fabric: tokens per sequence of that step")
+    doctor.add_argument("--global-batch-size", type=int, default=8, help="--fabric: sequences per step")
     doctor.set_defaults(handler=cmd_doctor)
 
     prepare = sub.add_parser("prepare", help="tokenize a dataset into the shared token cache")
@@ -97,8 +110,25 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_doctor(args) -> int:
     from .doctor import doctor
 
-    print(doctor(measure_peak=args.peak))
-    return 0
+    if not args.fabric:
+        if args.hostfile or args.backend:
+            raise UserError("--hostfile and --backend go with doctor --fabric")
+        print(doctor(measure_peak=args.peak))
+        return 0
+    from .fabric import Workload, fabric
+
+    if args.peak:
+        print(doctor(measure_peak=True) + "\n")
+    if args.nproc < 2 or args.max_mb <= 0 or args.time_budget_s <= 0:
+        raise UserError("doctor --fabric needs --nproc >= 2, a positive --max-mb and --time-budget-s")
+    if args.hostfile and not Path(args.hostfile).is_file():
+        raise UserError(f"hostfile {args.hostfile} not found")
+    workload = Workload(args.preset, args.seq_len, args.global_batch_size)
+    RunConfig(preset=args.preset, seq_len=args.seq_len, global_batch_size=args.global_batch_size).validate()
+    report, code = fabric(nproc=args.nproc, hostfile=args.hostfile, backend=args.backend, max_mb=args.max_mb,
+                          time_budget_s=args.time_budget_s, workload=workload)
+    print(report, flush=True)
+    return code
 
 
 def cmd_prepare(args) -> int:
@@ -120,10 +150,12 @@ def cmd_run(args) -> int:
 
     cfg = config_from_args(args)
     run_dir = Path(cfg.out or default_out(cfg))
+    from .launchers import check_available
     from .runner import check_hostfile, check_run_dir
 
     check_run_dir(run_dir, cfg.resume, cfg.overwrite)
     check_hostfile(cfg)
+    check_available(cfg)
     inputs = prepare_inputs(cfg)
     summary = launch(cfg, inputs, run_dir)
     return print_run_result(summary, run_dir)

@@ -78,6 +78,7 @@ def doctor(measure_peak: bool = False) -> str:
             f"  mpi         {'yes' if usable['mpi'] else 'no'}; mpirun: {env.mpirun() or 'not found'}; "
             f"libmpi: {env.libmpi() or 'not found'}",
             f"  nccl        {'yes' if usable['nccl'] else 'no'}",
+            f"  jaccl       {'yes' if usable['jaccl'] else 'no'} (jaccl, jaccl-ring: Thunderbolt 5 RDMA between Macs)",
             f"  BLAS linked {mlx_linked_blas()}",
             f"  --mlx-blas auto uses: {env.mlx_blas('auto')[0]}",
         ]
@@ -91,7 +92,8 @@ def doctor(measure_peak: bool = False) -> str:
             f"  gloo        {torch['backends']['gloo']}   nccl {torch['backends']['nccl']}   "
             f"mpi {torch['backends']['mpi']}",
         ]
-    lines += ["", f"system OpenBLAS  {openblas or 'not found (Debian: apt install libopenblas0-pthread)'}"]
+    lines += ["", f"system OpenBLAS  {openblas or 'not found (Debian: apt install libopenblas0-pthread)'}",
+              "network          `dpcompare doctor --fabric [--hostfile FILE]` measures all-reduce latency and bandwidth"]
     if measure_peak:
         from .peak import measured_peaks
 

@@ -23,7 +23,8 @@ from common.metrics import read_metrics, throughput_stats, write_json
 from common.spec import ModelSpec
 
 from . import environment as env
-from .launchers import RING_HOSTFILE, build_command, check_hostfile, ring_hosts
+from .launchers import (RING_HOSTFILE, build_command, check_available, check_hostfile, device_note,
+                        ring_hosts, with_hostfile_backend)
 from .watchdog import read_ranks, stop_job, watch, watched_ranks
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -125,6 +126,8 @@ def launch(cfg: RunConfig, inputs: Inputs, run_dir: Path) -> dict:
     run_dir = Path(run_dir)
     check_run_dir(run_dir, cfg.resume, cfg.overwrite)
     check_hostfile(cfg)
+    cfg = with_hostfile_backend(cfg)  # an MLX hostfile's "backend" applies unless --backend says otherwise
+    check_available(cfg)
     check_resumable(cfg, inputs, run_dir)
     argv, extra_env, blas = build_command(cfg, run_dir)
     check_run_dir(run_dir, cfg.resume, cfg.overwrite, clear=True)
@@ -204,6 +207,8 @@ def summarize(cfg: RunConfig, run_dir: Path, argv: list[str], blas: str, wall_s:
         "tokens_per_step": train_rows[-1]["tokens"] if train_rows else None,
         "command": shlex.join(argv), "config": cfg.to_dict(),
     }
+    if device_note(cfg):
+        summary["device_note"] = device_note(cfg)
     if cfg.nnodes > 1:
         summary.update(nnodes=cfg.nnodes, node_rank=cfg.node_rank, node_ranks=mine)
     if failure:

@@ -11,6 +11,10 @@ import sys
 from common.errors import UserError
 from common.loop import World, rank_main
 
+# mlx.launch's backend names that mx.distributed.init does not know: jaccl-ring is jaccl told by
+# mlx.launch (MLX_JACCL_RING=1) to connect only neighbours.
+INIT_BACKEND = {"jaccl-ring": "jaccl"}
+
 
 def start_world(cfg, plan) -> World:
     import mlx.core as mx
@@ -19,7 +23,7 @@ def start_world(cfg, plan) -> World:
     if plan["world_size"] == 1:
         return World(rank=0, size=1, group=None, device=device)
     backend = plan["backend"]
-    group = mx.distributed.init(backend=backend, strict=True)
+    group = mx.distributed.init(backend=INIT_BACKEND.get(backend, backend), strict=True)
     if group.size() != plan["world_size"]:
         raise UserError(f"the {backend} backend started {group.size()} ranks, the run expects "
                         f"{plan['world_size']}")

@@ -14,6 +14,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
+from .comm import average_gradients, communication_stream
 from .model import Llama, load_weights, weights_of
 
 FRAMEWORK = "mlx"
@@ -39,6 +40,7 @@ class Trainer:
         self.optimizer.init(self.model.trainable_parameters())
         mx.eval(self.model.parameters(), self.optimizer.state)
         grad_clip, reduce_bytes = cfg.grad_clip, int(cfg.all_reduce_size_mb * 2**20)
+        self.stream = stream = communication_stream(cfg)  # the CPU stream on a Metal GPU (mlx_impl/comm.py)
         loss_and_grad = nn.value_and_grad(self.model, token_loss_sum)
 
         def micro_step(inputs, targets, mask, scale):
@@ -49,7 +51,7 @@ class Trainer:
             def update(grads, loss_sum):
                 grads = dict(grads, **{LOSS_KEY: loss_sum})
                 if world_size > 1 and sync:
-                    grads = nn.average_gradients(grads, group=group, all_reduce_size=reduce_bytes)
+                    grads = average_gradients(grads, group, reduce_bytes, stream)
                 loss = grads.pop(LOSS_KEY)
                 if grad_clip > 0:
                     grads, grad_norm = optim.clip_grad_norm(grads, grad_clip)
@@ -113,7 +115,8 @@ class Trainer:
         if self.world_size == 1:
             return np.asarray(values)
         # float32 on the wire: not every backend reduces float64.
-        summed = mx.distributed.all_sum(mx.array(np.asarray(values, dtype=np.float32)), group=self.group)
+        summed = mx.distributed.all_sum(mx.array(np.asarray(values, dtype=np.float32)), group=self.group,
+                                        stream=self.stream)
         return np.array(summed, dtype=np.float64)
 
     def export_state(self):

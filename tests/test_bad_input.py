@@ -2,6 +2,7 @@
 import os
 import shutil
 import stat
+import sys
 
 
 from common.spec import ModelSpec
@@ -62,7 +63,9 @@ def _cases(tmp):
         ("unknown sequence mode", [*run, "--sequence", "chunks"], "unknown sequence 'chunks'"),
         ("unknown mlx blas", [*run, "--mlx-blas", "mkl"], "unknown mlx_blas 'mkl'"),
         ("bf16 on cpu torch", ["run", "--framework", "torch", *FAST, "--dtype", "bfloat16"], "bfloat16"),
-        ("mps with two torch ranks", ["run", "--framework", "torch", *FAST, "--device", "mps", "--nproc", "2"], "mps"),
+        *([("mps where torch has none", ["run", "--framework", "torch", *FAST, "--device", "mps", "--nproc", "2"],
+            "sees no mps device")] if sys.platform != "darwin" else []),
+        ("jaccl without a hostfile", [*run, "--nproc", "2", "--backend", "jaccl"], "needs --hostfile"),
         ("compare unknown framework", ["compare", "--frameworks", "mlx,jax", *FAST], "unknown framework 'jax'"),
         ("compare nproc zero", ["compare", "--nproc", "0,1", *FAST], "positive"),
         ("report of nothing", ["report", str(tmp / "no-runs")], "neither a run directory"),

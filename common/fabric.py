@@ -1,0 +1,115 @@
+"""Timing all-reduces on every rank, framework-neutral: the rank side of `dpcompare doctor --fabric` and
+of benchmarks/bench_collectives.py.
+
+`python -m {mlx,torch}_impl.fabric --backend B --sizes 4096,33554432 ...` is started on every rank by the
+launchers that start training (compare/launchers.py). The framework's fabric.py supplies `Collectives`;
+`measure` sums a float32 buffer of each size over all ranks: two warmup calls, then timed calls, each
+waited for and each after a barrier, so the ranks start together. Every decision that changes the number
+of collectives (how many calls a size gets, whether a size is skipped to stay in the time budget) is
+rank 0's, sent to the others inside a collective, so the ranks never disagree and hang. Rank 0 prints
+one line `RESULT_PREFIX{json}` on stdout (mlx.launch, mpirun and torchrun relay it from any host) and
+writes it to --out when given.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+RESULT_PREFIX = "dpcompare-fabric-result "
+WARMUP_CALLS = 2
+PREDICT_FROM_BYTES = 256 * 1024
+STARTED = time.monotonic()  # imported before the framework: the rank's own clock for its time budget
+
+
+@dataclass
+class Collectives:
+    """What a framework supplies: its rank and size, where buffers live, and three blocking operations."""
+    rank: int
+    size: int
+    device: str
+    buffer: Callable[[int], object]         # a float32 buffer of n bytes, ready (evaluated)
+    all_reduce: Callable[[object], None]    # sum over ranks, returns when done
+    from_rank0: Callable[[float], float]    # rank 0's value, on every rank (a small all-reduce)
+    finish: Callable[[], None] = lambda: None
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m {mlx,torch}_impl.fabric")
+    parser.add_argument("--backend", required=True)
+    parser.add_argument("--sizes", required=True, help="comma list of message sizes in bytes, ascending")
+    parser.add_argument("--out", help="also write the result JSON here (rank 0)")
+    parser.add_argument("--max-calls", type=int, default=50, help="timed calls per size at most")
+    parser.add_argument("--budget-bytes", type=int, default=512 * 2**20,
+                        help="timed calls per size move at most about this much (3 calls at least)")
+    parser.add_argument("--time-budget-s", type=float, default=math.inf,
+                        help="stop measuring (skip the remaining sizes) after this long, counted from start")
+    parser.add_argument("--device", default="cpu", help="cpu, gpu (MLX) or cuda (torch nccl)")
+    parser.add_argument("--communication-stream", default="auto", help="MLX: auto, cpu or default")
+    parser.add_argument("--timeout-s", type=float, default=60.0, help="torch: collective timeout")
+    args = parser.parse_args(argv)
+    args.sizes = [int(s) for s in args.sizes.split(",") if s]
+    return args
+
+
+def planned_calls(size: int, max_calls: int, budget_bytes: int) -> int:
+    return max(3, min(max_calls, budget_bytes // max(size, 1)))
+
+
+def measure(c: Collectives, sizes: list[int], max_calls: int = 50, budget_bytes: int = 512 * 2**20,
+            time_budget_s: float = math.inf, started: float = STARTED) -> list[dict]:
+    """[{"size_bytes", "times_s"}] per size measured; sizes that would not fit the time budget, counted from
+    `started` (time.monotonic(); default: when this module was imported), are left out."""
+    deadline = started + time_budget_s
+    results, last = [], None  # last: (size, seconds per call) of the previous size, to predict the next
+    for i, size in enumerate(sizes):
+        left = deadline - time.monotonic()
+        # Time grows with the bytes only past the latency-bound sizes: predict from 256 KB up.
+        predicted = last[1] * size / last[0] if last and last[0] >= PREDICT_FROM_BYTES else 0.0
+        go = c.from_rank0(1.0 if left > (WARMUP_CALLS + 1) * predicted else 0.0)
+        if go < 0.5:
+            break
+        x = c.buffer(size)
+        for _ in range(WARMUP_CALLS):
+            start = time.perf_counter()
+            c.all_reduce(x)
+        warm_s = time.perf_counter() - start
+        calls = planned_calls(size, max_calls, budget_bytes)
+        if math.isfinite(time_budget_s):  # this size's share of the time left, over the sizes left
+            share = (deadline - time.monotonic()) / (len(sizes) - i)
+            calls = min(calls, max(1, int(share / max(warm_s, 1e-6))))
+        calls = int(c.from_rank0(float(calls)))
+        times = []
+        for _ in range(calls):
+            c.from_rank0(0.0)  # the barrier: everyone enters the timed call together
+            start = time.perf_counter()
+            c.all_reduce(x)
+            times.append(time.perf_counter() - start)
+        results.append({"size_bytes": size, "times_s": times})
+        last = (size, sorted(times)[len(times) // 2])
+        del x
+    return results
+
+
+def rank_main(argv: list[str] | None, start: Callable[[argparse.Namespace], Collectives], framework: str) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        c = start(args)
+        results = measure(c, args.sizes, args.max_calls, args.budget_bytes, args.time_budget_s)
+    except Exception as err:  # noqa: BLE001 - one line for the launcher, whatever failed
+        print(f"fabric rank: {framework} {args.backend}: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+        return 1
+    if c.rank == 0:
+        result = {"framework": framework, "backend": args.backend, "world_size": c.size, "device": c.device,
+                  "results": results}
+        text = json.dumps(result)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(text)
+        print(RESULT_PREFIX + text, flush=True)
+    c.finish()
+    return 0

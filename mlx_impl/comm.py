@@ -1,0 +1,51 @@
+"""Which stream MLX's collectives run on, and gradient averaging that keeps to it.
+
+On a Mac GPU a collective on the GPU stream sits inside a Metal command buffer while it waits for its
+peers; when a peer is a few seconds late (a slower Mac, an eval, a checkpoint), Metal's ~5 s watchdog
+kills the buffer (kIOGPUCommandBufferCallbackErrorTimeout: mlx issue 4475, mlx-examples 1185). On the
+CPU stream the wait happens on a CPU thread instead. The config field `communication_stream` chooses:
+
+    auto     the CPU stream when training on a Metal GPU, the default stream otherwise (CPU runs, and
+             CUDA, whose nccl backend reduces GPU memory on the GPU stream)
+    cpu      always the CPU stream
+    default  MLX's default: the default stream of the default device
+
+torch has no counterpart, so there is no torch_impl/comm.py: NCCL already runs collectives on its own
+CUDA streams, which have no watchdog, and gloo runs them on CPU threads.
+"""
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+STREAM_CHOICES = ("auto", "cpu", "default")
+
+
+def communication_stream(cfg):
+    """The stream for collectives (`stream=` of mx.distributed ops, `communication_stream=` of
+    nn.average_gradients), or None for MLX's default. Call after the default device is set."""
+    choice = getattr(cfg, "communication_stream", "auto")
+    if choice not in STREAM_CHOICES:
+        raise ValueError(f"communication_stream must be one of {', '.join(STREAM_CHOICES)}, got {choice!r}")
+    if choice == "cpu" or (choice == "auto" and mx.default_device() == mx.gpu and mx.metal.is_available()):
+        return mx.cpu
+    return None
+
+
+def average_gradients(grads, group, all_reduce_size: int, stream=None):
+    """nn.average_gradients on `stream`, also for trees of mixed dtypes (bf16 weights with an fp32 value
+    riding along): MLX falls back to one all-reduce per array there and drops the stream, so each dtype
+    is averaged on its own here."""
+    flat = tree_flatten(grads)
+    dtypes = {value.dtype for _, value in flat}
+    if len(dtypes) <= 1:
+        return nn.average_gradients(grads, group=group, all_reduce_size=all_reduce_size,
+                                    communication_stream=stream)
+    averaged = []
+    for dtype in sorted(dtypes, key=str):
+        part = {key: value for key, value in flat if value.dtype == dtype}
+        averaged += tree_flatten(nn.average_gradients(part, group=group, all_reduce_size=all_reduce_size,
+                                                      communication_stream=stream))
+    order = {key: i for i, (key, _) in enumerate(flat)}
+    return tree_unflatten(sorted(averaged, key=lambda item: order[item[0]]))

@@ -1,0 +1,190 @@
+"""Macs and GPUs without the hardware: the stream MLX communicates on, the jaccl backends and both forms of
+mlx.launch's hostfile, backends a build lacks, MPS with several torch ranks, and the end-of-run step check.
+The command lines are checked as built; real runs here use the CPU."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from common.config import RunConfig
+from common.errors import UserError
+from common.loop import TrainingError, check_same_step
+from compare.launchers import (build_command, check_hostfile, device_note, effective_backend, read_mlx_hostfile,
+                               ring_hosts, with_hostfile_backend)
+from helpers import FAST, ROOT, dpcompare, losses
+
+MESH = [  # what `mlx.distributed_config --backend jaccl` writes for three Macs cabled pairwise
+    {"ssh": "mac1", "ips": ["10.0.0.1"], "rdma": [None, "rdma_en3", "rdma_en4"]},
+    {"ssh": "mac2", "ips": ["10.0.0.2"], "rdma": ["rdma_en3", None, "rdma_en5"]},
+    {"ssh": "mac3", "ips": ["10.0.0.3"], "rdma": ["rdma_en4", "rdma_en5", None]},
+]
+
+
+def write(path, data):
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def mlx_cfg(**fields):
+    cfg = RunConfig(framework="mlx", global_batch_size=12, **fields)  # splits over 1 to 4 ranks
+    cfg.validate()
+    return cfg
+
+
+# ---- the communication stream -------------------------------------------------------------------
+
+def test_communication_stream_is_the_cpu_stream_when_asked_and_mlx_default_otherwise_on_a_cpu():
+    import mlx.core as mx
+
+    from mlx_impl.comm import communication_stream
+
+    mx.set_default_device(mx.cpu)
+    assert communication_stream(RunConfig(communication_stream="cpu")) == mx.cpu
+    assert communication_stream(RunConfig(communication_stream="default")) is None
+    assert communication_stream(RunConfig(communication_stream="auto")) is None  # only a Metal GPU needs it
+    with pytest.raises(UserError, match="communication_stream"):
+        RunConfig.from_dict({"communication_stream": "gpu"})
+    with pytest.raises(UserError, match="nccl"):
+        RunConfig.from_dict({"device": "cuda", "communication_stream": "cpu"})
+
+
+SPLIT_BY_DTYPE = """
+import mlx.core as mx
+from mlx_impl.comm import average_gradients
+group = mx.distributed.init(backend="ring", strict=True)
+r = group.rank() + 1.0
+grads = {"w": mx.full((3,), r, dtype=mx.bfloat16), "layers": [{"b": mx.full((2,), 2 * r)}], "loss": mx.array(r)}
+out = average_gradients(grads, group, 1 << 20, mx.cpu)
+assert out["w"].dtype == mx.bfloat16 and out["layers"][0]["b"].dtype == mx.float32
+assert out["w"].tolist() == [1.5] * 3 and out["layers"][0]["b"].tolist() == [3.0] * 2 and out["loss"].item() == 1.5
+"""
+
+
+def test_mixed_dtype_gradients_are_averaged_on_the_chosen_stream_keeping_tree_and_dtypes(tmp_path):
+    # MLX itself falls back to one all-reduce per array for mixed dtypes and drops the stream there.
+    cmd = [sys.executable, "-m", "compare.spawn", "--ranks", "2", "--ring-hostfile", str(tmp_path / "ring.json"),
+           "--", sys.executable, "-c", SPLIT_BY_DTYPE]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_two_mlx_ranks_communicating_on_the_cpu_stream_train_like_one_rank(cache_dir, tmp_path):
+    common = ("--framework", "mlx", "--steps", 6)
+    dpcompare("run", *FAST, *common, "--nproc", 1, "--out", tmp_path / "one", cache_dir=cache_dir)
+    dpcompare("run", *FAST, *common, "--nproc", 2, "--set", "communication_stream=cpu", "--out", tmp_path / "two",
+              cache_dir=cache_dir)
+    np.testing.assert_allclose(losses(tmp_path / "two"), losses(tmp_path / "one"), rtol=0, atol=1e-5)
+
+
+# ---- jaccl, nccl and the hostfile forms --------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["jaccl", "jaccl-ring"])
+def test_jaccl_backends_start_through_mlx_launch_with_the_hostfile_and_the_rank_environment(backend, tmp_path):
+    hostfile = write(tmp_path / "hosts.json", MESH)
+    cfg = mlx_cfg(nproc=3, backend=backend, hostfile=hostfile, threads_per_rank=2)
+    check_hostfile(cfg)
+    argv, extra, _ = build_command(cfg, tmp_path / "run")
+    split = argv.index("--")
+    launcher, entry = argv[:split], argv[split + 1:]
+    assert "mlx.launch" in " ".join(launcher) or "distributed_utils.launch" in " ".join(launcher)
+    assert launcher[launcher.index("--backend") + 1] == backend
+    assert launcher[launcher.index("--hostfile") + 1] == hostfile
+    # Ranks on other Macs get only what mlx.launch exports, so the thread settings travel as --env.
+    assert "--env=OMP_NUM_THREADS=2" in launcher and extra["OMP_NUM_THREADS"] == "2"
+    assert entry == [sys.executable, "-m", "mlx_impl.launch", str(tmp_path / "run")]
+
+
+def test_mlx_nccl_on_one_machine_lets_mlx_launch_set_the_nccl_environment(tmp_path):
+    argv, _, _ = build_command(mlx_cfg(nproc=2, device="cuda"), tmp_path)
+    launcher = argv[:argv.index("--")]
+    assert launcher[launcher.index("--backend") + 1] == "nccl" and launcher[launcher.index("-n") + 1] == "2"
+    assert int(launcher[launcher.index("--nccl-port") + 1]) > 0  # a free one: mlx.launch's 12345 may be taken
+
+
+def test_jaccl_ring_starts_ranks_with_the_jaccl_init_backend():
+    from mlx_impl.launch import INIT_BACKEND
+
+    assert INIT_BACKEND.get("jaccl-ring") == "jaccl" and INIT_BACKEND.get("ring", "ring") == "ring"
+
+
+def test_both_hostfile_forms_parse_and_the_object_form_names_the_backend_unless_the_flag_does(tmp_path):
+    listed = write(tmp_path / "list.json", MESH)
+    wrapped = write(tmp_path / "object.json", {"backend": "jaccl-ring", "envs": ["MLX_METAL_FAST_SYNCH=1"],
+                                               "hosts": MESH})
+    assert read_mlx_hostfile(listed).hosts == read_mlx_hostfile(wrapped).hosts
+    assert read_mlx_hostfile(wrapped).envs == ["MLX_METAL_FAST_SYNCH=1"]
+    assert effective_backend(mlx_cfg(nproc=3, hostfile=listed)) == "ring"
+    assert with_hostfile_backend(mlx_cfg(nproc=3, hostfile=wrapped)).backend == "jaccl-ring"
+    assert effective_backend(mlx_cfg(nproc=3, hostfile=wrapped, backend="ring")) == "ring"
+    # The node-rank ring (no ssh) reads the object form too, ports assigned as mlx.launch does.
+    assert ring_hosts(mlx_cfg(nnodes=3, hostfile=wrapped)) == [["10.0.0.1:32323"], ["10.0.0.2:32324"],
+                                                               ["10.0.0.3:32325"]]
+
+
+def _without(index, peer):
+    hosts = json.loads(json.dumps(MESH))
+    hosts[index]["rdma"][peer] = None
+    return hosts
+
+
+@pytest.mark.parametrize("backend, hosts, expected", [
+    ("ring", [{"ssh": "mac1"}, {"ssh": "mac2", "ips": ["10.0.0.2"]}, {"ssh": "mac3", "ips": ["10.0.0.3"]}],
+     'give mac1 "ips"'),
+    ("jaccl", [{**h, "rdma": h["rdma"][:2]} for h in MESH], "one RDMA device per host"),
+    ("jaccl", [{**MESH[0], "rdma": ["rdma_en2", "rdma_en3", "rdma_en4"]}, *MESH[1:]], "null for itself"),
+    ("jaccl", _without(0, 2), "mac1 lists no RDMA device toward mac3"),
+    ("jaccl", [{**MESH[0], "ips": []}, *MESH[1:]], r"rank 0 \(mac1\) needs"),
+    ("ring", {"hosts": MESH, "bogus": 1}, "unknown keys: bogus"),
+])
+def test_a_hostfile_that_does_not_fit_its_backend_is_refused_naming_the_problem(backend, hosts, expected, tmp_path):
+    cfg = mlx_cfg(nproc=3, backend=backend, hostfile=write(tmp_path / "hosts.json", hosts))
+    with pytest.raises(UserError, match=expected):
+        check_hostfile(cfg)
+
+
+def test_jaccl_ring_needs_rdma_toward_its_neighbours_only(tmp_path):
+    four = [{"ssh": f"mac{i}", "ips": [f"10.0.0.{i}"],
+             "rdma": [None if j == i or (j - i) % 4 == 2 else f"rdma_en{j}" for j in range(4)]} for i in range(4)]
+    check_hostfile(mlx_cfg(nproc=4, backend="jaccl-ring", hostfile=write(tmp_path / "ring.json", four)))
+    with pytest.raises(UserError, match="no RDMA device toward mac2"):
+        check_hostfile(mlx_cfg(nproc=4, backend="jaccl", hostfile=str(tmp_path / "ring.json")))
+
+
+@pytest.mark.skipif(sys.platform == "darwin", reason="a Mac's MLX may have jaccl")
+def test_a_backend_this_mlx_lacks_exits_2_with_one_line_before_anything_starts(cache_dir, tmp_path):
+    two_macs = [{**MESH[0], "rdma": [None, "rdma_en3"]}, {**MESH[1], "rdma": ["rdma_en3", None]}]
+    hostfile = write(tmp_path / "hosts.json", {"backend": "jaccl", "hosts": two_macs})
+    proc = dpcompare("run", *FAST, "--framework", "mlx", "--nproc", 2, "--hostfile", hostfile, "--out",
+                     tmp_path / "out", cache_dir=cache_dir, check=False)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and "--backend jaccl" in proc.stderr and "has no jaccl backend" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+# ---- MPS and the end-of-run step check ---------------------------------------------------------
+
+def test_torch_on_mps_with_several_ranks_is_accepted_and_noted_as_running_on_the_cpu():
+    cfg = RunConfig.from_dict({"framework": "torch", "device": "mps", "nproc": 2})
+    assert cfg.resolved_backend == "gloo"
+    assert "ran on the CPU with gloo" in device_note(cfg)
+    assert device_note(cfg.replace(nproc=1)) is None and device_note(RunConfig(nproc=2)) is None
+
+
+class FakeTrainer:
+    """all_sum as if the other ranks had reported `others`."""
+
+    def __init__(self, others):
+        self.others = others
+
+    def all_sum(self, values):
+        return np.asarray(values) + sum(np.array([1.0, step]) for step in self.others)
+
+
+def test_ranks_that_end_at_different_steps_fail_and_ranks_at_the_same_step_pass():
+    check_same_step(FakeTrainer([]), 10)
+    check_same_step(FakeTrainer([10, 10, 10]), 10)
+    with pytest.raises(TrainingError, match="ranks ended at different steps: this rank at 10"):
+        check_same_step(FakeTrainer([12]), 10)
