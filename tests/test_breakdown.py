@@ -1,0 +1,34 @@
+"""Where the time goes: every run kind gets a per-phase breakdown whose phases add up to its measured step
+time, and the report shows it. (common/breakdown.py says how each phase is measured.)"""
+import json
+
+import pytest
+
+from helpers import FAST, dpcompare, summary
+
+pytestmark = pytest.mark.slow
+
+PHASES = ("data", "forward", "backward", "communication", "optimizer", "other")
+# Steps of ~20-60 ms on 2 cores, so that timer noise stays small next to a step.
+SHAPE = ["--seq-len", "128", "--global-batch-size", "16", "--profile-steps", "4"]
+
+
+def test_every_run_has_a_breakdown_that_adds_up_to_its_step_time_and_the_report_shows_it(cache_dir, tmp_path):
+    out = tmp_path / "cmp"
+    dpcompare("compare", *FAST, *SHAPE, "--steps", 8, "--nproc", "1,2", "--out", out, cache_dir=cache_dir)
+    for name in ("mlx-n1", "mlx-n2", "torch-n1", "torch-n2"):
+        b = summary(out / name)["breakdown"]
+        assert set(PHASES) <= set(b) and all(b[p] >= 0 for p in PHASES), b
+        assert b["forward"] > 0 and b["backward"] > 0 and b["optimizer"] > 0
+        steps = sum(b[p] for p in PHASES if p != "data")  # data assembly is outside the step timer
+        print(f"{name}: step {b['step_s'] * 1e3:.1f} ms, phases {steps * 1e3:.1f} ms "
+              + ", ".join(f"{p} {b[p] * 1e3:.1f}" for p in PHASES))
+        assert abs(steps - b["step_s"]) <= 0.15 * b["step_s"], (name, b)
+        if name.endswith("n1"):
+            assert b["communication"] == 0
+        else:
+            assert b["synced_step_s"] > 0 and b["unsynced_step_s"] > 0
+    report = json.loads((out / "summary.json").read_text())
+    assert "breakdown" in report["plots"] and (out / report["plots"]["breakdown"]).exists()
+    assert "Where the time goes" in (out / "report.md").read_text()
+    assert any("the phase that differs most is" in line for line in report["verdicts"]["lines"])
