@@ -225,8 +225,6 @@ class RunConfig:
             # gloo has no MPS support upstream, so DDP cannot all-reduce MPS tensors.
             raise UserError("--device mps supports one torch rank only (DDP cannot reduce MPS tensors); "
                             "use --device cpu for multi-rank torch on a Mac")
-        if self.dtype == "bfloat16" and self.framework == "torch" and self.device != "cuda":
-            raise UserError("dtype bfloat16 (autocast) is supported on --device cuda only; use float32")
         self.micro_batch_size  # raises when the global batch does not split
         self.model_spec(vocab_size=None)  # preset, [model] fields and seq_len checked now
 

@@ -1,5 +1,8 @@
 """One optimizer step in PyTorch: DDP with bucketed all-reduce, no_sync accumulation, clipped AdamW.
 
+Precision (common/precision.py): the model computes in cfg.dtype from float32 master weights, so the
+gradients, their all-reduce, the loss and the AdamW state are float32 whatever the dtype (no autocast).
+
 The loss of a step is (sum of masked token losses on all ranks) / (global count of real target tokens),
 so DP is exact even when ranks hold different numbers of real tokens (padding mode). Each rank scales
 its loss by N / global_tokens; DDP then averages (divides the all-reduced sum by N).
@@ -32,10 +35,9 @@ class Trainer:
         self.rank, self.world_size, self.group = world.rank, world.size, world.group
         world_size = world.size
         self.device = torch.device(world.device)
-        self.model = Llama(spec)
+        self.model = Llama(spec, compute_dtype=cfg.dtype)
         load_weights(self.model, weights)
         self.model.to(self.device)
-        self.autocast = cfg.dtype == "bfloat16" and self.device.type == "cuda"
         self.grad_accum, self.grad_clip = cfg.grad_accum, cfg.grad_clip
         self.wrapped = self.model
         if world_size > 1:
@@ -49,10 +51,6 @@ class Trainer:
                                            eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
         self.names = {p: n for n, p in self.model.named_parameters()}
 
-    def _forward_loss(self, inputs, targets, mask):
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            return token_loss_sum(self.wrapped, inputs, targets, mask)
-
     def train_step(self, batches, lr, global_tokens):
         scale = self.world_size / global_tokens
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -61,7 +59,7 @@ class Trainer:
             # Communicate only on the micro-step that ends the optimizer step.
             sync = contextlib.nullcontext() if last or self.world_size == 1 else self.wrapped.no_sync()
             with sync:
-                micro = self._forward_loss(*self._to_device(inputs, targets, mask))
+                micro = token_loss_sum(self.wrapped, *self._to_device(inputs, targets, mask))
                 (micro * scale).backward()
             loss_sum += micro.detach().double()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
