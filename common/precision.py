@@ -9,8 +9,9 @@ torch_impl/model.py, line for line (torch autocast's per-op lists cannot be mirr
               the cast lands in float32 on the master weight), matmul inputs and outputs, the embedding
               output and so the residual stream, attention q/k/v and output, the MLP, the logits
     float32   RMSNorm statistics (normalized in float32, rounded once, then times the bf16 weight, as
-              HF Llama does), softmax accumulation inside the attention kernels, the logits cast up
-              before the loss, the loss, the gradients and their all-reduce (the loss rides along)
+              HF Llama does), SiLU (evaluated in float32, rounded once), softmax accumulation inside
+              the attention kernels, the logits cast up before the loss, the loss, the gradients and
+              their all-reduce (the loss rides along)
 
 Sharded strategies apply the same policy: `compute_dtype` is MLX `fully_shard(compute_dtype=...)` and
 torch FSDP2 `MixedPrecisionPolicy(param_dtype=...)` (the gathered parameters are cast to it, which is what

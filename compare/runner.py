@@ -18,6 +18,7 @@ from pathlib import Path
 from common.config import RunConfig
 from common.errors import UserError
 from common.metrics import read_metrics, throughput_stats, write_json
+from common.precision import describe as describe_precision
 from common.spec import ModelSpec
 
 from . import environment as env
@@ -175,6 +176,7 @@ def summarize(cfg: RunConfig, run_dir: Path, argv: list[str], blas: str, wall_s:
         "peak_mem_bytes": [ranks.get(r, {}).get("peak_mem_bytes") for r in range(world)],
         "peak_rss_bytes": [ranks.get(r, {}).get("peak_rss_bytes") for r in range(world)],
         "blas": blas, "threads_per_rank": cfg.threads_per_rank,
+        "dtype": cfg.dtype, "precision": describe_precision(cfg.dtype),
         "versions": env.versions(), "machine": env.machine(),
         "final_loss": train_rows[-1]["loss"] if train_rows else rank0.get("loss") if cfg.nnodes > 1 else None,
         "final_eval_loss": eval_rows[-1]["eval_loss"] if eval_rows else None,

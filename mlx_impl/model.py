@@ -75,7 +75,9 @@ class MLP(nn.Module):
         self.down_proj = Linear(spec.ffn_dim, spec.dim, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = self.gate_proj(x)
+        # SiLU in float32, rounded once: what torch's bf16 kernel does; MLX's would round the sigmoid first.
+        return self.down_proj(nn.silu(gate.astype(mx.float32)).astype(gate.dtype) * self.up_proj(x))
 
 
 class TransformerBlock(nn.Module):

@@ -61,7 +61,7 @@ def _cases(tmp):
         ("wrong type", [*run, "--set", "steps=many"], "steps must be int"),
         ("unknown sequence mode", [*run, "--sequence", "chunks"], "unknown sequence 'chunks'"),
         ("unknown mlx blas", [*run, "--mlx-blas", "mkl"], "unknown mlx_blas 'mkl'"),
-        ("bf16 on cpu torch", ["run", "--framework", "torch", *FAST, "--dtype", "bfloat16"], "bfloat16"),
+        ("unknown dtype", [*run, "--dtype", "float16"], "unknown dtype 'float16'"),
         ("mps with two torch ranks", ["run", "--framework", "torch", *FAST, "--device", "mps", "--nproc", "2"], "mps"),
         ("compare unknown framework", ["compare", "--frameworks", "mlx,jax", *FAST], "unknown framework 'jax'"),
         ("compare nproc zero", ["compare", "--nproc", "0,1", *FAST], "positive"),

@@ -96,7 +96,9 @@ class MLP(nn.Module):
         self.down_proj = Linear(spec.ffn_dim, spec.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = self.gate_proj(x)
+        # SiLU in float32, rounded once: what torch's bf16 kernel does; MLX's would round the sigmoid first.
+        return self.down_proj(F.silu(gate.float()).to(gate.dtype) * self.up_proj(x))
 
 
 class TransformerBlock(nn.Module):
