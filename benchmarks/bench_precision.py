@@ -48,7 +48,9 @@ def main() -> None:
                         benchlib.wait_for_quiet()
                         s = benchlib.dpcompare_run(Path(work) / dtype, framework, 1, a.preset, a.steps, a.seq_len,
                                                    a.batch, extra=["--dtype", dtype,
-                                                                   "--set", f"timing_warmup_steps={WARMUP}"])
+                                                                   "--set", f"timing_warmup_steps={WARMUP}",
+                                                                   # MLX bf16 steps can exceed a minute here
+                                                                   "--collective-timeout-s", "900"])
                         runs[dtype].append({"tokens_per_s": s["tokens_per_s"], "peak_mem_bytes": s["peak_mem_bytes"][0],
                                             "peak_rss_bytes": s["peak_rss_bytes"][0], "final_loss": s["final_loss"]})
                 for dtype in DTYPES:

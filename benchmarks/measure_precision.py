@@ -66,6 +66,7 @@ def main() -> None:
     parser.add_argument("--warmup-steps", default="20")
     parser.add_argument("--eval-every", default="50")
     parser.add_argument("--parity-steps", type=int, default=20)
+    parser.add_argument("--set", action="append", default=[], help="KEY=VALUE passed to every run")
     a = parser.parse_args()
     seeds = [int(s) for s in a.seeds.split(",")]
     dp_seeds = seeds if a.dp_seeds is None else [int(s) for s in a.dp_seeds.split(",") if s]
@@ -77,7 +78,9 @@ def main() -> None:
         if not (summary.exists() and json.loads(summary.read_text()).get("status") == "ok"):
             benchlib.dpcompare_run(out, framework, nproc, a.preset, a.steps, a.seq_len, a.batch, extra=[
                 "--dtype", dtype, "--seed", str(seed), "--lr", a.lr, "--warmup-steps", a.warmup_steps,
-                "--eval-every", a.eval_every])
+                "--eval-every", a.eval_every,
+                # An MLX bf16 `small` step on a CPU can take over a minute: not a hang.
+                "--collective-timeout-s", "900", *[x for kv in a.set for x in ("--set", kv)]])
         return out
 
     rows = []
