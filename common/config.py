@@ -238,8 +238,6 @@ class RunConfig:
         if self.framework == "mlx" and self.resolved_backend == "nccl" and self.communication_stream == "cpu":
             raise UserError("communication_stream cpu does not work with the nccl backend (NCCL reduces GPU "
                             "memory on the GPU stream); use auto")
-        if self.dtype == "bfloat16" and self.framework == "torch" and self.device != "cuda":
-            raise UserError("dtype bfloat16 (autocast) is supported on --device cuda only; use float32")
         self.micro_batch_size  # raises when the global batch does not split
         self.model_spec(vocab_size=None)  # preset, [model] fields and seq_len checked now
 

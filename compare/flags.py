@@ -29,7 +29,8 @@ RUN_FLAGS = [
     ("--strategy", str, "ddp (replicated), fsdp (sharded) or tp (tensor parallel)"),
     ("--backend", str, "distributed backend: auto, ring, mpi, nccl (mlx); auto, gloo, nccl (torch)"),
     ("--device", str, "auto, cpu, cuda, mps, gpu"),
-    ("--dtype", str, "float32, or bfloat16 (mixed precision: bf16 compute, fp32 master weights)"),
+    ("--dtype", str, "float32, or bfloat16: mixed precision, the same policy in both frameworks on every "
+                     "device (docs/precision.md)"),
     ("--threads-per-rank", int, "CPU threads per rank, the same for both frameworks"),
     ("--mlx-blas", str, "auto, system (preload OpenBLAS), bundled"),
     ("--all-reduce-size-mb", float, "MLX average_gradients bucket size"),

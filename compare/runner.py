@@ -20,6 +20,7 @@ from common import supervisor
 from common.config import RunConfig
 from common.errors import UserError
 from common.metrics import read_metrics, throughput_stats, write_json
+from common.precision import describe as describe_precision
 from common.spec import ModelSpec
 
 from . import environment as env
@@ -196,11 +197,12 @@ def summarize(cfg: RunConfig, run_dir: Path, argv: list[str], blas: str, wall_s:
         **stats,
         "warmup_steps": cfg.timing_warmup_steps,
         "compile_s": rank0.get("compile_s"), "time_to_first_step_s": rank0.get("time_to_first_step_s"),
-        "breakdown": rank0.get("breakdown"), "strategy": cfg.strategy, "dtype": cfg.dtype,
+        "breakdown": rank0.get("breakdown"), "strategy": cfg.strategy,
         "wall_s": wall_s,
         "peak_mem_bytes": [ranks.get(r, {}).get("peak_mem_bytes") for r in range(world)],
         "peak_rss_bytes": [ranks.get(r, {}).get("peak_rss_bytes") for r in range(world)],
         "blas": blas, "threads_per_rank": cfg.threads_per_rank,
+        "dtype": cfg.dtype, "precision": describe_precision(cfg.dtype),
         "versions": env.versions(), "machine": env.machine(),
         "final_loss": train_rows[-1]["loss"] if train_rows else rank0.get("loss") if cfg.nnodes > 1 else None,
         "final_eval_loss": eval_rows[-1]["eval_loss"] if eval_rows else None,

@@ -2,6 +2,8 @@
 
 Mirrors torch_impl/model.py name for name: a diff between the two shows only framework differences.
 Parameter names are Hugging Face's, so a seed checkpoint loads here, in torch and in transformers.
+Mixed precision (common/precision.py) is written as explicit casts: the parameters stay float32, the
+embedding output is cast to the compute dtype, and every parameter is cast to its input's dtype at use.
 """
 from __future__ import annotations
 
@@ -26,15 +28,30 @@ def attention_mask(padding_mask: mx.array | None, T: int) -> mx.array | str:
     return causal & (keys | mx.eye(T, dtype=mx.bool_))
 
 
+class Linear(nn.Linear):
+    """No bias; the float32 weight is cast to the input's dtype at use, so its gradient lands in float32."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return x @ self.weight.astype(x.dtype).T
+
+
+class RMSNorm(nn.RMSNorm):
+    """HF Llama's: statistics in float32, rounded once to the input's dtype, then times the weight."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        normed = mx.fast.rms_norm(x.astype(mx.float32), None, self.eps).astype(x.dtype)
+        return normed * self.weight.astype(x.dtype)
+
+
 class Attention(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
         self.n_heads, self.n_kv_heads = spec.n_heads, spec.n_kv_heads
         self.scale = spec.head_dim ** -0.5
-        self.q_proj = nn.Linear(spec.dim, spec.n_heads * spec.head_dim, bias=False)
-        self.k_proj = nn.Linear(spec.dim, spec.n_kv_heads * spec.head_dim, bias=False)
-        self.v_proj = nn.Linear(spec.dim, spec.n_kv_heads * spec.head_dim, bias=False)
-        self.o_proj = nn.Linear(spec.n_heads * spec.head_dim, spec.dim, bias=False)
+        self.q_proj = Linear(spec.dim, spec.n_heads * spec.head_dim, bias=False)
+        self.k_proj = Linear(spec.dim, spec.n_kv_heads * spec.head_dim, bias=False)
+        self.v_proj = Linear(spec.dim, spec.n_kv_heads * spec.head_dim, bias=False)
+        self.o_proj = Linear(spec.n_heads * spec.head_dim, spec.dim, bias=False)
         # traditional=False is HF's rotate-half layout (pairs i and i + head_dim/2).
         self.rope = nn.RoPE(spec.head_dim, traditional=False, base=spec.rope_theta)
 
@@ -45,6 +62,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).reshape(B, T, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         q, k = self.rope(q), self.rope(k)
         # Grouped-query attention: the kernel shares each k/v head among n_heads / n_kv_heads queries.
+        # bf16 q, k, v: the CPU path rounds q.k scores to bf16, then softmax accumulates in float32.
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1))
 
@@ -52,20 +70,22 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
-        self.gate_proj = nn.Linear(spec.dim, spec.ffn_dim, bias=False)
-        self.up_proj = nn.Linear(spec.dim, spec.ffn_dim, bias=False)
-        self.down_proj = nn.Linear(spec.ffn_dim, spec.dim, bias=False)
+        self.gate_proj = Linear(spec.dim, spec.ffn_dim, bias=False)
+        self.up_proj = Linear(spec.dim, spec.ffn_dim, bias=False)
+        self.down_proj = Linear(spec.ffn_dim, spec.dim, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = self.gate_proj(x)
+        # SiLU in float32, rounded once: what torch's bf16 kernel does; MLX's would round the sigmoid first.
+        return self.down_proj(nn.silu(gate.astype(mx.float32)).astype(gate.dtype) * self.up_proj(x))
 
 
 class TransformerBlock(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
-        self.input_layernorm = nn.RMSNorm(spec.dim, eps=spec.norm_eps)
+        self.input_layernorm = RMSNorm(spec.dim, eps=spec.norm_eps)
         self.self_attn = Attention(spec)
-        self.post_attention_layernorm = nn.RMSNorm(spec.dim, eps=spec.norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.dim, eps=spec.norm_eps)
         self.mlp = MLP(spec)
 
     def __call__(self, x: mx.array, mask: mx.array | str) -> mx.array:
@@ -74,14 +94,15 @@ class TransformerBlock(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, compute_dtype: str = "float32"):
         super().__init__()
+        self.compute_dtype = getattr(mx, compute_dtype)
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.dim)
         self.layers = [TransformerBlock(spec) for _ in range(spec.n_layers)]
-        self.norm = nn.RMSNorm(spec.dim, eps=spec.norm_eps)
+        self.norm = RMSNorm(spec.dim, eps=spec.norm_eps)
 
     def __call__(self, tokens: mx.array, padding_mask: mx.array | None = None) -> mx.array:
-        h = self.embed_tokens(tokens)
+        h = self.embed_tokens(tokens).astype(self.compute_dtype)  # the residual stream's dtype
         mask = attention_mask(padding_mask, tokens.shape[1])
         for layer in self.layers:
             h = layer(h, mask)
@@ -89,18 +110,18 @@ class LlamaModel(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, compute_dtype: str = "float32"):
         super().__init__()
         self.spec = spec
-        self.model = LlamaModel(spec)
+        self.model = LlamaModel(spec, compute_dtype)
         if not spec.tie_embeddings:
-            self.lm_head = nn.Linear(spec.dim, spec.vocab_size, bias=False)
+            self.lm_head = Linear(spec.dim, spec.vocab_size, bias=False)
 
     def __call__(self, tokens: mx.array, padding_mask: mx.array | None = None) -> mx.array:
-        """int tokens (B, T) -> logits (B, T, vocab); padding_mask (B, T) is 1 for real tokens."""
+        """int tokens (B, T) -> logits (B, T, vocab) in the compute dtype; padding_mask (B, T) is 1 for real tokens."""
         h = self.model(tokens, padding_mask)
         if self.spec.tie_embeddings:
-            return self.model.embed_tokens.as_linear(h)
+            return h @ self.model.embed_tokens.weight.astype(h.dtype).T
         return self.lm_head(h)
 
 

@@ -1,5 +1,8 @@
 """One optimizer step in MLX: compiled forward/backward, bucketed gradient averaging, clipped AdamW.
 
+Precision (common/precision.py): the model computes in cfg.dtype from float32 master weights, so the
+gradients, their all-reduce, the loss riding along and the AdamW state are float32 whatever the dtype.
+
 The loss of a step is (sum of masked token losses on all ranks) / (global count of real target tokens),
 so DP is exact even when ranks hold different numbers of real tokens (padding mode). Each rank scales
 its gradients by N / global_tokens; `nn.average_gradients` then divides the all-reduced sum by N.
@@ -33,7 +36,7 @@ class Trainer:
         self.rank, self.world_size, self.group = world.rank, world.size, world.group
         world_size, group = world.size, world.group
         self.device = "gpu" if mx.default_device() == mx.gpu else "cpu"
-        self.model = Llama(spec)
+        self.model = Llama(spec, compute_dtype=cfg.dtype)
         load_weights(self.model, weights)
         self.optimizer = optim.AdamW(learning_rate=cfg.lr, betas=[cfg.beta1, cfg.beta2], eps=cfg.adam_eps,
                                      weight_decay=cfg.weight_decay, bias_correction=True)

@@ -2,6 +2,8 @@
 
 Mirrors mlx_impl/model.py name for name: a diff between the two shows only framework differences.
 Parameter names are Hugging Face's, so a seed checkpoint loads here, in MLX and in transformers.
+Mixed precision (common/precision.py) is written as explicit casts: the parameters stay float32, the
+embedding output is cast to the compute dtype, and every parameter is cast to its input's dtype at use.
 """
 from __future__ import annotations
 
@@ -42,7 +44,24 @@ class RoPE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         T = x.shape[-2]
         x1, x2 = x.chunk(2, dim=-1)
-        return x * self.cos[:T] + torch.cat((-x2, x1), dim=-1) * self.sin[:T]
+        # In x's dtype, tables rounded to it, as MLX's rope (CPU) and HF's apply_rotary_pos_emb do.
+        cos, sin = self.cos[:T].to(x.dtype), self.sin[:T].to(x.dtype)
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Linear(nn.Linear):
+    """No bias; the float32 weight is cast to the input's dtype at use, so its gradient lands in float32."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight.to(x.dtype))
+
+
+class RMSNorm(nn.RMSNorm):
+    """HF Llama's: statistics in float32, rounded once to the input's dtype, then times the weight."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), self.normalized_shape, None, self.eps).to(x.dtype)
+        return normed * self.weight.to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -50,10 +69,10 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads = spec.n_heads, spec.n_kv_heads
         self.scale = spec.head_dim ** -0.5
-        self.q_proj = nn.Linear(spec.dim, spec.n_heads * spec.head_dim, bias=False)
-        self.k_proj = nn.Linear(spec.dim, spec.n_kv_heads * spec.head_dim, bias=False)
-        self.v_proj = nn.Linear(spec.dim, spec.n_kv_heads * spec.head_dim, bias=False)
-        self.o_proj = nn.Linear(spec.n_heads * spec.head_dim, spec.dim, bias=False)
+        self.q_proj = Linear(spec.dim, spec.n_heads * spec.head_dim, bias=False)
+        self.k_proj = Linear(spec.dim, spec.n_kv_heads * spec.head_dim, bias=False)
+        self.v_proj = Linear(spec.dim, spec.n_kv_heads * spec.head_dim, bias=False)
+        self.o_proj = Linear(spec.n_heads * spec.head_dim, spec.dim, bias=False)
         self.rope = RoPE(spec.head_dim, base=spec.rope_theta, max_seq_len=spec.max_seq_len)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -63,6 +82,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.n_kv_heads, -1).transpose(1, 2)
         q, k = self.rope(q), self.rope(k)
         # Grouped-query attention: enable_gqa shares each k/v head among n_heads / n_kv_heads queries.
+        # bf16 q, k, v: the CPU kernel keeps q.k scores in float32, softmax accumulates in float32.
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                              scale=self.scale, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
@@ -71,20 +91,22 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
-        self.gate_proj = nn.Linear(spec.dim, spec.ffn_dim, bias=False)
-        self.up_proj = nn.Linear(spec.dim, spec.ffn_dim, bias=False)
-        self.down_proj = nn.Linear(spec.ffn_dim, spec.dim, bias=False)
+        self.gate_proj = Linear(spec.dim, spec.ffn_dim, bias=False)
+        self.up_proj = Linear(spec.dim, spec.ffn_dim, bias=False)
+        self.down_proj = Linear(spec.ffn_dim, spec.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = self.gate_proj(x)
+        # SiLU in float32, rounded once: what torch's bf16 kernel does; MLX's would round the sigmoid first.
+        return self.down_proj(F.silu(gate.float()).to(gate.dtype) * self.up_proj(x))
 
 
 class TransformerBlock(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
-        self.input_layernorm = nn.RMSNorm(spec.dim, eps=spec.norm_eps)
+        self.input_layernorm = RMSNorm(spec.dim, eps=spec.norm_eps)
         self.self_attn = Attention(spec)
-        self.post_attention_layernorm = nn.RMSNorm(spec.dim, eps=spec.norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.dim, eps=spec.norm_eps)
         self.mlp = MLP(spec)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -93,14 +115,15 @@ class TransformerBlock(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, compute_dtype: str = "float32"):
         super().__init__()
+        self.compute_dtype = getattr(torch, compute_dtype)
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.dim)
         self.layers = nn.ModuleList(TransformerBlock(spec) for _ in range(spec.n_layers))
-        self.norm = nn.RMSNorm(spec.dim, eps=spec.norm_eps)
+        self.norm = RMSNorm(spec.dim, eps=spec.norm_eps)
 
     def forward(self, tokens: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        h = self.embed_tokens(tokens)
+        h = self.embed_tokens(tokens).to(self.compute_dtype)  # the residual stream's dtype
         mask = attention_mask(padding_mask, tokens.shape[1])
         for layer in self.layers:
             h = layer(h, mask)
@@ -108,18 +131,18 @@ class LlamaModel(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, compute_dtype: str = "float32"):
         super().__init__()
         self.spec = spec
-        self.model = LlamaModel(spec)
+        self.model = LlamaModel(spec, compute_dtype)
         if not spec.tie_embeddings:
-            self.lm_head = nn.Linear(spec.dim, spec.vocab_size, bias=False)
+            self.lm_head = Linear(spec.dim, spec.vocab_size, bias=False)
 
     def forward(self, tokens: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """int tokens (B, T) -> logits (B, T, vocab); padding_mask (B, T) is 1 for real tokens."""
+        """int tokens (B, T) -> logits (B, T, vocab) in the compute dtype; padding_mask (B, T) is 1 for real tokens."""
         h = self.model(tokens, padding_mask)
         if self.spec.tie_embeddings:
-            return F.linear(h, self.model.embed_tokens.weight)
+            return F.linear(h, self.model.embed_tokens.weight.to(h.dtype))
         return self.lm_head(h)
 
 

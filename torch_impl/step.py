@@ -1,5 +1,8 @@
 """One optimizer step in PyTorch: DDP with bucketed all-reduce, no_sync accumulation, clipped AdamW.
 
+Precision (common/precision.py): the model computes in cfg.dtype from float32 master weights, so the
+gradients, their all-reduce, the loss and the AdamW state are float32 whatever the dtype (no autocast).
+
 The loss of a step is (sum of masked token losses on all ranks) / (global count of real target tokens),
 so DP is exact even when ranks hold different numbers of real tokens (padding mode). Each rank scales
 its loss by N / global_tokens; DDP then averages (divides the all-reduced sum by N).
@@ -33,10 +36,9 @@ class Trainer:
         self.rank, self.world_size, self.group = world.rank, world.size, world.group
         world_size = world.size
         self.device = torch.device(world.device)
-        self.model = Llama(spec)
+        self.model = Llama(spec, compute_dtype=cfg.dtype)
         load_weights(self.model, weights)
         self.model.to(self.device)
-        self.autocast = cfg.dtype == "bfloat16" and self.device.type == "cuda"
         self.grad_accum, self.grad_clip = cfg.grad_accum, cfg.grad_clip
         self.wrapped = self.model
         if world_size > 1:
@@ -49,10 +51,6 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                            eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
         self.names = {p: n for n, p in self.model.named_parameters()}
-
-    def _forward_loss(self, model, inputs, targets, mask):
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            return token_loss_sum(model, inputs, targets, mask)
 
     def train_step(self, batches, lr, global_tokens, sync=True):
         """sync=False skips the gradient all-reduce (time breakdown only: the ranks' weights part ways)."""
@@ -73,7 +71,7 @@ class Trainer:
             sync = contextlib.nullcontext() if last or model is not self.wrapped or self.world_size == 1 \
                 else self.wrapped.no_sync()
             with sync:
-                micro = self._forward_loss(model, *self._to_device(inputs, targets, mask))
+                micro = token_loss_sum(model, *self._to_device(inputs, targets, mask))
                 (micro * scale).backward()
             loss_sum += micro.detach().double()
         return loss_sum
@@ -93,7 +91,7 @@ class Trainer:
         start = time.perf_counter()
         with torch.no_grad():
             for inputs, targets, mask in batches:
-                self._forward_loss(self.model, *self._to_device(inputs, targets, mask)).item()
+                token_loss_sum(self.model, *self._to_device(inputs, targets, mask)).item()
         forward = time.perf_counter() - start
         t = time.perf_counter()
         self._gradients(batches, global_tokens, self.model).item()

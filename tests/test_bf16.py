@@ -1,0 +1,171 @@
+"""--dtype bfloat16 is real mixed precision in both frameworks, on the CPU too: bf16 compute from float32
+master weights, within the documented tolerances of float32 (common/precision.py, docs/precision.md)."""
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file
+
+import mlx_impl.model as mlx_model
+import mlx_impl.step as mlx_step
+import torch_impl.model as torch_model
+import torch_impl.step as torch_step
+from common.config import DTYPES, RunConfig
+from common.loop import World
+from common.precision import DEFAULT_TOLERANCES, POLICIES, describe
+from common.spec import ModelSpec
+from common.weights import init_weights
+from compare.parity import moving_average
+from helpers import FAST, dpcompare, losses, summary
+
+BF16 = DEFAULT_TOLERANCES["bfloat16"]
+FRAMEWORKS = ["mlx", "torch"]
+TRAINERS = {"mlx": mlx_step.Trainer, "torch": torch_step.Trainer}
+MODELS = {"mlx": mlx_model, "torch": torch_model}
+SPEC = ModelSpec(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
+
+
+def batch(seed: int = 0, B: int = 4, T: int = 16):
+    rows = np.random.default_rng(seed).integers(0, SPEC.vocab_size, size=(B, T + 1), dtype=np.int32)
+    return rows[:, :-1], rows[:, 1:], np.ones((B, T), dtype=np.float32)
+
+
+def train_losses(framework: str, dtype: str, steps: int = 4) -> list[float]:
+    cfg = RunConfig(framework=framework, dtype=dtype, lr=3e-3)
+    trainer = TRAINERS[framework](cfg, SPEC, init_weights(SPEC, 0), World())
+    out = []
+    for step in range(steps):
+        inputs, targets, mask = batch(step)
+        out.append(trainer.train_step([(inputs, targets, mask)], 3e-3, int(mask.sum()))[0])
+    weights, exp_avg, exp_avg_sq = trainer.export_state()
+    assert all(v.dtype == np.float32 for d in (weights, exp_avg, exp_avg_sq) for v in d.values())
+    return out
+
+
+# ---- fast: in-process ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_a_bfloat16_trainer_computes_something_else_than_float32(framework):
+    """The silent-fp32 bug: a bf16 run whose losses equal the fp32 run's to the last digit."""
+    fp32, bf16 = train_losses(framework, "float32"), train_losses(framework, "bfloat16")
+    assert np.abs(np.subtract(bf16, fp32)).max() > 1e-6, "bfloat16 computed in float32"
+    np.testing.assert_allclose(bf16, fp32, rtol=BF16["vs_fp32_curve_rtol"])
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_bf16_logits_come_from_float32_master_weights_whose_gradients_are_float32(framework):
+    module = MODELS[framework]
+    model = module.Llama(SPEC, compute_dtype="bfloat16")
+    module.load_weights(model, init_weights(SPEC, 0))
+    inputs, targets, mask = batch()
+    if framework == "mlx":
+        import mlx.nn as nn
+
+        assert model(mx.array(inputs)).dtype == mx.bfloat16
+        _, grads = nn.value_and_grad(model, mlx_step.token_loss_sum)(model, mx.array(inputs), mx.array(targets),
+                                                                   mx.array(mask))
+        from mlx.utils import tree_flatten
+        dtypes = {str(g.dtype) for _, g in tree_flatten(grads)} | {str(p.dtype) for _, p in tree_flatten(model.parameters())}
+        assert dtypes == {"mlx.core.float32"}
+    else:
+        assert model(torch.from_numpy(inputs).long()).dtype == torch.bfloat16
+        torch_step.token_loss_sum(model, torch.from_numpy(inputs).long(), torch.from_numpy(targets).long(),
+                                  torch.from_numpy(mask)).backward()
+        assert {p.dtype for p in model.parameters()} | {p.grad.dtype for p in model.parameters()} == {torch.float32}
+
+
+def test_mlx_and_torch_bf16_logits_agree_to_bf16_rounding():
+    weights, (inputs, _, _) = init_weights(SPEC, 0), batch()
+    got = {}
+    for name, module in MODELS.items():
+        model = module.Llama(SPEC, compute_dtype="bfloat16")
+        module.load_weights(model, weights)
+        if name == "mlx":
+            got[name] = np.array(model(mx.array(inputs)).astype(mx.float32))
+        else:
+            with torch.no_grad():
+                got[name] = model(torch.from_numpy(inputs).long()).float().numpy()
+    # A bf16 ulp of the largest logit (8 significant bits): the attention kernels round differently.
+    assert np.abs(got["mlx"] - got["torch"]).max() <= 2 ** -7 * np.abs(got["torch"]).max()
+
+
+def test_the_policy_and_the_tolerances_are_described_for_every_dtype():
+    assert describe("float32")["compute_dtype"] == "float32"
+    bf16 = describe("bfloat16")
+    assert (bf16["compute_dtype"], bf16["master_dtype"], bf16["reduce_dtype"]) == ("bfloat16", "float32", "float32")
+    assert set(DEFAULT_TOLERANCES) == set(POLICIES) == set(DTYPES)
+    assert BF16["loss_rtol"] > 0 and BF16["vs_fp32_curve_rtol"] > 0 and BF16["dp_rtol"] > 0
+
+
+# ---- slow: the real CLI ------------------------------------------------------------------------------
+
+STEPS = ("--steps", 20, "--lr-decay-steps", 20, "--lr", "3e-3", "--eval-every", 20)
+
+
+def rel(a, b) -> np.ndarray:
+    return np.abs(np.subtract(a, b)) / np.abs(b)
+
+
+def eval_loss(run_dir) -> float:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["eval_loss"] for r in rows if "eval_loss" in r][-1]
+
+
+@pytest.fixture(scope="module")
+def runs(cache_dir, tmp_path_factory):
+    """fp32 and bf16 at N=1, bf16 at N=2, for both frameworks; each directory once for the module."""
+    root = tmp_path_factory.mktemp("bf16")
+    out = {}
+    for framework in FRAMEWORKS:
+        for dtype, nproc in (("float32", 1), ("bfloat16", 1), ("bfloat16", 2)):
+            run_dir = out[framework, dtype, nproc] = root / f"{framework}-{dtype}-{nproc}"
+            dpcompare("run", *FAST, *STEPS, "--framework", framework, "--dtype", dtype, "--nproc", nproc,
+                      "--out", run_dir, cache_dir=cache_dir)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_bf16_runs_differ_from_fp32_and_stay_within_the_documented_tolerance(framework, runs):
+    fp32, bf16 = runs[framework, "float32", 1], runs[framework, "bfloat16", 1]
+    s = summary(bf16)
+    assert s["dtype"] == "bfloat16" and s["precision"]["compute_dtype"] == "bfloat16"
+    assert s["precision"]["master_dtype"] == s["precision"]["reduce_dtype"] == "float32"
+    a, b = losses(bf16), losses(fp32)
+    assert len(a) == 20 and np.abs(np.subtract(a, b)).max() > 1e-6, "bfloat16 computed in float32"
+    w = BF16["curve_window"]
+    assert rel(moving_average(np.array(a), w), moving_average(np.array(b), w)).max() <= BF16["vs_fp32_curve_rtol"]
+    assert rel(eval_loss(bf16), eval_loss(fp32)) <= BF16["vs_fp32_eval_rtol"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_mlx_bf16_matches_torch_bf16(nproc, runs):
+    mlx, torch_ = runs["mlx", "bfloat16", nproc], runs["torch", "bfloat16", nproc]
+    a, b = np.array(losses(mlx)), np.array(losses(torch_))
+    k, w = BF16["parity_steps"], BF16["curve_window"]
+    assert rel(a[:k], b[:k]).max() <= BF16["loss_rtol"]
+    assert rel(moving_average(a, w), moving_average(b, w)).max() <= BF16["curve_rtol"]
+    assert rel(eval_loss(mlx), eval_loss(torch_)) <= BF16["eval_rtol"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_dp_invariance_in_bf16_two_ranks_match_one_within_the_bf16_tolerance(framework, runs):
+    one, two = losses(runs[framework, "bfloat16", 1]), losses(runs[framework, "bfloat16", 2])
+    assert rel(two, one).max() <= BF16["dp_rtol"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_a_bf16_run_resumes_exactly_from_its_float32_checkpoint(framework, runs, cache_dir, tmp_path):
+    common = (*FAST, *STEPS, "--framework", framework, "--dtype", "bfloat16", "--out", tmp_path)
+    dpcompare("run", *common, "--steps", 10, cache_dir=cache_dir)  # the later --steps wins
+    saved = load_file(tmp_path / "checkpoints" / "step_000010" / "model.safetensors")
+    assert {v.dtype for v in saved.values()} == {np.dtype(np.float32)}
+    dpcompare("run", *common, "--resume", cache_dir=cache_dir)
+    np.testing.assert_allclose(losses(tmp_path), losses(runs[framework, "bfloat16", 1]), rtol=0, atol=1e-6)
