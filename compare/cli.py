@@ -9,7 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from common.config import RunConfig
+from common.config import RunConfig, read_toml
 from common.errors import ParityError, UserError
 
 # Flags shared by `run` and `compare`, each mapped onto the RunConfig field of the same name.
@@ -106,6 +106,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_tolerance_flags(report)
     report.set_defaults(handler=cmd_report)
 
+    diagnose = sub.add_parser("diagnose", help="one step of each framework from the same weights: where do "
+                                               "they part? (modules, loss, gradients, update)")
+    diagnose.add_argument("--frameworks", default="mlx,torch", help="the two frameworks to compare")
+    diagnose.add_argument("--from", dest="from_run", metavar="RUN_DIR",
+                          help="start from this run's checkpoint (and its config; flags override it)")
+    diagnose.add_argument("--step", type=int, help="with --from: the checkpoint after this many steps "
+                                                   "(default: the latest)")
+    diagnose.add_argument("--keep-tensors", action="store_true", help="keep every recorded tensor (.npy)")
+    add_run_flags(diagnose)
+    diagnose.set_defaults(handler=cmd_diagnose)
+
     export = sub.add_parser("export", help="export a run's latest checkpoint as an HF Llama directory")
     export.add_argument("run_dir")
     export.add_argument("--out", required=True)
@@ -134,7 +145,8 @@ def add_tolerance_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--curve-rtol", type=float, default=None, help="relative tolerance of whole curves")
 
 
-def config_from_args(args, **fixed) -> RunConfig:
+def config_from_args(args, base: dict | None = None, **fixed) -> RunConfig:
+    """Defaults (or `base`, a config dict) < --config TOML < flags < `fixed`."""
     overrides: dict = {}
     for flag, _, _ in RUN_FLAGS + [("--nproc", 0, 0), ("--out", 0, 0), ("--quiet", 0, 0), ("--overwrite", 0, 0),
                                    ("--resume", 0, 0), ("--framework", 0, 0)]:
@@ -151,6 +163,11 @@ def config_from_args(args, **fixed) -> RunConfig:
         else:
             overrides[key] = value
     overrides.update({k: v for k, v in fixed.items() if v is not None})
+    if base is not None:
+        toml = read_toml(args.config) if getattr(args, "config", None) else {}
+        values = {**base, **toml, **overrides}
+        values["model"] = {**base.get("model", {}), **toml.get("model", {}), **overrides.get("model", {})}
+        return RunConfig.from_dict(values)
     return RunConfig.from_sources(getattr(args, "config", None), overrides)
 
 
@@ -227,6 +244,29 @@ def cmd_report(args) -> int:
     from .matrix import rebuild_report
 
     return rebuild_report(args)
+
+
+def cmd_diagnose(args) -> int:
+    from common.config import FRAMEWORKS
+
+    from .diagnose import DiagnosisError, diagnose, run_config, table
+    from .matrix import parse_list
+
+    frameworks = parse_list(args.frameworks, "frameworks", allowed=FRAMEWORKS)
+    if args.step is not None and not args.from_run:
+        raise UserError("--step needs --from RUN_DIR")
+    base = run_config(Path(args.from_run)).to_dict() if args.from_run else None
+    cfg = config_from_args(args, base=base, framework=frameworks[0], nproc=1)
+    out = Path(args.out or (Path(args.from_run) / "diagnosis" if args.from_run else "runs/diagnose"))
+    try:
+        result = diagnose(cfg, out, from_run=args.from_run, step=args.step, frameworks=frameworks,
+                          keep_tensors=args.keep_tensors)
+    except DiagnosisError as err:
+        print(f"dpcompare: error: {err}", file=sys.stderr)
+        return 1
+    print(table(result))
+    print(f"\ndiagnosis: {out / 'diagnosis.json'}")
+    return 0
 
 
 def cmd_export(args) -> int:

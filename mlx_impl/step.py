@@ -3,6 +3,10 @@
 The loss of a step is (sum of masked token losses on all ranks) / (global count of real target tokens),
 so DP is exact even when ranks hold different numbers of real tokens (padding mode). Each rank scales
 its gradients by N / global_tokens; `nn.average_gradients` then divides the all-reduced sum by N.
+
+The reported loss is summed apart from the gradients, in float64 on the host (MLX has no float64 on
+GPU): a float32 sum of thousands of token losses is off by ~1e-5, enough to hide a real difference
+between frameworks or world sizes. torch's pairwise float32 sum is ~100x closer.
 """
 from __future__ import annotations
 
@@ -15,12 +19,18 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from .model import Llama, load_weights, weights_of
 
 FRAMEWORK = "mlx"
-LOSS_KEY = "__loss_sum__"  # rides along in the gradient all-reduce instead of a collective of its own
 
 
 def token_loss_sum(model, inputs, targets, mask):
+    """(float32 sum of the masked token losses, the masked token losses): the gradients come from the
+    sum, the reported loss from the token losses (summed in float64 by `exact_sum`)."""
     logits = model(inputs).astype(mx.float32)
-    return (nn.losses.cross_entropy(logits, targets, reduction="none") * mask).sum()
+    losses = nn.losses.cross_entropy(logits, targets, reduction="none") * mask
+    return losses.sum(), losses
+
+
+def exact_sum(arrays) -> float:
+    return float(sum(np.array(a, dtype=np.float64).sum() for a in arrays))
 
 
 class Trainer:
@@ -40,54 +50,57 @@ class Trainer:
         loss_and_grad = nn.value_and_grad(self.model, token_loss_sum)
 
         def micro_step(inputs, targets, mask, scale):
-            loss_sum, grads = loss_and_grad(self.model, inputs, targets, mask)
-            return loss_sum, tree_map(lambda g: g * scale, grads)
+            (_, losses), grads = loss_and_grad(self.model, inputs, targets, mask)
+            return losses, tree_map(lambda g: g * scale, grads)
 
-        def update(grads, loss_sum):
-            grads = dict(grads, **{LOSS_KEY: loss_sum})
+        def update(grads):
             if world_size > 1:
                 grads = nn.average_gradients(grads, group=group, all_reduce_size=reduce_bytes)
-            loss = grads.pop(LOSS_KEY)
             if grad_clip > 0:
                 grads, grad_norm = optim.clip_grad_norm(grads, grad_clip)
             else:
                 grad_norm = mx.sqrt(sum((g * g).sum() for _, g in tree_flatten(grads)))
             self.optimizer.update(self.model, grads)
-            return loss, grad_norm
+            return grad_norm
 
         # value_and_grad swaps traced parameters into the model, so every compiled function lists the
         # state as an output too: otherwise the model would be left holding placeholders.
         state = [self.model.state, self.optimizer.state]
         self._micro_step = mx.compile(micro_step, inputs=state, outputs=state)
         self._update = mx.compile(update, inputs=state, outputs=state)
-        self._eval_sum = mx.compile(lambda x, y, m: token_loss_sum(self.model, x, y, m), inputs=state,
-                                    outputs=state)
+        self._eval_losses = mx.compile(lambda x, y, m: token_loss_sum(self.model, x, y, m)[1], inputs=state,
+                                       outputs=state)
 
     def train_step(self, batches, lr, global_tokens):
         # scale = N / T: after averaging over N ranks the gradient is that of (sum of losses) / T.
         scale = mx.array(self.world_size / global_tokens, dtype=mx.float32)
-        loss_sum, grads = None, None
+        token_losses, grads = [], None
         for inputs, targets, mask in batches:
-            micro_loss, micro_grads = self._micro_step(mx.array(inputs), mx.array(targets), mx.array(mask), scale)
-            micro_loss = micro_loss * scale
-            if grads is None:
-                loss_sum, grads = micro_loss, micro_grads
-            else:  # accumulate lazily; communication happens only in `update`
-                loss_sum, grads = loss_sum + micro_loss, tree_map(mx.add, grads, micro_grads)
+            losses, micro_grads = self._micro_step(mx.array(inputs), mx.array(targets), mx.array(mask), scale)
+            token_losses.append(losses)
+            # accumulate lazily; communication happens only in `update`
+            grads = micro_grads if grads is None else tree_map(mx.add, grads, micro_grads)
         self.optimizer.learning_rate = mx.array(lr, dtype=mx.float32)
-        loss, grad_norm = self._update(grads, loss_sum)
-        mx.eval(loss, grad_norm, self.model.state, self.optimizer.state)  # the step is done when timed
-        return loss.item(), grad_norm.item()
+        grad_norm = self._update(grads)
+        mx.eval(grad_norm, token_losses, self.model.state, self.optimizer.state)  # the step is done when timed
+        loss_sum = self.all_sum(np.array([exact_sum(token_losses)]))[0]
+        return float(loss_sum / global_tokens), grad_norm.item()
 
     def eval_loss_sum(self, inputs, targets, mask):
-        return self._eval_sum(mx.array(inputs), mx.array(targets), mx.array(mask)).item()
+        return exact_sum([self._eval_losses(mx.array(inputs), mx.array(targets), mx.array(mask))])
 
     def all_sum(self, values):
+        values = np.asarray(values, dtype=np.float64)
         if self.world_size == 1:
-            return np.asarray(values)
-        # float32 on the wire: not every backend reduces float64.
-        summed = mx.distributed.all_sum(mx.array(np.asarray(values, dtype=np.float32)), group=self.group)
-        return np.array(summed, dtype=np.float64)
+            return values
+        # float32 on the wire (not every backend reduces float64), yet exact: each rank sends its values
+        # as float32 pairs (hi + lo = the float64 to 48 bits) in slots of its own, so the all-reduce
+        # adds only zeros, and the host sums the ranks' pairs in float64.
+        hi = values.astype(np.float32)
+        slots = np.zeros((self.world_size, 2, *values.shape), dtype=np.float32)
+        slots[self.rank] = hi, (values - hi).astype(np.float32)
+        summed = mx.distributed.all_sum(mx.array(slots), group=self.group)
+        return np.array(summed, dtype=np.float64).sum(axis=(0, 1))
 
     def export_state(self):
         flat = dict(tree_flatten(self.optimizer.state))
