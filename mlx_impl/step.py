@@ -23,13 +23,13 @@ FRAMEWORK = "mlx"
 
 def token_loss_sum(model, inputs, targets, mask):
     """(float32 sum of the masked token losses, the masked token losses): the gradients come from the
-    sum, the reported loss from the token losses (summed in float64 by `exact_sum`)."""
+    sum, the reported loss from the token losses (summed in float64 by `_exact_sum`)."""
     logits = model(inputs).astype(mx.float32)
     losses = nn.losses.cross_entropy(logits, targets, reduction="none") * mask
     return losses.sum(), losses
 
 
-def exact_sum(arrays) -> float:
+def _exact_sum(arrays) -> float:
     return float(sum(np.array(a, dtype=np.float64).sum() for a in arrays))
 
 
@@ -83,11 +83,11 @@ class Trainer:
         self.optimizer.learning_rate = mx.array(lr, dtype=mx.float32)
         grad_norm = self._update(grads)
         mx.eval(grad_norm, token_losses, self.model.state, self.optimizer.state)  # the step is done when timed
-        loss_sum = self.all_sum(np.array([exact_sum(token_losses)]))[0]
+        loss_sum = self.all_sum(np.array([_exact_sum(token_losses)]))[0]
         return float(loss_sum / global_tokens), grad_norm.item()
 
     def eval_loss_sum(self, inputs, targets, mask):
-        return exact_sum([self._eval_losses(mx.array(inputs), mx.array(targets), mx.array(mask))])
+        return _exact_sum([self._eval_losses(mx.array(inputs), mx.array(targets), mx.array(mask))])
 
     def all_sum(self, values):
         values = np.asarray(values, dtype=np.float64)
