@@ -96,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--nproc", default="1,2", help="comma list of world sizes, e.g. 1,2")
     compare.add_argument("--strict", action="store_true", help="exit 3 when a parity verdict fails")
     add_tolerance_flags(compare)
+    add_baseline_flags(compare)
     add_run_flags(compare)
     compare.set_defaults(handler=cmd_compare)
 
@@ -104,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--out", help="where to write the report (default: the first argument)")
     report.add_argument("--strict", action="store_true")
     add_tolerance_flags(report)
+    add_baseline_flags(report)
     report.set_defaults(handler=cmd_report)
 
     diagnose = sub.add_parser("diagnose", help="one step of each framework from the same weights: where do "
@@ -143,6 +145,14 @@ def add_tolerance_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--loss-atol", type=float, default=None, help="per-step loss tolerance (fp32)")
     parser.add_argument("--parity-steps", type=int, default=None, help="steps compared step by step")
     parser.add_argument("--curve-rtol", type=float, default=None, help="relative tolerance of whole curves")
+
+
+def add_baseline_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--save-baseline", metavar="FILE.json",
+                        help="keep every run's per-step losses, grad norms, eval losses and config fingerprint")
+    parser.add_argument("--against", metavar="FILE.json",
+                        help="judge each run against the baseline run of its framework, strategy and world "
+                             "size (--strict: exit 3 when one departs)")
 
 
 def config_from_args(args, base: dict | None = None, **fixed) -> RunConfig:
