@@ -45,6 +45,7 @@ RUN_FLAGS = [
     ("--tune-malloc", None, "glibc malloc that keeps freed memory: faster CPU steps, higher peak RSS"),
     ("--init-from", str, "start from this HF-format Llama dir instead of the seeded init"),
     ("--cache-dir", str, "where token caches and seed checkpoints live"),
+    ("--report-to", str, "tensorboard, wandb, trackio (comma list): each run's metrics, written after the run"),
 ]
 
 

@@ -21,6 +21,7 @@ from common.metrics import read_metrics, throughput_stats, write_json
 from common.spec import ModelSpec
 
 from . import environment as env
+from . import tracking
 from .launchers import RING_HOSTFILE, build_command, check_hostfile, ring_hosts
 from .watchdog import read_ranks, stop_job, watch, watched_ranks
 
@@ -124,6 +125,7 @@ def launch(cfg: RunConfig, inputs: Inputs, run_dir: Path) -> dict:
     check_run_dir(run_dir, cfg.resume, cfg.overwrite)
     check_hostfile(cfg)
     check_resumable(cfg, inputs, run_dir)
+    tracking.check_installed(cfg.report_to)
     argv, extra_env, blas = build_command(cfg, run_dir)
     check_run_dir(run_dir, cfg.resume, cfg.overwrite, clear=True)
     try:
@@ -151,6 +153,8 @@ def launch(cfg: RunConfig, inputs: Inputs, run_dir: Path) -> dict:
             failure = {"error": "interrupted by the user", "failed_rank": None}
     summary = summarize(cfg, run_dir, argv, blas, time.time() - started, failure)
     write_json(run_dir / "summary.json", summary)
+    if cfg.node_rank == 0:  # node 0 holds metrics.jsonl
+        tracking.report_run_safely(run_dir, cfg.report_to)
     return summary
 
 
