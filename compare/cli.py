@@ -281,20 +281,11 @@ def cmd_diagnose(args) -> int:
 
 
 def cmd_export(args) -> int:
-    import shutil
+    from .export import export_run
 
-    from common.checkpoint import latest_checkpoint
-
-    ckpt = latest_checkpoint(Path(args.run_dir))
-    if ckpt is None:
-        raise UserError(f"{args.run_dir} holds no checkpoint to export")
-    out = Path(args.out)
-    if out.exists() and any(out.iterdir()):
-        raise UserError(f"{out} exists and is not empty; choose another --out")
-    out.mkdir(parents=True, exist_ok=True)
-    for name in ("config.json", "model.safetensors"):
-        shutil.copy2(ckpt / name, out / name)
-    print(f"exported {ckpt} -> {out} (loads with transformers.LlamaForCausalLM.from_pretrained)")
+    ckpt = export_run(Path(args.run_dir), Path(args.out))
+    print(f"exported {ckpt} -> {args.out} (weights, tokenizer and generation config: opens with transformers' "
+          f"pipeline('text-generation', model=DIR) and mlx_lm.generate --model DIR)")
     return 0
 
 
