@@ -8,7 +8,8 @@ PLAN OUT_DIR` once per framework; each worker builds the framework's real Traine
                than once, like RoPE for q and k, gets `#2`, `#3` on its later calls), then `logits`
     loss       the loss the Trainer reports for that step (before its update)
     gradient   every parameter's gradient of the loss (the step's mean token loss)
-    update     every parameter's change in the Trainer's optimizer step (after - before)
+    update     every parameter's change in the Trainer's optimizer step (after - before), with the
+               float32 spacing of its largest weight (`rounding`: the least difference storage makes)
 
 as one .npy file per tensor and a manifest.json listing (stage, name, file) in that order.
 
@@ -93,14 +94,14 @@ class TensorStore:
         self.entries: list[dict] = []
         self._seen: dict[tuple[str, str], int] = {}
 
-    def add(self, stage: str, name: str, value) -> None:
+    def add(self, stage: str, name: str, value, **info) -> None:
         calls = self._seen[(stage, name)] = self._seen.get((stage, name), 0) + 1
         if calls > 1:
             name = f"{name}#{calls}"
         file = f"{len(self.entries):04d}.npy"
         value = np.asarray(value, dtype=np.float32 if stage != "loss" else np.float64)
         np.save(self.directory / file, value)
-        self.entries.append({"stage": stage, "name": name, "file": file, "shape": list(value.shape)})
+        self.entries.append({"stage": stage, "name": name, "file": file, "shape": list(value.shape), **info})
 
     def close(self, info: dict) -> None:
         (self.directory / "manifest.json").write_text(json.dumps({**info, "entries": self.entries}, indent=2))
@@ -151,6 +152,9 @@ def run_worker(plan_path: Path, out_dir: Path, start_world, framework_module) ->
     for name in order:
         store.add("gradient", name, gradients[name])
     for name in order:
-        store.add("update", name, after[name].astype(np.float64) - before[name])
+        # Storing the new weights in float32 rounds them by half a unit in the last place: the two
+        # frameworks' updates of equal weights may differ by that much at least.
+        store.add("update", name, after[name].astype(np.float64) - before[name],
+                  rounding=float(np.spacing(np.abs(after[name]).max().astype(np.float32))))
     store.close({"framework": trainer.framework, "bug": bug, "step": d.step, "lr": d.lr,
                  "global_tokens": d.global_tokens, "grad_norm": grad_norm, "device": str(trainer.device)})

@@ -27,7 +27,7 @@ from .watchdog import read_ranks, stop_job, watch, watched_ranks
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 RUN_FILES = ("run_config.json", "metrics.jsonl", "summary.json", "log.txt", "ranks", "checkpoints",
-             RING_HOSTFILE)
+             RING_HOSTFILE, "tensorboard", "wandb")
 
 
 @dataclass
