@@ -5,8 +5,9 @@ so DP is exact even when ranks hold different numbers of real tokens (padding mo
 its gradients by N / global_tokens; `nn.average_gradients` then divides the all-reduced sum by N.
 
 The reported loss is summed apart from the gradients, in float64 on the host (MLX has no float64 on
-GPU): a float32 sum of thousands of token losses is off by ~1e-5, enough to hide a real difference
-between frameworks or world sizes. torch's pairwise float32 sum is ~100x closer.
+GPU; torch sums in float64 on the device): a float32 sum of thousands of token losses is off by ~1e-5,
+enough to hide a real difference between frameworks or world sizes. For the same reason the gradient
+norm, and so the clip coefficient, is a tree of short float32 sums rather than one flat sum.
 """
 from __future__ import annotations
 
