@@ -33,6 +33,7 @@ SEQUENCE_MODES = ("packing", "padding")
 DEVICES = ("auto", "cpu", "cuda", "mps", "gpu")
 MLX_BLAS = ("auto", "system", "bundled")
 DTYPES = ("float32", "bfloat16")
+TRACKERS = ("tensorboard", "wandb", "trackio")  # --report-to (compare/tracking.py)
 
 
 def default_cache_dir() -> Path:
@@ -108,6 +109,7 @@ class RunConfig:
     resume: bool = False
     overwrite: bool = False
     quiet: bool = False
+    report_to: str = ""              # comma list of TRACKERS, written from metrics.jsonl after the run
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -199,6 +201,8 @@ class RunConfig:
         _choice("dtype", self.dtype, DTYPES)
         _choice("strategy", self.strategy, STRATEGIES)
         _choice("communication_stream", self.communication_stream, COMMUNICATION_STREAMS)
+        for tracker in filter(None, (t.strip() for t in self.report_to.split(","))):
+            _choice("report_to", tracker, ("none",) + TRACKERS)
         for name in ("seq_len", "global_batch_size", "grad_accum", "steps", "nproc", "threads_per_rank",
                      "builtin_vocab_size", "builtin_corpus_bytes", "eval_batches", "nnodes"):
             _positive(name, getattr(self, name))

@@ -15,7 +15,7 @@ from pathlib import Path
 from common.config import RunConfig
 from common.errors import ParityError, UserError
 
-from .flags import add_run_flags, add_tolerance_flags, config_from_args
+from .flags import add_baseline_flags, add_run_flags, add_tolerance_flags, config_from_args
 from .watchdog import install_stop_handlers, restore_handlers
 
 
@@ -90,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--report-on-interrupt", action="store_true",
                          help="when stopped by a signal, still write the report from the runs that finished")
     add_tolerance_flags(compare)
+    add_baseline_flags(compare)
     add_run_flags(compare)
     compare.set_defaults(handler=cmd_compare)
 
@@ -98,7 +99,19 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--out", help="where to write the report (default: the first argument)")
     report.add_argument("--strict", action="store_true")
     add_tolerance_flags(report)
+    add_baseline_flags(report)
     report.set_defaults(handler=cmd_report)
+
+    diagnose = sub.add_parser("diagnose", help="one step of each framework from the same weights: where do "
+                                               "they part? (modules, loss, gradients, update)")
+    diagnose.add_argument("--frameworks", default="mlx,torch", help="the two frameworks to compare")
+    diagnose.add_argument("--from", dest="from_run", metavar="RUN_DIR",
+                          help="start from this run's checkpoint (and its config; flags override it)")
+    diagnose.add_argument("--step", type=int, help="with --from: the checkpoint after this many steps "
+                                                   "(default: the latest)")
+    diagnose.add_argument("--keep-tensors", action="store_true", help="keep every recorded tensor (.npy)")
+    add_run_flags(diagnose)
+    diagnose.set_defaults(handler=cmd_diagnose)
 
     export = sub.add_parser("export", help="export a run's latest checkpoint as an HF Llama directory")
     export.add_argument("run_dir")
@@ -192,21 +205,35 @@ def cmd_report(args) -> int:
     return rebuild_report(args)
 
 
+def cmd_diagnose(args) -> int:
+    from common.config import FRAMEWORKS
+
+    from .diagnose import DiagnosisError, diagnose, run_config, table
+    from .matrix import parse_list
+
+    frameworks = parse_list(args.frameworks, "frameworks", allowed=FRAMEWORKS)
+    if args.step is not None and not args.from_run:
+        raise UserError("--step needs --from RUN_DIR")
+    base = run_config(Path(args.from_run)).to_dict() if args.from_run else None
+    cfg = config_from_args(args, base=base, framework=frameworks[0], nproc=1)
+    out = Path(args.out or (Path(args.from_run) / "diagnosis" if args.from_run else "runs/diagnose"))
+    try:
+        result = diagnose(cfg, out, from_run=args.from_run, step=args.step, frameworks=frameworks,
+                          keep_tensors=args.keep_tensors)
+    except DiagnosisError as err:
+        print(f"dpcompare: error: {err}", file=sys.stderr)
+        return 1
+    print(table(result))
+    print(f"\ndiagnosis: {out / 'diagnosis.json'}")
+    return 0
+
+
 def cmd_export(args) -> int:
-    import shutil
+    from .export import export_run
 
-    from common.checkpoint import latest_checkpoint
-
-    ckpt = latest_checkpoint(Path(args.run_dir))
-    if ckpt is None:
-        raise UserError(f"{args.run_dir} holds no checkpoint to export")
-    out = Path(args.out)
-    if out.exists() and any(out.iterdir()):
-        raise UserError(f"{out} exists and is not empty; choose another --out")
-    out.mkdir(parents=True, exist_ok=True)
-    for name in ("config.json", "model.safetensors"):
-        shutil.copy2(ckpt / name, out / name)
-    print(f"exported {ckpt} -> {out} (loads with transformers.LlamaForCausalLM.from_pretrained)")
+    ckpt = export_run(Path(args.run_dir), Path(args.out))
+    print(f"exported {ckpt} -> {args.out} (weights, tokenizer and generation config: opens with transformers' "
+          f"pipeline('text-generation', model=DIR) and mlx_lm.generate --model DIR)")
     return 0
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from common.config import RunConfig
+from common.config import RunConfig, read_toml
 from common.errors import UserError
 
 # Flags shared by `run` and `compare`, each mapped onto the RunConfig field of the same name.
@@ -46,6 +46,7 @@ RUN_FLAGS = [
     ("--tune-malloc", None, "glibc malloc that keeps freed memory: faster CPU steps, higher peak RSS"),
     ("--init-from", str, "start from this HF-format Llama dir instead of the seeded init"),
     ("--cache-dir", str, "where token caches and seed checkpoints live"),
+    ("--report-to", str, "tensorboard, wandb, trackio (comma list): each run's metrics, written after the run"),
 ]
 
 
@@ -71,7 +72,16 @@ def add_tolerance_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--curve-rtol", type=float, default=None, help="relative tolerance of whole curves")
 
 
-def config_from_args(args, **fixed) -> RunConfig:
+def add_baseline_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--save-baseline", metavar="FILE.json",
+                        help="keep every run's per-step losses, grad norms, eval losses and config fingerprint")
+    parser.add_argument("--against", metavar="FILE.json",
+                        help="judge each run against the baseline run of its framework, strategy and world "
+                             "size (--strict: exit 3 when one departs)")
+
+
+def config_from_args(args, base: dict | None = None, **fixed) -> RunConfig:
+    """Defaults (or `base`, a config dict) < --config TOML < flags < `fixed`."""
     overrides: dict = {}
     for flag, _, _ in RUN_FLAGS + [("--nproc", 0, 0), ("--out", 0, 0), ("--quiet", 0, 0), ("--overwrite", 0, 0),
                                    ("--resume", 0, 0), ("--framework", 0, 0)]:
@@ -88,6 +98,11 @@ def config_from_args(args, **fixed) -> RunConfig:
         else:
             overrides[key] = value
     overrides.update({k: v for k, v in fixed.items() if v is not None})
+    if base is not None:
+        toml = read_toml(args.config) if getattr(args, "config", None) else {}
+        values = {**base, **toml, **overrides}
+        values["model"] = {**base.get("model", {}), **toml.get("model", {}), **overrides.get("model", {})}
+        return RunConfig.from_dict(values)
     return RunConfig.from_sources(getattr(args, "config", None), overrides)
 
 

@@ -24,13 +24,14 @@ from common.precision import describe as describe_precision
 from common.spec import ModelSpec
 
 from . import environment as env
+from . import tracking
 from .launchers import (RING_HOSTFILE, build_command, check_available, check_hostfile, device_note,
                         ring_hosts, with_hostfile_backend)
 from .watchdog import read_ranks, stop_job, watch, watched_ranks
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 RUN_FILES = ("run_config.json", "metrics.jsonl", "summary.json", "log.txt", "ranks", "checkpoints",
-             RING_HOSTFILE)
+             RING_HOSTFILE, "tensorboard", "wandb")
 
 
 @dataclass
@@ -130,6 +131,7 @@ def launch(cfg: RunConfig, inputs: Inputs, run_dir: Path) -> dict:
     cfg = with_hostfile_backend(cfg)  # an MLX hostfile's "backend" applies unless --backend says otherwise
     check_available(cfg)
     check_resumable(cfg, inputs, run_dir)
+    tracking.check_installed(cfg.report_to)
     argv, extra_env, blas = build_command(cfg, run_dir)
     check_run_dir(run_dir, cfg.resume, cfg.overwrite, clear=True)
     try:
@@ -162,6 +164,8 @@ def launch(cfg: RunConfig, inputs: Inputs, run_dir: Path) -> dict:
     if interrupted is not None:
         interrupted.detail = summary["error"]
         raise interrupted
+    if cfg.node_rank == 0:  # node 0 holds metrics.jsonl
+        tracking.report_run_safely(run_dir, cfg.report_to)
     return summary
 
 

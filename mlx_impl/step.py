@@ -1,11 +1,16 @@
 """One optimizer step in MLX: compiled forward/backward, bucketed gradient averaging, clipped AdamW.
 
 Precision (common/precision.py): the model computes in cfg.dtype from float32 master weights, so the
-gradients, their all-reduce, the loss riding along and the AdamW state are float32 whatever the dtype.
+gradients, their all-reduce and the AdamW state are float32 whatever the dtype.
 
 The loss of a step is (sum of masked token losses on all ranks) / (global count of real target tokens),
 so DP is exact even when ranks hold different numbers of real tokens (padding mode). Each rank scales
 its gradients by N / global_tokens; `nn.average_gradients` then divides the all-reduced sum by N.
+
+The reported loss is summed apart from the gradients, in float64 on the host (MLX has no float64 on
+GPU; torch sums in float64 on the device): a float32 sum of thousands of token losses is off by ~1e-5,
+enough to hide a real difference between frameworks or world sizes. For the same reason the gradient
+norm, and so the clip coefficient, is a tree of short float32 sums rather than one flat sum.
 """
 from __future__ import annotations
 
@@ -21,12 +26,30 @@ from .comm import average_gradients, communication_stream
 from .model import Llama, load_weights, weights_of
 
 FRAMEWORK = "mlx"
-LOSS_KEY = "__loss_sum__"  # rides along in the gradient all-reduce instead of a collective of its own
 
 
 def token_loss_sum(model, inputs, targets, mask):
+    """(float32 sum of the masked token losses, the masked token losses): the gradients come from the
+    sum, the reported loss from the token losses (summed in float64 by `_exact_sum`)."""
     logits = model(inputs).astype(mx.float32)
-    return (nn.losses.cross_entropy(logits, targets, reduction="none") * mask).sum()
+    losses = nn.losses.cross_entropy(logits, targets, reduction="none") * mask
+    return losses.sum(), losses
+
+
+def _sum_of_squares(x: mx.array, width: int = 4) -> mx.array:
+    """Sum of x², as a tree of sums of `width` terms: a flat float32 sum over the millions of elements of
+    an embedding gradient is off by ~4e-5, and the clip coefficient with it (measured on `small`)."""
+    x = x.astype(mx.float32).reshape(-1)
+    x = x * x
+    while x.size > width:
+        if x.size % width:
+            x = mx.concatenate([x, mx.zeros((width - x.size % width,), dtype=x.dtype)])
+        x = x.reshape(-1, width).sum(axis=1)
+    return x.sum()
+
+
+def _exact_sum(arrays) -> float:
+    return float(sum(np.array(a, dtype=np.float64).sum() for a in arrays))
 
 
 class Trainer:
@@ -47,21 +70,18 @@ class Trainer:
         loss_and_grad = nn.value_and_grad(self.model, token_loss_sum)
 
         def micro_step(inputs, targets, mask, scale):
-            loss_sum, grads = loss_and_grad(self.model, inputs, targets, mask)
-            return loss_sum, tree_map(lambda g: g * scale, grads)
+            (_, losses), grads = loss_and_grad(self.model, inputs, targets, mask)
+            return losses, tree_map(lambda g: g * scale, grads)
 
         def make_update(sync: bool):
-            def update(grads, loss_sum):
-                grads = dict(grads, **{LOSS_KEY: loss_sum})
+            def update(grads):
                 if world_size > 1 and sync:
                     grads = average_gradients(grads, group, reduce_bytes, stream)
-                loss = grads.pop(LOSS_KEY)
-                if grad_clip > 0:
-                    grads, grad_norm = optim.clip_grad_norm(grads, grad_clip)
-                else:
-                    grad_norm = mx.sqrt(sum((g * g).sum() for _, g in tree_flatten(grads)))
+                grad_norm = mx.sqrt(sum(_sum_of_squares(g) for _, g in tree_flatten(grads)))
+                if grad_clip > 0:  # optim.clip_grad_norm's (and torch's) formula, with the precise norm
+                    grads = tree_map(lambda g: g * mx.minimum(grad_clip / (grad_norm + 1e-6), 1.0), grads)
                 self.optimizer.update(self.model, grads)
-                return loss, grad_norm
+                return grad_norm
             return update
 
         # value_and_grad swaps traced parameters into the model, so every compiled function lists the
@@ -69,58 +89,64 @@ class Trainer:
         state = [self.model.state, self.optimizer.state]
         self._micro_step = mx.compile(micro_step, inputs=state, outputs=state)
         self._update = {sync: mx.compile(make_update(sync), inputs=state, outputs=state) for sync in (True, False)}
-        self._eval_sum = mx.compile(lambda x, y, m: token_loss_sum(self.model, x, y, m), inputs=state,
-                                    outputs=state)
+        self._eval_losses = mx.compile(lambda x, y, m: token_loss_sum(self.model, x, y, m)[1], inputs=state,
+                                       outputs=state)
 
     def train_step(self, batches, lr, global_tokens, sync=True):
         """sync=False skips the gradient all-reduce (time breakdown only: the ranks' weights part ways)."""
-        loss_sum, grads = self._gradients(batches, global_tokens)
+        token_losses, grads = self._gradients(batches, global_tokens)
         self.optimizer.learning_rate = mx.array(lr, dtype=mx.float32)
-        loss, grad_norm = self._update[sync](grads, loss_sum)
-        mx.eval(loss, grad_norm, self.model.state, self.optimizer.state)  # the step is done when timed
-        return loss.item(), grad_norm.item()
+        grad_norm = self._update[sync](grads)
+        mx.eval(grad_norm, token_losses, self.model.state, self.optimizer.state)  # the step is done when timed
+        local = np.array([_exact_sum(token_losses)])
+        loss_sum = (self.all_sum(local) if sync else local)[0]
+        return float(loss_sum / global_tokens), grad_norm.item()
 
     def _gradients(self, batches, global_tokens):
+        """(this rank's masked token losses per micro-batch, its summed gradients, scaled), lazily."""
         # scale = N / T: after averaging over N ranks the gradient is that of (sum of losses) / T.
         scale = mx.array(self.world_size / global_tokens, dtype=mx.float32)
-        loss_sum, grads = None, None
+        token_losses, grads = [], None
         for inputs, targets, mask in batches:
-            micro_loss, micro_grads = self._micro_step(mx.array(inputs), mx.array(targets), mx.array(mask), scale)
-            micro_loss = micro_loss * scale
-            if grads is None:
-                loss_sum, grads = micro_loss, micro_grads
-            else:  # accumulate lazily; communication happens only in `update`
-                loss_sum, grads = loss_sum + micro_loss, tree_map(mx.add, grads, micro_grads)
-        return loss_sum, grads
+            losses, micro_grads = self._micro_step(mx.array(inputs), mx.array(targets), mx.array(mask), scale)
+            token_losses.append(losses)
+            # accumulate lazily; communication happens only in `update`
+            grads = micro_grads if grads is None else tree_map(mx.add, grads, micro_grads)
+        return token_losses, grads
 
     def profile_step(self, batches, lr, global_tokens):
         """One step without gradient sync that waits for each phase (common/breakdown.py): forward from a
         forward-only pass, backward as forward+backward minus it, then the update."""
         start = time.perf_counter()
         for inputs, targets, mask in batches:
-            mx.eval(self._eval_sum(mx.array(inputs), mx.array(targets), mx.array(mask)))
+            mx.eval(self._eval_losses(mx.array(inputs), mx.array(targets), mx.array(mask)))
         forward = time.perf_counter() - start
         t = time.perf_counter()
-        loss_sum, grads = self._gradients(batches, global_tokens)
-        mx.eval(loss_sum, grads)
+        token_losses, grads = self._gradients(batches, global_tokens)
+        mx.eval(token_losses, grads)
         forward_backward = time.perf_counter() - t
         t = time.perf_counter()
         self.optimizer.learning_rate = mx.array(lr, dtype=mx.float32)
-        mx.eval(self._update[False](grads, loss_sum), self.model.state, self.optimizer.state)
+        mx.eval(self._update[False](grads), self.model.state, self.optimizer.state)
         optimizer = time.perf_counter() - t
         return {"forward": forward, "backward": max(0.0, forward_backward - forward), "optimizer": optimizer,
                 "total": time.perf_counter() - start - forward}  # the extra forward pass is not part of a step
 
     def eval_loss_sum(self, inputs, targets, mask):
-        return self._eval_sum(mx.array(inputs), mx.array(targets), mx.array(mask)).item()
+        return _exact_sum([self._eval_losses(mx.array(inputs), mx.array(targets), mx.array(mask))])
 
     def all_sum(self, values):
+        values = np.asarray(values, dtype=np.float64)
         if self.world_size == 1:
-            return np.asarray(values)
-        # float32 on the wire: not every backend reduces float64.
-        summed = mx.distributed.all_sum(mx.array(np.asarray(values, dtype=np.float32)), group=self.group,
-                                        stream=self.stream)
-        return np.array(summed, dtype=np.float64)
+            return values
+        # float32 on the wire (not every backend reduces float64), yet exact: each rank sends its values
+        # as float32 pairs (hi + lo = the float64 to 48 bits) in slots of its own, so the all-reduce
+        # adds only zeros, and the host sums the ranks' pairs in float64.
+        hi = values.astype(np.float32)
+        slots = np.zeros((self.world_size, 2, *values.shape), dtype=np.float32)
+        slots[self.rank] = hi, (values - hi).astype(np.float32)
+        summed = mx.distributed.all_sum(mx.array(slots), group=self.group, stream=self.stream)
+        return np.array(summed, dtype=np.float64).sum(axis=(0, 1))
 
     def export_state(self):
         flat = dict(tree_flatten(self.optimizer.state))

@@ -1,0 +1,59 @@
+"""`dpcompare export RUN_DIR --out DIR`: the run's latest weights as a Hugging Face Llama folder.
+
+The folder holds the weights (config.json, model.safetensors), the run's tokenizer (tokenizer.json and
+tokenizer_config.json) and a generation_config.json (greedy by default, the tokenizer's EOS), so it
+opens with transformers' `pipeline("text-generation", model=DIR)` and `mlx_lm.generate --model DIR`.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from common.checkpoint import latest_checkpoint
+from common.errors import UserError
+from common.fsutil import atomic_write_text
+from common.metrics import read_json
+
+
+def run_tokenizer_file(run_dir: Path) -> tuple[Path, dict]:
+    """The run's tokenizer.json (kept in its token cache) and the cache's meta (eos_id, pad_id)."""
+    plan = read_json(Path(run_dir) / "run_config.json", None)
+    if plan is None:
+        raise UserError(f"{run_dir} holds no run_config.json: not a run directory")
+    cache = Path(plan["token_cache"])
+    meta = read_json(cache / "meta.json", None)
+    if meta is None or not (cache / meta["tokenizer"]["path"]).is_file():
+        raise UserError(f"the run's token cache {cache} (with its tokenizer) is gone; run `dpcompare prepare` "
+                        "with the run's --dataset and --tokenizer to rebuild it")
+    return cache / meta["tokenizer"]["path"], meta
+
+
+def export_run(run_dir: Path, out: Path) -> Path:
+    """Write the folder; returns the checkpoint it came from."""
+    from tokenizers import Tokenizer
+
+    run_dir, out = Path(run_dir), Path(out)
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        raise UserError(f"{run_dir} holds no checkpoint to export")
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"{out} exists and is not empty; choose another --out")
+    tokenizer_file, meta = run_tokenizer_file(run_dir)
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    eos_id, pad_id = int(meta["eos_id"]), int(meta["pad_id"])
+    eos, pad = tokenizer.id_to_token(eos_id), tokenizer.id_to_token(pad_id)
+    config = json.loads((ckpt / "config.json").read_text())
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(ckpt / "model.safetensors", out / "model.safetensors")
+    # Training adds no BOS; the EOS separates documents, so it also stands for BOS as in GPT-2.
+    ids = {"bos_token_id": eos_id, "eos_token_id": eos_id, "pad_token_id": pad_id}
+    atomic_write_text(out / "config.json", json.dumps({**config, **ids}, indent=2))
+    shutil.copy2(tokenizer_file, out / "tokenizer.json")
+    atomic_write_text(out / "tokenizer_config.json", json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": eos, "eos_token": eos, "pad_token": pad,
+        "unk_token": None, "model_max_length": config.get("max_position_embeddings", 2048),
+        "clean_up_tokenization_spaces": False, "add_bos_token": False,
+    }, indent=2))
+    atomic_write_text(out / "generation_config.json", json.dumps({**ids, "do_sample": False}, indent=2))
+    return ckpt
