@@ -52,7 +52,7 @@ def save_baseline(run_dirs: list[Path], path: Path) -> dict:
         train = sorted(run.train, key=lambda r: r["step"])
         evals = sorted(run.eval_losses().items())
         entries.append({
-            "label": run.label, "framework": run.framework, "strategy": run.config.get("strategy", "ddp"),
+            "label": run.label, "framework": run.framework, "strategy": run.strategy, "dtype": run.dtype,
             "world_size": run.world_size, "run_dir": str(run.run_dir),
             "steps": [int(r["step"]) for r in train],
             "loss": [float(r["loss"]) for r in train],
@@ -88,15 +88,16 @@ def judge_against(run_dirs: list[Path], path: Path, tolerances: Tolerances | Non
     baseline = read_baseline(path)
     verdicts = []
     for run in (load_run(Path(d)) for d in run_dirs):
-        key = (run.framework, run.config.get("strategy", "ddp"), run.world_size)
-        base = next((b for b in baseline["runs"] if (b["framework"], b["strategy"], b["world_size"]) == key), None)
+        key = (run.framework, run.strategy, run.dtype, run.world_size)
+        base = next((b for b in baseline["runs"] if (b["framework"], b["strategy"], b.get("dtype", "float32"),
+                                                     b["world_size"]) == key), None)
         verdicts.append(judge_run(run, base, tol, str(path)))
     return verdicts
 
 
 def judge_run(run: RunData, base: dict | None, tol: Tolerances, path: str) -> dict:
     result = {"kind": "baseline", "label": run.label, "run_dir": str(run.run_dir), "framework": run.framework,
-              "strategy": run.config.get("strategy", "ddp"), "world_size": run.world_size, "baseline": path,
+              "strategy": run.strategy, "dtype": run.dtype, "world_size": run.world_size, "baseline": path,
               "checks": {}, "config_differences": {}}
     if not run.ok:
         return {**result, "verdict": "skipped", "message": f"{run.label}: not judged against the baseline "
@@ -116,12 +117,15 @@ def judge_run(run: RunData, base: dict | None, tol: Tolerances, path: str) -> di
                   baseline_steps=len(base["steps"]), run_steps=len(mine))
     if steps:
         ya, yb = np.array([mine[s] for s in steps]), np.array([theirs[s] for s in steps])
-        abs_diff = np.abs(ya - yb)
         first = [i for i, s in enumerate(steps) if s <= tol.parity_steps]
+        # The same run again: the tolerances of a cross-framework pair in its dtype (relative in bf16).
+        limit, relative = tol.per_step("cross_framework", run.dtype)
+        curve_rtol, eval_rtol = tol.trend("cross_framework", run.dtype)
+        diff = np.abs(ya - yb) / (np.maximum(np.abs(yb), 1e-12) if relative else 1.0)
         result["checks"] = {
-            "per_step": per_step_check(steps, abs_diff, first, tol.loss_atol, tol.parity_steps),
-            "curve": curve_check(ya, yb, tol),
-            "eval": eval_check(run.eval_losses(), dict(zip(base["eval_steps"], base["eval_loss"])), tol.eval_rtol),
+            "per_step": per_step_check(steps, diff, first, limit, tol.parity_steps, relative),
+            "curve": curve_check(ya, yb, curve_rtol, tol.curve_window),
+            "eval": eval_check(run.eval_losses(), dict(zip(base["eval_steps"], base["eval_loss"])), eval_rtol),
         }
         norms = {int(r["step"]): r.get("grad_norm") for r in run.train}
         base_norms = dict(zip(base["steps"], base["grad_norm"]))
@@ -140,13 +144,15 @@ def baseline_message(v: dict) -> str:
         text = f"{v['label']}: no step in common with its baseline"
     elif v["verdict"] == "pass":
         step = checks["per_step"]
-        text = (f"{v['label']} matches its baseline: max |Δloss| {step.get('max_abs_diff', 0):.2e} over the first "
+        text = (f"{v['label']} matches its baseline: max {'relative ' if step.get('relative') else ''}|Δloss| "
+                f"{step.get('max_rel_diff', step.get('max_abs_diff', 0)):.2e} over the first "
                 f"{step.get('steps_compared', 0)} steps (tolerance {step['tolerance']:g})")
     else:
         reasons = []
         step, curve, ev = checks["per_step"], checks["curve"], checks["eval"]
         if step["verdict"] == "fail":
-            reasons.append(f"max |Δloss| {step['max_abs_diff']:.2e} at step {step['at_step']} "
+            reasons.append(f"max {'relative ' if step.get('relative') else ''}|Δloss| "
+                           f"{step.get('max_rel_diff', step.get('max_abs_diff', 0)):.2e} at step {step['at_step']} "
                            f"(tolerance {step['tolerance']:g})")
         if curve["verdict"] == "fail":
             reasons.append(f"moving averages differ by {curve['max_rel_diff']:.2%} (tolerance {curve['tolerance']:.0%})")

@@ -218,7 +218,8 @@ def environment_info(runs: list[RunData], rows: list[dict], peaks: PeakFinder) -
 
 
 
-def verdicts(parity: dict, speed: list[dict], scaling: dict, rows: list[dict], fairness: dict) -> dict:
+def verdicts(parity: dict, speed: list[dict], scaling: dict, rows: list[dict], fairness: dict,
+             baseline: list[dict] | None = None) -> dict:
     lines = []
     frameworks = {r["framework"] for r in rows}
     if len(frameworks) > 1 and not parity["cross_framework"]:
@@ -226,6 +227,8 @@ def verdicts(parity: dict, speed: list[dict], scaling: dict, rows: list[dict], f
                      "run of more than one framework")
     for pair in parity["cross_framework"]:
         lines.append(f"Parity, N={pair['world_size'][0]}: " + pair_sentence(pair))
+        if pair.get("diagnosis"):
+            lines.append(f"Diagnosis, {pair['a']} vs {pair['b']}: {pair['diagnosis']['finding']}")
     for pair in parity["dp_invariance"]:
         lines.append("DP invariance: " + pair_sentence(pair))
     for pair in parity.get("strategy", []):
@@ -246,6 +249,8 @@ def verdicts(parity: dict, speed: list[dict], scaling: dict, rows: list[dict], f
                 f"{p['world_size']} ranks {p['speedup']:.2f}x ({100 * p['efficiency']:.0f}% efficiency"
                 + (", slower than 1 rank)" if p["speedup"] < 1 else ")") for p in scaled))
     lines += memory_lines(rows)
+    for v in baseline or []:
+        lines.append(f"Baseline, {v['label']}: {v['verdict']}: {v['message']}")
     for row in rows:
         if not row["ok"]:
             lines.append(f"Skipped, {row['label']}: {row['problem']}")
@@ -253,6 +258,8 @@ def verdicts(parity: dict, speed: list[dict], scaling: dict, rows: list[dict], f
         lines.append("Nothing to compare: no run finished")
     skipped = len(parity["skipped"])
     headline = f"parity {parity['overall'].upper()}" + (f" ({skipped} run(s) skipped)" if skipped else "")
+    if any(v["verdict"] == "fail" for v in baseline or []):
+        headline += ", BASELINE FAIL"
     return {"all_pass": parity["all_pass"], "parity": parity["overall"], "headline": headline, "lines": lines,
             "warnings": fairness["warnings"]}
 

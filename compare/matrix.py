@@ -70,7 +70,8 @@ def run_matrix(args) -> int:
             print(f"   failed: {summary.get('error')}", file=sys.stderr, flush=True)
         run_dirs.append(run_dir)
     command = "dpcompare " + shlex.join(sys.argv[1:]) if sys.argv else ""
-    return finish(run_dirs, out, args, {"command": command}, failed)
+    # A failed cross-framework verdict is followed by a diagnosis: where the frameworks first part.
+    return finish(run_dirs, out, args, {"command": command, "diagnose": True}, failed)
 
 
 def plan_matrix(base, frameworks, strategies, dtypes, world_sizes, out: Path) -> tuple[dict, list[str]]:
@@ -122,10 +123,13 @@ def check_run_dir_for_compare(out: Path, overwrite: bool) -> None:
 
 
 def finish(run_dirs: list[Path], out: Path, args, context: dict, failed: list) -> int:
+    """Baselines (--against, --save-baseline), the report, its terminal table, and the exit code."""
+    from .baseline import apply_baseline_flags, baseline_failed
     from .report import terminal_table, write_report
 
     tol = tolerances_from_args(args)
-    summary = write_report(run_dirs, out, tol, context)
+    baseline = apply_baseline_flags(args, run_dirs, tol)
+    summary = write_report(run_dirs, out, tol, {**context, "baseline": baseline})
     print(terminal_table(summary))
     print(f"\nreport: {out / 'report.html'}  ({out / 'report.md'}, {out / 'summary.json'})")
     if failed:
@@ -134,6 +138,8 @@ def finish(run_dirs: list[Path], out: Path, args, context: dict, failed: list) -
         return 1
     if getattr(args, "strict", False) and not summary.get("verdicts", {}).get("all_pass", True):
         raise ParityError("a parity verdict failed (--strict); see the report")
+    if getattr(args, "strict", False) and baseline_failed(baseline):
+        raise ParityError(f"a run departs from its baseline {args.against} (--strict); see the report")
     return 0
 
 

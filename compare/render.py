@@ -67,6 +67,7 @@ def report_blocks(s: dict) -> list[tuple]:
     blocks += [("h2", "Runs"), ("table", RUN_HEADERS, [run_cells(r) for r in s["runs"]])]
     blocks += parity_blocks(s["parity"])
     blocks += breakdown_blocks(s["runs"])
+    blocks += sample_blocks(s.get("samples") or {})
     blocks += memory_blocks(s["runs"])
     blocks += precision_blocks(s["runs"])
     figures = [(title, s["plots"][name], name == "loss") for name, title in (
@@ -197,6 +198,20 @@ def breakdown_blocks(rows: list[dict]) -> list[tuple]:
                   "time its matmul FLOPs take at the peak used for MFU."),
             ("table", ("run", "step ms", *(f"{p} ms" for p in BREAKDOWN_PHASES), "phases ms", "sum vs step",
                        "x limit"), table)]
+
+
+def sample_blocks(samples: dict) -> list[tuple]:
+    by_run = samples.get("by_run") or {}
+    if not by_run:
+        return []
+    same = samples.get("fp32_identical")
+    verdict = ("" if same is None else " The float32 runs' texts are identical, as fp32 parity predicts." if same
+               else " The float32 runs' texts differ: their final weights differ (or two tokens are near-tied).")
+    return [("h2", "Greedy continuations"),
+            ("p", f"From each run's final weights, the {len(by_run)} runs continue the prompt "
+                  f"\"{samples.get('prompt')}\" greedily, decoded with the run's tokenizer." + verdict),
+            ("table", ("run", "continuation"), [(label, s.get("text", f"({s.get('error', 'no sample')})"))
+                                                for label, s in by_run.items()])]
 
 
 def memory_blocks(rows: list[dict]) -> list[tuple]:

@@ -38,6 +38,8 @@ def write_report(run_dirs: list[Path], out_dir: Path, tol: Tolerances, context: 
     if not runs:
         raise UserError("no run directories to report on")
     parity = judge(runs, tol)
+    if context.get("diagnose"):
+        diagnose_failures(parity, out_dir)
     peaks = PeakFinder(runs, context)
     rows = [run_row(run, parity, peaks) for run in runs]
     scaling = scaling_table(rows)
@@ -45,13 +47,15 @@ def write_report(run_dirs: list[Path], out_dir: Path, tol: Tolerances, context: 
     fairness = fairness_info(runs, rows, context)
     summary = {
         "created": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "verdicts": verdicts(parity, speed, scaling, rows, fairness),
+        "verdicts": verdicts(parity, speed, scaling, rows, fairness, context.get("baseline")),
         "runs": rows,
         "parity": parity,
         "speed": speed,
         "scaling": scaling,
         "mfu": peaks.describe(runs),
         "tolerances": asdict(tol),
+        "baseline": context.get("baseline"),
+        "samples": samples_for(runs, context),
         "fairness": fairness,
         "environment": environment_info(runs, rows, peaks),
         "commands": {"compare": context.get("command"),
@@ -66,3 +70,35 @@ def write_report(run_dirs: list[Path], out_dir: Path, tol: Tolerances, context: 
     (out_dir / "report.md").write_text(to_markdown(blocks))
     (out_dir / "report.html").write_text(to_html(blocks, out_dir))
     return summary
+
+
+def diagnose_failures(parity: dict, out_dir: Path) -> None:
+    """Run `dpcompare diagnose` for every cross-framework pair whose per-step check failed; the finding
+    goes into the pair (pair["diagnosis"]) and under its verdict."""
+    from .diagnose import diagnose_pair, finding
+
+    for pair in parity["cross_framework"]:
+        if pair.get("checks", {}).get("per_step", {}).get("verdict") != "fail":
+            continue
+        name = f"{pair['a']}-vs-{pair['b']}".replace(" ", "_")
+        try:
+            result = diagnose_pair(pair, out_dir / "diagnosis" / name)
+            pair["diagnosis"] = {"finding": finding(result), "first_divergence": result.get("first_divergence"),
+                                 "file": str(out_dir / "diagnosis" / name / "diagnosis.json")}
+        except Exception as err:  # noqa: BLE001 - a failed diagnosis must not cost the report
+            pair["diagnosis"] = {"finding": f"diagnosis failed: {err}", "first_divergence": None}
+
+
+def samples_for(runs: list, context: dict) -> dict:
+    """A greedy continuation of a fixed prompt from each finished run's final weights (compare/samples.py),
+    and whether the texts agree across frameworks."""
+    if "samples" in context:
+        return context["samples"]
+    from .samples import PROMPT, continuations
+
+    done = [r for r in runs if r.ok]
+    found = continuations([r.run_dir for r in done]) if done else {}
+    texts = {r.label: found.get(str(r.run_dir), {}) for r in done}
+    fp32 = {label: s["text"] for label, s in texts.items() if "text" in s and " bf16 " not in f" {label} "}
+    return {"prompt": PROMPT, "by_run": texts,
+            "fp32_identical": len(set(fp32.values())) <= 1 if len(fp32) > 1 else None}

@@ -107,3 +107,22 @@ def test_compare_refuses_a_taken_run_directory_before_anything_trains(tmp_path, 
     assert proc.returncode == 2 and "torch-n2 already holds a run" in proc.stderr, proc.stderr
     assert proc.stderr.count("\n") == 1
     assert not (out / "mlx-n1").exists(), "nothing may train before every directory is checked"
+
+
+@pytest.mark.slow
+def test_a_failed_cross_framework_verdict_brings_a_diagnosis_and_the_report_shows_continuations(cache_dir, tmp_path):
+    out = tmp_path / "cmp"
+    # A per-step tolerance no float32 pair can meet: the verdict fails, so compare diagnoses the pair.
+    proc = dpcompare("compare", *FAST, "--steps", 3, "--nproc", "1", "--loss-atol", "1e-15", "--out", out,
+                     cache_dir=cache_dir)
+    import json
+    summary = json.loads((out / "summary.json").read_text())
+    (pair,) = summary["parity"]["cross_framework"]
+    assert pair["verdict"] == "fail" and pair["diagnosis"]["finding"].startswith("diagnosis (step 1")
+    assert (out / "diagnosis").is_dir()
+    assert any(line.startswith("Diagnosis, mlx x1 vs torch x1:") for line in summary["verdicts"]["lines"])
+    assert "Diagnosis" in proc.stdout
+    samples = summary["samples"]["by_run"]
+    assert set(samples) == {"mlx x1", "torch x1"} and all(s.get("tokens") for s in samples.values())
+    assert summary["samples"]["fp32_identical"] is True, samples  # greedy tokens from fp32-equal weights
+    assert "## Greedy continuations" in (out / "report.md").read_text()

@@ -54,8 +54,6 @@ def test_runs_are_matched_by_framework_strategy_and_world_size(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="needs compare/baseline.apply_baseline_flags wired into compare/matrix.finish (lead)",
-                   strict=False)
 def test_compare_saves_a_baseline_then_fails_strictly_against_a_changed_lr(cache_dir, tmp_path):
     setup = [*FAST, "--frameworks", "torch", "--nproc", "1", "--steps", "5", "--strict"]
     golden = tmp_path / "golden.json"
