@@ -56,19 +56,30 @@ def describe(dtype: str) -> dict:
     return {**asdict(p), "policy": text}
 
 
-# Default verdict tolerances per dtype, read by compare/parity.py. Each bf16 number is the largest value
-# measured (docs/precision.md: seeds 0-4 on `tiny`, seeds 0-1 on `small`) with a margin of about 2-3x.
-#   loss_atol / loss_rtol  per step, the first `parity_steps` steps, MLX vs torch (absolute / relative)
+# Default verdict tolerances per dtype, read by compare/parity.py. float32's are parity.Tolerances' own.
+# bfloat16's come from docs/precision.md ("Measurements"): the largest value over 5 seeds of `tiny`
+# (demo config, 200 steps; test config, 20 steps) and 2 seeds of `small` (TinyStories, 10 steps), times
+# about 3-6, rounded up. Per-step differences shrink with more tokens per step (the loss averages the
+# rounding): the 256-token test config gives the largest ones.
+#   loss_atol / loss_rtol  per step over the first `parity_steps` steps, MLX vs torch (absolute / relative)
 #   curve_rtol             moving averages (window `curve_window`) over all steps, MLX vs torch
 #   eval_rtol              eval losses, MLX vs torch
-#   dp_atol / dp_rtol      per step, N ranks vs 1 rank of the same framework
-#   vs_fp32_curve_rtol     moving averages, a bf16 run vs the fp32 run of the same framework, seed and data
+#   dp_atol / dp_rtol      per step over the first `parity_steps` steps, N ranks vs 1 of the same framework
+#   vs_fp32_curve_rtol     moving averages, a bf16 run vs the float32 run of the same framework, seed and data
 #   vs_fp32_eval_rtol      eval losses, the same pair
 DEFAULT_TOLERANCES = {
     "float32": {"loss_atol": 1e-4, "parity_steps": 20, "curve_rtol": 0.02, "curve_window": 10,
                 "eval_rtol": 0.02, "dp_atol": 1e-4},
-    "bfloat16": {"loss_rtol": 0.02, "parity_steps": 20, "curve_rtol": 0.03, "curve_window": 10,
-                 "eval_rtol": 0.03, "dp_rtol": 0.02, "vs_fp32_curve_rtol": 0.04, "vs_fp32_eval_rtol": 0.04},
+    "bfloat16": {
+        "loss_rtol": 2e-3,            # measured max 3.7e-4 (test config, N=2)
+        "parity_steps": 20,
+        "curve_rtol": 5e-3,           # measured max 8.4e-4 (tiny demo config, N=2, 200 steps)
+        "curve_window": 10,
+        "eval_rtol": 5e-3,            # measured max 7.9e-4 (tiny demo config)
+        "dp_rtol": 1e-3,              # measured max 1.6e-4 (test config, MLX)
+        "vs_fp32_curve_rtol": 5e-3,   # measured max 1.3e-3 (tiny demo config, torch)
+        "vs_fp32_eval_rtol": 5e-3,    # measured max 1.2e-3 (tiny demo config, torch)
+    },
 }
 
 
