@@ -13,6 +13,8 @@ Trainer interface (mlx_impl/step.py and torch_impl/step.py implement it with the
     .export_state()                       -> (weights, exp_avg, exp_avg_sq) as numpy dicts
     .import_optimizer(exp_avg, exp_avg_sq, step)
     .peak_memory_bytes()                  -> int, the framework's own peak
+    .state_bytes()                        -> {"params", "grads", "optimizer"}: bytes this rank holds
+    .reduce_scatter                       -> "native" | "all_sum_slice" under fsdp, None otherwise
 """
 from __future__ import annotations
 
@@ -169,7 +171,8 @@ def train(run_dir: Path, world: World, trainer_cls) -> None:
                                     f"is kept)")
             metrics.write({"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                            "tokens": global_tokens, "step_time_s": step_time,
-                           "tokens_per_s": global_tokens / step_time, "epoch": sampler.epoch_of(step)})
+                           "tokens_per_s": global_tokens / step_time, "epoch": sampler.epoch_of(step),
+                           "strategy": cfg.strategy})
             status.update(step=step + 1, loss=loss)
 
             done = step + 1
@@ -185,6 +188,7 @@ def train(run_dir: Path, world: World, trainer_cls) -> None:
     status.update(
         force=True, status="ok",
         peak_mem_bytes=trainer.peak_memory_bytes(), peak_rss_bytes=peak_rss_bytes(),
+        state_bytes=trainer.state_bytes(), reduce_scatter=trainer.reduce_scatter,
         # What the first steps cost beyond a steady-state step: compilation, graph capture, warm caches.
         compile_s=max(0.0, sum(step_times[:cfg.timing_warmup_steps]) - median * min(len(step_times), cfg.timing_warmup_steps)),
         time_to_first_step_s=(first_step_end - launch_time) if first_step_end else None,

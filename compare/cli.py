@@ -28,6 +28,7 @@ RUN_FLAGS = [
     ("--text-field", str, "column holding the text"),
     ("--tokenizer", str, "builtin, a tokenizer dir or hub name (gpt2), or a tokenizer.json"),
     ("--sequence", str, "packing (default) or padding"),
+    ("--strategy", str, "ddp (replicated, default), fsdp (sharded parameters, gradients, optimizer state)"),
     ("--backend", str, "distributed backend: auto, ring, mpi, nccl (mlx); auto, gloo, nccl (torch)"),
     ("--device", str, "auto, cpu, cuda, mps, gpu"),
     ("--dtype", str, "float32 (parity) or bfloat16 (torch autocast on CUDA)"),
@@ -189,10 +190,13 @@ def cmd_run(args) -> int:
 
     cfg = config_from_args(args)
     run_dir = Path(cfg.out or default_out(cfg))
+    from common.strategy import check_strategy
+
     from .runner import check_hostfile, check_run_dir
 
     check_run_dir(run_dir, cfg.resume, cfg.overwrite)
     check_hostfile(cfg)
+    check_strategy(cfg.strategy, cfg.model_spec(), cfg.world_size)  # before the tokenizer runs
     inputs = prepare_inputs(cfg)
     summary = launch(cfg, inputs, run_dir)
     return print_run_result(summary, run_dir)

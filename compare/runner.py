@@ -19,6 +19,7 @@ from common.config import RunConfig
 from common.errors import UserError
 from common.metrics import read_metrics, throughput_stats, write_json
 from common.spec import ModelSpec
+from common.strategy import check_strategy
 
 from . import environment as env
 from .launchers import RING_HOSTFILE, build_command, check_hostfile, ring_hosts
@@ -121,6 +122,7 @@ def write_plan(cfg: RunConfig, inputs: Inputs, run_dir: Path) -> None:
 def launch(cfg: RunConfig, inputs: Inputs, run_dir: Path) -> dict:
     """Run every rank to the end (or to the first failure) and return the summary written to disk."""
     run_dir = Path(run_dir)
+    check_strategy(cfg.strategy, inputs.spec, cfg.world_size)
     check_run_dir(run_dir, cfg.resume, cfg.overwrite)
     check_hostfile(cfg)
     check_resumable(cfg, inputs, run_dir)
@@ -174,6 +176,10 @@ def summarize(cfg: RunConfig, run_dir: Path, argv: list[str], blas: str, wall_s:
         "wall_s": wall_s,
         "peak_mem_bytes": [ranks.get(r, {}).get("peak_mem_bytes") for r in range(world)],
         "peak_rss_bytes": [ranks.get(r, {}).get("peak_rss_bytes") for r in range(world)],
+        # What each rank holds of the training state (Trainer.state_bytes), and how FSDP reduce-scattered.
+        "strategy": cfg.strategy, "reduce_scatter": rank0.get("reduce_scatter"),
+        "state_bytes": {part: [ranks.get(r, {}).get("state_bytes", {}).get(part) for r in range(world)]
+                        for part in ("params", "grads", "optimizer")},
         "blas": blas, "threads_per_rank": cfg.threads_per_rank,
         "versions": env.versions(), "machine": env.machine(),
         "final_loss": train_rows[-1]["loss"] if train_rows else rank0.get("loss") if cfg.nnodes > 1 else None,

@@ -1,5 +1,8 @@
 """One optimizer step in MLX: compiled forward/backward, bucketed gradient averaging, clipped AdamW.
 
+Strategy ddp replicates the model; fsdp shards it (mlx_impl/fsdp.py: sharded gradients arrive
+reduce-scattered from the backward, only the replicated ones are averaged here).
+
 The loss of a step is (sum of masked token losses on all ranks) / (global count of real target tokens),
 so DP is exact even when ranks hold different numbers of real tokens (padding mode). Each rank scales
 its gradients by N / global_tokens; `nn.average_gradients` then divides the all-reduced sum by N.
@@ -12,6 +15,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
+from . import fsdp
 from .model import Llama, load_weights, weights_of
 
 FRAMEWORK = "mlx"
@@ -32,6 +36,10 @@ class Trainer:
         self.device = "gpu" if mx.default_device() == mx.gpu else "cpu"
         self.model = Llama(spec)
         load_weights(self.model, weights)
+        self.sharding = sharding = (fsdp.shard_model(self.model, group, cfg.resolved_backend)
+                                    if cfg.strategy == "fsdp" else None)
+        self.reduce_scatter = sharding.reduce_scatter if sharding else None
+        self._grad_bytes = 0
         self.optimizer = optim.AdamW(learning_rate=cfg.lr, betas=[cfg.beta1, cfg.beta2], eps=cfg.adam_eps,
                                      weight_decay=cfg.weight_decay, bias_correction=True)
         self.optimizer.init(self.model.trainable_parameters())
@@ -45,10 +53,14 @@ class Trainer:
 
         def update(grads, loss_sum):
             grads = dict(grads, **{LOSS_KEY: loss_sum})
-            if world_size > 1:
+            if sharding is not None:
+                grads = sharding.average_gradients(grads, reduce_bytes)
+            elif world_size > 1:
                 grads = nn.average_gradients(grads, group=group, all_reduce_size=reduce_bytes)
             loss = grads.pop(LOSS_KEY)
-            if grad_clip > 0:
+            if sharding is not None:  # one global norm over shards and replicated gradients
+                grads, grad_norm = sharding.clip_grad_norm(grads, grad_clip)
+            elif grad_clip > 0:
                 grads, grad_norm = optim.clip_grad_norm(grads, grad_clip)
             else:
                 grad_norm = mx.sqrt(sum((g * g).sum() for _, g in tree_flatten(grads)))
@@ -74,6 +86,7 @@ class Trainer:
                 loss_sum, grads = micro_loss, micro_grads
             else:  # accumulate lazily; communication happens only in `update`
                 loss_sum, grads = loss_sum + micro_loss, tree_map(mx.add, grads, micro_grads)
+        self._grad_bytes = _nbytes(grads)
         self.optimizer.learning_rate = mx.array(lr, dtype=mx.float32)
         loss, grad_norm = self._update(grads, loss_sum)
         mx.eval(loss, grad_norm, self.model.state, self.optimizer.state)  # the step is done when timed
@@ -90,13 +103,17 @@ class Trainer:
         return np.array(summed, dtype=np.float64)
 
     def export_state(self):
-        flat = dict(tree_flatten(self.optimizer.state))
-        names = weights_of(self.model).keys()
-        exp_avg = {n: np.array(flat[f"{n}.m"]) for n in names}
-        exp_avg_sq = {n: np.array(flat[f"{n}.v"]) for n in names}
-        return weights_of(self.model), exp_avg, exp_avg_sq
+        weights, flat = weights_of(self.model), dict(tree_flatten(self.optimizer.state))
+        if self.sharding is not None:  # every rank gathers the shards, under HF names
+            weights, flat = self.sharding.full(weights), self.sharding.full(flat)
+        exp_avg = {n: np.array(flat[f"{n}.m"]) for n in weights}
+        exp_avg_sq = {n: np.array(flat[f"{n}.v"]) for n in weights}
+        return weights, exp_avg, exp_avg_sq
 
     def import_optimizer(self, exp_avg, exp_avg_sq, step):
+        if self.sharding is not None:  # this rank's slices, under its parameter paths
+            paths = [k for k, _ in tree_flatten(self.model.parameters())]
+            exp_avg, exp_avg_sq = self.sharding.local(exp_avg, paths), self.sharding.local(exp_avg_sq, paths)
         moments = [(f"{n}.m", mx.array(v)) for n, v in exp_avg.items()]
         moments += [(f"{n}.v", mx.array(v)) for n, v in exp_avg_sq.items()]
         state = self.optimizer.state
@@ -107,6 +124,15 @@ class Trainer:
 
     def peak_memory_bytes(self):
         return int(mx.get_peak_memory())
+
+    def state_bytes(self):
+        """Bytes of parameters, gradients (as the last update saw them) and optimizer state on this rank."""
+        return {"params": _nbytes(self.model.parameters()), "grads": self._grad_bytes,
+                "optimizer": _nbytes(self.optimizer.state)}
+
+
+def _nbytes(tree):
+    return sum(a.nbytes for _, a in tree_flatten(tree) if isinstance(a, mx.array))
 
 
 def _set_path(tree, path, value):
