@@ -48,7 +48,7 @@ def test_mlx_impl_and_torch_impl_mirror_file_for_file_and_name_for_name():
     mlx_files = sorted(p.name for p in (ROOT / "mlx_impl").glob("*.py"))
     torch_files = sorted(p.name for p in (ROOT / "torch_impl").glob("*.py"))
     assert mlx_files == torch_files
-    for name in ("step.py", "launch.py"):
+    for name in ("step.py", "launch.py", "fsdp.py"):
         assert public_names(ROOT / "mlx_impl" / name) == public_names(ROOT / "torch_impl" / name), name
     # model.py: the same classes and functions, except torch's own RoPE table (MLX has nn.RoPE).
     assert public_names(ROOT / "mlx_impl" / "model.py") == public_names(ROOT / "torch_impl" / "model.py") - {"RoPE"}
