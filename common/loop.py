@@ -10,7 +10,8 @@ Trainer interface (mlx_impl/step.py and torch_impl/step.py implement it with the
     .train_step(batches, lr, global_tokens) -> (loss, grad_norm) as floats, after the work is done
     .eval_loss_sum(inputs, targets, mask)   -> float, this rank's sum of token losses
     .all_sum(values: np.ndarray)            -> np.ndarray summed over ranks
-    .export_state()                       -> (weights, exp_avg, exp_avg_sq) as numpy dicts
+    .export_state()                       -> (weights, exp_avg, exp_avg_sq) as numpy dicts, whole on rank 0
+                                             (under fsdp the other ranks get empty dicts)
     .import_optimizer(exp_avg, exp_avg_sq, step)
     .peak_memory_bytes()                  -> int, the framework's own peak
     .state_bytes()                        -> {"params", "grads", "optimizer"}: bytes this rank holds
@@ -239,7 +240,7 @@ def checkpoint(trainer, run_dir: Path, spec: ModelSpec, step: int, fingerprints:
     weights, exp_avg, exp_avg_sq = trainer.export_state()
     if not all(np.isfinite(w).all() for w in weights.values()):
         raise TrainingError(f"weights are not finite after step {step}; not saving (the last checkpoint is kept)")
-    if rank == 0:  # every rank holds the same state; one writer
+    if rank == 0:  # rank 0 holds the whole state (FSDP gathers it there); one writer
         save_checkpoint(run_dir, spec, TrainState(step=step, weights=weights, exp_avg=exp_avg,
                                                   exp_avg_sq=exp_avg_sq,
                                                   info={**fingerprints, "framework": trainer.framework}))

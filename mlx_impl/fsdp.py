@@ -95,12 +95,16 @@ class Sharding:
         return tree_unflatten([(k, g * scale) for k, g in flat]), norm
 
     def full(self, flat: dict) -> dict:
-        """Flat arrays under this rank's paths -> whole numpy arrays under HF names (a collective)."""
+        """Flat arrays under this rank's paths -> whole numpy arrays under HF names, on rank 0 only (the
+        checkpoint's writer); every rank must call it. One array at a time, so no rank holds the whole
+        state twice: the other ranks drop each gathered array at once."""
         out = {}
         for key, value in flat.items():
             if self.is_sharded(key):
                 value = mx.distributed.all_gather(mx.array(value), group=self.group)
-            out[key.replace(SHARD, ".")] = np.array(value)
+                mx.eval(value)
+            if self.rank == 0:
+                out[key.replace(SHARD, ".")] = np.array(value)
         return out
 
     def local(self, flat: dict, paths) -> dict:

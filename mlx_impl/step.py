@@ -84,7 +84,7 @@ class Trainer:
             micro_loss = micro_loss * scale
             if grads is None:
                 loss_sum, grads = micro_loss, micro_grads
-            else:  # accumulate lazily; communication happens only in `update`
+            else:  # accumulate lazily; DDP communicates only in `update` (FSDP: see fsdp.py)
                 loss_sum, grads = loss_sum + micro_loss, tree_map(mx.add, grads, micro_grads)
         self._grad_bytes = _nbytes(grads)
         self.optimizer.learning_rate = mx.array(lr, dtype=mx.float32)
@@ -104,10 +104,11 @@ class Trainer:
 
     def export_state(self):
         weights, flat = weights_of(self.model), dict(tree_flatten(self.optimizer.state))
-        if self.sharding is not None:  # every rank gathers the shards, under HF names
+        if self.sharding is not None:  # rank 0 gathers the shards, under HF names; the others get nothing
             weights, flat = self.sharding.full(weights), self.sharding.full(flat)
-        exp_avg = {n: np.array(flat[f"{n}.m"]) for n in weights}
-        exp_avg_sq = {n: np.array(flat[f"{n}.v"]) for n in weights}
+        # Views, not copies: MLX arrays are immutable, and a copy of the optimizer state costs its size again.
+        exp_avg = {n: np.asarray(flat[f"{n}.m"]) for n in weights}
+        exp_avg_sq = {n: np.asarray(flat[f"{n}.v"]) for n in weights}
         return weights, exp_avg, exp_avg_sq
 
     def import_optimizer(self, exp_avg, exp_avg_sq, step):

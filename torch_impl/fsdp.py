@@ -48,7 +48,7 @@ class Sharding:
     """The FSDP-specific parts of a step: deferred gradient sync, the global norm, full and local state."""
 
     def __init__(self, model, reduce_scatter: str):
-        self.model, self.reduce_scatter = model, reduce_scatter
+        self.model, self.reduce_scatter, self.rank = model, reduce_scatter, dist.get_rank()
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -69,11 +69,16 @@ class Sharding:
         torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
         return norm
 
-    @staticmethod
-    def full(flat: dict) -> dict:
-        """Tensors (DTensor shards or plain) -> whole numpy arrays; every rank must call it (a collective)."""
-        return {k: np.array((v.full_tensor() if isinstance(v, DTensor) else v).detach().float().cpu())
-                for k, v in flat.items()}
+    def full(self, flat: dict) -> dict:
+        """Tensors (DTensor shards or plain) -> whole numpy arrays on rank 0 only (the checkpoint's writer);
+        every rank must call it. One tensor at a time, so no rank holds the whole state twice."""
+        out = {}
+        for key, value in flat.items():
+            if isinstance(value, DTensor):
+                value = value.full_tensor()
+            if self.rank == 0:
+                out[key] = value.detach().float().cpu().numpy().copy()
+        return out
 
     @staticmethod
     def local(flat: dict, params: dict) -> dict:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import fsdp
-from .model import Llama, load_weights
+from .model import Llama, load_weights, weights_of
 
 FRAMEWORK = "torch"
 
@@ -103,8 +103,10 @@ class Trainer:
             state = self.optimizer.state.get(param) or {"exp_avg": torch.zeros(param.shape),
                                                         "exp_avg_sq": torch.zeros(param.shape)}
             exp_avg[name], exp_avg_sq[name] = state["exp_avg"], state["exp_avg_sq"]
-        full = fsdp.Sharding.full  # whole numpy copies; FSDP's shards are gathered (on every rank)
-        return full(dict(self.model.named_parameters())), full(exp_avg), full(exp_avg_sq)
+        if self.sharding is not None:  # rank 0 gathers the shards; the other ranks get nothing
+            full = self.sharding.full
+            return full(dict(self.model.named_parameters())), full(exp_avg), full(exp_avg_sq)
+        return weights_of(self.model), _numpy(exp_avg), _numpy(exp_avg_sq)
 
     def import_optimizer(self, exp_avg, exp_avg_sq, step):
         if self.sharding is not None:  # this rank's shards, placed as the parameters are
@@ -138,6 +140,10 @@ class Trainer:
 def _local(tensor):
     """What this rank holds of a tensor: its shard of a DTensor."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _numpy(flat):
+    return {k: v.detach().cpu().numpy() for k, v in flat.items()}
 
 
 def _tensor(value):
