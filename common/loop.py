@@ -10,9 +10,12 @@ Trainer interface (mlx_impl/step.py and torch_impl/step.py implement it with the
     .train_step(batches, lr, global_tokens) -> (loss, grad_norm) as floats, after the work is done
     .eval_loss_sum(inputs, targets, mask)   -> float, this rank's sum of token losses
     .all_sum(values: np.ndarray)            -> np.ndarray summed over ranks
-    .export_state()                       -> (weights, exp_avg, exp_avg_sq) as numpy dicts
+    .export_state()                       -> (weights, exp_avg, exp_avg_sq) as numpy dicts, whole on rank 0
+                                             (under fsdp the other ranks get empty dicts)
     .import_optimizer(exp_avg, exp_avg_sq, step)
     .peak_memory_bytes()                  -> int, the framework's own peak
+    .state_bytes()                        -> {"params", "grads", "optimizer"}: bytes this rank holds
+    .reduce_scatter                       -> "native" | "all_sum_slice" under fsdp, None otherwise
 """
 from __future__ import annotations
 
@@ -194,7 +197,8 @@ def train(run_dir: Path, world: World, trainer_cls) -> None:
                                     f"is kept)")
             metrics.write({"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                            "tokens": global_tokens, "step_time_s": step_time,
-                           "tokens_per_s": global_tokens / step_time, "epoch": sampler.epoch_of(step)})
+                           "tokens_per_s": global_tokens / step_time, "epoch": sampler.epoch_of(step),
+                           "strategy": cfg.strategy})
             status.update(step=step + 1, loss=loss)
 
             done = step + 1
@@ -216,6 +220,7 @@ def train(run_dir: Path, world: World, trainer_cls) -> None:
     status.update(
         force=True, status="ok",
         peak_mem_bytes=trainer.peak_memory_bytes(), peak_rss_bytes=peak_rss_bytes(),
+        state_bytes=trainer.state_bytes(), reduce_scatter=trainer.reduce_scatter,
         # What the first steps cost beyond a steady-state step: compilation, graph capture, warm caches.
         compile_s=max(0.0, sum(step_times[:cfg.timing_warmup_steps]) - median * min(len(step_times), cfg.timing_warmup_steps)),
         time_to_first_step_s=(first_step_end - launch_time) if first_step_end else None,
@@ -276,7 +281,7 @@ def checkpoint(trainer, run_dir: Path, spec: ModelSpec, step: int, fingerprints:
     weights, exp_avg, exp_avg_sq = trainer.export_state()
     if not all(np.isfinite(w).all() for w in weights.values()):
         raise TrainingError(f"weights are not finite after step {step}; not saving (the last checkpoint is kept)")
-    if rank == 0:  # every rank holds the same state; one writer
+    if rank == 0:  # rank 0 holds the whole state (FSDP gathers it there); one writer
         save_checkpoint(run_dir, spec, TrainState(step=step, weights=weights, exp_avg=exp_avg,
                                                   exp_avg_sq=exp_avg_sq,
                                                   info={**fingerprints, "framework": trainer.framework}))

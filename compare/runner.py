@@ -22,6 +22,7 @@ from common.errors import UserError
 from common.metrics import read_metrics, throughput_stats, write_json
 from common.precision import describe as describe_precision
 from common.spec import ModelSpec
+from common.strategy import check_strategy
 
 from . import environment as env
 from . import tracking
@@ -126,6 +127,7 @@ def write_plan(cfg: RunConfig, inputs: Inputs, run_dir: Path) -> None:
 def launch(cfg: RunConfig, inputs: Inputs, run_dir: Path) -> dict:
     """Run every rank to the end (or to the first failure) and return the summary written to disk."""
     run_dir = Path(run_dir)
+    check_strategy(cfg.strategy, inputs.spec, cfg.world_size)
     check_run_dir(run_dir, cfg.resume, cfg.overwrite)
     check_hostfile(cfg)
     cfg = with_hostfile_backend(cfg)  # an MLX hostfile's "backend" applies unless --backend says otherwise
@@ -201,10 +203,14 @@ def summarize(cfg: RunConfig, run_dir: Path, argv: list[str], blas: str, wall_s:
         **stats,
         "warmup_steps": cfg.timing_warmup_steps,
         "compile_s": rank0.get("compile_s"), "time_to_first_step_s": rank0.get("time_to_first_step_s"),
-        "breakdown": rank0.get("breakdown"), "strategy": cfg.strategy,
+        "breakdown": rank0.get("breakdown"),
         "wall_s": wall_s,
         "peak_mem_bytes": [ranks.get(r, {}).get("peak_mem_bytes") for r in range(world)],
         "peak_rss_bytes": [ranks.get(r, {}).get("peak_rss_bytes") for r in range(world)],
+        # What each rank holds of the training state (Trainer.state_bytes), and how FSDP reduce-scattered.
+        "strategy": cfg.strategy, "reduce_scatter": rank0.get("reduce_scatter"),
+        "state_bytes": {part: [ranks.get(r, {}).get("state_bytes", {}).get(part) for r in range(world)]
+                        for part in ("params", "grads", "optimizer")},
         "blas": blas, "threads_per_rank": cfg.threads_per_rank,
         "dtype": cfg.dtype, "precision": describe_precision(cfg.dtype),
         "versions": env.versions(), "machine": env.machine(),

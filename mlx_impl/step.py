@@ -3,6 +3,9 @@
 Precision (common/precision.py): the model computes in cfg.dtype from float32 master weights, so the
 gradients, their all-reduce and the AdamW state are float32 whatever the dtype.
 
+Strategy ddp replicates the model; fsdp shards it (mlx_impl/fsdp.py: sharded gradients arrive
+reduce-scattered from the backward, only the replicated ones are averaged here).
+
 The loss of a step is (sum of masked token losses on all ranks) / (global count of real target tokens),
 so DP is exact even when ranks hold different numbers of real tokens (padding mode). Each rank scales
 its gradients by N / global_tokens; `nn.average_gradients` then divides the all-reduced sum by N.
@@ -22,6 +25,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
+from . import fsdp
 from .comm import average_gradients, communication_stream
 from .model import Llama, load_weights, weights_of
 
@@ -61,6 +65,10 @@ class Trainer:
         self.device = "gpu" if mx.default_device() == mx.gpu else "cpu"
         self.model = Llama(spec, compute_dtype=cfg.dtype)
         load_weights(self.model, weights)
+        self.sharding = sharding = (fsdp.shard_model(self.model, group, cfg.resolved_backend)
+                                    if cfg.strategy == "fsdp" else None)
+        self.reduce_scatter = sharding.reduce_scatter if sharding else None
+        self._grad_bytes = 0
         self.optimizer = optim.AdamW(learning_rate=cfg.lr, betas=[cfg.beta1, cfg.beta2], eps=cfg.adam_eps,
                                      weight_decay=cfg.weight_decay, bias_correction=True)
         self.optimizer.init(self.model.trainable_parameters())
@@ -75,9 +83,14 @@ class Trainer:
 
         def make_update(sync: bool):
             def update(grads):
-                if world_size > 1 and sync:
+                if sharding is not None and sync:  # the shards were reduce-scattered in the backward
+                    grads = sharding.average_gradients(grads, reduce_bytes, stream)
+                elif world_size > 1 and sync:
                     grads = average_gradients(grads, group, reduce_bytes, stream)
-                grad_norm = mx.sqrt(sum(_sum_of_squares(g) for _, g in tree_flatten(grads)))
+                if sharding is not None:  # one global norm: replicated gradients once, shards summed
+                    grad_norm = sharding.global_norm(grads, _sum_of_squares)
+                else:
+                    grad_norm = mx.sqrt(sum(_sum_of_squares(g) for _, g in tree_flatten(grads)))
                 if grad_clip > 0:  # optim.clip_grad_norm's (and torch's) formula, with the precise norm
                     grads = tree_map(lambda g: g * mx.minimum(grad_clip / (grad_norm + 1e-6), 1.0), grads)
                 self.optimizer.update(self.model, grads)
@@ -110,8 +123,9 @@ class Trainer:
         for inputs, targets, mask in batches:
             losses, micro_grads = self._micro_step(mx.array(inputs), mx.array(targets), mx.array(mask), scale)
             token_losses.append(losses)
-            # accumulate lazily; communication happens only in `update`
+            # accumulate lazily; DDP communicates only in `update` (FSDP: see fsdp.py)
             grads = micro_grads if grads is None else tree_map(mx.add, grads, micro_grads)
+        self._grad_bytes = _nbytes(grads)
         return token_losses, grads
 
     def profile_step(self, batches, lr, global_tokens):
@@ -149,13 +163,18 @@ class Trainer:
         return np.array(summed, dtype=np.float64).sum(axis=(0, 1))
 
     def export_state(self):
-        flat = dict(tree_flatten(self.optimizer.state))
-        names = weights_of(self.model).keys()
-        exp_avg = {n: np.array(flat[f"{n}.m"]) for n in names}
-        exp_avg_sq = {n: np.array(flat[f"{n}.v"]) for n in names}
-        return weights_of(self.model), exp_avg, exp_avg_sq
+        weights, flat = weights_of(self.model), dict(tree_flatten(self.optimizer.state))
+        if self.sharding is not None:  # rank 0 gathers the shards, under HF names; the others get nothing
+            weights, flat = self.sharding.full(weights), self.sharding.full(flat)
+        # Views, not copies: MLX arrays are immutable, and a copy of the optimizer state costs its size again.
+        exp_avg = {n: np.asarray(flat[f"{n}.m"]) for n in weights}
+        exp_avg_sq = {n: np.asarray(flat[f"{n}.v"]) for n in weights}
+        return weights, exp_avg, exp_avg_sq
 
     def import_optimizer(self, exp_avg, exp_avg_sq, step):
+        if self.sharding is not None:  # this rank's slices, under its parameter paths
+            paths = [k for k, _ in tree_flatten(self.model.parameters())]
+            exp_avg, exp_avg_sq = self.sharding.local(exp_avg, paths), self.sharding.local(exp_avg_sq, paths)
         moments = [(f"{n}.m", mx.array(v)) for n, v in exp_avg.items()]
         moments += [(f"{n}.v", mx.array(v)) for n, v in exp_avg_sq.items()]
         state = self.optimizer.state
@@ -166,6 +185,15 @@ class Trainer:
 
     def peak_memory_bytes(self):
         return int(mx.get_peak_memory())
+
+    def state_bytes(self):
+        """Bytes of parameters, gradients (as the last update saw them) and optimizer state on this rank."""
+        return {"params": _nbytes(self.model.parameters()), "grads": self._grad_bytes,
+                "optimizer": _nbytes(self.optimizer.state)}
+
+
+def _nbytes(tree):
+    return sum(a.nbytes for _, a in tree_flatten(tree) if isinstance(a, mx.array))
 
 
 def _set_path(tree, path, value):

@@ -3,6 +3,9 @@
 Precision (common/precision.py): the model computes in cfg.dtype from float32 master weights, so the
 gradients, their all-reduce, the loss and the AdamW state are float32 whatever the dtype (no autocast).
 
+Strategy ddp wraps the model in DDP; fsdp shards it with FSDP2 (torch_impl/fsdp.py), which averages the
+gradients the same way (a reduce-scatter divided by N instead of an all-reduce divided by N).
+
 The loss of a step is (sum of masked token losses on all ranks) / (global count of real target tokens),
 so DP is exact even when ranks hold different numbers of real tokens (padding mode). Each rank scales
 its loss by N / global_tokens; DDP then averages (divides the all-reduced sum by N).
@@ -18,6 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from . import fsdp
 from .model import Llama, load_weights, weights_of
 
 FRAMEWORK = "torch"
@@ -45,7 +49,11 @@ class Trainer:
         self.model.to(self.device)
         self.grad_accum, self.grad_clip = cfg.grad_accum, cfg.grad_clip
         self.wrapped = self.model
-        if world_size > 1:
+        self.sharding = (fsdp.shard_model(self.model, self.device, cfg.resolved_backend)
+                         if cfg.strategy == "fsdp" else None)
+        self.reduce_scatter = self.sharding.reduce_scatter if self.sharding else None
+        self._grad_bytes = 0
+        if world_size > 1 and self.sharding is None:
             self.wrapped = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
                                bucket_cap_mb=cfg.bucket_cap_mb, gradient_as_bucket_view=True,
                                # no_sync() and a static graph do not mix; accumulation needs the former.
@@ -72,8 +80,8 @@ class Trainer:
         for i, (inputs, targets, mask) in enumerate(batches):
             last = i == len(batches) - 1
             # Communicate only on the micro-step that ends the optimizer step.
-            sync = contextlib.nullcontext() if last or model is not self.wrapped or self.world_size == 1 \
-                else self.wrapped.no_sync()
+            sync = (contextlib.nullcontext() if last or model is not self.wrapped or self.world_size == 1
+                    else (self.sharding or self.wrapped).no_sync())
             with sync:
                 micro = token_loss_sum(model, *self._to_device(inputs, targets, mask))
                 (micro * scale).backward()
@@ -84,14 +92,19 @@ class Trainer:
         # The norm in float64: clip_grad_norm_'s float32 norm of a big embedding gradient is off by ~3e-5
         # (measured on `small`), and the clip coefficient with it. MPS has no float64.
         wide = torch.float32 if self.device.type == "mps" else torch.float64
-        grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad, dtype=wide)
-                                                          for p in self.model.parameters() if p.grad is not None]))
+        if self.sharding is not None:  # the shards' squares summed over the ranks: each element once
+            grad_norm = self.sharding.global_norm(self.model.parameters(), wide)
+        else:
+            grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad, dtype=wide)
+                                                              for p in self.model.parameters() if p.grad is not None]))
         if self.grad_clip > 0:
             torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), self.grad_clip, grad_norm)
+        self._grad_bytes = sum(_local(p.grad).nbytes for p in self.model.parameters() if p.grad is not None)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=self.world_size == 1)  # bucket views must stay allocated
+        # DDP's bucket views must stay allocated; FSDP2 frees its sharded gradients.
+        self.optimizer.zero_grad(set_to_none=self.world_size == 1 or self.sharding is not None)
         return grad_norm
 
     def profile_step(self, batches, lr, global_tokens):
@@ -131,18 +144,23 @@ class Trainer:
     def export_state(self):
         exp_avg, exp_avg_sq = {}, {}
         for param, name in self.names.items():
-            state = self.optimizer.state.get(param, {})
-            zeros = np.zeros(tuple(param.shape), dtype=np.float32)
-            exp_avg[name] = state["exp_avg"].detach().cpu().numpy() if state else zeros
-            exp_avg_sq[name] = state["exp_avg_sq"].detach().cpu().numpy() if state else zeros
-        return weights_of(self.model), exp_avg, exp_avg_sq
+            state = self.optimizer.state.get(param) or {"exp_avg": torch.zeros(param.shape),
+                                                        "exp_avg_sq": torch.zeros(param.shape)}
+            exp_avg[name], exp_avg_sq[name] = state["exp_avg"], state["exp_avg_sq"]
+        if self.sharding is not None:  # rank 0 gathers the shards; the other ranks get nothing
+            full = self.sharding.full
+            return full(dict(self.model.named_parameters())), full(exp_avg), full(exp_avg_sq)
+        return weights_of(self.model), _numpy(exp_avg), _numpy(exp_avg_sq)
 
     def import_optimizer(self, exp_avg, exp_avg_sq, step):
+        if self.sharding is not None:  # this rank's shards, placed as the parameters are
+            params = {n: p for p, n in self.names.items()}
+            exp_avg, exp_avg_sq = self.sharding.local(exp_avg, params), self.sharding.local(exp_avg_sq, params)
         for param, name in self.names.items():
             self.optimizer.state[param] = {
                 "step": torch.tensor(float(step)),
-                "exp_avg": torch.from_numpy(np.array(exp_avg[name])).to(self.device),
-                "exp_avg_sq": torch.from_numpy(np.array(exp_avg_sq[name])).to(self.device),
+                "exp_avg": _tensor(exp_avg[name]).to(self.device),
+                "exp_avg_sq": _tensor(exp_avg_sq[name]).to(self.device),
             }
 
     def peak_memory_bytes(self):
@@ -151,6 +169,26 @@ class Trainer:
         from common.metrics import peak_rss_bytes
         return peak_rss_bytes()  # on CPU the process's peak RSS is torch's peak
 
+    def state_bytes(self):
+        """Bytes of parameters, gradients (as the last step held them) and optimizer state on this rank."""
+        optimizer = sum(_local(t).nbytes for state in self.optimizer.state.values() for t in state.values()
+                        if isinstance(t, torch.Tensor))
+        return {"params": sum(_local(p).nbytes for p in self.model.parameters()), "grads": self._grad_bytes,
+                "optimizer": optimizer}
+
     def _to_device(self, inputs, targets, mask):
         return (torch.from_numpy(inputs).long().to(self.device), torch.from_numpy(targets).long().to(self.device),
                 torch.from_numpy(mask).to(self.device))
+
+
+def _local(tensor):
+    """What this rank holds of a tensor: its shard of a DTensor."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _numpy(flat):
+    return {k: v.detach().cpu().numpy() for k, v in flat.items()}
+
+
+def _tensor(value):
+    return value if isinstance(value, torch.Tensor) else torch.from_numpy(np.array(value))

@@ -1,0 +1,108 @@
+"""FSDP (--strategy fsdp) computes what DDP computes, in both frameworks, while each rank holds 1/N of
+the state: losses and gradients equal DDP's step by step, MLX and torch agree, and checkpoints stay full
+so a run switches strategy (and framework) at a checkpoint. Each test starts real processes via the CLI."""
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from common.errors import UserError
+from common.spec import preset
+from common.strategy import check_strategy
+from helpers import FAST, dpcompare, losses, summary
+
+FRAMEWORKS = ["mlx", "torch"]
+
+
+def run(cache_dir, out, *extra):
+    dpcompare("run", *FAST, "--out", out, *extra, cache_dir=cache_dir)
+    return losses(out)
+
+
+def test_the_shape_check_names_the_parameter_and_passes_shardable_models():
+    check_strategy("fsdp", preset("base"), 2)  # 50000-token vocabulary, every block dimension even
+    check_strategy("fsdp", preset("small"), 4)  # 50257 tokens do not divide: replicated, not refused
+    check_strategy("ddp", preset("tiny"), 1)
+    with pytest.raises(UserError, match=r"model.layers.0.input_layernorm.weight of shape \(768,\) over 5 ranks"):
+        check_strategy("fsdp", preset("base"), 5)
+    with pytest.raises(UserError, match="needs 2 or more"):
+        check_strategy("fsdp", preset("tiny"), 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("sequence, grad_accum", [("packing", 1), ("padding", 1), ("padding", 2)])
+def test_fsdp_matches_ddp_step_by_step_with_half_the_state_per_rank(framework, sequence, grad_accum, cache_dir,
+                                                                     tmp_path):
+    common = ("--framework", framework, "--nproc", 2, "--steps", 10, "--sequence", sequence,
+              "--grad-accum", grad_accum)
+    ddp = run(cache_dir, tmp_path / "ddp", *common, "--strategy", "ddp")
+    fsdp = run(cache_dir, tmp_path / "fsdp", *common, "--strategy", "fsdp")
+    np.testing.assert_allclose(fsdp, ddp, rtol=0, atol=1e-5)
+
+    a, b = summary(tmp_path / "ddp"), summary(tmp_path / "fsdp")
+    assert (a["strategy"], a["reduce_scatter"]) == ("ddp", None)
+    # MLX on ring has no native reduce-scatter (mlx 0.32.4): all_sum + slice; torch's gloo has one.
+    assert (b["strategy"], b["reduce_scatter"]) == ("fsdp", {"mlx": "all_sum_slice", "torch": "native"}[framework])
+    for part in ("params", "grads", "optimizer"):
+        assert len(b["state_bytes"][part]) == 2
+        # tiny: every parameter shards evenly over 2 ranks except the final norm (replicated in MLX).
+        for sharded, replicated in zip(b["state_bytes"][part], a["state_bytes"][part]):
+            assert 0.45 * replicated <= sharded <= 0.55 * replicated, (part, sharded, replicated)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_a_vocabulary_that_does_not_divide_still_trains_exactly(framework, cache_dir, tmp_path):
+    """513 tokens over 2 ranks: MLX keeps the embedding and head replicated, torch's FSDP2 pads them."""
+    common = ("--framework", framework, "--nproc", 2, "--steps", 5, "--set", "model.vocab_size=513")
+    ddp = run(cache_dir, tmp_path / "ddp", *common, "--strategy", "ddp")
+    fsdp = run(cache_dir, tmp_path / "fsdp", *common, "--strategy", "fsdp")
+    np.testing.assert_allclose(fsdp, ddp, rtol=0, atol=1e-5)
+    held = summary(tmp_path / "fsdp")["state_bytes"]["params"][0] / summary(tmp_path / "ddp")["state_bytes"]["params"][0]
+    assert (0.6 < held < 0.8) if framework == "mlx" else (0.45 < held < 0.55), held
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_step_1_gradients_equal_ddps_parameter_by_parameter(framework, cache_dir, tmp_path):
+    """After one AdamW step from zero moments, exp_avg = (1 - beta1) * gradient: the checkpoints hold the
+    gradients. Averaging them as a sum (FSDP2 on gloo, pytorch issue 162338) would make them 2x DDP's,
+    which the loss alone would hide (Adam is almost scale invariant)."""
+    common = ("--framework", framework, "--nproc", 2, "--steps", 1, "--set", "grad_clip=0")
+    run(cache_dir, tmp_path / "ddp", *common, "--strategy", "ddp")
+    run(cache_dir, tmp_path / "fsdp", *common, "--strategy", "fsdp")
+    ddp, fsdp = (load_file(str(tmp_path / s / "checkpoints" / "step_000001" / "optimizer.safetensors"))
+                 for s in ("ddp", "fsdp"))
+    assert ddp.keys() == fsdp.keys()
+    for name in ddp:
+        if name.startswith("exp_avg."):
+            scale = float(np.abs(ddp[name]).max())
+            np.testing.assert_allclose(fsdp[name], ddp[name], rtol=0, atol=1e-5 * scale, err_msg=name)
+
+
+@pytest.mark.slow
+def test_mlx_fsdp_and_torch_fsdp_agree_step_by_step(cache_dir, tmp_path):
+    common = ("--strategy", "fsdp", "--nproc", 2, "--steps", 20, "--lr", "1e-3")
+    mlx = run(cache_dir, tmp_path / "mlx", "--framework", "mlx", *common)
+    torch = run(cache_dir, tmp_path / "torch", "--framework", "torch", *common)
+    np.testing.assert_allclose(mlx, torch, rtol=0, atol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("first, second, atol", [
+    (("mlx", "ddp"), ("mlx", "fsdp"), 1e-6),
+    (("mlx", "fsdp"), ("mlx", "ddp"), 1e-6),
+    (("torch", "ddp"), ("torch", "fsdp"), 1e-6),
+    (("torch", "fsdp"), ("torch", "ddp"), 1e-6),
+    (("mlx", "fsdp"), ("torch", "fsdp"), 1e-4),  # across frameworks: their usual fp32 parity
+])
+def test_a_checkpoint_resumes_under_another_strategy_as_the_uninterrupted_run(first, second, atol, cache_dir,
+                                                                              tmp_path):
+    common = ("--nproc", 2, "--lr-decay-steps", 20, "--lr", "1e-3")
+    (fw1, s1), (fw2, s2) = first, second
+    straight = run(cache_dir, tmp_path / "straight", *common, "--framework", fw2, "--strategy", s2, "--steps", 20)
+    switched = tmp_path / "switched"
+    run(cache_dir, switched, *common, "--framework", fw1, "--strategy", s1, "--steps", 10)
+    resumed = run(cache_dir, switched, *common, "--framework", fw2, "--strategy", s2, "--steps", 20, "--resume")
+    assert len(resumed) == 20
+    np.testing.assert_allclose(resumed, straight, rtol=0, atol=atol)

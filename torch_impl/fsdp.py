@@ -1,0 +1,92 @@
+"""FSDP in PyTorch: FSDP2 `fully_shard` per transformer block, then the root, on a mesh over the job.
+
+What each rank holds (mlx_impl/fsdp.py does the same with nn.fully_shard): every parameter is a DTensor
+sharded along axis 0. A block's parameters are all-gathered for its forward and backward, its gradient
+reduce-scattered in the backward. The root's own parameters (embedding, final norm, head) form one more
+FSDP unit; FSDP2 pads an axis that does not divide by N, so unlike MLX it shards a 50257-token vocabulary
+too. The mesh is a CPU mesh over gloo or a CUDA mesh over nccl, whichever process group the job runs.
+
+Gradient averaging. Each rank scales its loss by N / global_tokens (step.py) and FSDP2 divides the
+reduce-scattered sum by N, as DDP does. FSDP2 asks the backend for ReduceOp.AVG, and gloo has silently
+summed instead (pytorch issue 162338: gradients N times too large, which Adam and clipping mostly hide).
+torch 2.13's gloo averages correctly, but the version is not trusted: on gloo every FSDP unit reduces
+with SUM and divides by N itself. tests/test_fsdp.py proves step 1's gradient norm equals DDP's.
+
+Accumulation: `no_sync()` turns FSDP2's gradient sync off for all but the last micro-step, so unsharded
+gradients accumulate locally and are reduce-scattered once per step (the same as DDP's no_sync).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+
+def reduce_scatter_kind(backend: str) -> str:
+    return "native"  # gloo and nccl both implement reduce_scatter_tensor, which FSDP2 calls
+
+
+def shard_model(model, device: torch.device, backend: str) -> "Sharding":
+    """Shard every block, then the root, in place: `model` becomes an FSDPModule."""
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for block in model.model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if backend == "gloo":  # see the module docstring: SUM, then FSDP's own division by N
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+    return Sharding(model, reduce_scatter_kind(backend))
+
+
+class Sharding:
+    """The FSDP-specific parts of a step: deferred gradient sync, the global norm, full and local state."""
+
+    def __init__(self, model, reduce_scatter: str):
+        self.model, self.reduce_scatter, self.rank = model, reduce_scatter, dist.get_rank()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """DDP's no_sync for FSDP2: gradients accumulate unsharded, unreduced, until the context ends."""
+        self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+
+    def global_norm(self, parameters, dtype: torch.dtype) -> torch.Tensor:
+        """The global gradient norm, computed in `dtype` from this rank's shards and summed over the ranks:
+        every element lives on exactly one rank (FSDP2 pads uneven shards with zeros)."""
+        local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in parameters
+                 if p.grad is not None]
+        squares = torch.stack([torch.linalg.vector_norm(g, dtype=dtype) ** 2 for g in local]).sum()
+        dist.all_reduce(squares)
+        return squares.sqrt()
+
+    def full(self, flat: dict) -> dict:
+        """Tensors (DTensor shards or plain) -> whole numpy arrays on rank 0 only (the checkpoint's writer);
+        every rank must call it. One tensor at a time, so no rank holds the whole state twice."""
+        out = {}
+        for key, value in flat.items():
+            if isinstance(value, DTensor):
+                value = value.full_tensor()
+            if self.rank == 0:
+                out[key] = value.detach().float().cpu().numpy().copy()
+        return out
+
+    @staticmethod
+    def local(flat: dict, params: dict) -> dict:
+        """Whole numpy arrays -> tensors sharded as the parameter of the same name (no communication)."""
+        out = {}
+        for name, param in params.items():
+            value = torch.from_numpy(np.array(flat[name], dtype=np.float32))
+            if isinstance(param, DTensor):
+                value = distribute_tensor(value.to(param.device), param.device_mesh, param.placements,
+                                          src_data_rank=None)  # every rank has the whole array: slice it
+            out[name] = value
+        return out
