@@ -21,7 +21,7 @@ from pathlib import Path
 from .errors import UserError
 from .sampler import check_divisible
 from .spec import ModelSpec, preset
-from .strategy import STRATEGIES, data_parallel
+from .strategy import STRATEGIES, check_strategy, data_parallel
 
 FRAMEWORKS = ("mlx", "torch")
 BACKENDS = {"mlx": ("auto", "ring", "mpi", "nccl"), "torch": ("auto", "gloo", "nccl")}
@@ -228,7 +228,8 @@ class RunConfig:
         if self.dtype == "bfloat16" and self.framework == "torch" and self.device != "cuda":
             raise UserError("dtype bfloat16 (autocast) is supported on --device cuda only; use float32")
         self.micro_batch_size  # raises when the global batch does not split
-        self.model_spec(vocab_size=None)  # preset, [model] fields and seq_len checked now
+        # preset, [model] fields and seq_len checked now; and whether the strategy can split that model
+        check_strategy(self.strategy, self.model_spec(vocab_size=None), self.world_size)
 
 
 def read_toml(path: str) -> dict:

@@ -9,10 +9,13 @@ Trainer interface (mlx_impl/step.py and torch_impl/step.py implement it with the
     .device                              -> str, e.g. "cpu", "gpu", "cuda:0"
     .train_step(batches, lr, global_tokens) -> (loss, grad_norm) as floats, after the work is done
     .eval_loss_sum(inputs, targets, mask)   -> float, this rank's sum of token losses
-    .all_sum(values: np.ndarray)            -> np.ndarray summed over ranks
-    .export_state()                       -> (weights, exp_avg, exp_avg_sq) as numpy dicts
-    .import_optimizer(exp_avg, exp_avg_sq, step)
+    .all_sum(values: np.ndarray, over="data") -> np.ndarray summed over the data-parallel ranks
+                                            (under tp that is the rank itself), or over="world": all ranks
+    .export_state()                       -> (weights, exp_avg, exp_avg_sq) as full numpy dicts, on every rank
+    .import_optimizer(exp_avg, exp_avg_sq, step)   full dicts, on every rank
     .peak_memory_bytes()                  -> int, the framework's own peak
+    .state_bytes()                        -> {"params", "grads", "optimizer"}: bytes this rank holds
+    .comm_bytes_per_step()                -> int, bytes given to all-reduce by one training step, measured
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ from .sampler import GlobalSampler, micro_batches, rank_slice
 from .schedule import lr_at
 from .sequences import SequenceView
 from .spec import ModelSpec
-from .strategy import data_parallel
+from .strategy import comm_bytes_per_step_estimate, data_parallel
 from .tokencache import TokenCache
 from .weights import load_pretrained
 
@@ -189,6 +192,10 @@ def train(run_dir: Path, world: World, trainer_cls) -> None:
         compile_s=max(0.0, sum(step_times[:cfg.timing_warmup_steps]) - median * min(len(step_times), cfg.timing_warmup_steps)),
         time_to_first_step_s=(first_step_end - launch_time) if first_step_end else None,
         steps_run=len(step_times),
+        state_bytes=trainer.state_bytes(),
+        comm_bytes_per_step=trainer.comm_bytes_per_step() if step_times else None,
+        comm_bytes_per_step_estimate=comm_bytes_per_step_estimate(
+            cfg.strategy, spec, world_size, cfg.micro_batch_size, cfg.seq_len, cfg.grad_accum),
     )
 
 
@@ -206,7 +213,7 @@ def injected_fault(framework: str) -> dict | None:
 def check_identical_weights(trainer, weights: dict[str, np.ndarray]) -> None:
     """All ranks must start from the same weights: compare a checksum across ranks (sum and sum of squares)."""
     checksum = float(sum(np.float64(np.abs(w).sum()) for w in weights.values()))
-    total, total_sq = trainer.all_sum(np.array([checksum, checksum * checksum], dtype=np.float64))
+    total, total_sq = trainer.all_sum(np.array([checksum, checksum * checksum], dtype=np.float64), over="world")
     # Equal checksums on every rank give total_sq == total**2 / N exactly up to rounding.
     spread = total_sq - total * total / trainer.world_size
     if abs(spread) > 1e-6 * max(1.0, total_sq):

@@ -174,6 +174,10 @@ def summarize(cfg: RunConfig, run_dir: Path, argv: list[str], blas: str, wall_s:
         "wall_s": wall_s,
         "peak_mem_bytes": [ranks.get(r, {}).get("peak_mem_bytes") for r in range(world)],
         "peak_rss_bytes": [ranks.get(r, {}).get("peak_rss_bytes") for r in range(world)],
+        "state_bytes": [ranks.get(r, {}).get("state_bytes") for r in range(world)],
+        # Bytes given to all-reduce per step: counted in the step's collectives, and from the shapes.
+        "comm_bytes_per_step": rank0.get("comm_bytes_per_step"),
+        "comm_bytes_per_step_estimate": rank0.get("comm_bytes_per_step_estimate"),
         "blas": blas, "threads_per_rank": cfg.threads_per_rank,
         "versions": env.versions(), "machine": env.machine(),
         "final_loss": train_rows[-1]["loss"] if train_rows else rank0.get("loss") if cfg.nnodes > 1 else None,
