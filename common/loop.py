@@ -221,6 +221,16 @@ def check_identical_weights(trainer, weights: dict[str, np.ndarray]) -> None:
                             "host reads the same seed checkpoint")
 
 
+def check_replicas_agree(trainer, weights: dict[str, np.ndarray], step: int) -> None:
+    """Every rank exports the same full weights (ddp replicas; tp's replicated embedding, norms and head, whose
+    gradients are the same on every rank by construction): this rank's checksum against the mean over ranks."""
+    checksum = float(sum(np.float64(np.abs(w).sum()) for w in weights.values()))
+    total = trainer.all_sum(np.array([checksum], dtype=np.float64), over="world")[0]
+    if abs(total - trainer.world_size * checksum) > 1e-6 * abs(total):
+        raise TrainingError(f"rank {trainer.rank} holds other weights than the mean of the ranks after step {step}: "
+                            "the replicas drifted apart; not saving (the last checkpoint is kept)")
+
+
 def evaluate(trainer, view: SequenceView, cfg: RunConfig, rank: int, world_size: int) -> float:
     """Global token-mean loss over a fixed set of validation samples, the same for every world size.
 
@@ -242,6 +252,7 @@ def checkpoint(trainer, run_dir: Path, spec: ModelSpec, step: int, fingerprints:
     weights, exp_avg, exp_avg_sq = trainer.export_state()
     if not all(np.isfinite(w).all() for w in weights.values()):
         raise TrainingError(f"weights are not finite after step {step}; not saving (the last checkpoint is kept)")
+    check_replicas_agree(trainer, weights, step)
     if rank == 0:  # every rank holds the same state; one writer
         save_checkpoint(run_dir, spec, TrainState(step=step, weights=weights, exp_avg=exp_avg,
                                                   exp_avg_sq=exp_avg_sq,

@@ -138,3 +138,26 @@ def test_a_checkpoint_resumed_under_another_strategy_continues_the_same_curve(fi
     resumed = run(cache_dir, switched, *args(second), "--steps", 20, "--resume")
     assert len(resumed) == 20
     np.testing.assert_allclose(resumed, straight, rtol=0, atol=atol)
+
+
+class _Rank:
+    """A trainer stand-in for the loop's cross-rank checks: `all_sum` adds the other rank's values."""
+    world_size, rank = 2, 0
+
+    def __init__(self, other: dict):
+        self.other = other
+
+    def all_sum(self, values, over="data"):
+        assert over == "world"
+        checksum = float(sum(np.abs(w).sum() for w in self.other.values()))
+        return np.asarray(values) + np.array([checksum])
+
+
+def test_a_checkpoint_refuses_weights_that_differ_between_ranks():
+    from common.loop import TrainingError, check_replicas_agree
+
+    weights = {"model.norm.weight": np.ones(64, dtype=np.float32)}
+    check_replicas_agree(_Rank(weights), weights, step=5)
+    drifted = {"model.norm.weight": np.ones(64, dtype=np.float32) * (1 + 1e-4)}
+    with pytest.raises(TrainingError, match="after step 5"):
+        check_replicas_agree(_Rank(drifted), weights, step=5)

@@ -34,7 +34,7 @@ class Trainer:
     def __init__(self, cfg, spec, weights, world):
         self.rank, self.world_size, self.group = world.rank, world.size, world.group
         # Ranks that read different samples and average gradients: all of them, except under tp.
-        self.dp_size = cfg.data_parallel_size
+        self.strategy, self.dp_size = cfg.strategy, cfg.data_parallel_size
         self.device = torch.device(world.device)
         self.model = Llama(spec)
         load_weights(self.model, weights)
@@ -76,10 +76,11 @@ class Trainer:
                 micro = self._forward_loss(*self._to_device(inputs, targets, mask))
                 (micro * scale).backward()
             loss_sum += micro.detach().double()
-        if self.comm_bytes is None:
+        if self.comm_bytes is None and self.tp:
+            self.comm_bytes = counter.bytes
+        elif self.comm_bytes is None and self.strategy == "ddp":
             # DDP all-reduces every gradient once, in C++ buckets no dispatch mode sees: count their sizes.
-            self.comm_bytes = counter.bytes if self.tp else sum(
-                tp.local_nbytes(p) for p in self.model.parameters()) if self.dp_size > 1 else 0
+            self.comm_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters()) * (self.dp_size > 1)
         if self.tp:
             grad_norm = self.tp.clip_grad_norm_(list(self.model.parameters()), self.grad_clip)
         else:
