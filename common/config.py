@@ -21,7 +21,7 @@ from pathlib import Path
 from .errors import UserError
 from .sampler import check_divisible
 from .spec import ModelSpec, preset
-from .strategy import STRATEGIES, data_parallel
+from .strategy import STRATEGIES, check_strategy, data_parallel
 
 FRAMEWORKS = ("mlx", "torch")
 # jaccl and jaccl-ring: RDMA over Thunderbolt 5 between Macs (a mesh, or a ring of neighbours), through
@@ -243,7 +243,8 @@ class RunConfig:
             raise UserError("communication_stream cpu does not work with the nccl backend (NCCL reduces GPU "
                             "memory on the GPU stream); use auto")
         self.micro_batch_size  # raises when the global batch does not split
-        self.model_spec(vocab_size=None)  # preset, [model] fields and seq_len checked now
+        # preset, [model] fields and seq_len checked now; and whether the strategy can split that model
+        check_strategy(self.strategy, self.model_spec(vocab_size=None), self.world_size)
 
 
 def read_toml(path: str) -> dict:

@@ -9,12 +9,14 @@ Trainer interface (mlx_impl/step.py and torch_impl/step.py implement it with the
     .device                              -> str, e.g. "cpu", "gpu", "cuda:0"
     .train_step(batches, lr, global_tokens) -> (loss, grad_norm) as floats, after the work is done
     .eval_loss_sum(inputs, targets, mask)   -> float, this rank's sum of token losses
-    .all_sum(values: np.ndarray)            -> np.ndarray summed over ranks
-    .export_state()                       -> (weights, exp_avg, exp_avg_sq) as numpy dicts, whole on rank 0
-                                             (under fsdp the other ranks get empty dicts)
-    .import_optimizer(exp_avg, exp_avg_sq, step)
+    .all_sum(values: np.ndarray, over="data") -> np.ndarray summed over the data-parallel ranks
+                                            (under tp that is the rank itself), or over="world": all ranks
+    .export_state()                       -> (weights, exp_avg, exp_avg_sq) as full numpy dicts: on every rank under ddp
+                                             and tp, on rank 0 only under fsdp (the others get empty dicts)
+    .import_optimizer(exp_avg, exp_avg_sq, step)   full dicts, on every rank
     .peak_memory_bytes()                  -> int, the framework's own peak
     .state_bytes()                        -> {"params", "grads", "optimizer"}: bytes this rank holds
+    .comm_bytes_per_step()                -> int, bytes given to all-reduce by one training step, measured
     .reduce_scatter                       -> "native" | "all_sum_slice" under fsdp, None otherwise
 """
 from __future__ import annotations
@@ -39,7 +41,7 @@ from .sampler import GlobalSampler, micro_batches, rank_slice
 from .schedule import lr_at
 from .sequences import SequenceView
 from .spec import ModelSpec
-from .strategy import data_parallel
+from .strategy import comm_bytes_per_step_estimate, data_parallel
 from .supervisor import stop_reason, watch_supervisor
 from .tokencache import TokenCache
 from .weights import load_pretrained
@@ -225,6 +227,9 @@ def train(run_dir: Path, world: World, trainer_cls) -> None:
         compile_s=max(0.0, sum(step_times[:cfg.timing_warmup_steps]) - median * min(len(step_times), cfg.timing_warmup_steps)),
         time_to_first_step_s=(first_step_end - launch_time) if first_step_end else None,
         steps_run=len(step_times),
+        comm_bytes_per_step=trainer.comm_bytes_per_step() if step_times else None,
+        comm_bytes_per_step_estimate=comm_bytes_per_step_estimate(
+            cfg.strategy, spec, world_size, cfg.micro_batch_size, cfg.seq_len, cfg.grad_accum),
     )
 
 
@@ -242,7 +247,7 @@ def injected_fault(framework: str) -> dict | None:
 def check_identical_weights(trainer, weights: dict[str, np.ndarray]) -> None:
     """All ranks must start from the same weights: compare a checksum across ranks (sum and sum of squares)."""
     checksum = float(sum(np.float64(np.abs(w).sum()) for w in weights.values()))
-    total, total_sq = trainer.all_sum(np.array([checksum, checksum * checksum], dtype=np.float64))
+    total, total_sq = trainer.all_sum(np.array([checksum, checksum * checksum], dtype=np.float64), over="world")
     # Equal checksums on every rank give total_sq == total**2 / N exactly up to rounding.
     spread = total_sq - total * total / trainer.world_size
     if abs(spread) > 1e-6 * max(1.0, total_sq):
@@ -254,10 +259,20 @@ def check_same_step(trainer, step: int) -> None:
     """Every rank must end at the same step: one that skipped or repeated steps while its collectives
     still matched would have trained on other batches. A rank whose step is not the mean over the ranks
     raises (exact in float32 up to 2**24 steps)."""
-    count, total = trainer.all_sum(np.array([1.0, step], dtype=np.float64))
+    count, total = trainer.all_sum(np.array([1.0, step], dtype=np.float64), over="world")
     if abs(total - count * step) > 0.5:
         raise TrainingError(f"ranks ended at different steps: this rank at {step}, the mean over "
                             f"{count:.0f} ranks {total / count:g}; check that every node runs the same --steps")
+
+
+def check_replicas_agree(trainer, weights: dict[str, np.ndarray], step: int) -> None:
+    """Every rank exports the same full weights (ddp replicas; tp's replicated embedding, norms and head, whose
+    gradients are the same on every rank by construction): this rank's checksum against the mean over ranks."""
+    checksum = float(sum(np.float64(np.abs(w).sum()) for w in weights.values()))
+    total = trainer.all_sum(np.array([checksum], dtype=np.float64), over="world")[0]
+    if abs(total - trainer.world_size * checksum) > 1e-6 * abs(total):
+        raise TrainingError(f"rank {trainer.rank} holds other weights than the mean of the ranks after step {step}: "
+                            "the replicas drifted apart; not saving (the last checkpoint is kept)")
 
 
 def evaluate(trainer, view: SequenceView, cfg: RunConfig, rank: int, world_size: int) -> float:
@@ -281,6 +296,8 @@ def checkpoint(trainer, run_dir: Path, spec: ModelSpec, step: int, fingerprints:
     weights, exp_avg, exp_avg_sq = trainer.export_state()
     if not all(np.isfinite(w).all() for w in weights.values()):
         raise TrainingError(f"weights are not finite after step {step}; not saving (the last checkpoint is kept)")
+    if getattr(trainer, "sharding", None) is None:  # fsdp: only rank 0 holds the gathered weights
+        check_replicas_agree(trainer, weights, step)
     if rank == 0:  # rank 0 holds the whole state (FSDP gathers it there); one writer
         save_checkpoint(run_dir, spec, TrainState(step=step, weights=weights, exp_avg=exp_avg,
                                                   exp_avg_sq=exp_avg_sq,

@@ -37,6 +37,8 @@ def check_strategy(strategy: str, spec: ModelSpec, world_size: int) -> None:
     """Refuse, before anything is written, a run whose strategy cannot split this model over these ranks."""
     if strategy == "fsdp":
         check_fsdp(spec, world_size)
+    elif strategy == "tp":
+        check_tp(spec, world_size)
 
 
 def check_fsdp(spec: ModelSpec, world_size: int) -> None:
@@ -54,3 +56,76 @@ def check_fsdp(spec: ModelSpec, world_size: int) -> None:
             raise UserError(f"strategy fsdp cannot shard {name} of shape {shape} over {world_size} ranks: "
                             f"axis 0 ({shape[0]}, set by {field}) must divide by {world_size}; change "
                             f"{field} or --nproc, or use --strategy ddp")
+
+
+# ---- tensor parallelism: the split, shared by both frameworks and the checkpoint code -----------------
+# Megatron's pairing: a column-parallel layer (output features split) feeds a row-parallel one (input
+# features split), so the activations between them stay on their rank and each pair needs one
+# all-reduce forward (after the row-parallel layer) and one backward (into the column-parallel layers'
+# common input). q/k/v split by head, so each rank runs n_heads/N query heads and n_kv_heads/N kv heads;
+# with contiguous head blocks, rank r's query heads are exactly those its kv heads serve (GQA).
+#
+# The embedding, the norms and lm_head stay replicated: they are small next to the layers (except the
+# vocabulary matrices), their inputs are replicated anyway, and replicas get identical gradients with no
+# communication. Sharding the vocabulary would split embed_tokens by rows (a masked lookup plus an
+# all-reduce) and lm_head by output rows, with a vocab-parallel cross-entropy (all-reduces of the max and of
+# the sum of exp over the shards) so that full logits never exist on one rank: worth it when the vocabulary
+# dominates memory (base: 2 x 50000 x 768 of its 86M parameters).
+TP_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # weight (out, in): rows split
+TP_ROW = ("o_proj", "down_proj")                                     # weight (out, in): columns split
+
+
+def tp_split_axis(name: str) -> int | None:
+    """The axis of an HF-named weight that tensor parallelism splits; None for a replicated one."""
+    parts = name.split(".")
+    layer = parts[-2] if len(parts) >= 2 else ""
+    if layer in TP_COLUMN:
+        return 0
+    if layer in TP_ROW:
+        return 1
+    return None
+
+
+def tp_shard(name: str, full, rank: int, world_size: int):
+    """This rank's contiguous block of a full array (numpy or anything with the same slicing)."""
+    axis = tp_split_axis(name)
+    if axis is None:
+        return full
+    size = full.shape[axis] // world_size
+    index = [slice(None)] * full.ndim
+    index[axis] = slice(rank * size, (rank + 1) * size)
+    return full[tuple(index)]
+
+
+def check_tp(spec: ModelSpec, world_size: int) -> None:
+    """TP splits heads, KV heads and the FFN width over the ranks: each must divide by N."""
+    if world_size < 2:
+        raise UserError("--strategy tp splits each layer over the ranks and needs at least 2 (--nproc 2); "
+                        "use --strategy ddp for one rank")
+    for field in ("n_heads", "n_kv_heads", "ffn_dim"):
+        value = getattr(spec, field)
+        if value % world_size:
+            raise UserError(f"--strategy tp over {world_size} ranks splits model.{field} = {value}, which is "
+                            f"not divisible by {world_size}: run on a number of ranks that divides {value}, or "
+                            f"--set model.{field}=N with N a multiple of {world_size}")
+
+
+def comm_bytes_per_step_estimate(strategy: str, spec, world_size: int, micro_batch_size: int, seq_len: int,
+                                 grad_accum: int, dtype_bytes: int = 4) -> int | None:
+    """Bytes handed to all-reduce per optimizer step (payload, not wire traffic: a ring all-reduce sends
+    2 (N-1)/N times it per rank), from the shapes alone. Scalars (loss, grad-norm partial sums) are left out.
+
+        ddp  every gradient once:                  parameters x dtype_bytes
+        tp   per layer and micro-step, 2 all-reduces forward (after o_proj and down_proj) and 2 backward
+             (into q/k/v's and gate/up's common input), each of the activations (B, T, dim):
+                                                   4 x layers x B x T x dim x dtype_bytes x grad_accum
+    """
+    if world_size < 2:
+        return 0
+    if strategy == "ddp":
+        from .weights import num_parameters
+
+        return num_parameters(spec) * dtype_bytes
+    if strategy == "tp":
+        return 4 * spec.n_layers * micro_batch_size * seq_len * spec.dim * dtype_bytes * grad_accum
+    return None  # fsdp gathers and reduce-scatters rather than all-reduces: its own formula

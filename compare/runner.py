@@ -211,6 +211,9 @@ def summarize(cfg: RunConfig, run_dir: Path, argv: list[str], blas: str, wall_s:
         "strategy": cfg.strategy, "reduce_scatter": rank0.get("reduce_scatter"),
         "state_bytes": {part: [ranks.get(r, {}).get("state_bytes", {}).get(part) for r in range(world)]
                         for part in ("params", "grads", "optimizer")},
+        # Bytes given to all-reduce per step: counted in the step's collectives, and from the shapes.
+        "comm_bytes_per_step": rank0.get("comm_bytes_per_step"),
+        "comm_bytes_per_step_estimate": rank0.get("comm_bytes_per_step_estimate"),
         "blas": blas, "threads_per_rank": cfg.threads_per_rank,
         "dtype": cfg.dtype, "precision": describe_precision(cfg.dtype),
         "versions": env.versions(), "machine": env.machine(),

@@ -14,6 +14,9 @@ The reported loss is summed apart from the gradients, in float64 on the host (ML
 GPU; torch sums in float64 on the device): a float32 sum of thousands of token losses is off by ~1e-5,
 enough to hide a real difference between frameworks or world sizes. For the same reason the gradient
 norm, and so the clip coefficient, is a tree of short float32 sums rather than one flat sum.
+
+Under tensor parallelism (tp.py) N is the data-parallel size, 1: every rank computes the whole loss and
+holds the full gradient of its own pieces, so nothing is averaged.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from . import fsdp
+from . import fsdp, tp
 from .comm import average_gradients, communication_stream
 from .model import Llama, load_weights, weights_of
 
@@ -61,18 +64,25 @@ class Trainer:
 
     def __init__(self, cfg, spec, weights, world):
         self.rank, self.world_size, self.group = world.rank, world.size, world.group
-        world_size, group = world.size, world.group
+        # Ranks that read different samples and average gradients: all of them, except under tp.
+        self.dp_size = dp_size = cfg.data_parallel_size
+        group = world.group
+        self.comm = tp.CommCounter()
         self.device = "gpu" if mx.default_device() == mx.gpu else "cpu"
         self.model = Llama(spec, compute_dtype=cfg.dtype)
         load_weights(self.model, weights)
         self.sharding = sharding = (fsdp.shard_model(self.model, group, cfg.resolved_backend)
                                     if cfg.strategy == "fsdp" else None)
         self.reduce_scatter = sharding.reduce_scatter if sharding else None
+        self.tp = tp.TensorParallel(group, self.comm) if cfg.strategy == "tp" else None
+        if self.tp:
+            self.tp.parallelize(self.model)
         self._grad_bytes = 0
         self.optimizer = optim.AdamW(learning_rate=cfg.lr, betas=[cfg.beta1, cfg.beta2], eps=cfg.adam_eps,
                                      weight_decay=cfg.weight_decay, bias_correction=True)
         self.optimizer.init(self.model.trainable_parameters())
         mx.eval(self.model.parameters(), self.optimizer.state)
+        self.grad_accum = cfg.grad_accum
         grad_clip, reduce_bytes = cfg.grad_clip, int(cfg.all_reduce_size_mb * 2**20)
         self.stream = stream = communication_stream(cfg)  # the CPU stream on a Metal GPU (mlx_impl/comm.py)
         loss_and_grad = nn.value_and_grad(self.model, token_loss_sum)
@@ -85,10 +95,14 @@ class Trainer:
             def update(grads):
                 if sharding is not None and sync:  # the shards were reduce-scattered in the backward
                     grads = sharding.average_gradients(grads, reduce_bytes, stream)
-                elif world_size > 1 and sync:
+                elif dp_size > 1 and sync:
+                    self.comm.add_all(v for _, v in tree_flatten(grads))
                     grads = average_gradients(grads, group, reduce_bytes, stream)
-                if sharding is not None:  # one global norm: replicated gradients once, shards summed
+                # One global norm: replicated gradients counted once, shards and tp slices summed over ranks.
+                if sharding is not None:
                     grad_norm = sharding.global_norm(grads, _sum_of_squares)
+                elif self.tp:
+                    grad_norm = self.tp.global_norm(grads, _sum_of_squares)
                 else:
                     grad_norm = mx.sqrt(sum(_sum_of_squares(g) for _, g in tree_flatten(grads)))
                 if grad_clip > 0:  # optim.clip_grad_norm's (and torch's) formula, with the precise norm
@@ -100,8 +114,9 @@ class Trainer:
         # value_and_grad swaps traced parameters into the model, so every compiled function lists the
         # state as an output too: otherwise the model would be left holding placeholders.
         state = [self.model.state, self.optimizer.state]
-        self._micro_step = mx.compile(micro_step, inputs=state, outputs=state)
-        self._update = {sync: mx.compile(make_update(sync), inputs=state, outputs=state) for sync in (True, False)}
+        self._micro_step = self.comm.attribute("micro_step", mx.compile(micro_step, inputs=state, outputs=state))
+        self._update = {True: self.comm.attribute("update", mx.compile(make_update(True), inputs=state, outputs=state)),
+                        False: mx.compile(make_update(False), inputs=state, outputs=state)}
         self._eval_losses = mx.compile(lambda x, y, m: token_loss_sum(self.model, x, y, m)[1], inputs=state,
                                        outputs=state)
 
@@ -117,8 +132,8 @@ class Trainer:
 
     def _gradients(self, batches, global_tokens):
         """(this rank's masked token losses per micro-batch, its summed gradients, scaled), lazily."""
-        # scale = N / T: after averaging over N ranks the gradient is that of (sum of losses) / T.
-        scale = mx.array(self.world_size / global_tokens, dtype=mx.float32)
+        # scale = N / T (N data-parallel ranks): after averaging, the gradient is that of (sum of losses) / T.
+        scale = mx.array(self.dp_size / global_tokens, dtype=mx.float32)
         token_losses, grads = [], None
         for inputs, targets, mask in batches:
             losses, micro_grads = self._micro_step(mx.array(inputs), mx.array(targets), mx.array(mask), scale)
@@ -149,9 +164,11 @@ class Trainer:
     def eval_loss_sum(self, inputs, targets, mask):
         return _exact_sum([self._eval_losses(mx.array(inputs), mx.array(targets), mx.array(mask))])
 
-    def all_sum(self, values):
+    def all_sum(self, values, over="data"):
+        """Sum over the data-parallel ranks (under tp: this rank alone, which holds the whole sum), or
+        over="world": over every rank."""
         values = np.asarray(values, dtype=np.float64)
-        if self.world_size == 1:
+        if (self.dp_size if over == "data" else self.world_size) == 1:
             return values
         # float32 on the wire (not every backend reduces float64), yet exact: each rank sends its values
         # as float32 pairs (hi + lo = the float64 to 48 bits) in slots of its own, so the all-reduce
@@ -163,18 +180,24 @@ class Trainer:
         return np.array(summed, dtype=np.float64).sum(axis=(0, 1))
 
     def export_state(self):
+        """HF-named weights and AdamW moments: whole on every rank (tp gathers its slices), except under fsdp,
+        where rank 0 gathers them and the other ranks get empty dicts. Every rank calls it: collectives."""
         weights, flat = weights_of(self.model), dict(tree_flatten(self.optimizer.state))
-        if self.sharding is not None:  # rank 0 gathers the shards, under HF names; the others get nothing
+        if self.sharding is not None:
             weights, flat = self.sharding.full(weights), self.sharding.full(flat)
         # Views, not copies: MLX arrays are immutable, and a copy of the optimizer state costs its size again.
         exp_avg = {n: np.asarray(flat[f"{n}.m"]) for n in weights}
         exp_avg_sq = {n: np.asarray(flat[f"{n}.v"]) for n in weights}
+        if self.tp:
+            return self.tp.gather(weights), self.tp.gather(exp_avg), self.tp.gather(exp_avg_sq)
         return weights, exp_avg, exp_avg_sq
 
     def import_optimizer(self, exp_avg, exp_avg_sq, step):
         if self.sharding is not None:  # this rank's slices, under its parameter paths
             paths = [k for k, _ in tree_flatten(self.model.parameters())]
             exp_avg, exp_avg_sq = self.sharding.local(exp_avg, paths), self.sharding.local(exp_avg_sq, paths)
+        if self.tp:
+            exp_avg, exp_avg_sq = self.tp.shard(exp_avg), self.tp.shard(exp_avg_sq)
         moments = [(f"{n}.m", mx.array(v)) for n, v in exp_avg.items()]
         moments += [(f"{n}.v", mx.array(v)) for n, v in exp_avg_sq.items()]
         state = self.optimizer.state
@@ -190,6 +213,11 @@ class Trainer:
         """Bytes of parameters, gradients (as the last update saw them) and optimizer state on this rank."""
         return {"params": _nbytes(self.model.parameters()), "grads": self._grad_bytes,
                 "optimizer": _nbytes(self.optimizer.state)}
+
+    def comm_bytes_per_step(self):
+        """Bytes given to all-reduce by one step's micro-steps and update (scalars left out)."""
+        calls = self.comm.per_call
+        return calls.get("micro_step", 0) * self.grad_accum + calls.get("update", 0)
 
 
 def _nbytes(tree):

@@ -1,0 +1,134 @@
+"""Tensor parallelism in MLX (Megatron), on `mx.distributed.all_sum`: the split is common/strategy.py's.
+
+q/k/v and gate/up keep their output features 1/N per rank (column-parallel, plain Linear on a slice),
+o_proj and down_proj their input features (row-parallel: `ShardedToAllLinear`, whose all_sum adds the
+partial outputs). The gradient flowing back into the column-parallel layers is summed over ranks once
+per attention and once per MLP, at the norm that feeds them (Megatron's "f"; MLX's own
+AllToShardedLinear would do it in each of q, k and v: three all-reduces instead of one). Embedding,
+norms and lm_head are replicated (why: common/strategy.py); their inputs and incoming gradients are the
+same on every rank, so are their gradients, and nothing averages them.
+
+Bytes all-reduced are counted here, in these layers' collectives, when MLX traces them: the step is
+compiled, so the Python below runs once per traced function and its shapes are those of every call.
+Mirrors torch_impl/tp.py.
+"""
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.nn.layers.distributed import ShardedToAllLinear
+from mlx.utils import tree_flatten, tree_unflatten
+
+from common.strategy import tp_shard, tp_split_axis
+
+
+class CommCounter:
+    """Bytes given to all-reduce, counted as collectives are traced, attributed to the compiled function
+    whose trace issued them (`per_call`): a compiled function issues the same ones at every call."""
+
+    def __init__(self):
+        self.traced_bytes, self.per_call = 0, {}
+
+    def add(self, x: mx.array) -> None:
+        self.traced_bytes += x.size * x.dtype.size
+
+    def add_all(self, arrays) -> None:
+        for x in arrays:
+            self.add(x)
+
+    def attribute(self, name: str, fn):
+        def call(*args):
+            before = self.traced_bytes
+            out = fn(*args)
+            if self.traced_bytes > before:  # traced just now
+                self.per_call[name] = self.traced_bytes - before
+            return out
+        return call
+
+
+class TensorParallel:
+    """One model's split over `group`, and what the Trainer needs to train and checkpoint it."""
+
+    def __init__(self, group, counter: CommCounter):
+        self.group, self.rank, self.size, self.counter = group, group.rank(), group.size(), counter
+
+        @mx.custom_function
+        def grad_sum(x):  # identity forward, all_sum of the gradient backward
+            return x
+
+        @grad_sum.vjp
+        def grad_sum_vjp(x, dx, _):
+            counter.add(dx)
+            return mx.distributed.all_sum(dx, group=group)
+
+        self.grad_sum = grad_sum
+
+    def parallelize(self, model) -> None:
+        """Shard a loaded full model in place."""
+        local = [(k, mx.array(tp_shard(k, np.array(v), self.rank, self.size)))
+                 for k, v in tree_flatten(model.parameters()) if tp_split_axis(k) is not None]
+        model.update(tree_unflatten(local))
+        for block in model.model.layers:
+            attn, mlp = block.self_attn, block.mlp
+            attn.n_heads, attn.n_kv_heads = attn.n_heads // self.size, attn.n_kv_heads // self.size
+            attn.o_proj = RowParallelLinear.from_sharded(attn.o_proj, self)
+            mlp.down_proj = RowParallelLinear.from_sharded(mlp.down_proj, self)
+            block.input_layernorm = GradSumRMSNorm.from_norm(block.input_layernorm, self)
+            block.post_attention_layernorm = GradSumRMSNorm.from_norm(block.post_attention_layernorm, self)
+        mx.eval(model.parameters())
+
+    def global_norm(self, grads, sum_of_squares) -> mx.array:
+        """The whole model's gradient norm: the squares of sharded gradients summed over ranks, those of
+        replicated ones (the same on every rank) counted once."""
+        flat = tree_flatten(grads)
+        sharded = sum((sum_of_squares(g) for k, g in flat if tp_split_axis(k) is not None), mx.array(0.0))
+        replicated = sum((sum_of_squares(g) for k, g in flat if tp_split_axis(k) is None), mx.array(0.0))
+        return mx.sqrt(replicated + mx.distributed.all_sum(sharded, group=self.group))
+
+    def gather(self, named: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Full arrays from this rank's pieces (every rank calls it: collectives)."""
+        full = {}
+        for name, piece in named.items():
+            axis = tp_split_axis(name)
+            if axis is None:
+                full[name] = piece
+                continue
+            # all_gather stacks along axis 0: move the split axis there and back.
+            gathered = mx.distributed.all_gather(mx.array(np.moveaxis(piece, axis, 0)), group=self.group)
+            full[name] = np.moveaxis(np.array(gathered), 0, axis)
+        return full
+
+    def shard(self, named: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {name: tp_shard(name, value, self.rank, self.size) for name, value in named.items()}
+
+
+class RowParallelLinear(ShardedToAllLinear):
+    """o_proj, down_proj: each rank multiplies its slice of the input features, all_sum adds them up
+    (Megatron's "g": all-reduce forward, identity backward)."""
+
+    @classmethod
+    def from_sharded(cls, linear: nn.Linear, tp: TensorParallel) -> "RowParallelLinear":
+        out_dims, local_in = linear.weight.shape
+        layer = cls(local_in * tp.size, out_dims, bias=False, group=tp.group)
+        layer.weight, layer.counter = linear.weight, tp.counter
+        return layer
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = x @ self["weight"].astype(x.dtype).T  # the cast at use of common/precision.py
+        self.counter.add(y)
+        return mx.distributed.all_sum(y, group=self.group)
+
+
+class GradSumRMSNorm(nn.RMSNorm):
+    """A replicated norm whose output feeds column-parallel layers: their gradients with respect to it are
+    partial sums, added up over ranks here, once (Megatron's "f")."""
+
+    @classmethod
+    def from_norm(cls, norm: nn.RMSNorm, tp: TensorParallel) -> "GradSumRMSNorm":
+        layer = cls(norm.weight.shape[0], eps=norm.eps)
+        layer.weight, layer.grad_sum = norm.weight, tp.grad_sum
+        return layer
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.grad_sum(super().__call__(x))
