@@ -12,8 +12,9 @@ Phases (seconds per optimizer step):
     other          what the instrumented step spent outside those phases: host overhead, casts, syncs
 The forward/backward/optimizer split comes from instrumented steps that force the device to finish each
 phase before the next starts (mx.eval, torch.cuda.synchronize / .item()) and skip the gradient sync.
-The sum of the phases (without data) is compared with the run's own median step time: the difference is
-what the instrumentation itself costs, and the report shows it. Activation traffic of fsdp (all-gathers)
+The sum of the phases (without data) is compared with uninstrumented steps taken in alternation with the
+instrumented ones (`reference_step_s`; the run's own median step is `step_s`): the difference is what the
+instrumentation itself costs, and the report shows it. Activation traffic of fsdp (all-gathers)
 and tp (all-sums) happens inside forward and backward and is counted there.
 
 These steps run after the last checkpoint and the final eval, so they change nothing a run reports
@@ -36,24 +37,25 @@ PHASES = ("data", "forward", "backward", "communication", "optimizer", "other")
 def profile(trainer, batches_for, steps: int, step_s: float, data_s: float, world_size: int,
             progress=lambda k: None) -> dict:
     """`batches_for(k)` -> (batches, lr, global_tokens) of the k-th extra step; `progress(k)` after each
-    step (a heartbeat for the watchdog). One unmeasured step of each kind first: a new variant may compile."""
-    instrumented = []
+    step (a heartbeat for the watchdog). The three kinds of step alternate, so they see the same load,
+    and each kind's first step is not measured: a new variant may compile."""
+    instrumented, synced, unsynced = [], [], []
+    kinds = ["instrumented", "synced"] + (["unsynced"] if world_size > 1 else [])
     for k in range(steps + 1):
-        phases = trainer.profile_step(*batches_for(k))
-        progress(k)
-        if k:
-            instrumented.append(phases)
-    communication, synced, unsynced = 0.0, [], []
-    if world_size > 1:
-        for k in range(steps + 1):
-            for sync, times in ((True, synced), (False, unsynced)):  # alternating: both see the same load
-                args = batches_for(steps + 1 + k)
-                t0 = time.perf_counter()
-                trainer.train_step(*args, sync=sync)
-                progress(steps + 1 + 2 * k + (not sync))
-                if k:
-                    times.append(time.perf_counter() - t0)
-        communication = max(0.0, float(np.median(synced)) - float(np.median(unsynced)))
+        for i, kind in enumerate(kinds):
+            args = batches_for(k * len(kinds) + i)
+            t0 = time.perf_counter()
+            if kind == "instrumented":
+                phases = trainer.profile_step(*args)
+            else:
+                trainer.train_step(*args, sync=kind == "synced")
+            elapsed = time.perf_counter() - t0
+            progress(k * len(kinds) + i)
+            if k:
+                {"instrumented": instrumented, "synced": synced, "unsynced": unsynced}[kind].append(
+                    phases if kind == "instrumented" else elapsed)
+    synced_s = float(np.median(synced))
+    communication = max(0.0, synced_s - float(np.median(unsynced))) if unsynced else 0.0
     median = {key: float(np.median([p[key] for p in instrumented])) for key in ("forward", "backward", "optimizer",
                                                                                  "total")}
     other = max(0.0, median["total"] - median["forward"] - median["backward"] - median["optimizer"])
@@ -61,6 +63,8 @@ def profile(trainer, batches_for, steps: int, step_s: float, data_s: float, worl
                  "communication": communication, "optimizer": median["optimizer"], "other": other}
     measured = sum(breakdown[p] for p in PHASES if p != "data")
     return {**breakdown, "step_s": step_s, "phases_sum_s": measured,
-            "instrumentation_overhead": (measured / step_s - 1.0) if step_s else None,
-            "profile_steps": steps, "synced_step_s": float(np.median(synced)) if synced else None,
+            # Uninstrumented steps taken alongside the instrumented ones: what the phases should add up to.
+            "reference_step_s": synced_s,
+            "instrumentation_overhead": measured / synced_s - 1.0 if synced_s else None,
+            "profile_steps": steps, "synced_step_s": synced_s,
             "unsynced_step_s": float(np.median(unsynced)) if unsynced else None}

@@ -194,7 +194,7 @@ def breakdown_blocks(rows: list[dict]) -> list[tuple]:
                   "gradient sync; communication is the median step with gradient sync minus the median step "
                   "without it (what overlap does not hide); other is the rest of the instrumented step; data "
                   "is batch assembly on the host, outside the step timer. 'sum vs step' is what the "
-                  "instrumentation itself adds to the run's median step. 'x limit' is the step time over the "
+                  "instrumentation itself adds to uninstrumented steps taken in alternation with it. 'x limit' is the step time over the "
                   "time its matmul FLOPs take at the peak used for MFU."),
             ("table", ("run", "step ms", *(f"{p} ms" for p in BREAKDOWN_PHASES), "phases ms", "sum vs step",
                        "x limit"), table)]

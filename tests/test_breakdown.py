@@ -21,9 +21,11 @@ def test_every_run_has_a_breakdown_that_adds_up_to_its_step_time_and_the_report_
         assert set(PHASES) <= set(b) and all(b[p] >= 0 for p in PHASES), b
         assert b["forward"] > 0 and b["backward"] > 0 and b["optimizer"] > 0
         steps = sum(b[p] for p in PHASES if p != "data")  # data assembly is outside the step timer
-        print(f"{name}: step {b['step_s'] * 1e3:.1f} ms, phases {steps * 1e3:.1f} ms "
-              + ", ".join(f"{p} {b[p] * 1e3:.1f}" for p in PHASES))
-        assert abs(steps - b["step_s"]) <= 0.15 * b["step_s"], (name, b)
+        print(f"{name}: step {b['step_s'] * 1e3:.1f} ms (alongside: {b['reference_step_s'] * 1e3:.1f}), phases "
+              f"{steps * 1e3:.1f} ms " + ", ".join(f"{p} {b[p] * 1e3:.1f}" for p in PHASES))
+        # Against uninstrumented steps taken in alternation with the instrumented ones (same load, same
+        # caches); the run's own median is reported beside them.
+        assert abs(steps - b["reference_step_s"]) <= 0.15 * b["reference_step_s"], (name, b)
         if name.endswith("n1"):
             assert b["communication"] == 0
         else:

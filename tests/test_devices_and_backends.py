@@ -179,7 +179,7 @@ class FakeTrainer:
     def __init__(self, others):
         self.others = others
 
-    def all_sum(self, values):
+    def all_sum(self, values, over="data"):
         return np.asarray(values) + sum(np.array([1.0, step]) for step in self.others)
 
 
