@@ -78,11 +78,13 @@ def test_bf16_logits_come_from_float32_master_weights_whose_gradients_are_float3
         assert {p.dtype for p in model.parameters()} | {p.grad.dtype for p in model.parameters()} == {torch.float32}
 
 
-def test_mlx_and_torch_bf16_logits_agree_to_bf16_rounding():
-    weights, (inputs, _, _) = init_weights(SPEC, 0), batch()
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_mlx_and_torch_bf16_logits_agree_to_bf16_rounding(tied):
+    spec = SPEC.with_(tie_embeddings=tied)
+    weights, (inputs, _, _) = init_weights(spec, 0), batch()
     got = {}
     for name, module in MODELS.items():
-        model = module.Llama(SPEC, compute_dtype="bfloat16")
+        model = module.Llama(spec, compute_dtype="bfloat16")
         module.load_weights(model, weights)
         if name == "mlx":
             got[name] = np.array(model(mx.array(inputs)).astype(mx.float32))

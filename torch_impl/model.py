@@ -56,6 +56,13 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight.to(x.dtype))
 
 
+class Embedding(nn.Embedding):
+    """The lookup stays float32 (LlamaModel casts its output); as the tied output head, cast at use."""
+
+    def as_linear(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight.to(x.dtype))
+
+
 class RMSNorm(nn.RMSNorm):
     """HF Llama's: statistics in float32, rounded once to the input's dtype, then times the weight."""
 
@@ -118,7 +125,7 @@ class LlamaModel(nn.Module):
     def __init__(self, spec: ModelSpec, compute_dtype: str = "float32"):
         super().__init__()
         self.compute_dtype = getattr(torch, compute_dtype)
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.dim)
+        self.embed_tokens = Embedding(spec.vocab_size, spec.dim)
         self.layers = nn.ModuleList(TransformerBlock(spec) for _ in range(spec.n_layers))
         self.norm = RMSNorm(spec.dim, eps=spec.norm_eps)
 
@@ -142,7 +149,7 @@ class Llama(nn.Module):
         """int tokens (B, T) -> logits (B, T, vocab) in the compute dtype; padding_mask (B, T) is 1 for real tokens."""
         h = self.model(tokens, padding_mask)
         if self.spec.tie_embeddings:
-            return F.linear(h, self.model.embed_tokens.weight.to(h.dtype))
+            return self.model.embed_tokens.as_linear(h)
         return self.lm_head(h)
 
 
