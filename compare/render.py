@@ -237,7 +237,7 @@ def memory_blocks(rows: list[dict]) -> list[tuple]:
                     "peak RSS add activations, buffers and the runtime."),
               ("table", ("run", "rank", "params MB", "grads MB", "optimizer MB", "state MB", "framework peak MB",
                          "peak RSS MB"), table)]
-    comm = [r for r in rows if r.get("comm_bytes_per_step") is not None]
+    comm = [r for r in rows if r.get("comm_bytes_per_step")]
     if comm:
         blocks.append(("ul", [f"{r['label']}: {fmt(r['comm_bytes_per_step'] / 1e6, ',.2f')} MB all-reduced per step "
                               "per rank, measured" + (f"; {fmt(r['comm_bytes_per_step_estimate'] / 1e6, ',.2f')} MB "
@@ -254,8 +254,8 @@ def precision_blocks(rows: list[dict]) -> list[tuple]:
     policies = {}
     for r in rows:
         policy = r.get("precision")
-        text = (", ".join(f"{k}: {v}" for k, v in policy.items()) if isinstance(policy, dict) else
-                str(policy) if policy else f"{r['dtype']} throughout")
+        text = (policy.get("policy") or ", ".join(f"{k}: {v}" for k, v in policy.items())
+                if isinstance(policy, dict) else str(policy) if policy else f"{r['dtype']} throughout")
         policies.setdefault(text, []).append(r["label"])
     items = [f"{', '.join(labels)}: {text}" for text, labels in policies.items()]
     items += [f"{r['label']}: {r['device_note']}" for r in rows if r.get("device_note")]
