@@ -44,6 +44,8 @@ def profile(trainer, batches_for, steps: int, step_s: float, data_s: float, worl
     for k in range(steps + 1):
         for i, kind in enumerate(kinds):
             args = batches_for(k * len(kinds) + i)
+            if world_size > 1:  # start every measured step together: a rank left behind would count as comm
+                trainer.all_sum(np.zeros(1), over="world")
             t0 = time.perf_counter()
             if kind == "instrumented":
                 phases = trainer.profile_step(*args)
