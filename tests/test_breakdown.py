@@ -9,8 +9,9 @@ from helpers import FAST, dpcompare, summary
 pytestmark = pytest.mark.slow
 
 PHASES = ("data", "forward", "backward", "communication", "optimizer", "other")
-# Steps of ~20-60 ms on 2 cores, so that timer noise stays small next to a step.
-SHAPE = ["--seq-len", "128", "--global-batch-size", "16", "--profile-steps", "4"]
+# Steps of ~50-200 ms on 2 cores and 8 profile steps of each kind, so that timer noise (and gloo's
+# jitter between synced and unsynced steps) stays small next to a step.
+SHAPE = ["--seq-len", "128", "--global-batch-size", "32", "--profile-steps", "8"]
 
 
 def test_every_run_has_a_breakdown_that_adds_up_to_its_step_time_and_the_report_shows_it(cache_dir, tmp_path):
