@@ -239,7 +239,7 @@ class RunConfig:
             raise UserError(f"--backend {self.resolved_backend} runs between Macs through mlx.launch: it needs "
                             "--hostfile FILE (mlx.distributed_config --backend "
                             f"{self.resolved_backend} --output-hostfile FILE writes one)")
-        if self.framework == "mlx" and self.resolved_backend == "nccl" and self.communication_stream == "cpu":
+        if self.resolved_backend == "nccl" and self.communication_stream == "cpu":
             raise UserError("communication_stream cpu does not work with the nccl backend (NCCL reduces GPU "
                             "memory on the GPU stream); use auto")
         self.micro_batch_size  # raises when the global batch does not split

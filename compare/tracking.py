@@ -19,7 +19,6 @@ import shutil
 import sys
 from pathlib import Path
 
-from common.config import TRACKERS
 from common.errors import UserError
 from common.metrics import read_json, read_metrics
 

@@ -10,8 +10,8 @@ CPU stream the wait happens on a CPU thread instead. The config field `communica
     cpu      always the CPU stream
     default  MLX's default: the default stream of the default device
 
-torch has no counterpart, so there is no torch_impl/comm.py: NCCL already runs collectives on its own
-CUDA streams, which have no watchdog, and gloo runs them on CPU threads.
+torch_impl/comm.py mirrors the choice; there it changes nothing (gloo runs collectives on CPU threads,
+NCCL on its own CUDA streams, which have no watchdog).
 """
 from __future__ import annotations
 

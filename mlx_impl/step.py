@@ -77,7 +77,6 @@ class Trainer:
         self.tp = tp.TensorParallel(group, self.comm) if cfg.strategy == "tp" else None
         if self.tp:
             self.tp.parallelize(self.model)
-        self._grad_bytes = 0
         self.optimizer = optim.AdamW(learning_rate=cfg.lr, betas=[cfg.beta1, cfg.beta2], eps=cfg.adam_eps,
                                      weight_decay=cfg.weight_decay, bias_correction=True)
         self.optimizer.init(self.model.trainable_parameters())
@@ -140,7 +139,6 @@ class Trainer:
             token_losses.append(losses)
             # accumulate lazily; DDP communicates only in `update` (FSDP: see fsdp.py)
             grads = micro_grads if grads is None else tree_map(mx.add, grads, micro_grads)
-        self._grad_bytes = _nbytes(grads)
         return token_losses, grads
 
     def profile_step(self, batches, lr, global_tokens):
@@ -210,9 +208,10 @@ class Trainer:
         return int(mx.get_peak_memory())
 
     def state_bytes(self):
-        """Bytes of parameters, gradients (as the last update saw them) and optimizer state on this rank."""
-        return {"params": _nbytes(self.model.parameters()), "grads": self._grad_bytes,
-                "optimizer": _nbytes(self.optimizer.state)}
+        """Bytes of parameters, gradients and optimizer state on this rank. A gradient has its parameter's
+        shape on this rank (a shard under fsdp, a slice under tp), so the two take the same bytes."""
+        params = _nbytes(self.model.trainable_parameters())
+        return {"params": params, "grads": params, "optimizer": _nbytes(self.optimizer.state)}
 
     def comm_bytes_per_step(self):
         """Bytes given to all-reduce by one step's micro-steps and update (scalars left out)."""

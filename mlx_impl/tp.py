@@ -22,6 +22,8 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from common.strategy import tp_shard, tp_split_axis
 
+from .model import RMSNorm
+
 
 class CommCounter:
     """Bytes given to all-reduce, counted as collectives are traced, attributed to the compiled function
@@ -120,13 +122,13 @@ class RowParallelLinear(ShardedToAllLinear):
         return mx.distributed.all_sum(y, group=self.group)
 
 
-class GradSumRMSNorm(nn.RMSNorm):
+class GradSumRMSNorm(RMSNorm):
     """A replicated norm whose output feeds column-parallel layers: their gradients with respect to it are
     partial sums, added up over ranks here, once (Megatron's "f")."""
 
     @classmethod
     def from_norm(cls, norm: nn.RMSNorm, tp: TensorParallel) -> "GradSumRMSNorm":
-        layer = cls(norm.weight.shape[0], eps=norm.eps)
+        layer = cls(norm.weight.shape[0], eps=norm.eps)  # the model's RMSNorm: the bf16 policy's statistics
         layer.weight, layer.grad_sum = norm.weight, tp.grad_sum
         return layer
 

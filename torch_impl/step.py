@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import fsdp, tp
+from .comm import communication_stream
 from .model import Llama, load_weights, weights_of
 
 FRAMEWORK = "torch"
@@ -51,13 +52,13 @@ class Trainer:
         load_weights(self.model, weights)
         self.model.to(self.device)
         self.grad_accum, self.grad_clip = cfg.grad_accum, cfg.grad_clip
+        self.stream = communication_stream(cfg)  # None: gloo and NCCL choose their own (torch_impl/comm.py)
         self.sharding = (fsdp.shard_model(self.model, self.device, cfg.resolved_backend)
                          if cfg.strategy == "fsdp" else None)
         self.reduce_scatter = self.sharding.reduce_scatter if self.sharding else None
         self.tp = tp.TensorParallel(self.device) if cfg.strategy == "tp" else None
         if self.tp:
             self.tp.parallelize(self.model)
-        self._grad_bytes = 0
         self.wrapped = self.model
         if self.dp_size > 1 and cfg.strategy == "ddp":
             self.wrapped = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
@@ -110,7 +111,6 @@ class Trainer:
         # (measured on `small`), and the clip coefficient with it. MPS has no float64.
         wide = torch.float32 if self.device.type == "mps" else torch.float64
         params = list(self.model.parameters())
-        self._grad_bytes = sum(_local(p.grad).nbytes for p in params if p.grad is not None)
         if self.tp:  # tp slices' squares summed over the ranks, replicated ones counted once; clips in place
             grad_norm = self.tp.clip_grad_norm_(params, self.grad_clip, wide)
         else:
@@ -200,11 +200,12 @@ class Trainer:
         return peak_rss_bytes()  # on CPU the process's peak RSS is torch's peak
 
     def state_bytes(self):
-        """Bytes of parameters, gradients (as the last step held them) and optimizer state on this rank."""
+        """Bytes of parameters, gradients and optimizer state on this rank. A gradient has its parameter's
+        shape on this rank (a shard under fsdp, a slice under tp), so the two take the same bytes."""
         optimizer = sum(_local(t).nbytes for state in self.optimizer.state.values() for t in state.values()
                         if isinstance(t, torch.Tensor))
-        return {"params": sum(_local(p).nbytes for p in self.model.parameters()), "grads": self._grad_bytes,
-                "optimizer": optimizer}
+        params = sum(_local(p).nbytes for p in self.model.parameters() if p.requires_grad)
+        return {"params": params, "grads": params, "optimizer": optimizer}
 
     def comm_bytes_per_step(self):
         """Bytes given to all-reduce by one step's forward and backward passes (scalars left out)."""
