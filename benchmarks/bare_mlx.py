@@ -4,7 +4,8 @@
     (several ranks: started by compare.spawn, mlx.launch or mpirun)
 
 Same model class and optimizer settings as a `dpcompare run`, random token batches of the same shape,
-one `mx.compile`d step: forward/backward, `nn.average_gradients`, clipping, AdamW. No data pipeline,
+one `mx.compile`d step: forward/backward (with dpcompare's cross-entropy, so the comparison measures the
+harness, not the loss formula), `nn.average_gradients`, clipping, AdamW. No data pipeline,
 status files, metrics or checkpoints. `--no-sync` skips the gradient all-reduce (bench_collectives.py
 uses it to measure what the sync costs inside a step). Rank 0 writes its step times to --out.
 """
@@ -20,6 +21,7 @@ import numpy as np
 
 from common.spec import preset
 from mlx_impl.model import Llama
+from mlx_impl.step import cross_entropy  # nn.losses.cross_entropy's backward computes the exponentials again
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--preset", default="small")
@@ -41,7 +43,7 @@ optimizer = optim.AdamW(learning_rate=3e-4, betas=[0.9, 0.95], eps=1e-8, weight_
 
 
 def loss_fn(model, x, y):
-    return nn.losses.cross_entropy(model(x), y, reduction="mean")
+    return cross_entropy(model(x), y).mean()
 
 
 loss_and_grad = nn.value_and_grad(model, loss_fn)

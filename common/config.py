@@ -32,6 +32,7 @@ COMMUNICATION_STREAMS = ("auto", "cpu", "default")  # mlx_impl/comm.py
 SEQUENCE_MODES = ("packing", "padding")
 DEVICES = ("auto", "cpu", "cuda", "mps", "gpu")
 MLX_BLAS = ("auto", "system", "bundled")
+MLX_CPU_JIT = ("auto", "native", "baseline")
 DTYPES = ("float32", "bfloat16")
 TRACKERS = ("tensorboard", "wandb", "trackio")  # --report-to (compare/tracking.py)
 
@@ -88,6 +89,7 @@ class RunConfig:
     dtype: str = "float32"
     threads_per_rank: int = 1
     mlx_blas: str = "auto"
+    mlx_cpu_jit: str = "auto"        # flags of the kernels MLX builds for mx.compile on Linux x86 (compare/environment.py)
     all_reduce_size_mb: float = 32.0
     # MLX: the stream collectives run on. auto = the CPU stream on a Metal GPU, where a collective on the
     # GPU stream that waits ~5 s for a slow peer is killed by Metal's watchdog (mlx_impl/comm.py).
@@ -198,6 +200,7 @@ class RunConfig:
         _choice("sequence", self.sequence, SEQUENCE_MODES)
         _choice("device", self.device, DEVICES)
         _choice("mlx_blas", self.mlx_blas, MLX_BLAS)
+        _choice("mlx_cpu_jit", self.mlx_cpu_jit, MLX_CPU_JIT)
         _choice("dtype", self.dtype, DTYPES)
         _choice("strategy", self.strategy, STRATEGIES)
         _choice("communication_stream", self.communication_stream, COMMUNICATION_STREAMS)

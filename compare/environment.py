@@ -59,6 +59,58 @@ def mlx_blas(choice: str) -> tuple[str, dict]:
     return f"openblas ({library}, preloaded)", {"LD_PRELOAD": preload}
 
 
+def mlx_cpu_jit(choice: str, cache_root: Path | None = None) -> tuple[str, dict]:
+    """(description, extra env) for MLX ranks: the flags of the kernels MLX compiles for mx.compile.
+
+    On a CPU, mx.compile fuses elementwise ops into C++ that MLX builds at run time with
+    `g++ -std=c++17 -O3` for the baseline x86-64 ISA (SSE2), so its exp, for one, runs without AVX.
+    "native" puts a `g++` first on the ranks' PATH that adds -march=native, and gives them a kernel cache
+    of their own (MLX keeps built kernels in $TMPDIR/mlx/<version>/cpu, named by graph, not by flags),
+    keyed by this CPU, so a cache on a shared home never serves one CPU's kernels to another.
+    ISO C++ mode keeps floating-point contraction off, so the kernels compute the same operations; a few
+    differ in the last bit (rsqrt), measured in docs/benchmarks.md."""
+    baseline = "baseline (MLX's g++ -O3)"
+    if choice == "baseline" or sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return baseline, {}
+    compiler = shutil.which("g++")
+    if compiler is None:
+        if choice == "native":
+            raise UserError("--mlx-cpu-jit native: g++ not found (Debian: apt install g++)")
+        return baseline + "; no g++ found", {}
+    root = (cache_root or _cache_dir()) / f"mlx-jit-native-{_cpu_signature()}"
+    wrapper = root / "bin" / "g++"
+    script = f'#!/bin/sh\nexec "{compiler}" -march=native "$@"\n'
+    try:
+        wrapper.parent.mkdir(parents=True, exist_ok=True)
+        if not wrapper.exists() or wrapper.read_text() != script:
+            tmp = wrapper.with_suffix(f".{os.getpid()}")
+            tmp.write_text(script)
+            tmp.chmod(0o755)
+            tmp.replace(wrapper)  # atomic: ranks of a concurrent run never see half a script
+    except OSError as exc:
+        if choice == "native":
+            raise UserError(f"--mlx-cpu-jit native: cannot write {wrapper}: {exc.strerror}") from None
+        return baseline + f"; cannot write {wrapper.parent}", {}
+    path = os.pathsep.join([str(wrapper.parent), os.environ.get("PATH", "")])
+    return "native (-march=native)", {"PATH": path, "TMPDIR": str(root)}
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dpcompare"
+
+
+def _cpu_signature() -> str:
+    """A short hash of this CPU's model and flags: kernels built with -march=native run only on such CPUs."""
+    import hashlib
+
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = [platform.processor()]
+    wanted = [line for line in lines if line.startswith(("model name", "flags"))][:2]
+    return hashlib.sha256("\n".join(wanted).encode()).hexdigest()[:12]
+
+
 def thread_env(threads: int) -> dict:
     """Threads per rank, set the same way for both frameworks (torchrun alone would force 1)."""
     n = str(threads)

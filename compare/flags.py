@@ -33,6 +33,7 @@ RUN_FLAGS = [
                      "device (docs/precision.md)"),
     ("--threads-per-rank", int, "CPU threads per rank, the same for both frameworks"),
     ("--mlx-blas", str, "auto, system (preload OpenBLAS), bundled"),
+    ("--mlx-cpu-jit", str, "auto, native (MLX's fused CPU kernels built with -march=native), baseline"),
     ("--all-reduce-size-mb", float, "MLX average_gradients bucket size"),
     ("--bucket-cap-mb", float, "torch DDP bucket size"),
     ("--hostfile", str, "MLX hostfile (JSON for ring, text for mpi); with --nnodes: every node's ring address"),

@@ -264,6 +264,10 @@ def build_command(cfg: RunConfig, run_dir: Path, module: str = "launch",
     if cfg.framework == "mlx":
         blas, blas_env = env.mlx_blas(cfg.mlx_blas)
         extra.update(blas_env)
+        if not cfg.hostfile:  # the wrapper compiler and kernel cache exist on this host only
+            jit, jit_env = env.mlx_cpu_jit(cfg.mlx_cpu_jit)
+            blas += f"; fused CPU kernels: {jit}"
+            extra.update(jit_env)
     backend = effective_backend(cfg)
     if cfg.nproc == 1 and not cfg.hostfile and cfg.nnodes == 1:
         return entry, extra, blas
