@@ -59,7 +59,7 @@ def mlx_blas(choice: str) -> tuple[str, dict]:
     return f"openblas ({library}, preloaded)", {"LD_PRELOAD": preload}
 
 
-def mlx_cpu_jit(choice: str, cache_root: Path | None = None) -> tuple[str, dict]:
+def mlx_cpu_jit(choice: str, cache_root: Path) -> tuple[str, dict]:
     """(description, extra env) for MLX ranks: the flags of the kernels MLX compiles for mx.compile.
 
     On a CPU, mx.compile fuses elementwise ops into C++ that MLX builds at run time with
@@ -77,7 +77,7 @@ def mlx_cpu_jit(choice: str, cache_root: Path | None = None) -> tuple[str, dict]
         if choice == "native":
             raise UserError("--mlx-cpu-jit native: g++ not found (Debian: apt install g++)")
         return baseline + "; no g++ found", {}
-    root = (cache_root or _cache_dir()) / f"mlx-jit-native-{_cpu_signature()}"
+    root = Path(cache_root) / f"mlx-jit-native-{_cpu_signature()}"
     wrapper = root / "bin" / "g++"
     script = f'#!/bin/sh\nexec "{compiler}" -march=native "$@"\n'
     try:
@@ -93,10 +93,6 @@ def mlx_cpu_jit(choice: str, cache_root: Path | None = None) -> tuple[str, dict]
         return baseline + f"; cannot write {wrapper.parent}", {}
     path = os.pathsep.join([str(wrapper.parent), os.environ.get("PATH", "")])
     return "native (-march=native)", {"PATH": path, "TMPDIR": str(root)}
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dpcompare"
 
 
 def _cpu_signature() -> str:

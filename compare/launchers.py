@@ -265,7 +265,7 @@ def build_command(cfg: RunConfig, run_dir: Path, module: str = "launch",
         blas, blas_env = env.mlx_blas(cfg.mlx_blas)
         extra.update(blas_env)
         if not cfg.hostfile:  # the wrapper compiler and kernel cache exist on this host only
-            jit, jit_env = env.mlx_cpu_jit(cfg.mlx_cpu_jit)
+            jit, jit_env = env.mlx_cpu_jit(cfg.mlx_cpu_jit, cfg.cache_path)
             blas += f"; fused CPU kernels: {jit}"
             extra.update(jit_env)
     backend = effective_backend(cfg)
