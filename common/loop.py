@@ -18,6 +18,8 @@ Trainer interface (mlx_impl/step.py and torch_impl/step.py implement it with the
     .state_bytes()                        -> {"params", "grads", "optimizer"}: bytes this rank holds
     .comm_bytes_per_step()                -> int, bytes given to all-reduce by one training step, measured
     .reduce_scatter                       -> "native" | "all_sum_slice" under fsdp, None otherwise
+    .train_step(..., sync=False), .profile_step(...)   the time breakdown (common/breakdown.py)
+    .trace_step(batches, lr, global_tokens, span), .tracer   --trace (common/trace.py)
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ from .spec import ModelSpec
 from .strategy import comm_bytes_per_step_estimate, data_parallel
 from .supervisor import stop_reason, watch_supervisor
 from .tokencache import TokenCache
+from .trace import trace
 from .weights import load_pretrained
 
 
@@ -219,9 +222,14 @@ def train(run_dir: Path, world: World, trainer_cls) -> None:
                             float(np.median(data_times)), world_size,
                             progress=lambda k: status.update(force=True, status="profiling", profile_step=k))
         status.update(force=True, breakdown=breakdown)
+    # Peaks before --trace, whose profiler buffers are no part of the run.
+    status.update(peak_mem_bytes=trainer.peak_memory_bytes(), peak_rss_bytes=peak_rss_bytes())
+    if cfg.trace and step_times:  # after the profile steps, so that they too run without a profiler
+        files = trace(trainer, trainer.tracer, lambda k: step_inputs(cfg.steps + k), run_dir, rank, world_size,
+                      progress=lambda k: status.update(force=True, status="tracing", trace_step=k))
+        status.update(force=True, trace=files)
     status.update(
         force=True, status="ok",
-        peak_mem_bytes=trainer.peak_memory_bytes(), peak_rss_bytes=peak_rss_bytes(),
         state_bytes=trainer.state_bytes(), reduce_scatter=trainer.reduce_scatter,
         # What the first steps cost beyond a steady-state step: compilation, graph capture, warm caches.
         compile_s=max(0.0, sum(step_times[:cfg.timing_warmup_steps]) - median * min(len(step_times), cfg.timing_warmup_steps)),

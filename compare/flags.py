@@ -44,6 +44,8 @@ RUN_FLAGS = [
     ("--eval-every", int, "steps between eval losses (0: only at the end)"),
     ("--checkpoint-every", int, "steps between checkpoints (0: only at the end)"),
     ("--profile-steps", int, "extra instrumented steps after the run for the time breakdown (0: none)"),
+    ("--trace", None, "then trace 2 more steps per rank: RUN_DIR/trace/rank{R}.json for ui.perfetto.dev "
+                      "(torch.profiler; MLX: phase spans, plus an Xcode .gputrace on Metal)"),
     ("--tune-malloc", None, "glibc malloc that keeps freed memory: faster CPU steps, higher peak RSS"),
     ("--init-from", str, "start from this HF-format Llama dir instead of the seeded init"),
     ("--cache-dir", str, "where token caches and seed checkpoints live"),

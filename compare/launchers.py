@@ -260,6 +260,8 @@ def build_command(cfg: RunConfig, run_dir: Path, module: str = "launch",
     extra = env.thread_env(cfg.threads_per_rank)
     if cfg.tune_malloc:
         extra.update(env.malloc_env())
+    if cfg.trace and cfg.framework == "mlx":  # Metal allows a capture only when set at start (mlx_impl/trace.py)
+        extra["MTL_CAPTURE_ENABLED"] = "1"
     blas = "framework default"
     if cfg.framework == "mlx":
         blas, blas_env = env.mlx_blas(cfg.mlx_blas)

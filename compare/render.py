@@ -177,8 +177,9 @@ def parity_blocks(p: dict) -> list[tuple]:
 
 def breakdown_blocks(rows: list[dict]) -> list[tuple]:
     have = [r for r in rows if r.get("breakdown")]
-    if not have:
-        return []
+    if not have:  # --profile-steps 0: the traces alone
+        traces = trace_blocks(rows)
+        return [("h2", "Where the time goes")] + traces if traces else []
     table = []
     for r in have:
         b = r["breakdown"]
@@ -197,7 +198,17 @@ def breakdown_blocks(rows: list[dict]) -> list[tuple]:
                   "instrumentation itself adds to uninstrumented steps taken in alternation with it. 'x limit' is the step time over the "
                   "time its matmul FLOPs take at the peak used for MFU."),
             ("table", ("run", "step ms", *(f"{p} ms" for p in BREAKDOWN_PHASES), "phases ms", "sum vs step",
-                       "x limit"), table)]
+                       "x limit"), table)] + trace_blocks(rows)
+
+
+def trace_blocks(rows: list[dict]) -> list[tuple]:
+    """Where each --trace run's timelines are (common/trace.py)."""
+    traced = [r for r in rows if r.get("trace")]
+    if not traced:
+        return []
+    return [("p", "Traces of extra steps after the run (--trace): open the .json files in ui.perfetto.dev or "
+                  "chrome://tracing, a .gputrace in Xcode."),
+            ("ul", [f"{r['label']}: {', '.join(r['trace'])}" for r in traced])]
 
 
 def sample_blocks(samples: dict) -> list[tuple]:

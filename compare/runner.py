@@ -32,7 +32,7 @@ from .watchdog import read_ranks, stop_job, watch, watched_ranks
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 RUN_FILES = ("run_config.json", "metrics.jsonl", "summary.json", "log.txt", "ranks", "checkpoints",
-             RING_HOSTFILE, "tensorboard", "wandb")
+             RING_HOSTFILE, "tensorboard", "wandb", "trace")
 
 
 @dataclass
@@ -144,6 +144,7 @@ def launch(cfg: RunConfig, inputs: Inputs, run_dir: Path) -> dict:
     if "MLX_HOSTFILE" in extra_env:
         write_json(Path(extra_env["MLX_HOSTFILE"]), ring_hosts(cfg))
     shutil.rmtree(run_dir / "ranks", ignore_errors=True)
+    shutil.rmtree(run_dir / "trace", ignore_errors=True)  # a resumed run's old traces would be listed as its own
     started = time.time()
     child_env = {**os.environ, **extra_env, "PYTHONUNBUFFERED": "1", "DPCOMPARE_LAUNCH_TIME": str(started),
                  supervisor.ENV: supervisor.identity(),  # ranks exit by themselves if this process dies
@@ -204,6 +205,8 @@ def summarize(cfg: RunConfig, run_dir: Path, argv: list[str], blas: str, wall_s:
         "warmup_steps": cfg.timing_warmup_steps,
         "compile_s": rank0.get("compile_s"), "time_to_first_step_s": rank0.get("time_to_first_step_s"),
         "breakdown": rank0.get("breakdown"),
+        # --trace: every rank's files, relative to the run dir (common/trace.py)
+        "trace": sorted(f for r in mine for f in ranks.get(r, {}).get("trace") or []),
         "wall_s": wall_s,
         "peak_mem_bytes": [ranks.get(r, {}).get("peak_mem_bytes") for r in range(world)],
         "peak_rss_bytes": [ranks.get(r, {}).get("peak_rss_bytes") for r in range(world)],

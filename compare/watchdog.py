@@ -43,7 +43,8 @@ def watch(proc: subprocess.Popen, run_dir: Path, cfg: RunConfig) -> dict | None:
     while True:
         code = proc.poll()
         ranks = read_ranks(run_dir, expected)
-        seen = tuple((r.get("step"), r.get("status"), r.get("profile_step")) for r in ranks.values())
+        seen = tuple((r.get("step"), r.get("status"), r.get("profile_step"), r.get("trace_step"))
+                     for r in ranks.values())
         if seen != last_seen:
             last_seen, last_progress = seen, time.time()
         if bar is not None and lead in ranks:

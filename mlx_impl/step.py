@@ -31,6 +31,7 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from . import fsdp, tp
 from .comm import average_gradients, communication_stream
 from .model import Llama, load_weights, weights_of
+from .trace import Tracer
 
 FRAMEWORK = "mlx"
 
@@ -75,6 +76,7 @@ def _exact_sum(arrays) -> float:
 
 class Trainer:
     framework = FRAMEWORK
+    tracer = Tracer  # --trace (common/trace.py)
 
     def __init__(self, cfg, spec, weights, world):
         self.rank, self.world_size, self.group = world.rank, world.size, world.group
@@ -104,13 +106,19 @@ class Trainer:
             (_, losses), grads = loss_and_grad(self.model, inputs, targets, mask)
             return losses, tree_map(lambda g: g * scale, grads)
 
+        def average(grads):
+            """The gradient sync of a step."""
+            if sharding is not None:  # the shards were reduce-scattered in the backward
+                return sharding.average_gradients(grads, reduce_bytes, stream)
+            if dp_size > 1:
+                self.comm.add_all(v for _, v in tree_flatten(grads))
+                return average_gradients(grads, group, reduce_bytes, stream)
+            return grads
+
         def make_update(sync: bool):
             def update(grads):
-                if sharding is not None and sync:  # the shards were reduce-scattered in the backward
-                    grads = sharding.average_gradients(grads, reduce_bytes, stream)
-                elif dp_size > 1 and sync:
-                    self.comm.add_all(v for _, v in tree_flatten(grads))
-                    grads = average_gradients(grads, group, reduce_bytes, stream)
+                if sync:
+                    grads = average(grads)
                 # One global norm: replicated gradients counted once, shards and tp slices summed over ranks.
                 if sharding is not None:
                     grad_norm = sharding.global_norm(grads, _sum_of_squares)
@@ -130,6 +138,9 @@ class Trainer:
         self._micro_step = self.comm.attribute("micro_step", mx.compile(micro_step, inputs=state, outputs=state))
         self._update = {True: self.comm.attribute("update", mx.compile(make_update(True), inputs=state, outputs=state)),
                         False: mx.compile(make_update(False), inputs=state, outputs=state)}
+        # trace_step runs the sync apart from the update to time it (uncompiled: it stays out of the
+        # per-call byte counts of comm_bytes_per_step).
+        self._average = average if sharding is not None or dp_size > 1 else None
         self._eval_losses = mx.compile(lambda x, y, m: token_loss_sum(self.model, x, y, m)[1], inputs=state,
                                        outputs=state)
 
@@ -172,6 +183,32 @@ class Trainer:
         optimizer = time.perf_counter() - t
         return {"forward": forward, "backward": max(0.0, forward_backward - forward), "optimizer": optimizer,
                 "total": time.perf_counter() - start - forward}  # the extra forward pass is not part of a step
+
+    def trace_step(self, batches, lr, global_tokens, span):
+        """One synced step whose phases each run inside `span(name)` and end in mx.eval (common/trace.py):
+        forward (a micro-batch's losses), backward (the rest of its gradients: the compiled micro-step's
+        graph is evaluated in two parts, and kernels it fused across the two run in forward), communication
+        (the gradient sync; under fsdp the shards' reduce-scatter is in backward), optimizer."""
+        scale = mx.array(self.dp_size / global_tokens, dtype=mx.float32)
+        token_losses, grads = [], None
+        for inputs, targets, mask in batches:
+            with span("forward"):
+                losses, micro_grads = self._micro_step(mx.array(inputs), mx.array(targets), mx.array(mask), scale)
+                mx.eval(losses)
+            with span("backward"):
+                grads = micro_grads if grads is None else tree_map(mx.add, grads, micro_grads)
+                mx.eval(grads)
+            token_losses.append(losses)
+        if self._average is not None:
+            with span("communication"):
+                grads = self._average(grads)
+                mx.eval(grads)
+        with span("optimizer"):
+            self.optimizer.learning_rate = mx.array(lr, dtype=mx.float32)
+            grad_norm = self._update[False](grads)  # the sync already happened
+            mx.eval(grad_norm, self.model.state, self.optimizer.state)
+        loss_sum = self.all_sum(np.array([_exact_sum(token_losses)]))[0]
+        return float(loss_sum / global_tokens), grad_norm.item()
 
     def eval_loss_sum(self, inputs, targets, mask):
         return _exact_sum([self._eval_losses(mx.array(inputs), mx.array(targets), mx.array(mask))])

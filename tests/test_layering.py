@@ -55,7 +55,7 @@ def test_mlx_impl_and_torch_impl_mirror_file_for_file_and_name_for_name():
     torch_files = sorted(p.name for p in (ROOT / "torch_impl").glob("*.py")
                          if p.name not in FRAMEWORK_ONLY["torch_impl"])
     assert mlx_files == torch_files
-    for name in ("step.py", "launch.py", "fabric.py", "fsdp.py"):
+    for name in ("step.py", "launch.py", "fabric.py", "fsdp.py", "trace.py"):
         only = NAME_ONLY.get(name, set())
         assert public_names(ROOT / "mlx_impl" / name) - only == public_names(ROOT / "torch_impl" / name), name
     # model.py: the same classes and functions, except torch's own RoPE table (MLX has nn.RoPE).

@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from . import fsdp, tp
 from .comm import communication_stream
 from .model import Llama, load_weights, weights_of
+from .trace import Tracer
 
 FRAMEWORK = "torch"
 
@@ -42,6 +43,7 @@ def token_loss_sum(model, inputs, targets, mask):
 
 class Trainer:
     framework = FRAMEWORK
+    tracer = Tracer  # --trace (common/trace.py)
 
     def __init__(self, cfg, spec, weights, world):
         self.rank, self.world_size, self.group = world.rank, world.size, world.group
@@ -147,9 +149,36 @@ class Trainer:
         return {"forward": forward, "backward": max(0.0, forward_backward - forward), "optimizer": optimizer,
                 "total": time.perf_counter() - start - forward}  # the extra forward pass is not part of a step
 
+    def trace_step(self, batches, lr, global_tokens, span):
+        """One synced step whose phases each run inside `span(name)` and end in a device sync
+        (common/trace.py): forward and backward per micro-batch, optimizer. DDP and FSDP sync the gradients
+        inside the backward (their hooks), so there is no communication phase; the profiler shows it there."""
+        scale = self.dp_size / global_tokens
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for i, (inputs, targets, mask) in enumerate(batches):
+            last = i == len(batches) - 1
+            sync = (contextlib.nullcontext() if last or self.dp_size == 1
+                    else (self.sharding or self.wrapped).no_sync())
+            with sync:
+                with span("forward"):
+                    micro = token_loss_sum(self.wrapped, *self._to_device(inputs, targets, mask))
+                    self._wait()
+                with span("backward"):
+                    (micro * scale).backward()
+                    self._wait()
+            loss_sum += micro.detach()
+        with span("optimizer"):
+            grad_norm = self._update(lr)
+            self._wait()
+        if self.dp_size > 1:
+            dist.all_reduce(loss_sum)
+        return (loss_sum / global_tokens).item(), grad_norm.item()
+
     def _wait(self):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        elif self.device.type == "mps":
+            torch.mps.synchronize()
 
     @torch.no_grad()
     def eval_loss_sum(self, inputs, targets, mask):
