@@ -101,8 +101,10 @@ def test_launch_settings_are_the_same_for_both_frameworks(tmp_path):
     envs = {}
     for framework in ("mlx", "torch"):
         for tuned in (False, True):
+            # The fused-kernel compiler choice is MLX's own (PATH/TMPDIR for its JIT), checked in
+            # test_mlx_cpu_jit.py; everything that sets threads and the allocator must match.
             cfg = RunConfig.from_dict({"framework": framework, "threads_per_rank": 3, "tune_malloc": tuned,
-                                       "mlx_blas": "bundled"})
+                                       "mlx_blas": "bundled", "mlx_cpu_jit": "baseline"})
             _, env, _ = build_command(cfg, tmp_path)
             envs[framework, tuned] = env
     assert envs["mlx", False] == envs["torch", False]
