@@ -3,14 +3,20 @@ MLX against torch, one thread each, minimum of a few calls after a warmup.
 
     python benchmarks/bench_ops.py [--out runs/bench/ops.json]
 
-The time breakdown (common/breakdown.py) puts MLX's gap to torch on `small` in the forward pass; this
-isolates the op behind most of it: the exponential inside logsumexp/softmax of the cross-entropy. A
-minimal reproduction to send upstream is printed with the table (docs/benchmarks.md has it too).
+The time breakdown (common/breakdown.py) puts MLX's gap to torch on `small` in the cross-entropy; this
+isolates the op behind it: the exponential inside logsumexp/softmax. MLX runs twice, in child processes,
+once with the fused kernels mx.compile builds with MLX's own flags (`--mlx-cpu-jit baseline`) and once with
+-march=native (`native`, dpcompare's default on Linux x86): uncompiled ops use MLX's prebuilt kernels and
+do not change; compiled ones do. A minimal reproduction to send upstream is printed with the table
+(docs/benchmarks.md has it too).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -24,7 +30,7 @@ REPEATS = 3
 
 REPRO = """import time, mlx.core as mx
 x = mx.random.normal((2048, 50257)); mx.eval(x)
-for f in (mx.exp, lambda z: mx.logsumexp(z, axis=-1)):
+for f in (mx.exp, mx.compile(mx.exp), lambda z: mx.logsumexp(z, axis=-1)):
     mx.eval(f(x)); t = time.perf_counter(); mx.eval(f(x)); print(time.perf_counter() - t)"""
 
 
@@ -42,15 +48,33 @@ def mlx_times() -> dict:
     import mlx.core as mx
     import mlx.nn as nn
 
+    from mlx_impl.step import cross_entropy
+
     x = mx.random.normal(SHAPE)
     t = mx.random.randint(0, SHAPE[1], (SHAPE[0],))
     mx.eval(x, t)
     grad = mx.grad(lambda z: nn.losses.cross_entropy(z, t, reduction="none").sum())
-    ops = {"exp": lambda: mx.exp(x), "max (row)": lambda: x.max(axis=-1),
+    ours = mx.compile(lambda z: cross_entropy(z, t))
+    ours_grad = mx.compile(mx.grad(lambda z: cross_entropy(z, t).sum()))
+    exp_compiled = mx.compile(mx.exp)
+    ops = {"exp": lambda: mx.exp(x), "exp, mx.compile": lambda: exp_compiled(x), "max (row)": lambda: x.max(axis=-1),
            "logsumexp (row)": lambda: mx.logsumexp(x, axis=-1), "softmax (row)": lambda: mx.softmax(x, axis=-1),
            "cross_entropy forward": lambda: nn.losses.cross_entropy(x, t, reduction="none"),
-           "cross_entropy forward+backward": lambda: grad(x)}
+           "cross_entropy forward+backward": lambda: grad(x),
+           "dpcompare cross_entropy forward, mx.compile": lambda: ours(x),
+           "dpcompare cross_entropy forward+backward, mx.compile": lambda: ours_grad(x)}
     return {name: best(fn, mx.eval) for name, fn in ops.items()}
+
+
+def mlx_times_in_child(jit: str) -> dict:
+    """MLX's times in a fresh process whose fused kernels are built with `--mlx-cpu-jit jit`'s flags."""
+    from compare.environment import mlx_cpu_jit
+    from common.config import RunConfig
+
+    _, jit_env = mlx_cpu_jit(jit, RunConfig().cache_path)
+    out = subprocess.run([sys.executable, __file__, "--mlx-child"], env={**os.environ, **jit_env},
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.splitlines()[-1])
 
 
 def torch_times() -> dict:
@@ -71,18 +95,30 @@ def torch_times() -> dict:
            "logsumexp (row)": lambda: torch.logsumexp(x, -1), "softmax (row)": lambda: torch.softmax(x, -1),
            "cross_entropy forward": lambda: F.cross_entropy(x, t, reduction="none"),
            "cross_entropy forward+backward": fwd_bwd}
-    return {name: best(fn, lambda r: None) for name, fn in ops.items()}
+    times = {name: best(fn, lambda r: None) for name, fn in ops.items()}
+    # torch has no mx.compile counterpart here: its eager kernels are already vectorised. The project's
+    # torch loss is F.cross_entropy (torch_impl/step.py), so the same figures stand for both rows.
+    times["exp, mx.compile"] = times["exp"]
+    times["dpcompare cross_entropy forward, mx.compile"] = times["cross_entropy forward"]
+    times["dpcompare cross_entropy forward+backward, mx.compile"] = times["cross_entropy forward+backward"]
+    return times
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("runs/bench/ops.json"))
+    parser.add_argument("--quick", action="store_true", help="accepted for run_all.py; this benchmark is short")
+    parser.add_argument("--mlx-child", action="store_true", help=argparse.SUPPRESS)
     a = parser.parse_args()
-    mlx, torch = mlx_times(), torch_times()
-    rows = [{"op": op, "mlx_ms": 1e3 * mlx[op], "torch_ms": 1e3 * torch[op], "mlx_over_torch": mlx[op] / torch[op]}
-            for op in mlx]
-    benchlib.print_table(rows, [("op", "op", ""), ("mlx_ms", "MLX ms", ",.0f"), ("torch_ms", "torch ms", ",.0f"),
-                                ("mlx_over_torch", "MLX / torch", ".1f")],
+    if a.mlx_child:
+        print(json.dumps(mlx_times()))
+        return
+    baseline, native, torch = mlx_times_in_child("baseline"), mlx_times_in_child("native"), torch_times()
+    rows = [{"op": op, "mlx_baseline_ms": 1e3 * baseline[op], "mlx_native_ms": 1e3 * native[op],
+             "torch_ms": 1e3 * torch[op], "mlx_over_torch": native[op] / torch[op]} for op in baseline]
+    benchlib.print_table(rows, [("op", "op", ""), ("mlx_baseline_ms", "MLX ms (JIT baseline)", ",.0f"),
+                                ("mlx_native_ms", "MLX ms (JIT native)", ",.0f"), ("torch_ms", "torch ms", ",.0f"),
+                                ("mlx_over_torch", "MLX native / torch", ".1f")],
                          title=f"ops on {SHAPE[0]} x {SHAPE[1]} float32, 1 thread")
     print("\nminimal reproduction (MLX):\n" + REPRO)
     benchlib.write_result(a.out, "ops", {"shape": SHAPE, "repeats": REPEATS, "out": str(a.out)}, rows)

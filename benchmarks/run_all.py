@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHMARKS = ["data", "overhead", "blas", "collectives", "startup", "mfu", "malloc", "precision", "strategies", "ops"]
+BENCHMARKS = ["data", "overhead", "blas", "collectives", "startup", "mfu", "malloc", "precision", "strategies", "tp", "ops", "gap"]
 
 
 def main() -> int:
