@@ -1,7 +1,7 @@
 """MLX against torch on `small`, phase by phase: the figures behind issue 13's targets.
 
-    python benchmarks/bench_gap.py [--quick] [--out runs/bench/gap.json] [--flags "--tune-malloc"]
-                                   [--mlx-flags "--mlx-cpu-jit baseline"] [--torch-flags ...]
+    python benchmarks/bench_gap.py [--quick] [--out runs/bench/gap.json] [--flags=--tune-malloc]
+                                   [--mlx-flags="--mlx-cpu-jit baseline"] [--torch-flags=...]
 
 TinyStories + GPT-2 (vocab 50257), seq 256, global batch 8, 1 thread per rank, N=1 and N=2; the four runs
 alternate (mlx x1, torch x1, mlx x2, torch x2, then again) so both frameworks see the same machine.
