@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -64,7 +65,9 @@ def test_native_kernels_use_avx_and_train_to_the_same_losses_as_baseline_ones(ca
     if shutil.which("objdump"):
         code = "".join(subprocess.run(["objdump", "-d", str(k)], capture_output=True, text=True).stdout
                        for k in kernels)
-        assert "%ymm" in code or "%zmm" in code, "no AVX instruction in the native kernels"
+        # VEX-encoded SIMD (vmulps, vfmadd...): AVX, which the baseline x86-64 ISA lacks. Not only %ymm: GCC's
+        # tuning for some CPUs (AMD Zen 1: 128-bit AVX units) vectorises with AVX on %xmm registers.
+        assert re.search(r"\tv[a-z0-9]+\s+[^\n]*%[xyz]mm", code), "no AVX instruction in the native kernels"
     print("native vs baseline, max relative loss difference:",
           max(abs(a - b) / abs(b) for a, b in zip(runs["native"], runs["baseline"])))
     assert runs["native"] == pytest.approx(runs["baseline"], rel=1e-5)
