@@ -4,7 +4,8 @@ One rank runs as plain python (`mlx.launch -n 1` crashes). MLX ring on one machi
 `compare.spawn` (what `mlx.launch -n N` does, without its busy output relay), across hosts through
 `mlx.launch --hostfile` (ssh), as are jaccl and jaccl-ring (Thunderbolt RDMA between Macs) and MLX's
 nccl (CUDA); MLX MPI through `mpirun` directly (mlx.launch's MPI mode passes `--output :raw`, which Open MPI 4 rejects),
-torch through `torchrun`. Several nodes (`--nnodes N --node-rank R`, one `dpcompare run` per node):
+torch on one machine through `compare.spawn` too (torchrun's agent costs seconds of start-up), across
+hosts through `torchrun`. Several nodes (`--nnodes N --node-rank R`, one `dpcompare run` per node):
 torch uses torchrun's static rendezvous, so ranks follow --node-rank; an MLX ring node starts its rank
 directly with MLX_RANK and MLX_HOSTFILE exactly as `mlx.launch` sets them, so no ssh is needed.
 """
@@ -277,20 +278,21 @@ def build_command(cfg: RunConfig, run_dir: Path, module: str = "launch",
         # This node's rank of a ring job, as mlx.launch would start it on this host, minus the ssh.
         extra.update(MLX_RANK=str(cfg.node_rank), MLX_HOSTFILE=str(Path(run_dir).resolve() / RING_HOSTFILE))
         return entry, extra, blas
+    if cfg.framework == "torch" and cfg.nnodes == 1:
+        # One machine: our own spawner, as for the MLX ring; torchrun's agent adds seconds of start-up.
+        spawner = [sys.executable, "-m", "compare.spawn", "--ranks", str(cfg.nproc), "--torch"]
+        return spawner + ["--"] + entry, extra, blas
     if cfg.framework == "torch":
-        launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={cfg.nproc}"]
-        if cfg.nnodes > 1:
-            # static: ranks follow --node-rank (c10d ignores it and numbers nodes by arrival), node 0
-            # hosts the store at the endpoint. max-restarts 0: a failed node ends the job.
-            launcher += [f"--nnodes={cfg.nnodes}", f"--node-rank={cfg.node_rank}",
-                         f"--rdzv-endpoint={cfg.rdzv_endpoint}", "--rdzv-backend=static", "--max-restarts=0"]
-            host = cfg.rdzv_endpoint.rpartition(":")[0].strip("[]") or cfg.rdzv_endpoint
-            if backend == "gloo" and not os.environ.get("GLOO_SOCKET_IFNAME"):
-                interface = interface_toward(host)
-                if interface:
-                    extra["GLOO_SOCKET_IFNAME"] = interface
-        else:
-            launcher += ["--standalone"]  # picks a free rendezvous port itself
+        # static: ranks follow --node-rank (c10d ignores it and numbers nodes by arrival), node 0
+        # hosts the store at the endpoint. max-restarts 0: a failed node ends the job.
+        launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={cfg.nproc}",
+                    f"--nnodes={cfg.nnodes}", f"--node-rank={cfg.node_rank}",
+                    f"--rdzv-endpoint={cfg.rdzv_endpoint}", "--rdzv-backend=static", "--max-restarts=0"]
+        host = cfg.rdzv_endpoint.rpartition(":")[0].strip("[]") or cfg.rdzv_endpoint
+        if backend == "gloo" and not os.environ.get("GLOO_SOCKET_IFNAME"):
+            interface = interface_toward(host)
+            if interface:
+                extra["GLOO_SOCKET_IFNAME"] = interface
         return launcher + ["-m", f"torch_impl.{module}", *rank_args], extra, blas
     if backend == "mpi":
         exe = env.mpirun()
