@@ -110,8 +110,8 @@ def test_nan_loss_stops_the_run_naming_the_step_and_keeps_the_last_good_checkpoi
         assert all(np.isfinite(w).all() for w in weights.values())
 
 
-@pytest.mark.parametrize("framework", ["mlx", "torch"])
-@pytest.mark.parametrize("world", [1, 2])
+# torch at 1 rank is left out to keep CI short: its checkpoint code is the same as at 2 ranks.
+@pytest.mark.parametrize("framework, world", [("mlx", 1), ("mlx", 2), ("torch", 2)])
 def test_resume_is_exact_sampler_schedule_and_optimizer_state_all_continue(framework, world, cache_dir, tmp_path):
     common = ("--framework", framework, "--nproc", world, "--lr-decay-steps", 20, "--lr", "1e-3")
     dpcompare("run", *FAST, *common, "--steps", 20, "--out", tmp_path / "a", cache_dir=cache_dir)

@@ -30,7 +30,7 @@ def test_the_shape_check_names_the_parameter_and_passes_shardable_models():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("framework", FRAMEWORKS)
-@pytest.mark.parametrize("sequence, grad_accum", [("packing", 1), ("padding", 1), ("padding", 2)])
+@pytest.mark.parametrize("sequence, grad_accum", [("packing", 1), ("padding", 2)])
 def test_fsdp_matches_ddp_step_by_step_with_half_the_state_per_rank(framework, sequence, grad_accum, cache_dir,
                                                                      tmp_path):
     common = ("--framework", framework, "--nproc", 2, "--steps", 10, "--sequence", sequence,
@@ -92,9 +92,10 @@ def test_mlx_fsdp_and_torch_fsdp_agree_step_by_step(cache_dir, tmp_path):
 @pytest.mark.parametrize("first, second, atol", [
     (("mlx", "ddp"), ("mlx", "fsdp"), 1e-6),
     (("mlx", "fsdp"), ("mlx", "ddp"), 1e-6),
-    (("torch", "ddp"), ("torch", "fsdp"), 1e-6),
     (("torch", "fsdp"), ("torch", "ddp"), 1e-6),
-    (("mlx", "fsdp"), ("torch", "fsdp"), 1e-4),  # across frameworks: their usual fp32 parity
+    # across frameworks, at their usual fp32 parity; it also loads a full checkpoint into torch FSDP,
+    # which is what torch ddp -> torch fsdp would check (left out to keep CI short)
+    (("mlx", "fsdp"), ("torch", "fsdp"), 1e-4),
 ])
 def test_a_checkpoint_resumes_under_another_strategy_as_the_uninterrupted_run(first, second, atol, cache_dir,
                                                                               tmp_path):
