@@ -278,10 +278,10 @@ def build_command(cfg: RunConfig, run_dir: Path, module: str = "launch",
         # This node's rank of a ring job, as mlx.launch would start it on this host, minus the ssh.
         extra.update(MLX_RANK=str(cfg.node_rank), MLX_HOSTFILE=str(Path(run_dir).resolve() / RING_HOSTFILE))
         return entry, extra, blas
+    spawner = [sys.executable, "-m", "compare.spawn", "--ranks", str(cfg.nproc)]  # one machine's ranks
     if cfg.framework == "torch" and cfg.nnodes == 1:
-        # One machine: our own spawner, as for the MLX ring; torchrun's agent adds seconds of start-up.
-        spawner = [sys.executable, "-m", "compare.spawn", "--ranks", str(cfg.nproc), "--torch"]
-        return spawner + ["--"] + entry, extra, blas
+        # Our own spawner, as for the MLX ring: torchrun's agent adds seconds of start-up.
+        return spawner + ["--torch", "--"] + entry, extra, blas
     if cfg.framework == "torch":
         # static: ranks follow --node-rank (c10d ignores it and numbers nodes by arrival), node 0
         # hosts the store at the endpoint. max-restarts 0: a failed node ends the job.
@@ -314,9 +314,8 @@ def build_command(cfg: RunConfig, run_dir: Path, module: str = "launch",
         return argv + entry, extra, blas
     if backend == "ring" and not cfg.hostfile:
         # One machine: our own spawner, since mlx.launch's output relay keeps a core busy.
-        spawner = [sys.executable, "-m", "compare.spawn", "--ranks", str(cfg.nproc),
-                   "--ring-hostfile", str(Path(run_dir).resolve() / RING_HOSTFILE)]
-        return spawner + ["--"] + entry, extra, blas
+        return spawner + ["--ring-hostfile", str(Path(run_dir).resolve() / RING_HOSTFILE), "--"] + entry, \
+            extra, blas
     # mlx.launch: ring across hosts (ssh), jaccl and jaccl-ring (Thunderbolt RDMA, always a hostfile), and
     # nccl, where it sets NCCL_HOST_IP, NCCL_PORT, MLX_WORLD_SIZE and one CUDA_VISIBLE_DEVICES per rank.
     launcher = env.mlx_launch_command() + ["--backend", backend]

@@ -1,11 +1,11 @@
 """Start N local ranks of one job: `python -m compare.spawn --ranks N (--ring-hostfile PATH | --torch) -- CMD...`.
 
-MLX ring: what `mlx.launch -n N` does on one machine (MLX_RANK and an MLX_HOSTFILE of localhost ports per
-rank). torch: what `torchrun --standalone` does (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT for the
-env:// rendezvous), without its agent, which imports torch before the ranks do: measured 3.8 s of
-start-up per job on a 2-core AMD EPYC. Both without mlx.launch's cost: mlx.launch relays the ranks' output in a loop that keeps one core busy (measured: 96%
-CPU for the launcher during a 2-rank job on 2 cores, which halved the job's throughput). This waits in
-os.wait() and lets the ranks write to the log directly. As mlx.launch does, when one rank fails the
+MLX ring: what `mlx.launch -n N` does on one machine (MLX_RANK and an MLX_HOSTFILE of localhost ports
+per rank), without its output relay, a loop that keeps one core busy (measured: 96% CPU for the launcher
+during a 2-rank job on 2 cores, which halved the job's throughput). torch: what `torchrun --standalone`
+gives a rank (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT for the env:// rendezvous), without its
+agent, which imports torch before the ranks do (a 2-rank job starts 3.5-4.5 s sooner on a 2-core AMD
+EPYC). This waits in os.wait() and lets the ranks write to the log directly. As mlx.launch does, when one rank fails the
 others are stopped and the exit code is the failed rank's.
 """
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Rank entry point for PyTorch: `python -m torch_impl.launch RUN_DIR`.
 
-Started by `torchrun` (which sets RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous) or plain python for
-one rank; the launcher in compare/runner.py builds those command lines. torchrun forces
-OMP_NUM_THREADS=1, so threads per rank are set here from the config, as for MLX.
+Started by `compare.spawn --torch` on one machine or `torchrun` across hosts (either sets RANK,
+WORLD_SIZE, LOCAL_RANK and the env:// rendezvous), or plain python for one rank; compare/launchers.py
+builds those command lines. torchrun forces OMP_NUM_THREADS=1, so threads per rank are set here from
+the config, as for MLX.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def start_world(cfg, plan) -> World:
     if world_size == 1:
         return World(rank=0, size=1, group=None, device=device)
     if world_size != plan["world_size"]:
-        raise UserError(f"torchrun started {world_size} ranks, the run expects {plan['world_size']}")
+        raise UserError(f"the launcher started {world_size} ranks, the run expects {plan['world_size']}")
     # A finite timeout turns a dead or hung peer into an error instead of an endless wait.
     dist.init_process_group(backend=plan["backend"], timeout=datetime.timedelta(seconds=cfg.collective_timeout_s),
                             device_id=torch.device(device) if device.startswith("cuda") else None)
