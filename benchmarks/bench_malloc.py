@@ -17,7 +17,7 @@ from pathlib import Path
 
 import benchlib
 
-from compare.environment import malloc_env
+from compare.machine.environment import malloc_env
 
 
 def main() -> None:

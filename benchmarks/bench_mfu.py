@@ -18,7 +18,7 @@ import benchlib
 
 from common.flops import flops_per_token
 from common.spec import ModelSpec
-from compare.peak import measured_peaks
+from compare.machine.peak import measured_peaks
 
 
 def main() -> None:

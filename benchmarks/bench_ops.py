@@ -69,7 +69,7 @@ def mlx_times() -> dict:
 
 def mlx_times_in_child(jit: str) -> dict:
     """MLX's times in a fresh process whose fused kernels are built with `--mlx-cpu-jit jit`'s flags."""
-    from compare.environment import mlx_cpu_jit
+    from compare.machine.environment import mlx_cpu_jit
     from common.config import RunConfig
 
     _, jit_env = mlx_cpu_jit(jit, RunConfig().cache_path)

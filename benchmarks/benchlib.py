@@ -20,8 +20,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from common.config import RunConfig  # noqa: E402
-from compare import environment as env  # noqa: E402
-from compare.launchers import build_command  # noqa: E402
+from compare.machine import environment as env  # noqa: E402
+from compare.launch.launchers import build_command  # noqa: E402
 
 DPCOMPARE = [sys.executable, "-m", "compare.cli"]
 SHARED_DATA = REPO.parent / "shared" / "data"

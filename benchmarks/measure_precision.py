@@ -23,7 +23,7 @@ import numpy as np
 
 import benchlib
 
-from compare.parity import moving_average
+from compare.report.parity import moving_average
 
 WINDOW = 10
 

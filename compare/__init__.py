@@ -1,2 +1,7 @@
-"""The framework-neutral side of dpcompare: CLI, launching backends as subprocesses, watching their
-ranks, judging parity and writing reports. Nothing here imports mlx or torch."""
+"""The framework-neutral side of dpcompare. Nothing here imports mlx or torch.
+
+The commands sit at the top (cli, flags, matrix, diagnose, doctor, export); the rest is three parts:
+  launch/   start a run's ranks as subprocesses and watch them (runner, launchers, spawn, watchdog, hosts)
+  report/   judge parity and write the report, reading run directories only
+  machine/  what this machine offers: BLAS, MPI, versions, matmul peaks, the fabric between ranks
+"""

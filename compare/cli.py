@@ -16,7 +16,7 @@ from common.config import RunConfig
 from common.errors import ParityError, UserError
 
 from .flags import add_baseline_flags, add_run_flags, add_tolerance_flags, config_from_args
-from .watchdog import install_stop_handlers, restore_handlers
+from .launch.watchdog import install_stop_handlers, restore_handlers
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,7 +128,7 @@ def cmd_doctor(args) -> int:
             raise UserError("--hostfile and --backend go with doctor --fabric")
         print(doctor(measure_peak=args.peak))
         return 0
-    from .fabric import Workload, fabric
+    from .machine.fabric import Workload, fabric
 
     if args.peak:
         print(doctor(measure_peak=True) + "\n")
@@ -147,7 +147,7 @@ def cmd_doctor(args) -> int:
 def cmd_prepare(args) -> int:
     from common.tokencache import describe
 
-    from .runner import prepare_inputs
+    from .launch.runner import prepare_inputs
 
     cfg = config_from_args(args)
     inputs = prepare_inputs(cfg)
@@ -159,13 +159,13 @@ def cmd_prepare(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from .runner import launch, prepare_inputs
+    from .launch.runner import launch, prepare_inputs
 
     cfg = config_from_args(args)
     run_dir = Path(cfg.out or default_out(cfg))
-    from .launchers import check_available
+    from .launch.launchers import check_available
     from common.strategy import check_strategy
-    from .runner import check_hostfile, check_run_dir
+    from .launch.runner import check_hostfile, check_run_dir
 
     check_run_dir(run_dir, cfg.resume, cfg.overwrite)
     check_hostfile(cfg)

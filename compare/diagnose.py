@@ -33,7 +33,7 @@ from common.diagnosis import STAGES, read_store, write_plan
 from common.errors import UserError
 from common.metrics import read_json, write_json
 
-from . import environment as env
+from .machine import environment as env
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 # Relative tolerance per stage and dtype. Largest fp32 differences measured between MLX and torch at
@@ -59,9 +59,9 @@ def diagnose(cfg: RunConfig | None, out_dir: Path, *, from_run: Path | None = No
     cfg: the run's config (world size, output paths and launcher fields are ignored: one process each).
     None with `from_run`: that run's own config. from_run/step: start from the run's checkpoint after
     `step` completed steps (default: its latest), with its optimizer state, on the batch of step + 1.
-    inputs: compare.runner.Inputs when the caller already has them (the token cache is then reused).
+    inputs: compare.launch.runner.Inputs when the caller already has them (the token cache is then reused).
     """
-    from .runner import prepare_inputs
+    from .launch.runner import prepare_inputs
 
     out_dir = Path(out_dir)
     checkpoint, done = find_checkpoint(Path(from_run), step) if from_run else (None, 0)

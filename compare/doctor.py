@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from . import environment as env
+from .machine import environment as env
 
 MLX_PROBE = r"""
 import json, mlx.core as mx
@@ -95,7 +95,7 @@ def doctor(measure_peak: bool = False) -> str:
     lines += ["", f"system OpenBLAS  {openblas or 'not found (Debian: apt install libopenblas0-pthread)'}",
               "network          `dpcompare doctor --fabric [--hostfile FILE]` measures all-reduce latency and bandwidth"]
     if measure_peak:
-        from .peak import measured_peaks
+        from .machine.peak import measured_peaks
 
         lines.append("")
         for framework, peak in measured_peaks(refresh=True).items():

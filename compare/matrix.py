@@ -16,8 +16,8 @@ from common.errors import ParityError, UserError
 from common.strategy import STRATEGIES, check_strategy
 
 from .flags import config_from_args
-from .labels import run_dirname, run_label
-from .runner import check_run_dir, launch, prepare_inputs
+from .report.labels import run_dirname, run_label
+from .launch.runner import check_run_dir, launch, prepare_inputs
 
 
 def parse_list(text: str, name: str, kind=str, allowed=None) -> list:
@@ -125,8 +125,8 @@ def check_run_dir_for_compare(out: Path, overwrite: bool) -> None:
 
 def finish(run_dirs: list[Path], out: Path, args, context: dict, failed: list) -> int:
     """Baselines (--against, --save-baseline), the report, its terminal table, and the exit code."""
-    from .baseline import apply_baseline_flags, baseline_failed
-    from .report import terminal_table, write_report
+    from .report.baseline import apply_baseline_flags, baseline_failed
+    from .report.writer import terminal_table, write_report
 
     tol = tolerances_from_args(args)
     baseline = apply_baseline_flags(args, run_dirs, tol)
@@ -145,7 +145,7 @@ def finish(run_dirs: list[Path], out: Path, args, context: dict, failed: list) -
 
 
 def tolerances_from_args(args):
-    from .parity import Tolerances
+    from .report.parity import Tolerances
 
     tol = Tolerances()
     for name, field in (("loss_atol", "loss_atol"), ("parity_steps", "parity_steps"), ("curve_rtol", "curve_rtol")):

@@ -10,10 +10,10 @@ import pytest
 
 from common.config import RunConfig
 from common.errors import UserError
-from compare.labels import run_dirname, run_label
+from compare.report.labels import run_dirname, run_label
 from compare.matrix import plan_matrix
-from compare.parity import Tolerances
-from compare.report import write_report
+from compare.report.parity import Tolerances
+from compare.report.writer import write_report
 from helpers import FAST, dpcompare
 from test_parity import judged, make_run, reference_losses
 

@@ -7,8 +7,8 @@ import pytest
 
 from helpers import FAST, dpcompare
 from test_parity import make_run, reference_losses
-from compare.baseline import baseline_failed, judge_against, save_baseline
-from compare.parity import Tolerances
+from compare.report.baseline import baseline_failed, judge_against, save_baseline
+from compare.report.parity import Tolerances
 
 
 def runs(root: Path, losses=None, config=None) -> list[Path]:

@@ -19,7 +19,7 @@ from common.loop import World
 from common.precision import DEFAULT_TOLERANCES, POLICIES, describe
 from common.spec import ModelSpec
 from common.weights import init_weights
-from compare.parity import moving_average
+from compare.report.parity import moving_average
 from helpers import FAST, dpcompare, losses, summary
 
 BF16 = DEFAULT_TOLERANCES["bfloat16"]

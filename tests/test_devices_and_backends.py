@@ -11,7 +11,7 @@ import pytest
 from common.config import RunConfig
 from common.errors import UserError
 from common.loop import TrainingError, check_same_step
-from compare.launchers import (build_command, check_hostfile, device_note, effective_backend, read_mlx_hostfile,
+from compare.launch.launchers import (build_command, check_hostfile, device_note, effective_backend, read_mlx_hostfile,
                                ring_hosts, with_hostfile_backend)
 from helpers import FAST, ROOT, dpcompare, losses
 
@@ -64,7 +64,7 @@ assert out["w"].tolist() == [1.5] * 3 and out["layers"][0]["b"].tolist() == [3.0
 
 def test_mixed_dtype_gradients_are_averaged_on_the_chosen_stream_keeping_tree_and_dtypes(tmp_path):
     # MLX itself falls back to one all-reduce per array for mixed dtypes and drops the stream there.
-    cmd = [sys.executable, "-m", "compare.spawn", "--ranks", "2", "--ring-hostfile", str(tmp_path / "ring.json"),
+    cmd = [sys.executable, "-m", "compare.launch.spawn", "--ranks", "2", "--ring-hostfile", str(tmp_path / "ring.json"),
            "--", sys.executable, "-c", SPLIT_BY_DTYPE]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from common.fabric import Collectives, measure
-from compare.fabric import Measured, Workload
+from compare.machine.fabric import Measured, Workload
 from helpers import dpcompare
 
 ROW = re.compile(r"^(mlx|torch) (\w+)\s+(\d+)\s+(\S+)\s+([\d,]+) µs\s+([\d.]+) GB/s", re.M)

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from compare import environment
+from compare.machine import environment
 from helpers import FAST, ROOT, dpcompare, losses
 
 pytestmark = pytest.mark.slow

@@ -21,7 +21,7 @@ def imported_modules(path: Path) -> set[str]:
 
 def test_common_and_compare_import_neither_framework():
     offenders = [f"{p.relative_to(ROOT)} imports {sorted(imported_modules(p) & FRAMEWORKS)}"
-                 for pkg in ("common", "compare") for p in sorted((ROOT / pkg).glob("*.py"))
+                 for pkg in ("common", "compare") for p in sorted((ROOT / pkg).rglob("*.py"))
                  if imported_modules(p) & FRAMEWORKS]
     assert not offenders, offenders
 
@@ -29,10 +29,10 @@ def test_common_and_compare_import_neither_framework():
 def test_preparing_a_run_loads_no_framework_even_indirectly(tmp_path):
     tokenizer = SHARED_DATA / "gpt2" if (SHARED_DATA / "gpt2").exists() else "builtin"
     code = (
-        "import sys; from common.config import RunConfig; from compare.runner import prepare_inputs;"
+        "import sys; from common.config import RunConfig; from compare.launch.runner import prepare_inputs;"
         f"cfg = RunConfig.from_dict({{'tokenizer': {str(tokenizer)!r}, 'cache_dir': {str(tmp_path)!r},"
         "'builtin_corpus_bytes': 200000, 'quiet': True});"
-        "prepare_inputs(cfg); import compare.cli, compare.report, compare.matrix;"
+        "prepare_inputs(cfg); import compare.cli, compare.report.writer, compare.matrix;"
         "print(sorted(m for m in ('torch', 'mlx', 'transformers') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)

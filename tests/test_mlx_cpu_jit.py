@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from common.errors import UserError
-from compare import environment as env
+from compare.machine import environment as env
 from tests.helpers import FAST, dpcompare, losses, summary
 
 LINUX_X86 = sys.platform == "linux" and platform.machine() == "x86_64"

@@ -13,8 +13,8 @@ import pytest
 from common.errors import UserError
 from common.flops import flops_per_token, known_peak_flops, matmul_parameters, mfu
 from common.spec import ModelSpec
-from compare.parity import Tolerances
-from compare.report import terminal_table, write_report
+from compare.report.parity import Tolerances
+from compare.report.writer import terminal_table, write_report
 from test_parity import make_run, reference_losses
 
 PEAKS = {"mlx": {"flops": 100e9, "device": "cpu", "threads": 1, "blas": "openblas"},

@@ -96,7 +96,7 @@ def test_malformed_toml_is_a_user_error(tmp_path):
 
 
 def test_launch_settings_are_the_same_for_both_frameworks(tmp_path):
-    from compare.launchers import build_command
+    from compare.launch.launchers import build_command
 
     envs = {}
     for framework in ("mlx", "torch"):

@@ -14,7 +14,7 @@ import pytest
 
 from common import supervisor
 from common.checkpoint import latest_checkpoint
-from compare import environment
+from compare.machine import environment
 from helpers import FAST, ROOT, dpcompare, losses, summary
 
 LAUNCHES = [("mlx", "ring"), ("mlx", "mpi"), ("torch", "gloo")]

@@ -5,7 +5,7 @@ import pytest
 
 from helpers import FAST, dpcompare
 from test_parity import make_run
-from compare.tracking import report_run
+from compare.report.tracking import report_run
 
 event_accumulator = pytest.importorskip(
     "tensorboard.backend.event_processing.event_accumulator",

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from helpers import FAST, dpcompare, losses, summary
-from compare import environment
+from compare.machine import environment
 
 pytestmark = pytest.mark.slow
 FRAMEWORKS = ["mlx", "torch"]

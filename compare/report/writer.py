@@ -75,7 +75,7 @@ def write_report(run_dirs: list[Path], out_dir: Path, tol: Tolerances, context: 
 def diagnose_failures(parity: dict, out_dir: Path) -> None:
     """Run `dpcompare diagnose` for every cross-framework pair whose per-step check failed; the finding
     goes into the pair (pair["diagnosis"]) and under its verdict."""
-    from .diagnose import diagnose_pair, finding
+    from ..diagnose import diagnose_pair, finding
 
     for pair in parity["cross_framework"]:
         if pair.get("checks", {}).get("per_step", {}).get("verdict") != "fail":

@@ -1,10 +1,10 @@
 """The command lines that start a run's ranks, one launcher per framework and backend.
 
 One rank runs as plain python (`mlx.launch -n 1` crashes). MLX ring on one machine goes through
-`compare.spawn` (what `mlx.launch -n N` does, without its busy output relay), across hosts through
+`compare.launch.spawn` (what `mlx.launch -n N` does, without its busy output relay), across hosts through
 `mlx.launch --hostfile` (ssh), as are jaccl and jaccl-ring (Thunderbolt RDMA between Macs) and MLX's
 nccl (CUDA); MLX MPI through `mpirun` directly (mlx.launch's MPI mode passes `--output :raw`, which Open MPI 4 rejects),
-torch on one machine through `compare.spawn` too (torchrun's agent costs seconds of start-up), across
+torch on one machine through `compare.launch.spawn` too (torchrun's agent costs seconds of start-up), across
 hosts through `torchrun`. Several nodes (`--nnodes N --node-rank R`, one `dpcompare run` per node):
 torch uses torchrun's static rendezvous, so ranks follow --node-rank; an MLX ring node starts its rank
 directly with MLX_RANK and MLX_HOSTFILE exactly as `mlx.launch` sets them, so no ssh is needed.
@@ -23,7 +23,7 @@ from pathlib import Path
 from common.config import BACKENDS, RunConfig
 from common.errors import UserError
 
-from . import environment as env
+from ..machine import environment as env
 
 RING_HOSTFILE = "ring_hosts.json"  # MLX_HOSTFILE of a node-rank MLX ring job, written into the run dir
 RING_STARTING_PORT = 32323  # mlx.launch's default --starting-port, for hostfiles that give IPs only
@@ -278,7 +278,7 @@ def build_command(cfg: RunConfig, run_dir: Path, module: str = "launch",
         # This node's rank of a ring job, as mlx.launch would start it on this host, minus the ssh.
         extra.update(MLX_RANK=str(cfg.node_rank), MLX_HOSTFILE=str(Path(run_dir).resolve() / RING_HOSTFILE))
         return entry, extra, blas
-    spawner = [sys.executable, "-m", "compare.spawn", "--ranks", str(cfg.nproc)]  # one machine's ranks
+    spawner = [sys.executable, "-m", "compare.launch.spawn", "--ranks", str(cfg.nproc)]  # one machine's ranks
     if cfg.framework == "torch" and cfg.nnodes == 1:
         # Our own spawner, as for the MLX ring: torchrun's agent adds seconds of start-up.
         return spawner + ["--torch", "--"] + entry, extra, blas

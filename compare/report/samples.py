@@ -18,10 +18,10 @@ from common.checkpoint import latest_checkpoint
 from common.errors import UserError
 from common.metrics import read_json
 
-from . import environment as env
-from .export import run_tokenizer_file
+from ..machine import environment as env
+from ..export import run_tokenizer_file
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "Once upon a time"
 MAX_NEW_TOKENS = 24
 TIMEOUT_S = 600

@@ -1,4 +1,4 @@
-"""Start N local ranks of one job: `python -m compare.spawn --ranks N (--ring-hostfile PATH | --torch) -- CMD...`.
+"""Start N local ranks of one job: `python -m compare.launch.spawn --ranks N (--ring-hostfile PATH | --torch) -- CMD...`.
 
 MLX ring: what `mlx.launch -n N` does on one machine (MLX_RANK and an MLX_HOSTFILE of localhost ports
 per rank), without its output relay, a loop that keeps one core busy (measured: 96% CPU for the launcher
@@ -18,13 +18,13 @@ import subprocess
 import sys
 import time
 
-from .environment import free_port_block
+from ..machine.environment import free_port_block
 
 GRACE_S = 3.0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m compare.spawn")
+    parser = argparse.ArgumentParser(prog="python -m compare.launch.spawn")
     parser.add_argument("--ranks", type=int, required=True)
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--ring-hostfile", help="where to write the MLX ring's MLX_HOSTFILE")

@@ -22,7 +22,7 @@ from common.metrics import read_json, write_json
 
 from . import environment as env
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 PROBE_TIMEOUT_S = 300
 
 

@@ -23,13 +23,13 @@ class PeakFinder:
         if machine.get("accelerator"):
             return machine["accelerator"]
         if not self._looked_up and self._same_host(run):
-            from .peak import accelerator_name
+            from ..machine.peak import accelerator_name
 
             self._accelerator, self._looked_up = accelerator_name(), True
         return self._accelerator
 
     def _same_host(self, run: RunData) -> bool:
-        from .peak import this_host
+        from ..machine.peak import this_host
 
         return (run.summary.get("machine") or {}).get("host") in (None, this_host())
 
@@ -37,7 +37,7 @@ class PeakFinder:
         if threads not in self.cpu_peaks:
             peaks = self.context.get("peaks")
             if peaks is None and self._same_host(run):
-                from .peak import measured_peaks
+                from ..machine.peak import measured_peaks
 
                 peaks = measured_peaks(threads=threads)
             self.cpu_peaks[threads] = peaks or {}

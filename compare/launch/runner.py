@@ -24,13 +24,13 @@ from common.precision import describe as describe_precision
 from common.spec import ModelSpec
 from common.strategy import check_strategy
 
-from . import environment as env
-from . import tracking
+from ..machine import environment as env
+from ..report import tracking
 from .launchers import (RING_HOSTFILE, build_command, check_available, check_hostfile, device_note,
                         ring_hosts, with_hostfile_backend)
 from .watchdog import read_ranks, stop_job, watch, watched_ranks
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 RUN_FILES = ("run_config.json", "metrics.jsonl", "summary.json", "log.txt", "ranks", "checkpoints",
              RING_HOSTFILE, "tensorboard", "wandb", "trace")
 

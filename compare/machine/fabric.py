@@ -38,10 +38,10 @@ from common.spec import preset
 from common.weights import num_parameters
 
 from . import environment as env
-from .doctor import MLX_PROBE, TORCH_PROBE
-from .launchers import build_command, check_hosts_for, read_mlx_hostfile
+from ..doctor import MLX_PROBE, TORCH_PROBE
+from ..launch.launchers import build_command, check_hosts_for, read_mlx_hostfile
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TIME_BUDGET_S = 55.0
 LATENCY_BYTES = 4096
 SSH_TIMEOUT_S = 8
@@ -80,7 +80,7 @@ def sizes_for(max_mb: float) -> list[int]:
 
 def probe_frameworks(mlx_needed: bool = True, torch_needed: bool = True) -> tuple[dict, dict]:
     """doctor.py's probes of the frameworks, side by side (importing torch takes seconds)."""
-    from .doctor import probe
+    from ..doctor import probe
 
     def run(framework: str, code: str, needed: bool) -> dict:
         if not needed:
