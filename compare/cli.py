@@ -163,7 +163,7 @@ def cmd_run(args) -> int:
 
     cfg = config_from_args(args)
     run_dir = Path(cfg.out or default_out(cfg))
-    from .launch.launchers import check_available
+    from .machine.backends import check_available
     from common.strategy import check_strategy
     from .launch.runner import check_hostfile, check_run_dir
 

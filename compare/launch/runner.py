@@ -26,8 +26,9 @@ from common.strategy import check_strategy
 
 from ..machine import environment as env
 from ..report import tracking
-from .launchers import (RING_HOSTFILE, build_command, check_available, check_hostfile, device_note,
-                        ring_hosts, with_hostfile_backend)
+from ..machine.backends import check_available
+from .hosts import RING_HOSTFILE, check_hostfile, ring_hosts, with_hostfile_backend
+from .launchers import build_command, device_note
 from .watchdog import read_ranks, stop_job, watch, watched_ranks
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]

@@ -39,7 +39,8 @@ from common.weights import num_parameters
 
 from . import environment as env
 from ..doctor import MLX_PROBE, TORCH_PROBE
-from ..launch.launchers import build_command, check_hosts_for, read_mlx_hostfile
+from ..launch.hosts import check_hosts_for, read_mlx_hostfile
+from ..launch.launchers import build_command
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TIME_BUDGET_S = 55.0

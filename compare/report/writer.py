@@ -14,10 +14,11 @@ from common.errors import UserError
 from common.metrics import write_json
 
 from .findings import environment_info, fairness_info, run_row, scaling_table, speed_table, verdicts
+from .markup import to_html, to_markdown
 from .mfu import PeakFinder
 from .parity import Tolerances, judge, load_run
 from .plots import make_plots
-from .render import report_blocks, terminal_table, to_html, to_markdown
+from .render import report_blocks, terminal_table
 
 __all__ = ["write_report", "terminal_table"]
 
