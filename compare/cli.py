@@ -94,7 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_flags(compare)
     compare.set_defaults(handler=cmd_compare)
 
-    report = sub.add_parser("report", help="rebuild the report from existing run directories")
+    report = sub.add_parser(
+        "report", help="rebuild the report from existing run directories",
+        description="Rebuild the report from existing run directories. It only reads them and starts nothing: "
+                    "the greedy continuations come from each run's sample.json and the diagnoses of failed "
+                    "cross-framework pairs from <out>/diagnosis/*/finding.json, both written by `dpcompare "
+                    "compare`; where they are missing (runs from `dpcompare run`, another --out, a run resumed "
+                    "since), the report leaves that section or finding out (`dpcompare diagnose --from RUN_DIR` "
+                    "diagnoses a pair by hand).")
     report.add_argument("runs", nargs="+", help="run directories, or a compare directory")
     report.add_argument("--out", help="where to write the report (default: the first argument)")
     report.add_argument("--strict", action="store_true")

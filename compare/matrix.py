@@ -71,7 +71,9 @@ def run_matrix(args) -> int:
         run_dirs.append(run_dir)
     command = "dpcompare " + shlex.join(sys.argv[1:]) if sys.argv else ""
     # A failed cross-framework verdict is followed by a diagnosis: where the frameworks first part.
-    return finish(run_dirs, out, args, {"command": command, "diagnose": True}, failed)
+    diagnose_failures(run_dirs, out, tolerances_from_args(args))
+    write_samples(run_dirs)
+    return finish(run_dirs, out, args, {"command": command}, failed)
 
 
 def plan_matrix(base, frameworks, strategies, dtypes, world_sizes, out: Path) -> tuple[dict, list[str]]:
@@ -101,6 +103,7 @@ def matrix_interrupted(stop: KeyboardInterrupt, run_dirs: list[Path], out: Path,
     """No report from a half-finished matrix unless asked (--report-on-interrupt): its verdicts would
     silently lack runs. `dpcompare report` still builds one from whatever finished."""
     if getattr(args, "report_on_interrupt", False) and run_dirs:
+        write_samples(run_dirs)
         finish(run_dirs, out, args, {"command": "dpcompare " + shlex.join(sys.argv[1:])}, failed)
     stop.detail = (f"{getattr(stop, 'detail', None) or 'interrupted'}; the comparison stopped there "
                    f"(dpcompare report {out} reports the runs that finished)")
@@ -121,6 +124,40 @@ def check_run_dir_for_compare(out: Path, overwrite: bool) -> None:
         (out / ".write_probe").unlink()
     except OSError as err:
         raise UserError(f"cannot write to output directory {out}: {err.strerror}") from None
+
+
+def diagnose_failures(run_dirs: list[Path], out: Path, tol) -> None:
+    """`dpcompare diagnose` for every cross-framework pair whose per-step check failed, its finding written
+    where the report reads it (compare/report/diagnoses.py); a pair that passes loses an older finding."""
+    from common.metrics import write_json
+
+    from .diagnose import diagnose_pair, finding
+    from .report.diagnoses import FINDING_FILE, diagnosis_dir, failed_cross_framework_pairs
+    from .report.parity import judge, load_run
+
+    parity = judge([load_run(Path(d)) for d in run_dirs], tol)
+    failed = failed_cross_framework_pairs(parity)
+    for pair in parity["cross_framework"]:
+        if pair not in failed:
+            (diagnosis_dir(out, pair) / FINDING_FILE).unlink(missing_ok=True)
+    for pair in failed:
+        where = diagnosis_dir(out, pair)
+        try:
+            result = diagnose_pair(pair, where)
+            found = {"finding": finding(result), "first_divergence": result.get("first_divergence"),
+                     "file": str(where / "diagnosis.json")}
+        except Exception as err:  # noqa: BLE001 - a failed diagnosis must not cost the report
+            found = {"finding": f"diagnosis failed: {err}", "first_divergence": None}
+        where.mkdir(parents=True, exist_ok=True)
+        write_json(where / FINDING_FILE, found)
+
+
+def write_samples(run_dirs: list[Path]) -> None:
+    """A greedy continuation from each finished run's final weights, into its sample.json for the report."""
+    from .launch.sample import write_samples as sample_runs
+    from .report.parity import load_run
+
+    sample_runs([d for d in run_dirs if load_run(Path(d)).ok])
 
 
 def finish(run_dirs: list[Path], out: Path, args, context: dict, failed: list) -> int:
@@ -158,6 +195,8 @@ def tolerances_from_args(args):
 
 
 def rebuild_report(args) -> int:
+    """`dpcompare report`: the report of existing runs, from their files alone (samples and diagnoses
+    included where `dpcompare compare` wrote them; nothing is trained, sampled or diagnosed)."""
     run_dirs: list[Path] = []
     for given in map(Path, args.runs):
         if (given / "run_config.json").exists():

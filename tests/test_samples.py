@@ -5,7 +5,7 @@ import json
 import pytest
 
 from helpers import FAST, dpcompare
-from compare.report.samples import PROMPT, continuation
+from compare.launch.sample import PROMPT, continuation
 
 pytestmark = pytest.mark.slow
 

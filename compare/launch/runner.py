@@ -25,15 +25,16 @@ from common.spec import ModelSpec
 from common.strategy import check_strategy
 
 from ..machine import environment as env
-from ..report import tracking
 from ..machine.backends import check_available
+from ..report import tracking
+from ..report.samples import SAMPLE_FILE
 from .hosts import RING_HOSTFILE, check_hostfile, ring_hosts, with_hostfile_backend
 from .launchers import build_command, device_note
 from .watchdog import read_ranks, stop_job, watch, watched_ranks
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 RUN_FILES = ("run_config.json", "metrics.jsonl", "summary.json", "log.txt", "ranks", "checkpoints",
-             RING_HOSTFILE, "tensorboard", "wandb", "trace")
+             RING_HOSTFILE, "tensorboard", "wandb", "trace", SAMPLE_FILE)
 
 
 @dataclass

@@ -1,76 +1,37 @@
-"""A short greedy continuation of a fixed prompt from a run's final weights, for the report.
+"""The report's greedy continuations, read from each finished run's sample.json.
 
-The run's own framework generates (`python -m {mlx,torch}_impl.sample`, one process), from the run's
-latest checkpoint, and the run's tokenizer encodes the prompt and decodes the answer. Greedy decoding
-from weights that agree in fp32 gives the same tokens in both frameworks, so different texts point at
-different weights (or, rarely, at a near-tie between the two most likely tokens).
+`dpcompare compare` writes those files once its runs have trained (compare/launch/sample.py); the
+report starts nothing. A run without one, or with one sampled from an older checkpoint than the run's
+latest (the run was resumed since), is left out of the section.
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 from common.checkpoint import latest_checkpoint
-from common.errors import UserError
 from common.metrics import read_json
 
-from ..machine import environment as env
-from ..export import run_tokenizer_file
+from .parity import RunData
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
-PROMPT = "Once upon a time"
-MAX_NEW_TOKENS = 24
-TIMEOUT_S = 600
+SAMPLE_FILE = "sample.json"  # compare/launch/sample.py writes it into the run directory
 
 
-def continuation(run_dir: Path, prompt: str = PROMPT, max_new_tokens: int = MAX_NEW_TOKENS) -> dict:
-    """{"prompt", "text", "tokens", "framework", "checkpoint"}: `text` is the continuation alone
-    (decoded new tokens), `tokens` their ids."""
-    from tokenizers import Tokenizer
-
-    run_dir = Path(run_dir)
-    ckpt = latest_checkpoint(run_dir)
-    if ckpt is None:
-        raise UserError(f"{run_dir} holds no checkpoint to sample from")
-    plan = read_json(run_dir / "run_config.json", None) or {}
-    framework = (plan.get("config") or {}).get("framework")
-    if framework not in ("mlx", "torch"):
-        raise UserError(f"{run_dir}: unknown framework {framework!r} in run_config.json")
-    tokenizer_file, _ = run_tokenizer_file(run_dir)
-    tokenizer = Tokenizer.from_file(str(tokenizer_file))
-    ids = tokenizer.encode(prompt, add_special_tokens=False).ids
-    if not ids:
-        raise UserError(f"the prompt {prompt!r} encodes to no tokens")
-    config = plan.get("config") or {}
-    extra = env.thread_env(int(config.get("threads_per_rank", 1)))
-    if framework == "mlx":
-        extra.update(env.mlx_blas(config.get("mlx_blas", "auto"))[1])
-    child_env = {**os.environ, **extra, "PYTHONPATH": os.pathsep.join(
-        filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))}
-    with tempfile.TemporaryDirectory(prefix="dpcompare-sample-") as tmp:
-        out = Path(tmp) / "sample.json"
-        proc = subprocess.run([sys.executable, "-m", f"{framework}_impl.sample", str(ckpt), str(out),
-                               ",".join(map(str, ids)), str(max_new_tokens)],
-                              capture_output=True, text=True, env=child_env, cwd=PROJECT_ROOT, timeout=TIMEOUT_S)
-        if proc.returncode != 0 or not out.exists():
-            lines = (proc.stderr or proc.stdout).strip().splitlines()
-            raise RuntimeError(f"{framework} sampling failed: {lines[-1] if lines else proc.returncode}")
-        tokens = json.loads(out.read_text())["tokens"]
-    return {"prompt": prompt, "text": tokenizer.decode(tokens, skip_special_tokens=False), "tokens": tokens,
-            "framework": framework, "checkpoint": str(ckpt)}
+def read_sample(run_dir: Path) -> dict | None:
+    """The run's sample.json, or None when there is none or it predates the run's latest checkpoint."""
+    sample = read_json(Path(run_dir) / SAMPLE_FILE, None)
+    if not isinstance(sample, dict):
+        return None
+    latest = latest_checkpoint(run_dir)
+    if Path(sample.get("checkpoint") or "").name != (latest.name if latest else ""):
+        return None
+    return sample
 
 
-def continuations(run_dirs: list[Path], **kwargs) -> dict[str, dict]:
-    """{run_dir: continuation or {"error": ...}} for the report; a run that cannot be sampled does
-    not stop the others."""
-    found = {}
-    for run_dir in run_dirs:
-        try:
-            found[str(run_dir)] = continuation(Path(run_dir), **kwargs)
-        except (UserError, RuntimeError, OSError, subprocess.TimeoutExpired) as err:
-            found[str(run_dir)] = {"error": str(err)}
-    return found
+def samples_summary(runs: list[RunData]) -> dict:
+    """{"prompt", "by_run": {label: sample}, "fp32_identical"}: whether the float32 runs' texts agree
+    (None with fewer than two)."""
+    texts = {r.label: sample for r in runs if r.ok and (sample := read_sample(r.run_dir)) is not None}
+    fp32 = {label: s["text"] for label, s in texts.items() if "text" in s and " bf16 " not in f" {label} "}
+    prompt = next((s["prompt"] for s in texts.values() if s.get("prompt")), None)
+    return {"prompt": prompt, "by_run": texts,
+            "fp32_identical": len(set(fp32.values())) <= 1 if len(fp32) > 1 else None}

@@ -2,7 +2,14 @@
 
 It opens with the answers (do the curves agree, which framework is faster, how DP scales), then the
 evidence: per-run table, parity numbers, MFU with its formula, fairness settings, environment and the
-commands that reproduce every run. findings.py computes the numbers, render.py writes them out.
+commands that reproduce every run. findings.py computes the numbers, render.py lays them out as blocks,
+markup.py writes those as markdown and HTML.
+
+It reads run directories and starts no run: the greedy continuations (<run_dir>/sample.json) and the
+diagnoses of failed cross-framework pairs (<out>/diagnosis/*/finding.json) are written by
+`dpcompare compare` before it writes the report (compare/matrix.py); where they are missing, the report
+leaves them out. (MFU's denominator is the exception: the CPU matmul peak and the GPU name are found
+on this machine when the context does not give them, see below.)
 """
 from __future__ import annotations
 
@@ -13,12 +20,14 @@ from pathlib import Path
 from common.errors import UserError
 from common.metrics import write_json
 
+from .diagnoses import read_diagnoses
 from .findings import environment_info, fairness_info, run_row, scaling_table, speed_table, verdicts
 from .markup import to_html, to_markdown
 from .mfu import PeakFinder
 from .parity import Tolerances, judge, load_run
 from .plots import make_plots
 from .render import report_blocks, terminal_table
+from .samples import samples_summary
 
 __all__ = ["write_report", "terminal_table"]
 
@@ -28,7 +37,8 @@ def write_report(run_dirs: list[Path], out_dir: Path, tol: Tolerances, context: 
 
     context: "command" (the dpcompare command line), "peaks" (measured_peaks()-style CPU peaks, used for
     every thread count; when absent they are measured, on the runs' own machine only), "accelerator"
-    (GPU name for the known-peak table; detected locally when absent).
+    (GPU name for the known-peak table; detected locally when absent), "samples" (the greedy continuations
+    section as samples_summary() returns it; read from the runs' sample.json when absent).
     """
     context = context or {}
     out_dir = Path(out_dir)
@@ -39,8 +49,7 @@ def write_report(run_dirs: list[Path], out_dir: Path, tol: Tolerances, context: 
     if not runs:
         raise UserError("no run directories to report on")
     parity = judge(runs, tol)
-    if context.get("diagnose"):
-        diagnose_failures(parity, out_dir)
+    read_diagnoses(parity, out_dir)
     peaks = PeakFinder(runs, context)
     rows = [run_row(run, parity, peaks) for run in runs]
     scaling = scaling_table(rows)
@@ -56,7 +65,7 @@ def write_report(run_dirs: list[Path], out_dir: Path, tol: Tolerances, context: 
         "mfu": peaks.describe(runs),
         "tolerances": asdict(tol),
         "baseline": context.get("baseline"),
-        "samples": samples_for(runs, context),
+        "samples": context["samples"] if "samples" in context else samples_summary(runs),
         "fairness": fairness,
         "environment": environment_info(runs, rows, peaks),
         "commands": {"compare": context.get("command"),
@@ -71,35 +80,3 @@ def write_report(run_dirs: list[Path], out_dir: Path, tol: Tolerances, context: 
     (out_dir / "report.md").write_text(to_markdown(blocks))
     (out_dir / "report.html").write_text(to_html(blocks, out_dir))
     return summary
-
-
-def diagnose_failures(parity: dict, out_dir: Path) -> None:
-    """Run `dpcompare diagnose` for every cross-framework pair whose per-step check failed; the finding
-    goes into the pair (pair["diagnosis"]) and under its verdict."""
-    from ..diagnose import diagnose_pair, finding
-
-    for pair in parity["cross_framework"]:
-        if pair.get("checks", {}).get("per_step", {}).get("verdict") != "fail":
-            continue
-        name = f"{pair['a']}-vs-{pair['b']}".replace(" ", "_")
-        try:
-            result = diagnose_pair(pair, out_dir / "diagnosis" / name)
-            pair["diagnosis"] = {"finding": finding(result), "first_divergence": result.get("first_divergence"),
-                                 "file": str(out_dir / "diagnosis" / name / "diagnosis.json")}
-        except Exception as err:  # noqa: BLE001 - a failed diagnosis must not cost the report
-            pair["diagnosis"] = {"finding": f"diagnosis failed: {err}", "first_divergence": None}
-
-
-def samples_for(runs: list, context: dict) -> dict:
-    """A greedy continuation of a fixed prompt from each finished run's final weights (compare/samples.py),
-    and whether the texts agree across frameworks."""
-    if "samples" in context:
-        return context["samples"]
-    from .samples import PROMPT, continuations
-
-    done = [r for r in runs if r.ok]
-    found = continuations([r.run_dir for r in done]) if done else {}
-    texts = {r.label: found.get(str(r.run_dir), {}) for r in done}
-    fp32 = {label: s["text"] for label, s in texts.items() if "text" in s and " bf16 " not in f" {label} "}
-    return {"prompt": PROMPT, "by_run": texts,
-            "fp32_identical": len(set(fp32.values())) <= 1 if len(fp32) > 1 else None}
