@@ -1,7 +1,7 @@
 """A minimal MLX data-parallel training loop in the MLX blog's style, the baseline of bench_overhead.py.
 
     python benchmarks/bare_mlx.py --preset small --vocab 50257 --seq-len 128 --batch 8 --steps 10 --out t.json
-    (several ranks: started by compare.spawn, mlx.launch or mpirun)
+    (several ranks: started by compare.launch.spawn, mlx.launch or mpirun)
 
 Same model class and optimizer settings as a `dpcompare run`, random token batches of the same shape,
 one `mx.compile`d step: forward/backward (with dpcompare's cross-entropy, so the comparison measures the

@@ -6,7 +6,7 @@ Both frameworks allocate their large activations (the `small` logits are 1024 x 
 every step. glibc serves blocks above its mmap threshold (at most 32 MB) with mmap and unmaps them on
 free, so every step faults the same memory in again, page by page (MLX's CPU buffer cache holds only
 32 MB by default). `--tune-malloc` sets MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_ for the ranks
-(compare/environment.py malloc_env), which keeps freed memory in the heap. Runs alternate plain / tuned;
+(compare/machine/environment.py malloc_env), which keeps freed memory in the heap. Runs alternate plain / tuned;
 Linux (glibc) only.
 """
 from __future__ import annotations

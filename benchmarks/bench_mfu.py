@@ -3,7 +3,7 @@
     python benchmarks/bench_mfu.py [--quick] [--out runs/bench/mfu.json]
 
 MFU = tokens/s x FLOPs per token (common/flops.py: 6 N + 12 L T d) / peak FLOP/s of the hardware the run
-used. The peak is compare/peak.py's measured fp32 matmul rate per rank (1024^3 matmuls, same threads and
+used. The peak is compare/machine/peak.py's measured fp32 matmul rate per rank (1024^3 matmuls, same threads and
 BLAS as a run) times the ranks; like the report, the MFU column uses the faster framework's peak, and
 `own-peak MFU` the run's own framework's. Runs: `dpcompare run` at N=1 and N=2, both frameworks alternately.
 """

@@ -56,7 +56,7 @@ def dpcompare_run(out: Path, framework: str, nproc: int, preset: str, steps: int
 def launch_script(script: Path, args: list[str], framework: str, nproc: int, threads: int = 1,
                   backend: str = "auto", mlx_blas: str = "auto", timeout_s: float = 1800) -> None:
     """Run `script args` as every rank, started exactly as the runner starts `{framework}_impl.launch`
-    (plain python at N=1; compare.spawn for an MLX ring, mpirun, torchrun at N>1) with the same thread and
+    (plain python at N=1; compare.launch.spawn for an MLX ring, mpirun, torchrun at N>1) with the same thread and
     BLAS environment."""
     cfg = RunConfig(framework=framework, nproc=nproc, threads_per_rank=threads, backend=backend, mlx_blas=mlx_blas)
     cfg.validate()

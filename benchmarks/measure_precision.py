@@ -7,7 +7,7 @@ common/precision.py DEFAULT_TOLERANCES["bfloat16"] (docs/precision.md).
 
 Per seed: `dpcompare run` for MLX and torch in float32 and bfloat16 at N=1, and bfloat16 at N=2 for the
 seeds in --dp-seeds; same seed checkpoint and batches throughout. The metrics are those of
-compare/parity.py, relative where bf16 needs it:
+compare/report/parity.py, relative where bf16 needs it:
     step_rel   max |a - b| / |b| over the first --parity-steps steps
     curve_rel  max relative difference of the moving averages (window 10) over all steps
     eval_rel   max relative difference of the eval losses

@@ -34,7 +34,7 @@ DEVICES = ("auto", "cpu", "cuda", "mps", "gpu")
 MLX_BLAS = ("auto", "system", "bundled")
 MLX_CPU_JIT = ("auto", "native", "baseline")
 DTYPES = ("float32", "bfloat16")
-TRACKERS = ("tensorboard", "wandb", "trackio")  # --report-to (compare/tracking.py)
+TRACKERS = ("tensorboard", "wandb", "trackio")  # --report-to (compare/report/tracking.py)
 
 
 def default_cache_dir() -> Path:
@@ -89,7 +89,7 @@ class RunConfig:
     dtype: str = "float32"
     threads_per_rank: int = 1
     mlx_blas: str = "auto"
-    mlx_cpu_jit: str = "auto"        # flags of the kernels MLX builds for mx.compile on Linux x86 (compare/environment.py)
+    mlx_cpu_jit: str = "auto"        # mx.compile kernel flags, Linux x86 (compare/machine/environment.py)
     all_reduce_size_mb: float = 32.0
     # MLX: the stream collectives run on. auto = the CPU stream on a Metal GPU, where a collective on the
     # GPU stream that waits ~5 s for a slow peer is killed by Metal's watchdog (mlx_impl/comm.py).
@@ -226,7 +226,7 @@ class RunConfig:
         if self.nnodes > 1 and self.framework == "torch" and not self.rdzv_endpoint:
             raise UserError("torch with nnodes > 1 needs --rdzv-endpoint HOST:PORT (node 0's address)")
         if self.nnodes > 1 and self.framework == "mlx":
-            # One host's share of a ring job, started here without ssh (see compare/runner.py).
+            # One host's share of a ring job, started here without ssh (see compare/launch/runner.py).
             if self.resolved_backend != "ring":
                 raise UserError(f"MLX with nnodes > 1 runs the ring backend, not {self.resolved_backend} "
                                 "(MPI: --backend mpi --nproc N --hostfile FILE starts every host through mpirun)")

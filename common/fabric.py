@@ -2,7 +2,7 @@
 of benchmarks/bench_collectives.py.
 
 `python -m {mlx,torch}_impl.fabric --backend B --sizes 4096,33554432 ...` is started on every rank by the
-launchers that start training (compare/launchers.py). The framework's fabric.py supplies `Collectives`;
+launchers that start training (compare/launch/launchers.py). The framework's fabric.py supplies `Collectives`;
 `measure` sums a float32 buffer of each size over all ranks: two warmup calls, then timed calls, each
 waited for and each after a barrier, so the ranks start together. Every decision that changes the number
 of collectives (how many calls a size gets, whether a size is skipped to stay in the time budget) is

@@ -56,7 +56,7 @@ def describe(dtype: str) -> dict:
     return {**asdict(p), "policy": text}
 
 
-# Default verdict tolerances per dtype, read by compare/parity.py. float32's are parity.Tolerances' own.
+# Default verdict tolerances per dtype, read by compare/report/parity.py. float32's are parity.Tolerances' own.
 # bfloat16's come from docs/precision.md ("Measurements"): the largest value over 5 seeds of `tiny`
 # (demo config, 200 steps; test config, 20 steps) and 2 seeds of `small` (TinyStories, 10 steps), times
 # about 3-6, rounded up. Per-step differences shrink with more tokens per step (the loss averages the

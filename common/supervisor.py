@@ -6,7 +6,7 @@ Two things a rank must tell apart from a failure:
 - dpcompare is gone without cleaning up (SIGKILL, OOM killer): nobody will stop the job, so every rank
   watches the supervisor itself and exits within POLL_S of its death.
 
-The watch cannot use the parent: ranks are children of torchrun, mpirun or compare.spawn, and a
+The watch cannot use the parent: ranks are children of torchrun, mpirun or compare.launch.spawn, and a
 parent-death signal (Linux prctl) fires for the parent thread only. Nor an inherited pipe: torchrun and
 mpirun close the file descriptors they do not know. So dpcompare passes its identity in the environment
 (DPCOMPARE_SUPERVISOR=host:pid:start) and the rank checks that this process still exists:

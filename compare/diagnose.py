@@ -92,7 +92,7 @@ def diagnose(cfg: RunConfig | None, out_dir: Path, *, from_run: Path | None = No
 
 
 def diagnose_pair(pair: dict, out_dir: Path, keep_tensors: bool = False) -> dict:
-    """Diagnose a failed cross-framework verdict of compare/parity.py (`pair` as judge() returns it):
+    """Diagnose a failed cross-framework verdict of compare/report/parity.py (`pair` as judge() returns it):
     the first step of its runs' config, from the seed checkpoint, single process."""
     cfg = run_config(Path(pair["a_dir"]))
     a, b = (read_json(Path(d) / "summary.json", None) or {} for d in (pair["a_dir"], pair["b_dir"]))

@@ -1,7 +1,7 @@
 """Rank entry point for MLX: `python -m mlx_impl.launch RUN_DIR`.
 
 Started by `mlx.launch` (ring), `mpirun` (mpi) or plain python (one rank: `mlx.launch -n 1` crashes);
-the launcher in compare/runner.py builds those command lines. Threads per rank come from the
+the launcher in compare/launch/runner.py builds those command lines. Threads per rank come from the
 environment the launcher sets (OMP/OpenBLAS variables), the same for both frameworks.
 """
 from __future__ import annotations

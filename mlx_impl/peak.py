@@ -1,7 +1,7 @@
 """The fp32 matmul rate MLX reaches here: the measured peak behind CPU MFU in the report.
 
 `python -m mlx_impl.peak --threads 1` prints one JSON line. Threads come from the environment, as in a
-run: on Linux the mlx wheel's CPU matmuls go to whatever BLAS is loaded (compare/peak.py preloads the
+run: on Linux the mlx wheel's CPU matmuls go to whatever BLAS is loaded (compare/machine/peak.py preloads the
 system OpenBLAS the way the launcher does) and that library reads OPENBLAS_NUM_THREADS at load time,
 so a thread count only takes effect when it is in the environment before mlx is imported.
 Mirrors torch_impl/peak.py name for name.

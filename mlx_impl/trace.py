@@ -7,7 +7,7 @@ holds the spans of common/trace.py's Timeline: each step and its phases, each ph
 On a Metal GPU (macOS) MLX can record every GPU command buffer into an Xcode capture
 (mx.metal.start_capture / stop_capture): the last traced step goes to trace/rank{R}.gputrace, opened
 with Xcode, besides the JSON. Metal allows a capture only when MTL_CAPTURE_ENABLED=1 was in the environment
-when the process started, so the launcher sets it for traced MLX runs (compare/launchers.py). A capture
+when the process started, so the launcher sets it for traced MLX runs (compare/launch/launchers.py). A capture
 can be large (every buffer a step touches), hence one step. A capture that cannot start is named in the
 JSON's otherData and on stderr and never fails the run. Not tested here: Linux, no GPU. MLX's CUDA backend
 has no capture; an external profiler (nsys) sees its kernels.

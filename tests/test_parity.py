@@ -1,7 +1,7 @@
 """The parity judge: when MLX and torch curves agree, when they do not, and when they cannot be compared.
 
 Run directories are synthetic but written with the real schema (run_config.json, metrics.jsonl,
-summary.json as compare/runner.py writes them), so the judge reads exactly what a real run leaves.
+summary.json as compare/launch/runner.py writes them), so the judge reads exactly what a real run leaves.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def reference_losses(steps: int = STEPS) -> list[float]:
 def make_run(root: Path, framework: str, nproc: int, losses: list[float] | None = None, *,
              evals: dict[int, float] | None = None, status: str = "ok", config: dict | None = None,
              tokens_per_s: float = 10_000.0, name: str | None = None, write_summary: bool = True) -> Path:
-    """A run directory as compare/runner.py leaves it, with the given loss curve."""
+    """A run directory as compare/launch/runner.py leaves it, with the given loss curve."""
     losses = reference_losses() if losses is None else losses
     cfg = RunConfig().to_dict()
     cfg.update(framework=framework, nproc=nproc, steps=len(losses), eval_every=20,

@@ -1,6 +1,7 @@
 """All-reduce timing rank for PyTorch: `python -m torch_impl.fabric --backend gloo --sizes 4096,33554432`.
 
-Started on every rank by the launcher that starts training (compare/launchers.py); common/fabric.py does the timing.
+Started on every rank by the launcher that starts training (compare/launch/launchers.py); common/fabric.py
+does the timing.
 gloo reduces CPU tensors, nccl the GPU of this rank's LOCAL_RANK. Mirrors mlx_impl/fabric.py name for name.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Rank entry point for PyTorch: `python -m torch_impl.launch RUN_DIR`.
 
-Started by `compare.spawn --torch` on one machine or `torchrun` across hosts (either sets RANK,
-WORLD_SIZE, LOCAL_RANK and the env:// rendezvous), or plain python for one rank; compare/launchers.py
+Started by `compare.launch.spawn --torch` on one machine or `torchrun` across hosts (either sets RANK,
+WORLD_SIZE, LOCAL_RANK and the env:// rendezvous), or plain python for one rank; compare/launch/launchers.py
 builds those command lines. torchrun forces OMP_NUM_THREADS=1, so threads per rank are set here from
 the config, as for MLX.
 """
@@ -47,7 +47,7 @@ def pick_device(requested: str, local_rank: int, world_size: int) -> str:
         if not torch.backends.mps.is_available():
             raise UserError("--device mps: torch sees no MPS device")
         # gloo has no MPS support upstream, so DDP cannot all-reduce MPS tensors: several ranks run on
-        # the CPU with gloo, and summary.json's device_note says so (compare/launchers.py).
+        # the CPU with gloo, and summary.json's device_note says so (compare/launch/launchers.py).
         return "mps" if world_size == 1 else "cpu"
     return "cpu"
 

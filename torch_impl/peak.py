@@ -1,7 +1,7 @@
 """The fp32 matmul rate torch reaches here: the measured peak behind CPU MFU in the report.
 
 `python -m torch_impl.peak --threads 1` prints one JSON line. Threads are set the way a run sets them:
-the OMP/MKL/OpenBLAS variables (compare/peak.py passes compare.environment.thread_env) and
+the OMP/MKL/OpenBLAS variables (compare/machine/peak.py passes compare.machine.environment.thread_env) and
 torch.set_num_threads. Mirrors mlx_impl/peak.py name for name.
 """
 from __future__ import annotations

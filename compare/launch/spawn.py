@@ -1,4 +1,5 @@
-"""Start N local ranks of one job: `python -m compare.launch.spawn --ranks N (--ring-hostfile PATH | --torch) -- CMD...`.
+"""Start N local ranks of one job:
+`python -m compare.launch.spawn --ranks N (--ring-hostfile PATH | --torch) -- CMD...`.
 
 MLX ring: what `mlx.launch -n N` does on one machine (MLX_RANK and an MLX_HOSTFILE of localhost ports
 per rank), without its output relay, a loop that keeps one core busy (measured: 96% CPU for the launcher

@@ -2,7 +2,7 @@
 they mean for a training step.
 
 Each backend runs `python -m {mlx,torch}_impl.fabric` (common/fabric.py) on every rank, started by the
-launchers that start training (compare/launchers.py): 2 local ranks, or one rank per host of an MLX
+launchers that start training (compare/launch/launchers.py): 2 local ranks, or one rank per host of an MLX
 `--hostfile` through mlx.launch (ssh; ring, jaccl or jaccl-ring, as the hostfile or --backend says).
 Everything shares one time budget (55 s by default): each job gets its share of what is left and is
 killed when it overruns it. A host that ssh cannot reach ends the command with one line, before any job.

@@ -1,5 +1,5 @@
 """The numbers of a report, computed from run directories: per-run rows, speed and scaling tables,
-fairness and environment notes, and the verdict lines. Nothing here renders; compare/render.py does.
+fairness and environment notes, and the verdict lines. Nothing here renders; compare/report/render.py does.
 """
 from __future__ import annotations
 

@@ -126,7 +126,7 @@ class RunData:
 
 
 def load_run(run_dir: Path) -> RunData:
-    """A run directory as written by compare/runner.py; never raises on a broken or unfinished run,
+    """A run directory as written by compare/launch/runner.py; never raises on a broken or unfinished run,
     it gets a `problem` instead, so a report can still list it."""
     run_dir = Path(run_dir)
     summary = read_json(run_dir / "summary.json", None) or {}
