@@ -1,2 +1,4 @@
-"""Starting a run: the inputs it reads, the command line that starts its ranks (one launcher per framework
-and backend), our own local spawner, the watchdog over the ranks, and hostfile reading and checking."""
+"""Starting a run: the inputs it reads and the run itself (runner), the command line that starts its ranks
+(launchers: one function per launcher), our own local spawner (spawn), the watchdog over the ranks, and
+hostfile reading and checking (hosts). sample.py starts a finished run's framework once more, for the
+greedy continuation the report shows."""

@@ -1,9 +1,11 @@
 """Which distributed backends and devices this machine's framework builds have, asked of a fresh
-interpreter (this process imports neither framework), so a run that cannot start exits 2 before anything
-starts."""
+interpreter (this process imports neither framework, and a broken install cannot crash it): the whole
+picture for `dpcompare doctor` (probe), and a yes or no before a run starts (check_available), so a run
+that cannot start exits 2 before anything starts."""
 from __future__ import annotations
 
 import functools
+import json
 import subprocess
 import sys
 
@@ -12,6 +14,36 @@ from common.errors import UserError
 
 from ..launch.hosts import effective_backend
 from . import environment as env
+
+MLX_PROBE = r"""
+import json, mlx.core as mx
+print(json.dumps({
+    "default_device": str(mx.default_device()),
+    "gpu": bool(mx.is_available(mx.gpu)),
+    "backends": {b: bool(mx.distributed.is_available(b)) for b in ("ring", "mpi", "nccl", "jaccl")},
+}))
+"""
+TORCH_PROBE = r"""
+import json, torch, torch.distributed as dist
+print(json.dumps({
+    "cuda": torch.cuda.is_available(),
+    "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+    "mps": bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()),
+    "backends": {"gloo": dist.is_gloo_available(), "nccl": dist.is_nccl_available(), "mpi": dist.is_mpi_available()},
+    "threads": torch.get_num_threads(),
+}))
+"""
+
+
+def probe(code: str, timeout: float = 120) -> dict:
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": "probe timed out"}
+    if out.returncode != 0:
+        return {"error": (out.stderr.strip().splitlines() or ["import failed"])[-1]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
 
 # Backends that only some builds have, and what it takes to get them; ring, gloo and (with mpirun) mpi
 # are in every build dpcompare installs.

@@ -37,10 +37,10 @@ from common.metrics import read_json
 from common.spec import preset
 from common.weights import num_parameters
 
-from . import environment as env
-from ..doctor import MLX_PROBE, TORCH_PROBE
 from ..launch.hosts import check_hosts_for, read_mlx_hostfile
 from ..launch.launchers import build_command
+from . import environment as env
+from .backends import MLX_PROBE, TORCH_PROBE, probe
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TIME_BUDGET_S = 55.0
@@ -80,8 +80,7 @@ def sizes_for(max_mb: float) -> list[int]:
 
 
 def probe_frameworks(mlx_needed: bool = True, torch_needed: bool = True) -> tuple[dict, dict]:
-    """doctor.py's probes of the frameworks, side by side (importing torch takes seconds)."""
-    from ..doctor import probe
+    """backends.py's probes of the frameworks, side by side (importing torch takes seconds)."""
 
     def run(framework: str, code: str, needed: bool) -> dict:
         if not needed:
