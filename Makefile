@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 OUT    ?= runs/demo
 
-.PHONY: demo test install doctor bench clean
+.PHONY: demo test test-fast lint install doctor bench clean
 
 # The install is redone only when the dependency list or the pins change.
 $(STAMP): pyproject.toml constraints.txt
@@ -21,6 +21,13 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+# The unit lane: tests that start no training process, to run after each edit.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest tests/unit
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
 
 doctor: $(STAMP)
 	$(BIN)/dpcompare doctor
