@@ -22,8 +22,6 @@ holds the full gradient of its own pieces, so nothing is averaged.
 """
 from __future__ import annotations
 
-import time
-
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim

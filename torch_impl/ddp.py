@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 
-import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
