@@ -21,7 +21,12 @@ def no_phase(name: str) -> ContextManager:
 
 
 class Strategy(Protocol):
-    """How the ranks share one model: replicated (ddp), sharded (fsdp) or split layer by layer (tp)."""
+    """How the ranks share one model: replicated (ddp), sharded (fsdp) or split layer by layer (tp).
+
+    What both frameworks ask of it is below. Where the gradients are reduced differs, so each framework adds
+    its own members: MLX reduces after the backward, `reduce_gradients(grads)`; torch's DDP and FSDP2 reduce
+    inside it from hooks, so there the strategy gives `no_sync()` for accumulation, `param_groups(model)`,
+    `comm_counter()` (the first step's bytes) and `keeps_grads` (DDP's bucket views stay allocated)."""
 
     reduce_scatter: str | None       # fsdp: "native" | "all_sum_slice" (summary.json); None otherwise
     full_state_on_every_rank: bool   # export_state's result is whole on every rank (fsdp: on rank 0 only)

@@ -143,7 +143,7 @@ class Trainer:
             with phase("communication"):
                 grads = self.strategy.reduce_gradients(grads)
                 mx.eval(grads)
-            update_syncs = False  # done
+            update_syncs = False  # reduced already: the update must not reduce twice
         with phase("optimizer"):
             self.optimizer.learning_rate = mx.array(lr, dtype=mx.float32)
             grad_norm = self._update[update_syncs](grads)
