@@ -10,8 +10,9 @@ Phases (seconds per optimizer step):
                    as DDP's bucketed all-reduce during backward is credited)
     optimizer      clipping and the AdamW update
     other          what the instrumented step spent outside those phases: host overhead, casts, syncs
-The forward/backward/optimizer split comes from instrumented steps that force the device to finish each
-phase before the next starts (mx.eval, torch.cuda.synchronize / .item()) and skip the gradient sync.
+The forward/backward/optimizer split comes from instrumented steps: the Trainer's one `train_step`, run
+without gradient sync, with wait=True (each phase forces the device to finish: mx.eval,
+torch.cuda.synchronize) and `PhaseClock.phase` around each phase.
 The sum of the phases (without data) is compared with uninstrumented steps taken in alternation with the
 instrumented ones (`reference_step_s`; the run's own median step is `step_s`): the difference is what the
 instrumentation itself costs, and the report shows it. Activation traffic of fsdp (all-gathers)
@@ -20,14 +21,13 @@ and tp (all-sums) happens inside forward and backward and is counted there.
 These steps run after the last checkpoint and the final eval, so they change nothing a run reports
 besides the breakdown itself.
 
-Trainer interface used here:
-    .train_step(batches, lr, global_tokens, sync=True)   sync=False skips the gradient reduction
-    .profile_step(batches, lr, global_tokens)            -> {"forward", "backward", "optimizer", "total"} seconds,
-                                                             without gradient sync
+Trainer interface used here: common/protocols.py's `Trainer` (train_step's sync, phase and wait).
 """
 from __future__ import annotations
 
 import time
+from collections import defaultdict
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -48,7 +48,7 @@ def profile(trainer, batches_for, steps: int, step_s: float, data_s: float, worl
                 trainer.all_sum(np.zeros(1), over="world")
             t0 = time.perf_counter()
             if kind == "instrumented":
-                phases = trainer.profile_step(*args)
+                phases = instrumented_step(trainer, args)
             else:
                 trainer.train_step(*args, sync=kind == "synced")
             elapsed = time.perf_counter() - t0
@@ -70,3 +70,29 @@ def profile(trainer, batches_for, steps: int, step_s: float, data_s: float, worl
             "instrumentation_overhead": measured / synced_s - 1.0 if synced_s else None,
             "profile_steps": steps, "synced_step_s": synced_s,
             "unsynced_step_s": float(np.median(unsynced)) if unsynced else None}
+
+
+class PhaseClock:
+    """Seconds per phase of one step, summed over its spans (forward and backward come once per
+    micro-batch): the `phase` a Trainer's train_step takes."""
+
+    def __init__(self):
+        self.seconds = defaultdict(float)
+
+    @contextmanager
+    def phase(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - start
+
+
+def instrumented_step(trainer, args) -> dict:
+    """One step without gradient sync whose phases each wait for the device -> seconds of "forward",
+    "backward", "optimizer" and the whole step, "total"."""
+    clock, start = PhaseClock(), time.perf_counter()
+    trainer.train_step(*args, sync=False, phase=clock.phase, wait=True)
+    total = time.perf_counter() - start
+    return {"forward": clock.seconds["forward"], "backward": clock.seconds["backward"],
+            "optimizer": clock.seconds["optimizer"], "total": total}

@@ -4,22 +4,7 @@ A backend supplies a `Trainer` (its `step.py`) that owns the model, optimizer an
 owns everything else: which samples each rank reads, the global token count that makes the loss exact,
 the LR at each step, timing, metrics, eval, checkpoints, resume and the rank's status file.
 
-Trainer interface (mlx_impl/step.py and torch_impl/step.py implement it with the same names):
-    Trainer(cfg, spec, weights, world)
-    .device                              -> str, e.g. "cpu", "gpu", "cuda:0"
-    .train_step(batches, lr, global_tokens) -> (loss, grad_norm) as floats, after the work is done
-    .eval_loss_sum(inputs, targets, mask)   -> float, this rank's sum of token losses
-    .all_sum(values: np.ndarray, over="data") -> np.ndarray summed over the data-parallel ranks
-                                            (under tp that is the rank itself), or over="world": all ranks
-    .export_state()                       -> (weights, exp_avg, exp_avg_sq) as full numpy dicts: on every rank under ddp
-                                             and tp, on rank 0 only under fsdp (the others get empty dicts)
-    .import_optimizer(exp_avg, exp_avg_sq, step)   full dicts, on every rank
-    .peak_memory_bytes()                  -> int, the framework's own peak
-    .state_bytes()                        -> {"params", "grads", "optimizer"}: bytes this rank holds
-    .comm_bytes_per_step()                -> int, bytes given to all-reduce by one training step, measured
-    .reduce_scatter                       -> "native" | "all_sum_slice" under fsdp, None otherwise
-    .train_step(..., sync=False), .profile_step(...)   the time breakdown (common/breakdown.py)
-    .trace_step(batches, lr, global_tokens, span), .tracer   --trace (common/trace.py)
+Trainer interface: common/protocols.py's `Trainer` (mlx_impl/step.py and torch_impl/step.py implement it).
 """
 from __future__ import annotations
 
@@ -230,7 +215,7 @@ def train(run_dir: Path, world: World, trainer_cls) -> None:
         status.update(force=True, trace=files)
     status.update(
         force=True, status="ok",
-        state_bytes=trainer.state_bytes(), reduce_scatter=trainer.reduce_scatter,
+        state_bytes=trainer.state_bytes(), reduce_scatter=trainer.strategy.reduce_scatter,
         # What the first steps cost beyond a steady-state step: compilation, graph capture, warm caches.
         compile_s=max(0.0, sum(step_times[:cfg.timing_warmup_steps]) - median * min(len(step_times), cfg.timing_warmup_steps)),
         time_to_first_step_s=(first_step_end - launch_time) if first_step_end else None,
@@ -304,7 +289,7 @@ def checkpoint(trainer, run_dir: Path, spec: ModelSpec, step: int, fingerprints:
     weights, exp_avg, exp_avg_sq = trainer.export_state()
     if not all(np.isfinite(w).all() for w in weights.values()):
         raise TrainingError(f"weights are not finite after step {step}; not saving (the last checkpoint is kept)")
-    if getattr(trainer, "sharding", None) is None:  # fsdp: only rank 0 holds the gathered weights
+    if trainer.strategy.full_state_on_every_rank:  # fsdp: only rank 0 holds the gathered weights
         check_replicas_agree(trainer, weights, step)
     if rank == 0:  # rank 0 holds the whole state (FSDP gathers it there); one writer
         save_checkpoint(run_dir, spec, TrainState(step=step, weights=weights, exp_avg=exp_avg,

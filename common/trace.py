@@ -20,8 +20,7 @@ Framework tracer interface (mlx_impl/trace.py and torch_impl/trace.py, both `Tra
     .step(number)                             context manager around one step (`step N`)
     .span(name)                               context manager around one phase
     .files                                    the paths written, after exit
-and the Trainer's
-    .trace_step(batches, lr, global_tokens, span)  one synced step, each phase inside `span(name)`
+and the Trainer's one step (common/protocols.py): train_step(..., phase=tracer.span, wait=True)
 """
 from __future__ import annotations
 
@@ -50,7 +49,7 @@ def trace(trainer, tracer_cls, batches_for, run_dir: Path, rank: int, world_size
             if world_size > 1:  # start together, so a rank's step does not include waiting for a late peer
                 trainer.all_sum(np.zeros(1), over="world")
             with tracer.step(k + 1):
-                trainer.trace_step(*batches_for(k), span=tracer.span)
+                trainer.train_step(*batches_for(k), phase=tracer.span, wait=True)
             progress(k)
     return [str(Path(path).relative_to(run_dir)) for path in tracer.files]
 

@@ -1,4 +1,4 @@
-"""Which stream MLX's collectives run on, and gradient averaging that keeps to it.
+"""Which stream MLX's collectives run on, gradient averaging that keeps to it, and the bytes they carry.
 
 On a Mac GPU a collective on the GPU stream sits inside a Metal command buffer while it waits for its
 peers; when a peer is a few seconds late (a slower Mac, an eval, a checkpoint), Metal's ~5 s watchdog
@@ -49,3 +49,27 @@ def average_gradients(grads, group, all_reduce_size: int, stream=None):
                                                       communication_stream=stream))
     order = {key: i for i, (key, _) in enumerate(flat)}
     return tree_unflatten(sorted(averaged, key=lambda item: order[item[0]]))
+
+
+class CommCounter:
+    """Bytes given to all-reduce, counted as collectives are traced, attributed to the compiled function
+    whose trace issued them (`per_call`): a compiled function issues the same ones at every call."""
+
+    def __init__(self):
+        self.traced_bytes, self.per_call = 0, {}
+
+    def add(self, x: mx.array) -> None:
+        self.traced_bytes += x.size * x.dtype.size
+
+    def add_all(self, arrays) -> None:
+        for x in arrays:
+            self.add(x)
+
+    def attribute(self, name: str, fn):
+        def call(*args):
+            before = self.traced_bytes
+            out = fn(*args)
+            if self.traced_bytes > before:  # traced just now
+                self.per_call[name] = self.traced_bytes - before
+            return out
+        return call

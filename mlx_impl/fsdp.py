@@ -33,7 +33,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .comm import average_gradients
+from .comm import CommCounter, average_gradients
+from .ddp import moments, sum_of_squares
 
 NATIVE_REDUCE_SCATTER = ("nccl",)  # the mlx 0.32.4 backends that implement mx.distributed.sum_scatter
 SHARD = ".module."                 # fully_shard puts the wrapped module under `module`; HF names never hold it
@@ -43,9 +44,9 @@ def reduce_scatter_kind(backend: str) -> str:
     return "native" if backend in NATIVE_REDUCE_SCATTER else "all_sum_slice"
 
 
-def shard_model(model, group, backend: str, compute_dtype=None) -> "Sharding":
+def shard_model(model, group, kind: str, compute_dtype=None) -> None:
     """Wrap the blocks (and the embedding and head when the vocabulary divides by N) in place."""
-    size, kind = group.size(), reduce_scatter_kind(backend)
+    size = group.size()
 
     def wrap(module):
         if isinstance(module, (nn.Embedding, nn.Linear)) and module.weight.shape[0] % size:
@@ -61,28 +62,36 @@ def shard_model(model, group, backend: str, compute_dtype=None) -> "Sharding":
     model.model.embed_tokens = wrap(model.model.embed_tokens)
     if "lm_head" in model:
         model.lm_head = wrap(model.lm_head)
-    return Sharding(group, kind)
 
 
 class Sharding:
-    """Which parameters a rank holds a shard of, and the collectives that treat them apart."""
+    """The fsdp strategy (common/protocols.py): which parameters a rank holds a shard of, and the
+    collectives that treat them apart."""
 
-    def __init__(self, group, reduce_scatter: str):
-        self.group, self.size, self.rank = group, group.size(), group.rank()
-        self.reduce_scatter = reduce_scatter
+    full_state_on_every_rank = False  # rank 0 gathers the state, the checkpoint's one writer
+    communicates = True               # the replicated gradients, averaged after the backward
+
+    def __init__(self, cfg, world, comm: CommCounter, stream=None):
+        self.group, self.size, self.rank, self.stream = world.group, world.group.size(), world.group.rank(), stream
+        self.reduce_scatter = reduce_scatter_kind(cfg.resolved_backend)
+        self.reduce_bytes = int(cfg.all_reduce_size_mb * 2**20)
+
+    def wrap(self, model):
+        shard_model(model, self.group, self.reduce_scatter)
+        return model
 
     @staticmethod
     def is_sharded(path: str) -> bool:
         return SHARD in path
 
-    def average_gradients(self, grads: dict, all_reduce_size: int, stream=None) -> dict:
+    def reduce_gradients(self, grads: dict) -> dict:
         """Average the replicated gradients over the ranks; the shards were reduce-scattered already."""
         flat = tree_flatten(grads)
         replicated = [(k, g) for k, g in flat if not self.is_sharded(k)]
-        averaged = tree_flatten(average_gradients(dict(replicated), self.group, all_reduce_size, stream))
+        averaged = tree_flatten(average_gradients(dict(replicated), self.group, self.reduce_bytes, self.stream))
         return tree_unflatten(averaged + [(k, g) for k, g in flat if self.is_sharded(k)])
 
-    def global_norm(self, grads: dict, sum_of_squares) -> mx.array:
+    def global_norm(self, grads: dict) -> mx.array:
         """The global gradient norm: replicated gradients counted once, the shards summed over the ranks.
 
         nn.utils.clip_grad_norm_sharded would all-sum the replicated ones too, counting them N times."""
@@ -90,6 +99,13 @@ class Sharding:
         replicated_sq = sum((sum_of_squares(g) for k, g in flat if not self.is_sharded(k)), mx.array(0.0))
         sharded_sq = sum((sum_of_squares(g) for k, g in flat if self.is_sharded(k)), mx.array(0.0))
         return mx.sqrt(replicated_sq + mx.distributed.all_sum(sharded_sq, group=self.group))
+
+    def export_state(self, weights: dict, optimizer: dict):
+        weights = self.full(weights)
+        return (weights, *moments(weights, self.full(optimizer)))
+
+    def import_state(self, full: dict, paths) -> dict:
+        return self.local(full, paths)
 
     def full(self, flat: dict) -> dict:
         """Flat arrays under this rank's paths -> whole numpy arrays under HF names, on rank 0 only (the

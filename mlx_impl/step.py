@@ -3,8 +3,10 @@
 Precision (common/precision.py): the model computes in cfg.dtype from float32 master weights, so the
 gradients, their all-reduce and the AdamW state are float32 whatever the dtype.
 
-Strategy ddp replicates the model; fsdp shards it (mlx_impl/fsdp.py: sharded gradients arrive
-reduce-scattered from the backward, only the replicated ones are averaged here).
+The Trainer holds one strategy (common/protocols.py; `STRATEGIES` below is the only place that maps names
+to classes): ddp replicates the model (ddp.py), fsdp shards it (fsdp.py: sharded gradients arrive
+reduce-scattered from the backward, only the replicated ones are averaged after it), tp splits each layer
+(tp.py). The step asks the strategy, never which one it is.
 
 The loss of a step is (sum of masked token losses on all ranks) / (global count of real target tokens),
 so DP is exact even when ranks hold different numbers of real tokens (padding mode). Each rank scales
@@ -20,20 +22,23 @@ holds the full gradient of its own pieces, so nothing is averaged.
 """
 from __future__ import annotations
 
-import time
-
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from . import fsdp, tp
-from .comm import average_gradients, communication_stream
+from common.protocols import no_phase
+
+from .comm import CommCounter, communication_stream
+from .ddp import Replicated, clip_by_norm, state_bytes
+from .fsdp import Sharding
 from .model import Llama, load_weights, weights_of
+from .tp import TensorParallel
 from .trace import Tracer
 
 FRAMEWORK = "mlx"
+STRATEGIES = {"ddp": Replicated, "fsdp": Sharding, "tp": TensorParallel}
 
 
 def token_loss_sum(model, inputs, targets, mask):
@@ -58,16 +63,8 @@ def cross_entropy(logits: mx.array, targets: mx.array) -> mx.array:
     return mx.log(mx.exp(logits - peak).sum(axis=-1)) + peak.squeeze(-1) - target_logits
 
 
-def _sum_of_squares(x: mx.array, width: int = 4) -> mx.array:
-    """Sum of x², as a tree of sums of `width` terms: a flat float32 sum over the millions of elements of
-    an embedding gradient is off by ~4e-5, and the clip coefficient with it (measured on `small`)."""
-    x = x.astype(mx.float32).reshape(-1)
-    x = x * x
-    while x.size > width:
-        if x.size % width:
-            x = mx.concatenate([x, mx.zeros((width - x.size % width,), dtype=x.dtype)])
-        x = x.reshape(-1, width).sum(axis=1)
-    return x.sum()
+def strategy_for(cfg, world, comm: CommCounter, stream=None):
+    return STRATEGIES[cfg.strategy](cfg, world, comm, stream)
 
 
 def _exact_sum(arrays) -> float:
@@ -81,53 +78,34 @@ class Trainer:
     def __init__(self, cfg, spec, weights, world):
         self.rank, self.world_size, self.group = world.rank, world.size, world.group
         # Ranks that read different samples and average gradients: all of them, except under tp.
-        self.dp_size = dp_size = cfg.data_parallel_size
-        group = world.group
-        self.comm = tp.CommCounter()
+        self.dp_size = cfg.data_parallel_size
+        self.comm = CommCounter()
         self.device = "gpu" if mx.default_device() == mx.gpu else "cpu"
+        self.stream = communication_stream(cfg)  # the CPU stream on a Metal GPU (mlx_impl/comm.py)
+        self.strategy = strategy = strategy_for(cfg, world, self.comm, self.stream)
         self.model = Llama(spec, compute_dtype=cfg.dtype)
         load_weights(self.model, weights)
-        self.sharding = sharding = (fsdp.shard_model(self.model, group, cfg.resolved_backend)
-                                    if cfg.strategy == "fsdp" else None)
-        self.reduce_scatter = sharding.reduce_scatter if sharding else None
-        self.tp = tp.TensorParallel(group, self.comm) if cfg.strategy == "tp" else None
-        if self.tp:
-            self.tp.parallelize(self.model)
+        strategy.wrap(self.model)
         self.optimizer = optim.AdamW(learning_rate=cfg.lr, betas=[cfg.beta1, cfg.beta2], eps=cfg.adam_eps,
                                      weight_decay=cfg.weight_decay, bias_correction=True)
         self.optimizer.init(self.model.trainable_parameters())
         mx.eval(self.model.parameters(), self.optimizer.state)
         self.grad_accum = cfg.grad_accum
-        grad_clip, reduce_bytes = cfg.grad_clip, int(cfg.all_reduce_size_mb * 2**20)
-        self.stream = stream = communication_stream(cfg)  # the CPU stream on a Metal GPU (mlx_impl/comm.py)
+        grad_clip = cfg.grad_clip
         loss_and_grad = nn.value_and_grad(self.model, token_loss_sum)
 
         def micro_step(inputs, targets, mask, scale):
             (_, losses), grads = loss_and_grad(self.model, inputs, targets, mask)
             return losses, tree_map(lambda g: g * scale, grads)
 
-        def average(grads):
-            """The gradient sync of a step."""
-            if sharding is not None:  # the shards were reduce-scattered in the backward
-                return sharding.average_gradients(grads, reduce_bytes, stream)
-            if dp_size > 1:
-                self.comm.add_all(v for _, v in tree_flatten(grads))
-                return average_gradients(grads, group, reduce_bytes, stream)
-            return grads
-
         def make_update(sync: bool):
             def update(grads):
                 if sync:
-                    grads = average(grads)
+                    grads = strategy.reduce_gradients(grads)
                 # One global norm: replicated gradients counted once, shards and tp slices summed over ranks.
-                if sharding is not None:
-                    grad_norm = sharding.global_norm(grads, _sum_of_squares)
-                elif self.tp:
-                    grad_norm = self.tp.global_norm(grads, _sum_of_squares)
-                else:
-                    grad_norm = mx.sqrt(sum(_sum_of_squares(g) for _, g in tree_flatten(grads)))
-                if grad_clip > 0:  # optim.clip_grad_norm's (and torch's) formula, with the precise norm
-                    grads = tree_map(lambda g: g * mx.minimum(grad_clip / (grad_norm + 1e-6), 1.0), grads)
+                grad_norm = strategy.global_norm(grads)
+                if grad_clip > 0:
+                    grads = clip_by_norm(grads, grad_clip, grad_norm)
                 self.optimizer.update(self.model, grads)
                 return grad_norm
             return update
@@ -138,76 +116,40 @@ class Trainer:
         self._micro_step = self.comm.attribute("micro_step", mx.compile(micro_step, inputs=state, outputs=state))
         self._update = {True: self.comm.attribute("update", mx.compile(make_update(True), inputs=state, outputs=state)),
                         False: mx.compile(make_update(False), inputs=state, outputs=state)}
-        # trace_step runs the sync apart from the update to time it (uncompiled: it stays out of the
-        # per-call byte counts of comm_bytes_per_step).
-        self._average = average if sharding is not None or dp_size > 1 else None
         self._eval_losses = mx.compile(lambda x, y, m: token_loss_sum(self.model, x, y, m)[1], inputs=state,
                                        outputs=state)
 
-    def train_step(self, batches, lr, global_tokens, sync=True):
-        """sync=False skips the gradient all-reduce (time breakdown only: the ranks' weights part ways)."""
-        token_losses, grads = self._gradients(batches, global_tokens)
-        self.optimizer.learning_rate = mx.array(lr, dtype=mx.float32)
-        grad_norm = self._update[sync](grads)
-        mx.eval(grad_norm, token_losses, self.model.state, self.optimizer.state)  # the step is done when timed
-        local = np.array([_exact_sum(token_losses)])
-        loss_sum = (self.all_sum(local) if sync else local)[0]
-        return float(loss_sum / global_tokens), grad_norm.item()
-
-    def _gradients(self, batches, global_tokens):
-        """(this rank's masked token losses per micro-batch, its summed gradients, scaled), lazily."""
+    def train_step(self, batches, lr, global_tokens, sync=True, phase=no_phase, wait=False):
+        """sync=False skips the gradient sync (time breakdown only: the ranks' weights part ways).
+        `phase(name)` wraps each phase (common/protocols.py); wait=True ends each in mx.eval: forward (a
+        micro-batch's losses), backward (the rest of its gradients: the compiled micro-step's graph is then
+        evaluated in two parts, and kernels it fused across the two run in forward), communication (the
+        gradient sync, run apart from the update to time it, uncompiled so that it stays out of the per-call
+        byte counts of comm_bytes_per_step; under fsdp the shards' reduce-scatter is in backward), optimizer."""
         # scale = N / T (N data-parallel ranks): after averaging, the gradient is that of (sum of losses) / T.
         scale = mx.array(self.dp_size / global_tokens, dtype=mx.float32)
         token_losses, grads = [], None
         for inputs, targets, mask in batches:
-            losses, micro_grads = self._micro_step(mx.array(inputs), mx.array(targets), mx.array(mask), scale)
-            token_losses.append(losses)
-            # accumulate lazily; DDP communicates only in `update` (FSDP: see fsdp.py)
-            grads = micro_grads if grads is None else tree_map(mx.add, grads, micro_grads)
-        return token_losses, grads
-
-    def profile_step(self, batches, lr, global_tokens):
-        """One step without gradient sync that waits for each phase (common/breakdown.py): forward from a
-        forward-only pass, backward as forward+backward minus it, then the update."""
-        start = time.perf_counter()
-        for inputs, targets, mask in batches:
-            mx.eval(self._eval_losses(mx.array(inputs), mx.array(targets), mx.array(mask)))
-        forward = time.perf_counter() - start
-        t = time.perf_counter()
-        token_losses, grads = self._gradients(batches, global_tokens)
-        mx.eval(token_losses, grads)
-        forward_backward = time.perf_counter() - t
-        t = time.perf_counter()
-        self.optimizer.learning_rate = mx.array(lr, dtype=mx.float32)
-        mx.eval(self._update[False](grads), self.model.state, self.optimizer.state)
-        optimizer = time.perf_counter() - t
-        return {"forward": forward, "backward": max(0.0, forward_backward - forward), "optimizer": optimizer,
-                "total": time.perf_counter() - start - forward}  # the extra forward pass is not part of a step
-
-    def trace_step(self, batches, lr, global_tokens, span):
-        """One synced step whose phases each run inside `span(name)` and end in mx.eval (common/trace.py):
-        forward (a micro-batch's losses), backward (the rest of its gradients: the compiled micro-step's
-        graph is evaluated in two parts, and kernels it fused across the two run in forward), communication
-        (the gradient sync; under fsdp the shards' reduce-scatter is in backward), optimizer."""
-        scale = mx.array(self.dp_size / global_tokens, dtype=mx.float32)
-        token_losses, grads = [], None
-        for inputs, targets, mask in batches:
-            with span("forward"):
+            with phase("forward"):
                 losses, micro_grads = self._micro_step(mx.array(inputs), mx.array(targets), mx.array(mask), scale)
-                mx.eval(losses)
-            with span("backward"):
+                token_losses.append(losses)
+                _wait_for(wait, losses)
+            with phase("backward"):
+                # accumulate lazily; DDP communicates only in `update` (FSDP: see fsdp.py)
                 grads = micro_grads if grads is None else tree_map(mx.add, grads, micro_grads)
+                _wait_for(wait, grads)
+        update_syncs = sync
+        if wait and sync and self.strategy.communicates:
+            with phase("communication"):
+                grads = self.strategy.reduce_gradients(grads)
                 mx.eval(grads)
-            token_losses.append(losses)
-        if self._average is not None:
-            with span("communication"):
-                grads = self._average(grads)
-                mx.eval(grads)
-        with span("optimizer"):
+            update_syncs = False  # reduced already: the update must not reduce twice
+        with phase("optimizer"):
             self.optimizer.learning_rate = mx.array(lr, dtype=mx.float32)
-            grad_norm = self._update[False](grads)  # the sync already happened
-            mx.eval(grad_norm, self.model.state, self.optimizer.state)
-        loss_sum = self.all_sum(np.array([_exact_sum(token_losses)]))[0]
+            grad_norm = self._update[update_syncs](grads)
+            mx.eval(grad_norm, token_losses, self.model.state, self.optimizer.state)  # the step is done when timed
+        local = np.array([_exact_sum(token_losses)])
+        loss_sum = (self.all_sum(local) if sync else local)[0]
         return float(loss_sum / global_tokens), grad_norm.item()
 
     def eval_loss_sum(self, inputs, targets, mask):
@@ -229,24 +171,13 @@ class Trainer:
         return np.array(summed, dtype=np.float64).sum(axis=(0, 1))
 
     def export_state(self):
-        """HF-named weights and AdamW moments: whole on every rank (tp gathers its slices), except under fsdp,
-        where rank 0 gathers them and the other ranks get empty dicts. Every rank calls it: collectives."""
-        weights, flat = weights_of(self.model), dict(tree_flatten(self.optimizer.state))
-        if self.sharding is not None:
-            weights, flat = self.sharding.full(weights), self.sharding.full(flat)
-        # Views, not copies: MLX arrays are immutable, and a copy of the optimizer state costs its size again.
-        exp_avg = {n: np.asarray(flat[f"{n}.m"]) for n in weights}
-        exp_avg_sq = {n: np.asarray(flat[f"{n}.v"]) for n in weights}
-        if self.tp:
-            return self.tp.gather(weights), self.tp.gather(exp_avg), self.tp.gather(exp_avg_sq)
-        return weights, exp_avg, exp_avg_sq
+        """HF-named weights and AdamW moments, full (strategy.full_state_on_every_rank says on which ranks).
+        Every rank calls it: collectives."""
+        return self.strategy.export_state(weights_of(self.model), dict(tree_flatten(self.optimizer.state)))
 
     def import_optimizer(self, exp_avg, exp_avg_sq, step):
-        if self.sharding is not None:  # this rank's slices, under its parameter paths
-            paths = [k for k, _ in tree_flatten(self.model.parameters())]
-            exp_avg, exp_avg_sq = self.sharding.local(exp_avg, paths), self.sharding.local(exp_avg_sq, paths)
-        if self.tp:
-            exp_avg, exp_avg_sq = self.tp.shard(exp_avg), self.tp.shard(exp_avg_sq)
+        paths = [k for k, _ in tree_flatten(self.model.parameters())]  # this rank's, under fsdp
+        exp_avg, exp_avg_sq = self.strategy.import_state(exp_avg, paths), self.strategy.import_state(exp_avg_sq, paths)
         moments = [(f"{n}.m", mx.array(v)) for n, v in exp_avg.items()]
         moments += [(f"{n}.v", mx.array(v)) for n, v in exp_avg_sq.items()]
         state = self.optimizer.state
@@ -259,10 +190,7 @@ class Trainer:
         return int(mx.get_peak_memory())
 
     def state_bytes(self):
-        """Bytes of parameters, gradients and optimizer state on this rank. A gradient has its parameter's
-        shape on this rank (a shard under fsdp, a slice under tp), so the two take the same bytes."""
-        params = _nbytes(self.model.trainable_parameters())
-        return {"params": params, "grads": params, "optimizer": _nbytes(self.optimizer.state)}
+        return state_bytes(self.model, self.optimizer)
 
     def comm_bytes_per_step(self):
         """Bytes given to all-reduce by one step's micro-steps and update (scalars left out)."""
@@ -270,8 +198,9 @@ class Trainer:
         return calls.get("micro_step", 0) * self.grad_accum + calls.get("update", 0)
 
 
-def _nbytes(tree):
-    return sum(a.nbytes for _, a in tree_flatten(tree) if isinstance(a, mx.array))
+def _wait_for(wait: bool, arrays) -> None:
+    if wait:
+        mx.eval(arrays)
 
 
 def _set_path(tree, path, value):

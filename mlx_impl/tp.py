@@ -22,38 +22,22 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from common.strategy import tp_shard, tp_split_axis
 
+from .comm import CommCounter
+from .ddp import moments, sum_of_squares
 from .model import RMSNorm
 
 
-class CommCounter:
-    """Bytes given to all-reduce, counted as collectives are traced, attributed to the compiled function
-    whose trace issued them (`per_call`): a compiled function issues the same ones at every call."""
-
-    def __init__(self):
-        self.traced_bytes, self.per_call = 0, {}
-
-    def add(self, x: mx.array) -> None:
-        self.traced_bytes += x.size * x.dtype.size
-
-    def add_all(self, arrays) -> None:
-        for x in arrays:
-            self.add(x)
-
-    def attribute(self, name: str, fn):
-        def call(*args):
-            before = self.traced_bytes
-            out = fn(*args)
-            if self.traced_bytes > before:  # traced just now
-                self.per_call[name] = self.traced_bytes - before
-            return out
-        return call
-
-
 class TensorParallel:
-    """One model's split over `group`, and what the Trainer needs to train and checkpoint it."""
+    """The tp strategy (common/protocols.py): one model's split over the group, and what the Trainer needs to
+    train and checkpoint it. The data-parallel size is 1, so no gradient is averaged."""
 
-    def __init__(self, group, counter: CommCounter):
-        self.group, self.rank, self.size, self.counter = group, group.rank(), group.size(), counter
+    reduce_scatter = None
+    full_state_on_every_rank = True
+    communicates = False
+
+    def __init__(self, cfg, world, comm: CommCounter, stream=None):
+        group = world.group
+        self.group, self.rank, self.size, self.counter = group, group.rank(), group.size(), comm
 
         @mx.custom_function
         def grad_sum(x):  # identity forward, all_sum of the gradient backward
@@ -61,12 +45,12 @@ class TensorParallel:
 
         @grad_sum.vjp
         def grad_sum_vjp(x, dx, _):
-            counter.add(dx)
+            comm.add(dx)
             return mx.distributed.all_sum(dx, group=group)
 
         self.grad_sum = grad_sum
 
-    def parallelize(self, model) -> None:
+    def wrap(self, model):
         """Shard a loaded full model in place."""
         local = [(k, mx.array(tp_shard(k, np.array(v), self.rank, self.size)))
                  for k, v in tree_flatten(model.parameters()) if tp_split_axis(k) is not None]
@@ -79,14 +63,24 @@ class TensorParallel:
             block.input_layernorm = GradSumRMSNorm.from_norm(block.input_layernorm, self)
             block.post_attention_layernorm = GradSumRMSNorm.from_norm(block.post_attention_layernorm, self)
         mx.eval(model.parameters())
+        return model
 
-    def global_norm(self, grads, sum_of_squares) -> mx.array:
+    def reduce_gradients(self, grads):
+        return grads  # every rank holds the whole gradient of its pieces
+
+    def global_norm(self, grads) -> mx.array:
         """The whole model's gradient norm: the squares of sharded gradients summed over ranks, those of
         replicated ones (the same on every rank) counted once."""
         flat = tree_flatten(grads)
         sharded = sum((sum_of_squares(g) for k, g in flat if tp_split_axis(k) is not None), mx.array(0.0))
         replicated = sum((sum_of_squares(g) for k, g in flat if tp_split_axis(k) is None), mx.array(0.0))
         return mx.sqrt(replicated + mx.distributed.all_sum(sharded, group=self.group))
+
+    def export_state(self, weights: dict, optimizer: dict):
+        return tuple(self.gather(part) for part in (weights, *moments(weights, optimizer)))
+
+    def import_state(self, full: dict, paths) -> dict:
+        return self.shard(full)
 
     def gather(self, named: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Full arrays from this rank's pieces (every rank calls it: collectives)."""

@@ -2,7 +2,7 @@
 
 MLX has no operator profiler and no Chrome trace of its own, on the CPU or on a GPU. So trace/rank{R}.json
 holds the spans of common/trace.py's Timeline: each step and its phases, each phase ended by mx.eval
-(Trainer.trace_step), with pid = the rank.
+(Trainer.train_step with wait=True), with pid = the rank.
 
 On a Metal GPU (macOS) MLX can record every GPU command buffer into an Xcode capture
 (mx.metal.start_capture / stop_capture): the last traced step goes to trace/rank{R}.gputrace, opened

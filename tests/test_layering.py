@@ -46,8 +46,10 @@ def public_names(path: Path) -> set[str]:
 
 # Files with no counterpart in the other framework, and why (each file's docstring says more).
 FRAMEWORK_ONLY = {"mlx_impl": set(), "torch_impl": set()}
-# Public names with no counterpart: torch averages gradients inside DDP, MLX in mlx_impl/comm.py.
-NAME_ONLY = {"comm.py": {"average_gradients"}}
+# Public names with no counterpart: torch averages gradients inside DDP, MLX in mlx_impl/comm.py; MLX's
+# ddp.py holds the helpers its fsdp.py and tp.py share on gradient trees and the flat optimizer state,
+# torch's the fixed byte count of DDP's buckets (fsdp.py reuses it).
+NAME_ONLY = {"comm.py": {"average_gradients"}, "ddp.py": {"sum_of_squares", "moments", "FixedCount"}}
 
 
 def test_mlx_impl_and_torch_impl_mirror_file_for_file_and_name_for_name():
@@ -55,8 +57,8 @@ def test_mlx_impl_and_torch_impl_mirror_file_for_file_and_name_for_name():
     torch_files = sorted(p.name for p in (ROOT / "torch_impl").glob("*.py")
                          if p.name not in FRAMEWORK_ONLY["torch_impl"])
     assert mlx_files == torch_files
-    for name in ("step.py", "launch.py", "fabric.py", "fsdp.py", "trace.py"):
+    for name in ("step.py", "launch.py", "fabric.py", "ddp.py", "fsdp.py", "comm.py", "trace.py"):
         only = NAME_ONLY.get(name, set())
-        assert public_names(ROOT / "mlx_impl" / name) - only == public_names(ROOT / "torch_impl" / name), name
+        assert public_names(ROOT / "mlx_impl" / name) - only == public_names(ROOT / "torch_impl" / name) - only, name
     # model.py: the same classes and functions, except torch's own RoPE table (MLX has nn.RoPE).
     assert public_names(ROOT / "mlx_impl" / "model.py") == public_names(ROOT / "torch_impl" / "model.py") - {"RoPE"}

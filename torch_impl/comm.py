@@ -5,11 +5,14 @@ collective that waits on a slow peer). torch has nothing to choose: gloo runs co
 threads, which is what `cpu` asks for, and NCCL on its own CUDA streams, which have no watchdog. So the
 config field `communication_stream` means the same in both frameworks and changes nothing here, and
 `cpu` with nccl is refused for both (common/config.py). Gradient averaging is DDP's (torch_impl/step.py),
-so this file has no `average_gradients`.
+so this file has no `average_gradients`. `CommCounter` counts the bytes all-reduced, as MLX's does.
 """
 from __future__ import annotations
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
 STREAM_CHOICES = ("auto", "cpu", "default")
+ALL_REDUCES = ("_c10d_functional::all_reduce", "c10d::allreduce_")
 
 
 def communication_stream(cfg):
@@ -18,3 +21,17 @@ def communication_stream(cfg):
     if choice not in STREAM_CHOICES:
         raise ValueError(f"communication_stream must be one of {', '.join(STREAM_CHOICES)}, got {choice!r}")
     return None
+
+
+class CommCounter(TorchDispatchMode):
+    """Bytes given to all-reduce by the ops run under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.name() in ALL_REDUCES:
+            tensors = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+            self.bytes += sum(t.numel() * t.element_size() for t in tensors)
+        return func(*args, **(kwargs or {}))

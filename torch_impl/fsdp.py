@@ -26,12 +26,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from .ddp import FixedCount
+
 
 def reduce_scatter_kind(backend: str) -> str:
     return "native"  # gloo and nccl both implement reduce_scatter_tensor, which FSDP2 calls
 
 
-def shard_model(model, device: torch.device, backend: str) -> "Sharding":
+def shard_model(model, device: torch.device, backend: str) -> None:
     """Shard every block, then the root, in place: `model` becomes an FSDPModule."""
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for block in model.model.layers:
@@ -41,14 +43,29 @@ def shard_model(model, device: torch.device, backend: str) -> "Sharding":
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.set_force_sum_reduction_for_comms(True)
-    return Sharding(model, reduce_scatter_kind(backend))
 
 
 class Sharding:
-    """The FSDP-specific parts of a step: deferred gradient sync, the global norm, full and local state."""
+    """The fsdp strategy (common/protocols.py): deferred gradient sync, the global norm, full and local state."""
 
-    def __init__(self, model, reduce_scatter: str):
-        self.model, self.reduce_scatter, self.rank = model, reduce_scatter, dist.get_rank()
+    full_state_on_every_rank = False  # rank 0 gathers the state, the checkpoint's one writer
+    communicates = False              # the reduce-scatter runs inside the backward (FSDP2's hooks)
+    keeps_grads = False               # FSDP2 frees its sharded gradients
+
+    def __init__(self, cfg, world, device: torch.device):
+        self.device, self.backend, self.rank = device, cfg.resolved_backend, dist.get_rank()
+        self.reduce_scatter = reduce_scatter_kind(self.backend)
+
+    def wrap(self, model):
+        shard_model(model, self.device, self.backend)
+        self.model = model
+        return model
+
+    def param_groups(self, model) -> list[dict]:
+        return [{"params": list(model.parameters())}]
+
+    def comm_counter(self):
+        return FixedCount(None)  # not counted: FSDP2's collectives are reduce-scatters and all-gathers
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -67,6 +84,12 @@ class Sharding:
         squares = torch.stack([torch.linalg.vector_norm(g, dtype=dtype) ** 2 for g in local]).sum()
         dist.all_reduce(squares)
         return squares.sqrt()
+
+    def export_state(self, params: dict, exp_avg: dict, exp_avg_sq: dict):
+        return self.full(params), self.full(exp_avg), self.full(exp_avg_sq)
+
+    def import_state(self, full: dict, params: dict) -> dict:
+        return self.local(full, params)
 
     def full(self, flat: dict) -> dict:
         """Tensors (DTensor shards or plain) -> whole numpy arrays on rank 0 only (the checkpoint's writer);

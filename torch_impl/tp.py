@@ -15,6 +15,8 @@ the step's shapes are those of every step). Mirrors mlx_impl/tp.py.
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -22,33 +24,24 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                parallelize_module)
-from torch.utils._python_dispatch import TorchDispatchMode
 
-ALL_REDUCES = ("_c10d_functional::all_reduce", "c10d::allreduce_")
-
-
-class CommCounter(TorchDispatchMode):
-    """Bytes given to all-reduce by the ops run under it."""
-
-    def __init__(self):
-        super().__init__()
-        self.bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.name() in ALL_REDUCES:
-            tensors = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
-            self.bytes += sum(t.numel() * t.element_size() for t in tensors)
-        return func(*args, **(kwargs or {}))
+from .comm import CommCounter
 
 
 class TensorParallel:
-    """One model's split over every rank, and what the Trainer needs to train and checkpoint it."""
+    """The tp strategy (common/protocols.py): one model's split over every rank, and what the Trainer needs
+    to train and checkpoint it. The data-parallel size is 1, so no gradient is averaged."""
 
-    def __init__(self, device: torch.device):
+    reduce_scatter = None
+    full_state_on_every_rank = True
+    communicates = False
+    keeps_grads = False
+
+    def __init__(self, cfg, world, device: torch.device):
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
         self.mesh = init_device_mesh(device.type, (self.size,))
 
-    def parallelize(self, model) -> None:
+    def wrap(self, model):
         """Shard a loaded full model in place (the sharded weights become DTensors, under the same names)."""
         for block in model.model.layers:
             parallelize_module(block, self.mesh, {
@@ -63,11 +56,24 @@ class TensorParallel:
             attn = block.self_attn
             attn.n_heads, attn.n_kv_heads = attn.n_heads // self.size, attn.n_kv_heads // self.size
         self.params = dict(model.named_parameters())
+        return model
+
+    def no_sync(self):
+        return contextlib.nullcontext()  # nothing to defer: no gradient is averaged
+
+    def param_groups(self, model) -> list[dict]:
+        """Sharded DTensors and plain tensors apart: foreach kernels take one kind at a time."""
+        groups = [{"params": [p for p in model.parameters() if isinstance(p, DTensor) == sharded]}
+                  for sharded in (False, True)]
+        return [g for g in groups if g["params"]]
+
+    def comm_counter(self):
+        return CommCounter()  # the first step's collectives: its shapes are those of every step
 
     @torch.no_grad()
-    def clip_grad_norm_(self, params, max_norm: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """clip_grad_norm_ over the whole model: the squares of sharded gradients summed over ranks, those of
-        replicated ones (the same on every rank) counted once. Clips in place; returns the norm."""
+    def global_norm(self, params, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The whole model's gradient norm: the squares of sharded gradients summed over ranks, those of
+        replicated ones (the same on every rank) counted once."""
         grads = [(p.grad, isinstance(p.grad, DTensor)) for p in params if p.grad is not None]
         local = [g.to_local() if sharded else g for g, sharded in grads]
 
@@ -77,10 +83,13 @@ class TensorParallel:
 
         sharded = squares([t for t, (_, is_sharded) in zip(local, grads) if is_sharded])
         dist.all_reduce(sharded)
-        total = (squares([t for t, (_, is_sharded) in zip(local, grads) if not is_sharded]) + sharded).sqrt()
-        if max_norm > 0:
-            torch._foreach_mul_(local, torch.clamp(max_norm / (total + 1e-6), max=1.0))
-        return total
+        return (squares([t for t, (_, is_sharded) in zip(local, grads) if not is_sharded]) + sharded).sqrt()
+
+    def export_state(self, params: dict, exp_avg: dict, exp_avg_sq: dict):
+        return self.gather(params), self.gather(exp_avg), self.gather(exp_avg_sq)
+
+    def import_state(self, full: dict, params: dict) -> dict:
+        return self.shard(full)
 
     def gather(self, named: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
         """Full arrays from this rank's pieces (every rank calls it: collectives)."""
@@ -98,7 +107,3 @@ class TensorParallel:
                          if isinstance(like, DTensor) else full)
         return out
 
-
-def local_nbytes(t: torch.Tensor) -> int:
-    t = t.to_local() if isinstance(t, DTensor) else t
-    return t.numel() * t.element_size()

@@ -2,7 +2,7 @@
 
 trace/rank{R}.json is torch.profiler's own export: every operator on its thread, and on a CUDA GPU the
 kernels and memory copies on their streams (ProfilerActivity.CUDA). Each step and its phases are
-record_function scopes (user annotations), each phase ended by a device sync (Trainer.trace_step).
+record_function scopes (user annotations), each phase ended by a device sync (Trainer.train_step with wait=True).
 DDP and FSDP reduce gradients from autograd hooks during the backward, so there is no communication
 phase of its own: the collectives are the gloo:/nccl: events (and NCCL kernels) inside `backward`.
 On MPS the profiler sees only the CPU side (torch.mps.profiler writes Instruments signposts instead,

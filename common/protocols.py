@@ -1,0 +1,87 @@
+"""The interfaces between the shared loop and a framework, written as code (torchtitan's `protocols/`).
+
+A backend's `step.py` supplies a `Trainer`; the Trainer holds one `Strategy` (ddp.py `Replicated`, fsdp.py
+`Sharding`, tp.py `TensorParallel`, the same names in mlx_impl/ and torch_impl/) and asks it everything
+that differs between strategies, so a new parallelism is a new class, not a new branch in the step.
+Arrays are the framework's own (mx.array trees, torch tensors); common/ imports neither framework.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any, Callable, ContextManager, Protocol
+
+import numpy as np
+
+Phase = Callable[[str], ContextManager]  # phase("forward") wraps one phase of a step
+
+
+def no_phase(name: str) -> ContextManager:
+    """A step's phases, unobserved: what an ordinary training step passes."""
+    return nullcontext()
+
+
+class Strategy(Protocol):
+    """How the ranks share one model: replicated (ddp), sharded (fsdp) or split layer by layer (tp).
+
+    What both frameworks ask of it is below. Where the gradients are reduced differs, so each framework adds
+    its own members: MLX reduces after the backward, `reduce_gradients(grads)`; torch's DDP and FSDP2 reduce
+    inside it from hooks, so there the strategy gives `no_sync()` for accumulation, `param_groups(model)`,
+    `comm_counter()` (the first step's bytes) and `keeps_grads` (DDP's bucket views stay allocated)."""
+
+    reduce_scatter: str | None       # fsdp: "native" | "all_sum_slice" (summary.json); None otherwise
+    full_state_on_every_rank: bool   # export_state's result is whole on every rank (fsdp: on rank 0 only)
+    communicates: bool               # the step reduces gradients apart from the backward (a phase of its own)
+
+    def wrap(self, model: Any) -> Any:
+        """Make a loaded full model this rank's part, in place; returns what the step runs."""
+
+    def global_norm(self, grads: Any, *args) -> Any:
+        """The whole model's gradient norm: replicated gradients counted once, pieces summed over ranks."""
+
+    def export_state(self, *state) -> tuple[dict, dict, dict]:
+        """(weights, exp_avg, exp_avg_sq) as full numpy dicts under HF names; collectives, every rank calls."""
+
+    def import_state(self, full: dict, params: Any) -> dict:
+        """Full arrays under HF names -> what this rank holds of them, placed as `params` are."""
+
+
+class Trainer(Protocol):
+    """What common/loop.py, breakdown.py and trace.py ask of a backend's step.py.
+
+    Trainer(cfg, spec, weights, world); arrays in and out are numpy."""
+
+    framework: str                   # "mlx" | "torch"
+    device: Any                      # str() of it names it, e.g. "cpu", "gpu", "cuda:0"
+    rank: int
+    world_size: int
+    strategy: Strategy
+    tracer: type                     # --trace (common/trace.py): the framework's Tracer
+
+    def train_step(self, batches, lr: float, global_tokens: int, sync: bool = True, phase: Phase = no_phase,
+                   wait: bool = False) -> tuple[float, float]:
+        """One optimizer step -> (loss, grad_norm) as floats, after the work is done. sync=False skips the
+        gradient reduction (time breakdown only: the ranks' weights part ways); `phase(name)` wraps each
+        phase (forward and backward per micro-batch, communication, optimizer), and wait=True makes each
+        phase wait for the device (common/breakdown.py, common/trace.py)."""
+
+    def eval_loss_sum(self, inputs, targets, mask) -> float:
+        """This rank's sum of token losses."""
+
+    def all_sum(self, values: np.ndarray, over: str = "data") -> np.ndarray:
+        """Summed over the data-parallel ranks (under tp that is the rank itself), or over="world": all."""
+
+    def export_state(self) -> tuple[dict, dict, dict]:
+        """(weights, exp_avg, exp_avg_sq) as full numpy dicts: on every rank where
+        strategy.full_state_on_every_rank, else on rank 0 only (the others get empty dicts)."""
+
+    def import_optimizer(self, exp_avg: dict, exp_avg_sq: dict, step: int) -> None:
+        """Full dicts, on every rank."""
+
+    def peak_memory_bytes(self) -> int:
+        """The framework's own peak."""
+
+    def state_bytes(self) -> dict:
+        """{"params", "grads", "optimizer"}: bytes this rank holds."""
+
+    def comm_bytes_per_step(self) -> int | None:
+        """Bytes given to all-reduce by one training step, measured."""

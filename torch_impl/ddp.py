@@ -1,0 +1,88 @@
+"""DDP in PyTorch: every rank holds the whole model; DDP's hooks all-reduce the gradients in buckets during
+the backward, on the micro-step that ends the optimizer step.
+
+`Replicated` is the strategy (common/protocols.py); the helpers below are what every strategy shares.
+Mirrors mlx_impl/ddp.py.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from .model import weights_of
+
+
+class Replicated:
+    reduce_scatter = None
+    full_state_on_every_rank = True
+    communicates = False  # inside the backward (DDP's hooks), not a phase of its own
+
+    def __init__(self, cfg, world, device: torch.device):
+        self.device, self.dp_size = device, cfg.data_parallel_size
+        self.bucket_cap_mb, self.static_graph = cfg.bucket_cap_mb, cfg.grad_accum == 1
+        # DDP's bucket views must stay allocated between steps.
+        self.keeps_grads = self.dp_size > 1
+
+    def wrap(self, model):
+        self.model = self.wrapped = model
+        if self.dp_size > 1:
+            self.wrapped = DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                               bucket_cap_mb=self.bucket_cap_mb, gradient_as_bucket_view=True,
+                               # no_sync() and a static graph do not mix; accumulation needs the former.
+                               static_graph=self.static_graph)
+        return self.wrapped
+
+    def no_sync(self):
+        """Accumulate without communicating (every micro-step but the last)."""
+        return self.wrapped.no_sync() if self.dp_size > 1 else contextlib.nullcontext()
+
+    def param_groups(self, model) -> list[dict]:
+        return [{"params": list(model.parameters())}]
+
+    def comm_counter(self):
+        """DDP all-reduces every gradient once, in C++ buckets no dispatch mode sees: count their sizes."""
+        return FixedCount(sum(p.numel() * p.element_size() for p in self.model.parameters()) * (self.dp_size > 1))
+
+    def global_norm(self, params, dtype: torch.dtype) -> torch.Tensor:
+        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad, dtype=dtype)
+                                                     for p in params if p.grad is not None]))
+
+    def export_state(self, params: dict, exp_avg: dict, exp_avg_sq: dict):
+        return weights_of(self.model), _numpy(exp_avg), _numpy(exp_avg_sq)
+
+    def import_state(self, full: dict, params: dict) -> dict:
+        return full
+
+
+class FixedCount(contextlib.nullcontext):
+    """A comm counter whose bytes are known without watching: DDP's buckets; None under fsdp."""
+
+    def __init__(self, nbytes: int | None):
+        super().__init__()
+        self.bytes = nbytes
+
+
+def clip_by_norm(params, max_norm: float, norm: torch.Tensor) -> None:
+    """torch's clip formula, in place, with the precise norm (and on a DTensor's local shard, where a
+    DTensor gradient would need the same mesh as the norm)."""
+    grads = [_local(p.grad) for p in params if p.grad is not None]
+    torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+
+
+def state_bytes(model, optimizer) -> dict:
+    """Bytes of parameters, gradients and optimizer state on this rank. A gradient has its parameter's
+    shape on this rank (a shard under fsdp, a slice under tp), so the two take the same bytes."""
+    states = (t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor))
+    params = sum(_local(p).nbytes for p in model.parameters() if p.requires_grad)
+    return {"params": params, "grads": params, "optimizer": sum(_local(t).nbytes for t in states)}
+
+
+def _local(tensor):
+    """What this rank holds of a tensor: its shard of a DTensor."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _numpy(flat):
+    return {k: v.detach().cpu().numpy() for k, v in flat.items()}
