@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 OUT    ?= runs/demo
 
-.PHONY: demo test install doctor bench clean
+.PHONY: demo test test-fast install doctor bench clean
 
 # The install is redone only when the dependency list or the pins change.
 $(STAMP): pyproject.toml constraints.txt
@@ -19,8 +19,12 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/dpcompare compare --config configs/demo.toml --frameworks mlx,torch --nproc 1,2 --out $(OUT) --overwrite
 
+# The unit lane (no training process, under a minute), then everything: `make test` runs unit first.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest tests/unit
+
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest tests/unit tests/integration
 
 doctor: $(STAMP)
 	$(BIN)/dpcompare doctor
