@@ -42,3 +42,26 @@ def matrix(cache_dir, tmp_path_factory) -> Matrix:
     proc = dpcompare("compare", *SETUP, "--trace", "--frameworks", "mlx,torch", "--nproc", "1,2", "--out", out,
                      "--save-baseline", baseline, cache_dir=cache_dir)
     return Matrix(out, baseline, SETUP, proc.stdout)
+
+
+# The uninterrupted curve a switch at a checkpoint must continue, and what the cross-framework agreement
+# tests of tp and fsdp compare: 20 steps at lr 1e-3 on a 20-step cosine, one run per (framework, strategy,
+# world size) for the whole session.
+HORIZON = ("--lr-decay-steps", 20, "--lr", "1e-3")
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(cache_dir, tmp_path_factory):
+    """uninterrupted(framework, strategy, nproc) -> the run directory, trained on first use."""
+    root = tmp_path_factory.mktemp("uninterrupted")
+    runs = {}
+
+    def run(framework: str, strategy: str, nproc: int) -> Path:
+        if (framework, strategy, nproc) not in runs:
+            out = root / f"{framework}-{strategy}-n{nproc}"
+            dpcompare("run", *FAST, *HORIZON, "--steps", 20, "--framework", framework, "--strategy", strategy,
+                      "--nproc", nproc, "--out", out, cache_dir=cache_dir)
+            runs[framework, strategy, nproc] = out
+        return runs[framework, strategy, nproc]
+
+    return run

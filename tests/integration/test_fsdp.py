@@ -68,10 +68,8 @@ def test_step_1_gradients_equal_ddps_parameter_by_parameter(framework, cache_dir
 
 
 @pytest.mark.slow
-def test_mlx_fsdp_and_torch_fsdp_agree_step_by_step(cache_dir, tmp_path):
-    common = ("--strategy", "fsdp", "--nproc", 2, "--steps", 20, "--lr", "1e-3")
-    mlx = run(cache_dir, tmp_path / "mlx", "--framework", "mlx", *common)
-    torch = run(cache_dir, tmp_path / "torch", "--framework", "torch", *common)
+def test_mlx_fsdp_and_torch_fsdp_agree_step_by_step(uninterrupted):
+    mlx, torch = losses(uninterrupted("mlx", "fsdp", 2)), losses(uninterrupted("torch", "fsdp", 2))  # 20 steps, lr 1e-3
     np.testing.assert_allclose(mlx, torch, rtol=0, atol=1e-4)
 
 
@@ -84,11 +82,11 @@ def test_mlx_fsdp_and_torch_fsdp_agree_step_by_step(cache_dir, tmp_path):
     # which is what torch ddp -> torch fsdp would check (left out to keep CI short)
     (("mlx", "fsdp"), ("torch", "fsdp"), 1e-4),
 ])
-def test_a_checkpoint_resumes_under_another_strategy_as_the_uninterrupted_run(first, second, atol, cache_dir,
-                                                                              tmp_path):
+def test_a_checkpoint_resumes_under_another_strategy_as_the_uninterrupted_run(first, second, atol, uninterrupted,
+                                                                              cache_dir, tmp_path):
     common = ("--nproc", 2, "--lr-decay-steps", 20, "--lr", "1e-3")
     (fw1, s1), (fw2, s2) = first, second
-    straight = run(cache_dir, tmp_path / "straight", *common, "--framework", fw2, "--strategy", s2, "--steps", 20)
+    straight = losses(uninterrupted(fw2, s2, 2))  # 20 steps on the same horizon
     switched = tmp_path / "switched"
     run(cache_dir, switched, *common, "--framework", fw1, "--strategy", s1, "--steps", 10)
     resumed = run(cache_dir, switched, *common, "--framework", fw2, "--strategy", s2, "--steps", 20, "--resume")

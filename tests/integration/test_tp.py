@@ -75,14 +75,13 @@ def test_tp_holds_a_share_of_the_layers_and_measures_the_estimated_communication
 
 
 @pytest.mark.slow
-def test_mlx_tp_and_torch_tp_agree_step_by_step(cache_dir, tmp_path):
-    common = ("--steps", 20, "--lr", "1e-3", *TP)
-    mlx = run(cache_dir, tmp_path / "mlx", "--framework", "mlx", *common)
-    torch = run(cache_dir, tmp_path / "torch", "--framework", "torch", *common)
+def test_mlx_tp_and_torch_tp_agree_step_by_step(uninterrupted):
+    mlx, torch = losses(uninterrupted("mlx", "tp", 2)), losses(uninterrupted("torch", "tp", 2))  # 20 steps, lr 1e-3
     np.testing.assert_allclose(mlx, torch, rtol=0, atol=1e-4)
 
 
 STRATEGY = {"ddp": ("--nproc", 1), "tp": TP}
+WORLD = {"ddp": 1, "tp": 2}
 
 
 @pytest.mark.slow
@@ -90,13 +89,14 @@ STRATEGY = {"ddp": ("--nproc", 1), "tp": TP}
     # mlx tp -> torch tp also loads a full checkpoint into torch TP, as torch ddp -> torch tp would
     ("mlx ddp", "mlx tp", 1e-6), ("mlx tp", "mlx ddp", 1e-6), ("torch tp", "torch ddp", 1e-6),
     ("mlx tp", "torch tp", 1e-4)])
-def test_a_checkpoint_resumed_under_another_strategy_continues_the_same_curve(first, second, atol, cache_dir,
-                                                                              tmp_path):
+def test_a_checkpoint_resumed_under_another_strategy_continues_the_same_curve(first, second, atol, uninterrupted,
+                                                                              cache_dir, tmp_path):
     def args(which):
         framework, strategy = which.split()
         return ("--framework", framework, *STRATEGY[strategy], "--lr-decay-steps", 20, "--lr", "1e-3")
 
-    straight = run(cache_dir, tmp_path / "straight", *args(second), "--steps", 20)
+    framework, strategy = second.split()
+    straight = losses(uninterrupted(framework, strategy, WORLD[strategy]))  # 20 steps on the same horizon
     switched = tmp_path / "switched"
     run(cache_dir, switched, *args(first), "--steps", 10)
     resumed = run(cache_dir, switched, *args(second), "--steps", 20, "--resume")

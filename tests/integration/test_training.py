@@ -67,9 +67,10 @@ def test_mlx_and_torch_agree_step_by_step_from_the_same_seed_checkpoint(world, m
 
 
 @pytest.mark.parametrize("first, second", [("mlx", "torch"), ("torch", "mlx")])
-def test_switching_framework_at_a_checkpoint_continues_the_same_curve(first, second, cache_dir, tmp_path):
+def test_switching_framework_at_a_checkpoint_continues_the_same_curve(first, second, uninterrupted, cache_dir,
+                                                                    tmp_path):
     horizon = ("--lr-decay-steps", 20, "--lr", "1e-3")
-    straight = run(cache_dir, tmp_path / "straight", "--framework", second, "--steps", 20, *horizon)
+    straight = losses(uninterrupted(second, "ddp", 1))  # 20 steps on the same horizon
     switched = tmp_path / "switched"
     run(cache_dir, switched, "--framework", first, "--steps", 10, *horizon)
     resumed = run(cache_dir, switched, "--framework", second, "--steps", 20, "--resume", *horizon)
