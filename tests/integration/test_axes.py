@@ -1,25 +1,11 @@
-"""The strategy and dtype axes: which runs are judged against which, with which tolerances, and how
-`compare` plans a matrix (names, runs left out, every output directory checked before anything trains).
-
-Run directories are synthetic but written with the real schema (see test_parity.make_run).
-"""
+"""The strategy and dtype axes in real compares: float32 beside bfloat16 in one report (a failed float32
+verdict brings a diagnosis), and ddp, fsdp and tp of both frameworks in one report. The judging itself is
+tested on synthetic runs in tests/unit/test_axes.py."""
 from __future__ import annotations
-
 
 import pytest
 
 from helpers import FAST, dpcompare
-
-
-def test_compare_refuses_a_taken_run_directory_before_anything_trains(tmp_path, cache_dir):
-    out = tmp_path / "cmp"
-    (out / "torch-n2").mkdir(parents=True)
-    (out / "torch-n2" / "metrics.jsonl").write_text("")  # a run a user made there earlier
-    proc = dpcompare("compare", *FAST, "--steps", 2, "--nproc", "1,2", "--out", out, cache_dir=cache_dir,
-                     check=False)
-    assert proc.returncode == 2 and "torch-n2 already holds a run" in proc.stderr, proc.stderr
-    assert proc.stderr.count("\n") == 1
-    assert not (out / "mlx-n1").exists(), "nothing may train before every directory is checked"
 
 
 @pytest.mark.slow

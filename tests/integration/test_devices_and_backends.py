@@ -1,7 +1,6 @@
 """Macs and GPUs without the hardware: the stream MLX communicates on, the jaccl backends and both forms of
 mlx.launch's hostfile, backends a build lacks, MPS with several torch ranks, and the end-of-run step check.
 The command lines are checked as built; real runs here use the CPU."""
-import json
 import subprocess
 import sys
 
@@ -9,17 +8,6 @@ import numpy as np
 import pytest
 
 from helpers import FAST, ROOT, dpcompare, losses
-
-MESH = [  # what `mlx.distributed_config --backend jaccl` writes for three Macs cabled pairwise
-    {"ssh": "mac1", "ips": ["10.0.0.1"], "rdma": [None, "rdma_en3", "rdma_en4"]},
-    {"ssh": "mac2", "ips": ["10.0.0.2"], "rdma": ["rdma_en3", None, "rdma_en5"]},
-    {"ssh": "mac3", "ips": ["10.0.0.3"], "rdma": ["rdma_en4", "rdma_en5", None]},
-]
-
-
-def write(path, data):
-    path.write_text(json.dumps(data))
-    return str(path)
 
 
 # ---- the communication stream -------------------------------------------------------------------
@@ -55,14 +43,3 @@ def test_two_mlx_ranks_communicating_on_the_cpu_stream_train_like_one_rank(cache
 
 
 # ---- jaccl, nccl and the hostfile forms --------------------------------------------------------
-
-
-@pytest.mark.skipif(sys.platform == "darwin", reason="a Mac's MLX may have jaccl")
-def test_a_backend_this_mlx_lacks_exits_2_with_one_line_before_anything_starts(cache_dir, tmp_path):
-    two_macs = [{**MESH[0], "rdma": [None, "rdma_en3"]}, {**MESH[1], "rdma": ["rdma_en3", None]}]
-    hostfile = write(tmp_path / "hosts.json", {"backend": "jaccl", "hosts": two_macs})
-    proc = dpcompare("run", *FAST, "--framework", "mlx", "--nproc", 2, "--hostfile", hostfile, "--out",
-                     tmp_path / "out", cache_dir=cache_dir, check=False)
-    assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.count("\n") == 1 and "--backend jaccl" in proc.stderr and "has no jaccl backend" in proc.stderr
-    assert not (tmp_path / "out").exists()

@@ -15,12 +15,6 @@ LINUX_X86 = sys.platform == "linux" and platform.machine() == "x86_64"
 needs_gxx = pytest.mark.skipif(not (LINUX_X86 and shutil.which("g++")), reason="needs Linux x86-64 with g++")
 
 
-def test_an_unknown_choice_exits_2_with_one_line(cache_dir, tmp_path):
-    proc = dpcompare("run", "--framework", "mlx", "--mlx-cpu-jit", "fast", *FAST, "--steps", "1",
-                     "--out", tmp_path / "r", cache_dir=cache_dir, check=False)
-    assert proc.returncode == 2 and "mlx_cpu_jit" in proc.stderr.replace("-", "_") and "Traceback" not in proc.stderr
-
-
 @needs_gxx
 def test_native_kernels_use_avx_and_train_to_the_same_losses_as_baseline_ones(cache_dir, tmp_path):
     """Measured on tiny, 6 steps: native and baseline losses agree to 8e-9 relative (a few kernels, such as

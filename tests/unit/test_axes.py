@@ -14,6 +14,7 @@ from compare.report.labels import run_dirname, run_label
 from compare.matrix import plan_matrix
 from compare.report.parity import Tolerances
 from compare.report.writer import write_report
+from helpers import FAST, dpcompare_here
 from unit.test_parity import judged, make_run, reference_losses
 
 
@@ -97,3 +98,13 @@ def test_a_matrix_leaves_out_sharded_runs_on_one_rank_and_names_every_run(tmp_pa
     assert len(left_out) == 2 and all("needs 2 or more ranks" in reason for reason in left_out)
     with pytest.raises(UserError, match="nothing to run"):
         plan_matrix(base, ["mlx"], ["fsdp"], ["float32"], [1], tmp_path)
+
+
+def test_compare_refuses_a_taken_run_directory_before_anything_trains(tmp_path, cache_dir):
+    out = tmp_path / "cmp"
+    (out / "torch-n2").mkdir(parents=True)
+    (out / "torch-n2" / "metrics.jsonl").write_text("")  # a run a user made there earlier
+    proc = dpcompare_here("compare", *FAST, "--steps", 2, "--nproc", "1,2", "--out", out, cache_dir=cache_dir)
+    assert proc.returncode == 2 and "torch-n2 already holds a run" in proc.stderr, proc.stderr
+    assert proc.stderr.count("\n") == 1
+    assert not (out / "mlx-n1").exists(), "nothing may train before every directory is checked"

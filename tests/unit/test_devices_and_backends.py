@@ -12,6 +12,7 @@ from common.errors import UserError
 from common.loop import TrainingError, check_same_step
 from compare.launch.hosts import check_hostfile, effective_backend, read_mlx_hostfile, ring_hosts, with_hostfile_backend
 from compare.launch.launchers import build_command, device_note
+from helpers import FAST, dpcompare_here
 
 MESH = [  # what `mlx.distributed_config --backend jaccl` writes for three Macs cabled pairwise
     {"ssh": "mac1", "ips": ["10.0.0.1"], "rdma": [None, "rdma_en3", "rdma_en4"]},
@@ -146,3 +147,14 @@ def test_ranks_that_end_at_different_steps_fail_and_ranks_at_the_same_step_pass(
     check_same_step(FakeTrainer([10, 10, 10]), 10)
     with pytest.raises(TrainingError, match="ranks ended at different steps: this rank at 10"):
         check_same_step(FakeTrainer([12]), 10)
+
+
+@pytest.mark.skipif(sys.platform == "darwin", reason="a Mac's MLX may have jaccl")
+def test_a_backend_this_mlx_lacks_exits_2_with_one_line_before_anything_starts(cache_dir, tmp_path):
+    two_macs = [{**MESH[0], "rdma": [None, "rdma_en3"]}, {**MESH[1], "rdma": ["rdma_en3", None]}]
+    hostfile = write(tmp_path / "hosts.json", {"backend": "jaccl", "hosts": two_macs})
+    proc = dpcompare_here("run", *FAST, "--framework", "mlx", "--nproc", 2, "--hostfile", hostfile, "--out",
+                          tmp_path / "out", cache_dir=cache_dir)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and "--backend jaccl" in proc.stderr and "has no jaccl backend" in proc.stderr
+    assert not (tmp_path / "out").exists()

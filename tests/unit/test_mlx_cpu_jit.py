@@ -11,6 +11,7 @@ import pytest
 
 from common.errors import UserError
 from compare.machine import environment as env
+from helpers import FAST, dpcompare_here
 
 LINUX_X86 = sys.platform == "linux" and platform.machine() == "x86_64"
 needs_gxx = pytest.mark.skipif(not (LINUX_X86 and shutil.which("g++")), reason="needs Linux x86-64 with g++")
@@ -38,3 +39,9 @@ def test_native_without_a_compiler_is_refused_and_auto_falls_back(tmp_path, monk
             env.mlx_cpu_jit("native", tmp_path)
     description, extra = env.mlx_cpu_jit("auto", tmp_path)
     assert description.startswith("baseline") and extra == {}
+
+
+def test_an_unknown_choice_exits_2_with_one_line(cache_dir, tmp_path):
+    proc = dpcompare_here("run", "--framework", "mlx", "--mlx-cpu-jit", "fast", *FAST, "--steps", "1",
+                          "--out", tmp_path / "r", cache_dir=cache_dir)
+    assert proc.returncode == 2 and "mlx_cpu_jit" in proc.stderr.replace("-", "_") and "Traceback" not in proc.stderr

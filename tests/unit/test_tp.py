@@ -8,6 +8,7 @@ from common.errors import UserError
 from common.spec import preset
 from common.strategy import check_strategy, comm_bytes_per_step_estimate, tp_shard, tp_split_axis
 from common.weights import parameter_shapes
+from helpers import FAST, dpcompare_here
 
 
 # ---- the split, framework-neutral ------------------------------------------------------------------------
@@ -79,3 +80,15 @@ def test_a_checkpoint_refuses_weights_that_differ_between_ranks():
     drifted = {"model.norm.weight": np.ones(64, dtype=np.float32) * (1 + 1e-4)}
     with pytest.raises(TrainingError, match="after step 5"):
         check_replicas_agree(_Rank(drifted), weights, step=5)
+
+
+@pytest.mark.parametrize("extra, named", [(("--nproc", 1), "at least 2"),
+                                          (("--nproc", 2, "--set", "model.ffn_dim=175"), "model.ffn_dim = 175"),
+                                          (("--nproc", 2, "--set", "model.n_kv_heads=1"), "model.n_kv_heads = 1")])
+def test_tp_that_cannot_split_exits_2_with_one_line_and_writes_nothing(extra, named, cache_dir, tmp_path):
+    out = tmp_path / "never"
+    proc = dpcompare_here("run", *FAST, "--framework", "mlx", "--set", "strategy=tp", *extra, "--steps", 2,
+                          "--out", out, cache_dir=cache_dir)
+    assert proc.returncode == 2
+    assert named in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert not out.exists()

@@ -4,6 +4,7 @@ import json
 import pytest
 
 from compare.report.tracking import report_run
+from helpers import FAST, dpcompare_here
 from unit.test_parity import make_run
 
 event_accumulator = pytest.importorskip(
@@ -28,3 +29,8 @@ def test_event_files_hold_every_step_and_eval(tmp_path):
     assert [s for s, _ in scalars["train/loss"]] == [s for s, _ in losses]
     assert all(abs(a - b) <= 1e-6 * abs(b) for (_, a), (_, b) in zip(scalars["train/loss"], losses))
     assert [s for s, _ in scalars["eval/loss"]] == [20, 40]
+
+
+def test_an_unknown_tracker_is_a_user_error(cache_dir, tmp_path):
+    proc = dpcompare_here("run", *FAST, "--report-to", "tensorbored", "--out", tmp_path / "x", cache_dir=cache_dir)
+    assert proc.returncode == 2 and "report_to 'tensorbored'" in proc.stderr
