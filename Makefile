@@ -19,10 +19,11 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/dpcompare compare --config configs/demo.toml --frameworks mlx,torch --nproc 1,2 --out $(OUT) --overwrite
 
+# Everything, unit first so a broken edit fails in seconds.
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest tests/unit tests/integration
 
-# The unit lane: tests that start no training process, to run after each edit.
+# The unit lane: tests that start no training process (under a minute), to run after each edit.
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest tests/unit
 

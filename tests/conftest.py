@@ -1,3 +1,7 @@
+# Two lanes, as torchtitan has them: tests/unit starts no training process (`make test-fast`, under a
+# minute), tests/integration starts real ranks through the CLI (marked slow). The rule for the slow lane:
+# a new slow test replaces or extends an existing run (the session's `matrix` in
+# tests/integration/conftest.py, or a run a test already makes); it does not add one.
 import functools
 import shutil
 import subprocess
@@ -6,7 +10,28 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+LANES = ("unit", "integration")
+sys.path.insert(0, str(HERE))  # `from helpers import ...`, `from unit.test_parity import ...`
+
+
+def pytest_collect_file(file_path, parent):
+    """A test file outside the two lanes is an error, so a new file cannot dodge the split."""
+    if file_path.suffix == ".py" and file_path.name.startswith("test_"):
+        try:
+            lane = file_path.resolve().relative_to(HERE).parts[0]
+        except ValueError:
+            return None
+        if lane not in LANES:
+            raise pytest.UsageError(f"{file_path}: test files live in tests/unit (no training process) or "
+                                    "tests/integration (the rest)")
+    return None
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if Path(str(item.path)).resolve().is_relative_to(HERE / "integration"):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")

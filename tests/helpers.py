@@ -41,3 +41,26 @@ def losses(run_dir: Path) -> list[float]:
 
 def summary(run_dir: Path) -> dict:
     return json.loads((Path(run_dir) / "summary.json").read_text())
+
+
+def dpcompare_here(*args, cache_dir: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`dpcompare ARGS` in this process, for inputs refused before any rank starts (the unit lane's guard
+    fails a test whose call gets further): exit code, stdout and stderr as the subprocess would give them."""
+    import contextlib
+    import io
+    import traceback
+    from unittest import mock
+
+    from compare.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with mock.patch.dict(os.environ, {"DPCOMPARE_CACHE": str(cache_dir), **(env or {})}), \
+            contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(map(str, args)))
+        except SystemExit as exc:  # argparse's errors
+            code = exc.code
+        except Exception:  # noqa: BLE001 - the traceback is what a test reports
+            code = None
+            traceback.print_exc()
+    return subprocess.CompletedProcess(["dpcompare", *map(str, args)], code, out.getvalue(), err.getvalue())

@@ -6,8 +6,6 @@ import pytest
 
 from helpers import FAST, SHARED_DATA, dpcompare, losses
 
-pytestmark = pytest.mark.slow
-
 
 def test_doctor_reports_frameworks_backends_and_blas(cache_dir):
     out = dpcompare("doctor", cache_dir=cache_dir).stdout
@@ -36,20 +34,17 @@ def test_compare_reports_a_failed_run_runs_the_rest_and_exits_nonzero(cache_dir,
     assert (out / "report.html").exists() and "failed" in (out / "report.md").read_text()
 
 
-def test_report_rebuilds_from_separate_runs(cache_dir, tmp_path):
-    for fw in ("mlx", "torch"):
-        dpcompare("run", *FAST, "--framework", fw, "--steps", 5, "--out", tmp_path / fw, cache_dir=cache_dir)
-    dpcompare("report", tmp_path / "mlx", tmp_path / "torch", "--out", tmp_path / "rep", cache_dir=cache_dir)
+def test_report_rebuilds_from_separate_runs(matrix, cache_dir, tmp_path):
+    dpcompare("report", matrix.run("mlx", 1), matrix.run("torch", 1), "--out", tmp_path / "rep", cache_dir=cache_dir)
     summary = json.loads((tmp_path / "rep" / "summary.json").read_text())
     assert summary["verdicts"]["all_pass"] is True
     assert (tmp_path / "rep" / "report.html").exists()
 
 
-def test_export_gives_a_directory_transformers_loads_with_the_same_logits(cache_dir, tmp_path):
+def test_export_gives_a_directory_transformers_loads_with_the_same_logits(matrix, cache_dir, tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    dpcompare("run", *FAST, "--framework", "mlx", "--steps", 3, "--out", tmp_path / "run", cache_dir=cache_dir)
-    dpcompare("export", tmp_path / "run", "--out", tmp_path / "hf", cache_dir=cache_dir)
+    dpcompare("export", matrix.run("mlx", 1), "--out", tmp_path / "hf", cache_dir=cache_dir)
     from torch_impl.model import from_pretrained
 
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
@@ -57,7 +52,7 @@ def test_export_gives_a_directory_transformers_loads_with_the_same_logits(cache_
     tokens = torch.randint(0, ours.spec.vocab_size, (1, 12))
     with torch.no_grad():
         np.testing.assert_allclose(hf(tokens).logits.numpy(), ours(tokens).numpy(), atol=1e-4)
-    proc = dpcompare("export", tmp_path / "run", "--out", tmp_path / "hf", cache_dir=cache_dir, check=False)
+    proc = dpcompare("export", matrix.run("mlx", 1), "--out", tmp_path / "hf", cache_dir=cache_dir, check=False)
     assert proc.returncode == 2 and "not empty" in proc.stderr
 
 

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 
@@ -15,13 +12,12 @@ from common.flops import flops_per_token, known_peak_flops, matmul_parameters, m
 from common.spec import ModelSpec
 from compare.report.parity import Tolerances
 from compare.report.writer import terminal_table, write_report
-from test_parity import make_run, reference_losses
+from unit.test_parity import make_run, reference_losses
 
 PEAKS = {"mlx": {"flops": 100e9, "device": "cpu", "threads": 1, "blas": "openblas"},
          "torch": {"flops": 80e9, "device": "cpu", "threads": 1, "blas": "mkl"}}
 CONTEXT = {"command": "dpcompare compare --nproc 1,2 --out runs/x", "peaks": PEAKS, "accelerator": None}
 PLOTS = ("loss", "eval_loss", "throughput", "scaling", "memory")
-CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
 
 
 @pytest.fixture(scope="module")
@@ -156,18 +152,3 @@ def test_mfu_and_known_peaks():
     assert known_peak_flops("Apple M2 Max (38-core GPU)") == ("Apple M2 Max (38-core GPU)", 13.6e12)
     assert known_peak_flops("Tesla T4", "bfloat16") is None  # no bf16 on T4
     assert known_peak_flops("Some Unknown GPU") is None
-
-
-# ---- the page in a real browser ----------------------------------------------------------------
-
-@pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed: the HTML report was not rendered")
-def test_report_html_renders_every_figure_in_headless_chromium(report, tmp_path):
-    out, summary = report
-    argv = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-            "--disable-background-networking", "--disable-component-update", "--disable-sync",
-            f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=5000", "--dump-dom",
-            (out / "report.html").as_uri()]
-    dom = subprocess.run(argv, capture_output=True, text=True, timeout=60).stdout
-    loaded = re.search(r'data-images-loaded="(\d+)/(\d+)"', dom)
-    assert loaded, "the page's load script did not run"
-    assert loaded.group(1) == loaded.group(2) == str(len(summary["plots"]))

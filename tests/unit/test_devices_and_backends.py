@@ -2,7 +2,6 @@
 mlx.launch's hostfile, backends a build lacks, MPS with several torch ranks, and the end-of-run step check.
 The command lines are checked as built; real runs here use the CPU."""
 import json
-import subprocess
 import sys
 
 import numpy as np
@@ -13,7 +12,7 @@ from common.errors import UserError
 from common.loop import TrainingError, check_same_step
 from compare.launch.hosts import check_hostfile, effective_backend, read_mlx_hostfile, ring_hosts, with_hostfile_backend
 from compare.launch.launchers import build_command, device_note
-from helpers import FAST, ROOT, dpcompare, losses
+from helpers import FAST, dpcompare_here
 
 MESH = [  # what `mlx.distributed_config --backend jaccl` writes for three Macs cabled pairwise
     {"ssh": "mac1", "ips": ["10.0.0.1"], "rdma": [None, "rdma_en3", "rdma_en4"]},
@@ -48,35 +47,6 @@ def test_communication_stream_is_the_cpu_stream_when_asked_and_mlx_default_other
         RunConfig.from_dict({"communication_stream": "gpu"})
     with pytest.raises(UserError, match="nccl"):
         RunConfig.from_dict({"device": "cuda", "communication_stream": "cpu"})
-
-
-SPLIT_BY_DTYPE = """
-import mlx.core as mx
-from mlx_impl.comm import average_gradients
-group = mx.distributed.init(backend="ring", strict=True)
-r = group.rank() + 1.0
-grads = {"w": mx.full((3,), r, dtype=mx.bfloat16), "layers": [{"b": mx.full((2,), 2 * r)}], "loss": mx.array(r)}
-out = average_gradients(grads, group, 1 << 20, mx.cpu)
-assert out["w"].dtype == mx.bfloat16 and out["layers"][0]["b"].dtype == mx.float32
-assert out["w"].tolist() == [1.5] * 3 and out["layers"][0]["b"].tolist() == [3.0] * 2 and out["loss"].item() == 1.5
-"""
-
-
-def test_mixed_dtype_gradients_are_averaged_on_the_chosen_stream_keeping_tree_and_dtypes(tmp_path):
-    # MLX itself falls back to one all-reduce per array for mixed dtypes and drops the stream there.
-    cmd = [sys.executable, "-m", "compare.launch.spawn", "--ranks", "2", "--ring-hostfile", str(tmp_path / "ring.json"),
-           "--", sys.executable, "-c", SPLIT_BY_DTYPE]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-
-
-@pytest.mark.slow
-def test_two_mlx_ranks_communicating_on_the_cpu_stream_train_like_one_rank(cache_dir, tmp_path):
-    common = ("--framework", "mlx", "--steps", 6)
-    dpcompare("run", *FAST, *common, "--nproc", 1, "--out", tmp_path / "one", cache_dir=cache_dir)
-    dpcompare("run", *FAST, *common, "--nproc", 2, "--set", "communication_stream=cpu", "--out", tmp_path / "two",
-              cache_dir=cache_dir)
-    np.testing.assert_allclose(losses(tmp_path / "two"), losses(tmp_path / "one"), rtol=0, atol=1e-5)
 
 
 # ---- jaccl, nccl and the hostfile forms --------------------------------------------------------
@@ -153,17 +123,6 @@ def test_jaccl_ring_needs_rdma_toward_its_neighbours_only(tmp_path):
         check_hostfile(mlx_cfg(nproc=4, backend="jaccl", hostfile=str(tmp_path / "ring.json")))
 
 
-@pytest.mark.skipif(sys.platform == "darwin", reason="a Mac's MLX may have jaccl")
-def test_a_backend_this_mlx_lacks_exits_2_with_one_line_before_anything_starts(cache_dir, tmp_path):
-    two_macs = [{**MESH[0], "rdma": [None, "rdma_en3"]}, {**MESH[1], "rdma": ["rdma_en3", None]}]
-    hostfile = write(tmp_path / "hosts.json", {"backend": "jaccl", "hosts": two_macs})
-    proc = dpcompare("run", *FAST, "--framework", "mlx", "--nproc", 2, "--hostfile", hostfile, "--out",
-                     tmp_path / "out", cache_dir=cache_dir, check=False)
-    assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.count("\n") == 1 and "--backend jaccl" in proc.stderr and "has no jaccl backend" in proc.stderr
-    assert not (tmp_path / "out").exists()
-
-
 # ---- MPS and the end-of-run step check ---------------------------------------------------------
 
 def test_torch_on_mps_with_several_ranks_is_accepted_and_noted_as_running_on_the_cpu():
@@ -188,3 +147,14 @@ def test_ranks_that_end_at_different_steps_fail_and_ranks_at_the_same_step_pass(
     check_same_step(FakeTrainer([10, 10, 10]), 10)
     with pytest.raises(TrainingError, match="ranks ended at different steps: this rank at 10"):
         check_same_step(FakeTrainer([12]), 10)
+
+
+@pytest.mark.skipif(sys.platform == "darwin", reason="a Mac's MLX may have jaccl")
+def test_a_backend_this_mlx_lacks_exits_2_with_one_line_before_anything_starts(cache_dir, tmp_path):
+    two_macs = [{**MESH[0], "rdma": [None, "rdma_en3"]}, {**MESH[1], "rdma": ["rdma_en3", None]}]
+    hostfile = write(tmp_path / "hosts.json", {"backend": "jaccl", "hosts": two_macs})
+    proc = dpcompare_here("run", *FAST, "--framework", "mlx", "--nproc", 2, "--hostfile", hostfile, "--out",
+                          tmp_path / "out", cache_dir=cache_dir)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and "--backend jaccl" in proc.stderr and "has no jaccl backend" in proc.stderr
+    assert not (tmp_path / "out").exists()

@@ -4,36 +4,25 @@ import json
 
 import pytest
 
-from helpers import FAST, dpcompare
+from helpers import dpcompare
 from compare.launch.sample import PROMPT, continuation
 
-pytestmark = pytest.mark.slow
 
-
-@pytest.fixture(scope="module")
-def runs(cache_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("samples")
-    for fw in ("mlx", "torch"):
-        dpcompare("run", *FAST, "--framework", fw, "--steps", 4, "--lr", "3e-3", "--out", root / fw,
-                  cache_dir=cache_dir)
-    return root
-
-
-def test_both_frameworks_continue_the_prompt_with_the_same_tokens(runs):
-    mlx, torch = continuation(runs / "mlx", max_new_tokens=12), continuation(runs / "torch", max_new_tokens=12)
+def test_both_frameworks_continue_the_prompt_with_the_same_tokens(matrix):
+    mlx, torch = (continuation(matrix.run(fw, 1), max_new_tokens=12) for fw in ("mlx", "torch"))
     assert mlx["prompt"] == PROMPT and mlx["framework"] == "mlx" and torch["framework"] == "torch"
     assert len(mlx["tokens"]) == 12 and mlx["text"]
     assert mlx["tokens"] == torch["tokens"] and mlx["text"] == torch["text"]
 
 
-def test_the_exported_folder_generates_with_transformers_pipeline_and_its_tokenizer(runs, cache_dir, tmp_path):
+def test_the_exported_folder_generates_with_transformers_pipeline_and_its_tokenizer(matrix, cache_dir, tmp_path):
     transformers = pytest.importorskip("transformers")
     out = tmp_path / "hf"
-    dpcompare("export", runs / "torch", "--out", out, cache_dir=cache_dir)
+    dpcompare("export", matrix.run("torch", 1), "--out", out, cache_dir=cache_dir)
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
             "generation_config.json"} <= {p.name for p in out.iterdir()}
     assert json.loads((out / "generation_config.json").read_text())["do_sample"] is False
-    ours = continuation(runs / "torch", max_new_tokens=8)
+    ours = continuation(matrix.run("torch", 1), max_new_tokens=8)
     generator = transformers.pipeline("text-generation", model=str(out), device="cpu")
     eos = generator.tokenizer.eos_token_id
     expected = ours["tokens"][:ours["tokens"].index(eos) + 1] if eos in ours["tokens"] else ours["tokens"]

@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common import supervisor
 from common.checkpoint import latest_checkpoint
 from compare.machine import environment
 from helpers import FAST, ROOT, dpcompare, losses, summary
@@ -91,24 +90,6 @@ def signal_and_time(proc, run_dir, sig):
 
 def rank_statuses(run_dir):
     return sorted(json.loads(p.read_text())["status"] for p in (run_dir / "ranks").glob("rank*.json"))
-
-
-@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="Linux /proc")
-def test_a_supervisor_counts_as_gone_once_exited_even_unreaped_or_its_pid_recycled():
-    child = subprocess.Popen(["sleep", "60"])
-    start = supervisor._start_time(child.pid)
-    here = f"{supervisor._here()}:{child.pid}"
-    assert not supervisor.supervisor_gone(f"{here}:{start}")
-    assert supervisor.supervisor_gone(f"{here}:{int(start) + 1}")  # another process under the same pid
-    assert not supervisor.supervisor_gone(f"elsewhere:{child.pid}:{int(start) + 1}")  # not ours to watch
-    child.kill()  # a zombie now: exited, not yet reaped
-    deadline = time.time() + 5
-    while not supervisor.supervisor_gone(f"{here}:{start}") and time.time() < deadline:
-        time.sleep(0.05)
-    assert supervisor.supervisor_gone(f"{here}:{start}")
-    assert Path(f"/proc/{child.pid}").exists()
-    child.wait()
-    assert supervisor.supervisor_gone(f"{here}:{start}")
 
 
 def skip_unless_available(backend):

@@ -1,5 +1,6 @@
 """Both backends train for real: multi-rank launches, DP and accumulation invariance, cross-framework
-parity, switching framework at a checkpoint. Each test starts real processes through the CLI."""
+parity, switching framework at a checkpoint. Runs are real processes through the CLI, many of them the
+session's `matrix` (conftest.py)."""
 import numpy as np
 import pytest
 
@@ -40,10 +41,14 @@ def test_two_rank_mlx_mpi_run_trains(cache_dir, tmp_path):
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 @pytest.mark.parametrize("sequence", ["packing", "padding"])
-def test_dp_invariance_two_ranks_equal_one_rank_with_the_same_global_batch(framework, sequence, cache_dir, tmp_path):
-    common = ("--framework", framework, "--steps", 10, "--sequence", sequence)
-    one = run(cache_dir, tmp_path / "n1", *common, "--nproc", 1)
-    two = run(cache_dir, tmp_path / "n2", *common, "--nproc", 2)
+def test_dp_invariance_two_ranks_equal_one_rank_with_the_same_global_batch(framework, sequence, matrix, cache_dir,
+                                                                          tmp_path):
+    if sequence == "packing":  # the session's matrix packs, at 1 and 2 ranks
+        one, two = losses(matrix.run(framework, 1)), losses(matrix.run(framework, 2))
+    else:
+        common = ("--framework", framework, "--steps", 10, "--sequence", sequence)
+        one = run(cache_dir, tmp_path / "n1", *common, "--nproc", 1)
+        two = run(cache_dir, tmp_path / "n2", *common, "--nproc", 2)
     np.testing.assert_allclose(two, one, rtol=0, atol=1e-5)
 
 
@@ -56,17 +61,16 @@ def test_accumulation_invariance_two_half_micro_batches_equal_one_batch(framewor
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_mlx_and_torch_agree_step_by_step_from_the_same_seed_checkpoint(world, cache_dir, tmp_path):
-    common = ("--steps", 20, "--nproc", world, "--lr", "1e-3")
-    mlx = run(cache_dir, tmp_path / "mlx", "--framework", "mlx", *common)
-    torch = run(cache_dir, tmp_path / "torch", "--framework", "torch", *common)
+def test_mlx_and_torch_agree_step_by_step_from_the_same_seed_checkpoint(world, matrix):
+    mlx, torch = losses(matrix.run("mlx", world)), losses(matrix.run("torch", world))
     np.testing.assert_allclose(mlx, torch, rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("first, second", [("mlx", "torch"), ("torch", "mlx")])
-def test_switching_framework_at_a_checkpoint_continues_the_same_curve(first, second, cache_dir, tmp_path):
+def test_switching_framework_at_a_checkpoint_continues_the_same_curve(first, second, uninterrupted, cache_dir,
+                                                                    tmp_path):
     horizon = ("--lr-decay-steps", 20, "--lr", "1e-3")
-    straight = run(cache_dir, tmp_path / "straight", "--framework", second, "--steps", 20, *horizon)
+    straight = losses(uninterrupted(second, "ddp", 1))  # 20 steps on the same horizon
     switched = tmp_path / "switched"
     run(cache_dir, switched, "--framework", first, "--steps", 10, *horizon)
     resumed = run(cache_dir, switched, "--framework", second, "--steps", 20, "--resume", *horizon)

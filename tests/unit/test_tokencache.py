@@ -12,10 +12,10 @@ from common.errors import UserError
 from common.tokencache import TokenCache, describe, prepare_tokens, token_dtype
 from common.tokenizer import load_tokenizer
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 STORIES, GPT2 = DATA / "tinystories" / "train.txt", DATA / "gpt2"
 STORIES_TOKENS, STORIES_DOCS = 500_462, 2_317  # shared/data/README.md, before EOS
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SMALL = {"builtin_bytes": 60_000, "builtin_vocab_size": 400, "progress": False}
 
 

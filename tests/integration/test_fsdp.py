@@ -5,9 +5,6 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from common.errors import UserError
-from common.spec import preset
-from common.strategy import check_strategy
 from helpers import FAST, dpcompare, losses, summary
 
 FRAMEWORKS = ["mlx", "torch"]
@@ -16,16 +13,6 @@ FRAMEWORKS = ["mlx", "torch"]
 def run(cache_dir, out, *extra):
     dpcompare("run", *FAST, "--out", out, *extra, cache_dir=cache_dir)
     return losses(out)
-
-
-def test_the_shape_check_names_the_parameter_and_passes_shardable_models():
-    check_strategy("fsdp", preset("base"), 2)  # 50000-token vocabulary, every block dimension even
-    check_strategy("fsdp", preset("small"), 4)  # 50257 tokens do not divide: replicated, not refused
-    check_strategy("ddp", preset("tiny"), 1)
-    with pytest.raises(UserError, match=r"model.layers.0.input_layernorm.weight of shape \(768,\) over 5 ranks"):
-        check_strategy("fsdp", preset("base"), 5)
-    with pytest.raises(UserError, match="needs 2 or more"):
-        check_strategy("fsdp", preset("tiny"), 1)
 
 
 @pytest.mark.slow
@@ -81,10 +68,8 @@ def test_step_1_gradients_equal_ddps_parameter_by_parameter(framework, cache_dir
 
 
 @pytest.mark.slow
-def test_mlx_fsdp_and_torch_fsdp_agree_step_by_step(cache_dir, tmp_path):
-    common = ("--strategy", "fsdp", "--nproc", 2, "--steps", 20, "--lr", "1e-3")
-    mlx = run(cache_dir, tmp_path / "mlx", "--framework", "mlx", *common)
-    torch = run(cache_dir, tmp_path / "torch", "--framework", "torch", *common)
+def test_mlx_fsdp_and_torch_fsdp_agree_step_by_step(uninterrupted):
+    mlx, torch = losses(uninterrupted("mlx", "fsdp", 2)), losses(uninterrupted("torch", "fsdp", 2))  # 20 steps, lr 1e-3
     np.testing.assert_allclose(mlx, torch, rtol=0, atol=1e-4)
 
 
@@ -97,11 +82,11 @@ def test_mlx_fsdp_and_torch_fsdp_agree_step_by_step(cache_dir, tmp_path):
     # which is what torch ddp -> torch fsdp would check (left out to keep CI short)
     (("mlx", "fsdp"), ("torch", "fsdp"), 1e-4),
 ])
-def test_a_checkpoint_resumes_under_another_strategy_as_the_uninterrupted_run(first, second, atol, cache_dir,
-                                                                              tmp_path):
+def test_a_checkpoint_resumes_under_another_strategy_as_the_uninterrupted_run(first, second, atol, uninterrupted,
+                                                                              cache_dir, tmp_path):
     common = ("--nproc", 2, "--lr-decay-steps", 20, "--lr", "1e-3")
     (fw1, s1), (fw2, s2) = first, second
-    straight = run(cache_dir, tmp_path / "straight", *common, "--framework", fw2, "--strategy", s2, "--steps", 20)
+    straight = losses(uninterrupted(fw2, s2, 2))  # 20 steps on the same horizon
     switched = tmp_path / "switched"
     run(cache_dir, switched, *common, "--framework", fw1, "--strategy", s1, "--steps", 10)
     resumed = run(cache_dir, switched, *common, "--framework", fw2, "--strategy", s2, "--steps", 20, "--resume")

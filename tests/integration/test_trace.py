@@ -2,11 +2,7 @@
 the summary and report list the files; without --trace nothing is written. (common/trace.py)"""
 import json
 
-import pytest
-
 from helpers import FAST, dpcompare, summary
-
-pytestmark = pytest.mark.slow
 
 PHASES = {"step 1", "step 2", "forward", "backward", "optimizer"}
 
@@ -16,11 +12,8 @@ def complete_events(path) -> list[dict]:
     return [e for e in trace["traceEvents"] if e.get("ph") == "X"]
 
 
-def test_every_rank_of_a_traced_run_writes_a_chrome_trace_of_the_phases_and_the_report_lists_them(
-        cache_dir, tmp_path):
-    out = tmp_path / "cmp"
-    dpcompare("compare", *FAST, "--steps", 3, "--profile-steps", 1, "--trace", "--nproc", "1,2", "--out", out,
-              cache_dir=cache_dir)
+def test_every_rank_of_a_traced_run_writes_a_chrome_trace_of_the_phases_and_the_report_lists_them(matrix):
+    out = matrix.out  # compared with --trace
     for framework in ("mlx", "torch"):
         for n in (1, 2):
             run = out / f"{framework}-n{n}"

@@ -188,21 +188,3 @@ def test_cutting_the_link_mid_run_ends_both_nodes_within_the_timeout_naming_a_ra
         for proc in procs:
             proc.kill()
         hosts.kill_leftovers()
-
-
-@pytest.mark.parametrize("args, expected", [
-    (("--framework", "mlx", "--nnodes", 2), "needs --hostfile"),
-    (("--framework", "mlx", "--nnodes", 2, "--hostfile", "HOSTS", "--nproc", 2), "--nproc 1"),
-    (("--framework", "mlx", "--nnodes", 4, "--hostfile", "HOSTS"), "lists 2 nodes but --nnodes is 4"),
-    (("--framework", "mlx", "--nnodes", 2, "--hostfile", "BAD"), "is not IP:PORT"),
-    (("--framework", "mlx", "--nnodes", 2, "--hostfile", "HOSTS", "--backend", "mpi"), "ring backend"),
-    (("--framework", "torch", "--nnodes", 2), "--rdzv-endpoint"),
-    (("--framework", "torch", "--nnodes", 2, "--node-rank", 2, "--rdzv-endpoint", "h:1"), "node_rank 2"),
-])
-def test_multi_node_flags_are_checked_before_anything_starts(args, expected, cache_dir, tmp_path):
-    (tmp_path / "HOSTS").write_text('[["10.0.0.1:5000"], ["10.0.0.2:5000"]]')
-    (tmp_path / "BAD").write_text('[["10.0.0.1"], ["10.0.0.2:5000"]]')
-    args = [tmp_path / a if a in ("HOSTS", "BAD") else a for a in args]
-    proc = dpcompare("run", *FAST, *args, "--out", tmp_path / "run", cache_dir=cache_dir, check=False)
-    assert proc.returncode == 2 and expected in proc.stderr, proc.stderr
-    assert not (tmp_path / "run").exists()

@@ -2,21 +2,15 @@
 time, and the report shows it. (common/breakdown.py says how each phase is measured.)"""
 import json
 
-import pytest
-
-from helpers import FAST, dpcompare, summary
-
-pytestmark = pytest.mark.slow
+from helpers import summary
 
 PHASES = ("data", "forward", "backward", "communication", "optimizer", "other")
-# Steps of ~50-200 ms on 2 cores and 8 profile steps of each kind, so that timer noise (and gloo's
-# jitter between synced and unsynced steps) stays small next to a step.
-SHAPE = ["--seq-len", "128", "--global-batch-size", "32", "--profile-steps", "8"]
 
 
-def test_every_run_has_a_breakdown_that_adds_up_to_its_step_time_and_the_report_shows_it(cache_dir, tmp_path):
-    out = tmp_path / "cmp"
-    dpcompare("compare", *FAST, *SHAPE, "--steps", 8, "--nproc", "1,2", "--out", out, cache_dir=cache_dir)
+def test_every_run_has_a_breakdown_that_adds_up_to_its_step_time_and_the_report_shows_it(matrix):
+    # The matrix's shape (steps of ~50-200 ms on 2 cores, 8 profile steps of each kind) keeps timer noise
+    # (and gloo's jitter between synced and unsynced steps) small next to a step.
+    out = matrix.out
     for name in ("mlx-n1", "mlx-n2", "torch-n1", "torch-n2"):
         b = summary(out / name)["breakdown"]
         assert set(PHASES) <= set(b) and all(b[p] >= 0 for p in PHASES), b

@@ -10,7 +10,7 @@ from common.errors import UserError
 from common.sources import load_documents, source_identity
 from common.tokenizer import load_tokenizer
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 STORIES, VALID, GPT2 = DATA / "tinystories" / "train.txt", DATA / "tinystories" / "valid.txt", DATA / "gpt2"
 # From shared/data/README.md.
 STORIES_SHA256 = "5352b299dcb1a32898b2d779b145b5a05f3e1265953fd21c264c9f9f9c9ae33d"

@@ -1,0 +1,67 @@
+"""The session's one shared training run. A new slow test reads `matrix` (or extends its flags) before it
+starts a run of its own: each `dpcompare compare` costs a minute on the slow CI machine."""
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from helpers import FAST, dpcompare
+
+# Both frameworks at 1 and 2 ranks, every output switched on. The shape (steps of ~50-200 ms on 2 cores,
+# 8 profile steps of each kind) keeps the time breakdown's timer noise small next to a step.
+STEPS, EVAL_EVERY, LR = 8, 4, "1e-3"
+SETUP = (*FAST, "--seq-len", 128, "--global-batch-size", 32, "--steps", STEPS, "--lr", LR, "--eval-every", EVAL_EVERY,
+         "--profile-steps", 8, "--report-to", "tensorboard")
+
+
+@dataclass(frozen=True)
+class Matrix:
+    out: Path          # the compare's directory: mlx-n1, mlx-n2, torch-n1, torch-n2, report.*, summary.json
+    baseline: Path     # --save-baseline of all four runs
+    setup: tuple       # the flags every run got (a test re-running one of them passes these)
+    stdout: str
+    steps: int = STEPS
+    eval_every: int = EVAL_EVERY
+    lr: str = LR
+
+    def run(self, framework: str, world_size: int) -> Path:
+        return self.out / f"{framework}-n{world_size}"
+
+    @property
+    def summary(self) -> dict:
+        return json.loads((self.out / "summary.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def matrix(cache_dir, tmp_path_factory) -> Matrix:
+    """`dpcompare compare` of mlx and torch at N=1,2 with eval, profile steps, --trace, tensorboard and a
+    saved baseline, once for the session. Tests read it; none may write into it."""
+    root = tmp_path_factory.mktemp("matrix")
+    out, baseline = root / "cmp", root / "golden.json"
+    proc = dpcompare("compare", *SETUP, "--trace", "--frameworks", "mlx,torch", "--nproc", "1,2", "--out", out,
+                     "--save-baseline", baseline, cache_dir=cache_dir)
+    return Matrix(out, baseline, SETUP, proc.stdout)
+
+
+# The uninterrupted curve a switch at a checkpoint must continue, and what the cross-framework agreement
+# tests of tp and fsdp compare: 20 steps at lr 1e-3 on a 20-step cosine, one run per (framework, strategy,
+# world size) for the whole session.
+HORIZON = ("--lr-decay-steps", 20, "--lr", "1e-3")
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(cache_dir, tmp_path_factory):
+    """uninterrupted(framework, strategy, nproc) -> the run directory, trained on first use."""
+    root = tmp_path_factory.mktemp("uninterrupted")
+    runs = {}
+
+    def run(framework: str, strategy: str, nproc: int) -> Path:
+        if (framework, strategy, nproc) not in runs:
+            out = root / f"{framework}-{strategy}-n{nproc}"
+            dpcompare("run", *FAST, *HORIZON, "--steps", 20, "--framework", framework, "--strategy", strategy,
+                      "--nproc", nproc, "--out", out, cache_dir=cache_dir)
+            runs[framework, strategy, nproc] = out
+        return runs[framework, strategy, nproc]
+
+    return run

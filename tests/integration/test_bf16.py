@@ -1,0 +1,86 @@
+"""--dtype bfloat16 is real mixed precision in both frameworks, on the CPU too: bf16 compute from float32
+master weights, within the documented tolerances of float32 (common/precision.py, docs/precision.md)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from common.precision import DEFAULT_TOLERANCES
+from compare.report.parity import moving_average
+from helpers import FAST, dpcompare, losses, summary
+
+BF16 = DEFAULT_TOLERANCES["bfloat16"]
+FRAMEWORKS = ["mlx", "torch"]
+
+
+# ---- slow: the real CLI ------------------------------------------------------------------------------
+
+STEPS = ("--steps", 20, "--lr-decay-steps", 20, "--lr", "3e-3", "--eval-every", 20)
+
+
+def rel(a, b) -> np.ndarray:
+    return np.abs(np.subtract(a, b)) / np.abs(b)
+
+
+def eval_loss(run_dir) -> float:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["eval_loss"] for r in rows if "eval_loss" in r][-1]
+
+
+@pytest.fixture(scope="module")
+def runs(cache_dir, tmp_path_factory):
+    """fp32 and bf16 at N=1, bf16 at N=2, for both frameworks; each directory once for the module."""
+    root = tmp_path_factory.mktemp("bf16")
+    out = {}
+    for framework in FRAMEWORKS:
+        for dtype, nproc in (("float32", 1), ("bfloat16", 1), ("bfloat16", 2)):
+            run_dir = out[framework, dtype, nproc] = root / f"{framework}-{dtype}-{nproc}"
+            dpcompare("run", *FAST, *STEPS, "--framework", framework, "--dtype", dtype, "--nproc", nproc,
+                      "--out", run_dir, cache_dir=cache_dir)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_bf16_runs_differ_from_fp32_and_stay_within_the_documented_tolerance(framework, runs):
+    fp32, bf16 = runs[framework, "float32", 1], runs[framework, "bfloat16", 1]
+    s = summary(bf16)
+    assert s["dtype"] == "bfloat16" and s["precision"]["compute_dtype"] == "bfloat16"
+    assert s["precision"]["master_dtype"] == s["precision"]["reduce_dtype"] == "float32"
+    a, b = losses(bf16), losses(fp32)
+    assert len(a) == 20 and np.abs(np.subtract(a, b)).max() > 1e-6, "bfloat16 computed in float32"
+    w = BF16["curve_window"]
+    assert rel(moving_average(np.array(a), w), moving_average(np.array(b), w)).max() <= BF16["vs_fp32_curve_rtol"]
+    assert rel(eval_loss(bf16), eval_loss(fp32)) <= BF16["vs_fp32_eval_rtol"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_mlx_bf16_matches_torch_bf16(nproc, runs):
+    mlx, torch_ = runs["mlx", "bfloat16", nproc], runs["torch", "bfloat16", nproc]
+    a, b = np.array(losses(mlx)), np.array(losses(torch_))
+    k, w = BF16["parity_steps"], BF16["curve_window"]
+    assert rel(a[:k], b[:k]).max() <= BF16["loss_rtol"]
+    assert rel(moving_average(a, w), moving_average(b, w)).max() <= BF16["curve_rtol"]
+    assert rel(eval_loss(mlx), eval_loss(torch_)) <= BF16["eval_rtol"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_dp_invariance_in_bf16_two_ranks_match_one_within_the_bf16_tolerance(framework, runs):
+    one, two = losses(runs[framework, "bfloat16", 1]), losses(runs[framework, "bfloat16", 2])
+    assert rel(two, one).max() <= BF16["dp_rtol"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_a_bf16_run_resumes_exactly_from_its_float32_checkpoint(framework, runs, cache_dir, tmp_path):
+    common = (*FAST, *STEPS, "--framework", framework, "--dtype", "bfloat16", "--out", tmp_path)
+    dpcompare("run", *common, "--steps", 10, cache_dir=cache_dir)  # the later --steps wins
+    saved = load_file(tmp_path / "checkpoints" / "step_000010" / "model.safetensors")
+    assert {v.dtype for v in saved.values()} == {np.dtype(np.float32)}
+    dpcompare("run", *common, "--resume", cache_dir=cache_dir)
+    np.testing.assert_allclose(losses(tmp_path), losses(runs[framework, "bfloat16", 1]), rtol=0, atol=1e-6)

@@ -1,0 +1,46 @@
+"""`dpcompare doctor --fabric`: all-reduce latency and bandwidth per backend, within its time budget, and a
+host that cannot be reached ends it with one line. Tiny messages and short budgets keep these quick."""
+import time
+
+import pytest
+
+from common.fabric import Collectives, measure
+from compare.machine.fabric import Measured, Workload
+
+
+class FakeLink:
+    """Collectives over a simulated link: each call costs latency + bytes / bandwidth (seconds)."""
+
+    def __init__(self, latency_s, bytes_per_s):
+        self.latency_s, self.bytes_per_s, self.decisions = latency_s, bytes_per_s, []
+
+    def collectives(self):
+        def all_reduce(x):
+            time.sleep(self.latency_s + x / self.bytes_per_s)
+
+        def from_rank0(value):
+            self.decisions.append(value)
+            return value
+
+        return Collectives(rank=0, size=2, device="cpu", buffer=lambda n: n, all_reduce=all_reduce,
+                           from_rank0=from_rank0)
+
+
+def test_the_rank_measures_every_size_when_time_allows_and_skips_what_would_overrun_the_budget():
+    fast = FakeLink(1e-4, 1e9)
+    results = measure(fast.collectives(), [4096, 2**20], max_calls=5)
+    assert [r["size_bytes"] for r in results] == [4096, 2**20] and all(len(r["times_s"]) == 5 for r in results)
+    # A slow link: 64 MB would take ~0.7 s a call, far past a 0.5 s budget, so it is skipped (predicted from
+    # 512 KB), and the decision (a 0 from rank 0) is made inside a collective so every rank skips it alike.
+    slow = FakeLink(1e-3, 1e8)
+    started = time.monotonic()
+    results = measure(slow.collectives(), [4096, 2**19, 2**26], max_calls=5, time_budget_s=0.5, started=started)
+    assert [r["size_bytes"] for r in results] == [4096, 2**19] and time.monotonic() - started < 0.6
+    assert 0.0 in slow.decisions
+
+
+def test_the_sync_estimate_is_a_latency_per_bucket_plus_the_bytes_at_the_measured_bandwidth():
+    row = Measured("mlx", "ring", 2, latency_s=1e-4, bandwidth_Bps=1e9)
+    small = Workload("small", 128, 8)
+    assert row.sync_s(small.grad_bytes, 32 * 2**20) == pytest.approx(4 * 1e-4 + small.grad_bytes / 1e9)
+    assert 100 * 2**20 < small.grad_bytes < 120 * 2**20  # ~28M fp32 parameters
