@@ -10,7 +10,7 @@ Gradient averaging. Each rank scales its loss by N / global_tokens (step.py) and
 reduce-scattered sum by N, as DDP does. FSDP2 asks the backend for ReduceOp.AVG, and gloo has silently
 summed instead (pytorch issue 162338: gradients N times too large, which Adam and clipping mostly hide).
 torch 2.13's gloo averages correctly, but the version is not trusted: on gloo every FSDP unit reduces
-with SUM and divides by N itself. tests/test_fsdp.py proves step 1's gradient norm equals DDP's.
+with SUM and divides by N itself. tests/integration/test_fsdp.py proves step 1's gradient norm equals DDP's.
 
 Accumulation: `no_sync()` turns FSDP2's gradient sync off for all but the last micro-step, so unsharded
 gradients accumulate locally and are reduce-scattered once per step (the same as DDP's no_sync).
