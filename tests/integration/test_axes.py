@@ -1,6 +1,6 @@
 """The strategy and dtype axes in real compares: float32 beside bfloat16 in one report (a failed float32
-verdict brings a diagnosis), and ddp, fsdp and tp of both frameworks in one report. The judging itself is
-tested on synthetic runs in tests/unit/test_axes.py."""
+verdict brings a diagnosis), and ddp, fsdp and tp of both frameworks in one report (of the session's shared
+2-rank runs). The judging itself is tested on synthetic runs in tests/unit/test_axes.py."""
 from __future__ import annotations
 
 import pytest
@@ -41,11 +41,13 @@ def test_float32_and_bfloat16_share_a_report_and_a_failed_float32_verdict_brings
 
 
 @pytest.mark.slow
-def test_compare_puts_ddp_fsdp_and_tp_of_both_frameworks_in_one_report(cache_dir, tmp_path):
+def test_ddp_fsdp_and_tp_of_both_frameworks_share_one_report(uninterrupted, cache_dir, tmp_path):
+    """The report of the six 2-rank runs the fsdp and tp tests already train (integration/conftest.py):
+    strategy pairs, cross-framework pairs, state and time breakdown for every strategy."""
     import json
-    out = tmp_path / "cmp"
-    dpcompare("compare", *FAST, "--steps", 4, "--nproc", "2", "--strategies", "ddp,fsdp,tp", "--out", out,
-              cache_dir=cache_dir)
+    out = tmp_path / "rep"
+    dirs = [uninterrupted(fw, s, 2) for fw in ("mlx", "torch") for s in ("ddp", "fsdp", "tp")]
+    dpcompare("report", *dirs, "--out", out, cache_dir=cache_dir)
     summary = json.loads((out / "summary.json").read_text())
     labels = {r["label"] for r in summary["runs"]}
     assert labels == {f"{fw} {s}x2".replace("ddp ", "") for fw in ("mlx", "torch") for s in ("ddp ", "fsdp ", "tp ")}
