@@ -18,6 +18,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -25,6 +26,9 @@ from .errors import UserError
 from .fsutil import atomic_write_text, fsync_dir
 from .spec import ModelSpec
 from .weights import check_weights, load_pretrained, save_pretrained
+
+if TYPE_CHECKING:
+    from .config import RunConfig
 
 FORMAT_VERSION = 1
 KEEP_LAST = 2
@@ -37,6 +41,13 @@ class TrainState:
     exp_avg: dict[str, np.ndarray]
     exp_avg_sq: dict[str, np.ndarray]
     info: dict                       # sampler, fingerprints, framework
+
+
+def resume_fingerprints(cfg: RunConfig, cache_meta: dict, token_cache: str) -> dict:
+    """What a checkpoint must share with the run that resumes it, or the batches would differ."""
+    return {"data_fingerprint": cache_meta.get("fingerprint", str(token_cache)),
+            "global_batch_size": cfg.global_batch_size, "seed": cfg.seed, "seq_len": cfg.seq_len,
+            "sequence": cfg.sequence}
 
 
 def save_checkpoint(run_dir: Path, spec: ModelSpec, state: TrainState) -> Path:

@@ -247,7 +247,8 @@ class RunConfig:
             raise UserError("communication_stream cpu does not work with the nccl backend (NCCL reduces GPU "
                             "memory on the GPU stream); use auto")
         self.micro_batch_size  # raises when the global batch does not split
-        # preset, [model] fields and seq_len checked now; and whether the strategy can split that model
+        # preset, [model] fields and seq_len checked now; and whether the strategy can split that model (the one
+        # place this is checked: every RunConfig is validated when it is made, before anything is prepared)
         check_strategy(self.strategy, self.model_spec(vocab_size=None), self.world_size)
 
 

@@ -29,7 +29,7 @@ from .checkpoint import load_checkpoint
 from .config import RunConfig
 from .errors import UserError
 from .sampler import GlobalSampler
-from .schedule import lr_at
+from .schedule import lr_for
 from .sequences import SequenceView
 from .spec import ModelSpec
 from .tokencache import TokenCache
@@ -58,31 +58,41 @@ class DiagnosisInputs:
     step: int                        # completed steps before this one
 
 
-def write_plan(path: Path, cfg: RunConfig, spec: ModelSpec, token_cache: Path, weights_dir: Path,
-               checkpoint: Path | None, step: int) -> None:
-    """What every worker reads: the same config, weights and batch for both frameworks."""
-    Path(path).write_text(json.dumps({
-        "config": cfg.to_dict(), "spec": spec.to_dict(), "token_cache": str(token_cache),
-        "weights": str(weights_dir), "checkpoint": str(checkpoint) if checkpoint else None, "step": step,
-    }, indent=2))
+@dataclass(frozen=True)
+class DiagnosisPlan:
+    """What every diagnosis worker reads (diagnose_plan.json): the same config, weights and step for both
+    frameworks. `checkpoint` is a run's checkpoint to start from, else the seed checkpoint `weights`."""
+    config: RunConfig
+    spec: ModelSpec
+    token_cache: Path
+    weights: Path
+    checkpoint: Path | None
+    step: int                        # completed steps before the diagnosed one
 
+    def write(self, path: Path) -> None:
+        Path(path).write_text(json.dumps({
+            "config": self.config.to_dict(), "spec": self.spec.to_dict(), "token_cache": str(self.token_cache),
+            "weights": str(self.weights), "checkpoint": str(self.checkpoint) if self.checkpoint else None,
+            "step": self.step}, indent=2))
 
-def read_plan(path: Path) -> DiagnosisInputs:
-    plan = json.loads(Path(path).read_text())
-    cfg, spec = RunConfig.from_dict(plan["config"]), ModelSpec.from_dict(plan["spec"])
-    optimizer = None
-    if plan["checkpoint"]:
-        state = load_checkpoint(Path(plan["checkpoint"]), spec, {})
-        weights, optimizer = state.weights, (state.exp_avg, state.exp_avg_sq, state.step)
-    else:
-        _, weights = load_pretrained(Path(plan["weights"]))
-    step = int(plan["step"])
-    view = SequenceView(TokenCache.open(plan["token_cache"]).split("train"), cfg.seq_len, cfg.sequence)
-    indices = GlobalSampler(view.num_samples, cfg.global_batch_size, cfg.seed).global_batch_indices(step)
-    lr = lr_at(step, lr=cfg.lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.lr_decay_steps or cfg.steps,
-               min_lr_ratio=cfg.min_lr_ratio)
-    return DiagnosisInputs(cfg, spec, weights, optimizer, view.batch(indices), view.real_target_count(indices),
-                           lr, step)
+    @classmethod
+    def read(cls, path: Path) -> "DiagnosisPlan":
+        raw = json.loads(Path(path).read_text())
+        return cls(RunConfig.from_dict(raw["config"]), ModelSpec.from_dict(raw["spec"]), Path(raw["token_cache"]),
+                   Path(raw["weights"]), Path(raw["checkpoint"]) if raw["checkpoint"] else None, int(raw["step"]))
+
+    def inputs(self) -> DiagnosisInputs:
+        """The weights (and optimizer state, from a checkpoint) and the global batch of the diagnosed step."""
+        cfg, step, optimizer = self.config, self.step, None
+        if self.checkpoint:
+            state = load_checkpoint(self.checkpoint, self.spec, {})
+            weights, optimizer = state.weights, (state.exp_avg, state.exp_avg_sq, state.step)
+        else:
+            _, weights = load_pretrained(self.weights)
+        view = SequenceView(TokenCache.open(self.token_cache).split("train"), cfg.seq_len, cfg.sequence)
+        indices = GlobalSampler(view.num_samples, cfg.global_batch_size, cfg.seed).global_batch_indices(step)
+        return DiagnosisInputs(cfg, self.spec, weights, optimizer, view.batch(indices),
+                               view.real_target_count(indices), lr_for(cfg, step), step)
 
 
 class TensorStore:
@@ -129,8 +139,8 @@ def injected_bug(framework: str) -> str | None:
 def run_worker(plan_path: Path, out_dir: Path, start_world, framework_module) -> None:
     """One framework's side of a diagnosis: the Trainer's own step, recorded stage by stage.
     `start_world` is the framework's launch.start_world (one process here)."""
-    d = read_plan(plan_path)
-    world = start_world(d.cfg, {"world_size": 1})
+    d = DiagnosisPlan.read(plan_path).inputs()
+    world = start_world(d.cfg)  # the plan's config has one rank
     trainer = framework_module.Trainer(d.cfg, d.spec, d.weights, world)
     if d.optimizer is not None:
         trainer.import_optimizer(*d.optimizer)

@@ -14,18 +14,20 @@ import signal
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from .breakdown import profile
-from .checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import TrainState, latest_checkpoint, load_checkpoint, resume_fingerprints, save_checkpoint
 from .config import RunConfig
 from .errors import UserError
-from .metrics import MetricsWriter, RankStatus, peak_rss_bytes, read_json, truncate_metrics
+from .metrics import MetricsWriter, RankStatus, peak_rss_bytes, truncate_metrics
+from .plan import RunPlan
+from .protocols import Trainer
 from .sampler import GlobalSampler, micro_batches, rank_slice
-from .schedule import lr_at
+from .schedule import lr_for
 from .sequences import SequenceView
 from .spec import ModelSpec
 from .strategy import comm_bytes_per_step_estimate, data_parallel
@@ -55,7 +57,7 @@ class World:
 def rank_main(run_dir: str, start_world, trainer_cls) -> int:
     """Run one rank; every failure lands in ranks/rank{r}.json and one line on stderr, never a hang.
 
-    `start_world(cfg, plan) -> World` initialises the framework's distributed state (the only part that
+    `start_world(cfg) -> World` initialises the framework's distributed state (the only part that
     differs between backends besides the Trainer).
     """
     rank = int(os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("MLX_RANK", 0))))
@@ -84,8 +86,7 @@ def rank_main(run_dir: str, start_world, trainer_cls) -> int:
     signal.signal(signal.SIGTERM, on_sigterm)
     watch_supervisor(on_supervisor_gone)
     try:
-        cfg, _, plan = load_plan(Path(run_dir))
-        world = start_world(cfg, plan)
+        world = start_world(RunPlan.read(Path(run_dir)).config)
         rank = world.rank
         train(Path(run_dir), world, trainer_cls)
         return 0
@@ -102,49 +103,58 @@ def rank_main(run_dir: str, start_world, trainer_cls) -> int:
         return 2 if isinstance(err, UserError) else 1
 
 
-def load_plan(run_dir: Path) -> tuple[RunConfig, ModelSpec, dict]:
-    """run_config.json, as the launcher wrote it: the config, the resolved spec and the shared files."""
-    plan = read_json(Path(run_dir) / "run_config.json")
-    if plan is None:
-        raise UserError(f"{run_dir}/run_config.json is missing or unreadable")
-    return RunConfig.from_dict(plan["config"]), ModelSpec.from_dict(plan["spec"]), plan
+@dataclass
+class Run:
+    """One rank's run from setup to finish: what the loop reads, and the times it measures on the way."""
+    run_dir: Path
+    cfg: RunConfig
+    spec: ModelSpec
+    trainer: Trainer
+    status: RankStatus
+    metrics: MetricsWriter
+    train_view: SequenceView
+    valid_view: SequenceView | None
+    sampler: GlobalSampler
+    fingerprints: dict           # what a checkpoint must share with a run resuming it
+    dp_rank: int                 # data-parallel rank and size (common/strategy.py): tp ranks read one batch
+    dp_size: int
+    start_step: int              # 0, or the step of the checkpoint resumed from
+    fault: dict | None           # DPCOMPARE_INJECT_FAULT, tests only
+    launch_time: float
+    step_times: list[float] = field(default_factory=list)
+    data_times: list[float] = field(default_factory=list)
+    first_step_end: float | None = None
 
-
-def resume_fingerprints(cfg: RunConfig, cache_meta: dict, token_cache: str) -> dict:
-    """What a checkpoint must share with the run that resumes it, or the batches would differ."""
-    return {"data_fingerprint": cache_meta.get("fingerprint", str(token_cache)),
-            "global_batch_size": cfg.global_batch_size, "seed": cfg.seed, "seq_len": cfg.seq_len,
-            "sequence": cfg.sequence}
-
-
-def lr_for(cfg: RunConfig, step: int) -> float:
-    return lr_at(step, lr=cfg.lr, warmup_steps=cfg.warmup_steps,
-                 total_steps=cfg.lr_decay_steps or cfg.steps, min_lr_ratio=cfg.min_lr_ratio)
+    def step_inputs(self, step: int):
+        """(this rank's micro-batches, lr, global real-token count) of an optimizer step."""
+        indices = self.sampler.global_batch_indices(step)
+        mine = rank_slice(indices, self.dp_rank, self.dp_size)
+        batches = [self.train_view.batch(m) for m in micro_batches(mine, self.cfg.grad_accum)]
+        return batches, lr_for(self.cfg, step), self.train_view.real_target_count(indices)
 
 
 def train(run_dir: Path, world: World, trainer_cls) -> None:
-    rank, world_size = world.rank, world.size
-    run_dir = Path(run_dir)
-    cfg, spec, plan = load_plan(run_dir)
-    dp_rank, dp_size = data_parallel(cfg.strategy, rank, world_size)
+    """Set up, train cfg.steps steps (from a checkpoint with --resume), then the profile and trace steps."""
+    run = setup_run(Path(run_dir), world, trainer_cls)
+    try:
+        run_steps(run)
+    finally:
+        run.metrics.close()
+    finish_run(run, world.size)
+
+
+def setup_run(run_dir: Path, world: World, trainer_cls) -> Run:
+    """Read the plan and the data, build the Trainer from the seed checkpoint (or the one resumed)."""
+    plan = RunPlan.read(run_dir)
+    cfg, spec, rank = plan.config, plan.spec, world.rank
+    dp_rank, dp_size = data_parallel(cfg.strategy, rank, world.size)
     global _live_status
     status = _live_status = RankStatus(run_dir, rank)
-    cache = TokenCache.open(plan["token_cache"])
+    cache = TokenCache.open(plan.token_cache)
     train_view = SequenceView(cache.split("train"), cfg.seq_len, cfg.sequence)
     sampler = GlobalSampler(train_view.num_samples, cfg.global_batch_size, cfg.seed)
-    fingerprints = resume_fingerprints(cfg, cache.meta, plan["token_cache"])
-
-    start_step, resume_from = 0, None
-    if cfg.resume and (resume_from := latest_checkpoint(run_dir)) is not None:
-        state = load_checkpoint(resume_from, spec, fingerprints)
-        weights, start_step = state.weights, state.step
-    else:
-        _, weights = load_pretrained(plan["seed_checkpoint"])
-    trainer = trainer_cls(cfg, spec, weights, world)
-    if resume_from is not None:
-        trainer.import_optimizer(state.exp_avg, state.exp_avg_sq, state.step)
-    check_identical_weights(trainer, weights)
-    del weights
+    fingerprints = resume_fingerprints(cfg, cache.meta, str(plan.token_cache))
+    trainer, start_step = start_trainer(plan, run_dir, world, trainer_cls, fingerprints)
 
     valid_view = None
     if "valid" in cache.meta.get("splits", {}) and cache.meta["splits"]["valid"]["num_documents"] > 0:
@@ -155,74 +165,98 @@ def train(run_dir: Path, world: World, trainer_cls) -> None:
         truncate_metrics(metrics_path, start_step)
     metrics = MetricsWriter(metrics_path, enabled=rank == 0)
     status.update(force=True, status="running", device=str(trainer.device), start_step=start_step)
+    return Run(run_dir, cfg, spec, trainer, status, metrics, train_view, valid_view, sampler, fingerprints,
+               dp_rank, dp_size, start_step, fault=injected_fault(trainer.framework),
+               launch_time=float(os.environ.get("DPCOMPARE_LAUNCH_TIME", time.time())))
 
-    launch_time = float(os.environ.get("DPCOMPARE_LAUNCH_TIME", time.time()))
-    fault = injected_fault(trainer.framework)
-    step_times, data_times, first_step_end = [], [], None
 
-    def step_inputs(step: int):
-        """(this rank's micro-batches, lr, global real-token count) of an optimizer step."""
-        indices = sampler.global_batch_indices(step)
-        mine = rank_slice(indices, dp_rank, dp_size)
-        batches = [train_view.batch(m) for m in micro_batches(mine, cfg.grad_accum)]
-        return batches, lr_for(cfg, step), train_view.real_target_count(indices)
+def start_trainer(plan: RunPlan, run_dir: Path, world: World, trainer_cls, fingerprints: dict) -> tuple[Trainer, int]:
+    """(the Trainer, the step it starts after): the latest checkpoint's state with --resume, else the seed's."""
+    start_step, resume_from = 0, None
+    if plan.config.resume and (resume_from := latest_checkpoint(run_dir)) is not None:
+        state = load_checkpoint(resume_from, plan.spec, fingerprints)
+        weights, start_step = state.weights, state.step
+    else:
+        _, weights = load_pretrained(plan.seed_checkpoint)
+    trainer = trainer_cls(plan.config, plan.spec, weights, world)
+    if resume_from is not None:
+        trainer.import_optimizer(state.exp_avg, state.exp_avg_sq, state.step)
+    check_identical_weights(trainer, weights)
+    return trainer, start_step
 
-    try:
-        for step in range(start_step, cfg.steps):
-            t_data = time.perf_counter()
-            batches, lr, global_tokens = step_inputs(step)
-            data_times.append(time.perf_counter() - t_data)
 
-            if fault is not None and fault.get("rank", rank) == rank and fault.get("step") == step + 1:
-                raise RuntimeError(f"injected fault at step {step + 1} (DPCOMPARE_INJECT_FAULT)")
-            t0 = time.perf_counter()
-            loss, grad_norm = trainer.train_step(batches, lr, global_tokens)
-            step_time = time.perf_counter() - t0
-            step_times.append(step_time)
-            if first_step_end is None:
-                first_step_end = time.time()
+def run_steps(run: Run) -> None:
+    """The training steps: one optimizer step each, its metrics, then eval and checkpoint when due."""
+    cfg, trainer, rank = run.cfg, run.trainer, run.trainer.rank
+    for step in range(run.start_step, cfg.steps):
+        t_data = time.perf_counter()
+        batches, lr, global_tokens = run.step_inputs(step)
+        run.data_times.append(time.perf_counter() - t_data)
 
-            if not math.isfinite(loss):
-                raise TrainingError(f"loss is {loss} at step {step + 1}; stopping (the last checkpoint "
-                                    f"is kept)")
-            metrics.write({"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+        fault = run.fault
+        if fault is not None and fault.get("rank", rank) == rank and fault.get("step") == step + 1:
+            raise RuntimeError(f"injected fault at step {step + 1} (DPCOMPARE_INJECT_FAULT)")
+        t0 = time.perf_counter()
+        loss, grad_norm = trainer.train_step(batches, lr, global_tokens)
+        step_time = time.perf_counter() - t0
+        run.step_times.append(step_time)
+        if run.first_step_end is None:
+            run.first_step_end = time.time()
+
+        if not math.isfinite(loss):
+            raise TrainingError(f"loss is {loss} at step {step + 1}; stopping (the last checkpoint "
+                                f"is kept)")
+        run.metrics.write({"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                            "tokens": global_tokens, "step_time_s": step_time,
-                           "tokens_per_s": global_tokens / step_time, "epoch": sampler.epoch_of(step),
+                           "tokens_per_s": global_tokens / step_time, "epoch": run.sampler.epoch_of(step),
                            "strategy": cfg.strategy})
-            status.update(step=step + 1, loss=loss)
+        run.status.update(step=step + 1, loss=loss)
+        after_step(run, step + 1)
 
-            done = step + 1
-            if valid_view is not None and cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
-                metrics.write({"step": done, "eval_loss": evaluate(trainer, valid_view, cfg, dp_rank, dp_size)})
-            if done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
-                checkpoint(trainer, run_dir, spec, done, fingerprints, rank)
-    finally:
-        metrics.close()
-    check_same_step(trainer, start_step + len(step_times))
+
+def after_step(run: Run, done: int) -> None:
+    """Eval every cfg.eval_every steps and at the end; a checkpoint every cfg.checkpoint_every and at the end."""
+    cfg = run.cfg
+    if run.valid_view is not None and cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
+        run.metrics.write({"step": done, "eval_loss": evaluate(run.trainer, run.valid_view, cfg, run.dp_rank,
+                                                               run.dp_size)})
+    if done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
+        checkpoint(run.trainer, run.run_dir, run.spec, done, run.fingerprints, run.trainer.rank)
+
+
+def finish_run(run: Run, world_size: int) -> None:
+    """After the last step: every rank at the same step, the profile and trace steps, the final status."""
+    cfg, trainer, status, step_times = run.cfg, run.trainer, run.status, run.step_times
+    check_same_step(trainer, run.start_step + len(step_times))
 
     timed = step_times[cfg.timing_warmup_steps:] or step_times
     median = float(np.median(timed)) if timed else 0.0
     if cfg.profile_steps and timed:
-        breakdown = profile(trainer, lambda k: step_inputs(cfg.steps + k), cfg.profile_steps, median,
-                            float(np.median(data_times)), world_size,
+        breakdown = profile(trainer, lambda k: run.step_inputs(cfg.steps + k), cfg.profile_steps, median,
+                            float(np.median(run.data_times)), world_size,
                             progress=lambda k: status.update(force=True, status="profiling", profile_step=k))
         status.update(force=True, breakdown=breakdown)
     # Peaks before --trace, whose profiler buffers are no part of the run.
     status.update(peak_mem_bytes=trainer.peak_memory_bytes(), peak_rss_bytes=peak_rss_bytes())
     if cfg.trace and step_times:  # after the profile steps, so that they too run without a profiler
-        files = trace(trainer, trainer.tracer, lambda k: step_inputs(cfg.steps + k), run_dir, rank, world_size,
-                      progress=lambda k: status.update(force=True, status="tracing", trace_step=k))
+        files = trace(trainer, trainer.tracer, lambda k: run.step_inputs(cfg.steps + k), run.run_dir, trainer.rank,
+                      world_size, progress=lambda k: status.update(force=True, status="tracing", trace_step=k))
         status.update(force=True, trace=files)
-    status.update(
-        force=True, status="ok",
+    status.update(force=True, status="ok", **final_figures(run, median, world_size))
+
+
+def final_figures(run: Run, median: float, world_size: int) -> dict:
+    """What the rank's status file reports once training is over (summary.json and the report read it)."""
+    cfg, trainer, step_times = run.cfg, run.trainer, run.step_times
+    return dict(
         state_bytes=trainer.state_bytes(), reduce_scatter=trainer.strategy.reduce_scatter,
         # What the first steps cost beyond a steady-state step: compilation, graph capture, warm caches.
         compile_s=max(0.0, sum(step_times[:cfg.timing_warmup_steps]) - median * min(len(step_times), cfg.timing_warmup_steps)),
-        time_to_first_step_s=(first_step_end - launch_time) if first_step_end else None,
+        time_to_first_step_s=(run.first_step_end - run.launch_time) if run.first_step_end else None,
         steps_run=len(step_times),
         comm_bytes_per_step=trainer.comm_bytes_per_step() if step_times else None,
         comm_bytes_per_step_estimate=comm_bytes_per_step_estimate(
-            cfg.strategy, spec, world_size, cfg.micro_batch_size, cfg.seq_len, cfg.grad_accum),
+            cfg.strategy, run.spec, world_size, cfg.micro_batch_size, cfg.seq_len, cfg.grad_accum),
     )
 
 

@@ -16,3 +16,9 @@ def lr_at(step: int, *, lr: float, warmup_steps: int, total_steps: int, min_lr_r
     decay_steps = max(1, total_steps - warmup_steps)
     progress = min(1.0, (step - warmup_steps) / decay_steps)
     return floor + 0.5 * (lr - floor) * (1.0 + math.cos(math.pi * progress))
+
+
+def lr_for(cfg, step: int) -> float:
+    """The learning rate of `step` (0-based) under a RunConfig's schedule: training and diagnosis alike."""
+    return lr_at(step, lr=cfg.lr, warmup_steps=cfg.warmup_steps,
+                 total_steps=cfg.lr_decay_steps or cfg.steps, min_lr_ratio=cfg.min_lr_ratio)

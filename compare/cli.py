@@ -171,13 +171,11 @@ def cmd_run(args) -> int:
     cfg = config_from_args(args)
     run_dir = Path(cfg.out or default_out(cfg))
     from .machine.backends import check_available
-    from common.strategy import check_strategy
     from .launch.runner import check_hostfile, check_run_dir
 
     check_run_dir(run_dir, cfg.resume, cfg.overwrite)
     check_hostfile(cfg)
     check_available(cfg)
-    check_strategy(cfg.strategy, cfg.model_spec(), cfg.world_size)  # before the tokenizer runs
     inputs = prepare_inputs(cfg)
     summary = launch(cfg, inputs, run_dir)
     return print_run_result(summary, run_dir)

@@ -29,9 +29,10 @@ import numpy as np
 
 from common.checkpoint import latest_checkpoint
 from common.config import FRAMEWORKS, RunConfig
-from common.diagnosis import STAGES, read_store, write_plan
+from common.diagnosis import STAGES, DiagnosisPlan, read_store
 from common.errors import UserError
 from common.metrics import read_json, write_json
+from common.plan import RunPlan
 
 from .machine import environment as env
 
@@ -39,7 +40,7 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 # Relative tolerance per stage and dtype. Largest fp32 differences measured between MLX and torch at
 # the first step of `small` (TinyStories + GPT-2, seq 256), relative to the tensor's largest value:
 # forward 7e-6, loss 2e-8, gradient 1.3e-6, update 3e-4 (plus one float32 spacing of the weights).
-# The planted bugs of tests/test_diagnose.py are 100x-10,000x above their tolerance.
+# The planted bugs of tests/integration/test_diagnose.py are 100x-10,000x above their tolerance.
 RTOL = {
     "float32": {"forward": 1e-4, "loss": 1e-6, "gradient": 1e-3, "update": 2e-2},
     "bfloat16": {"forward": 5e-2, "loss": 1e-2, "gradient": 2e-1, "update": 5e-1},
@@ -76,7 +77,7 @@ def diagnose(cfg: RunConfig | None, out_dir: Path, *, from_run: Path | None = No
     inputs = inputs or prepare_inputs(cfg)
     out_dir.mkdir(parents=True, exist_ok=True)
     plan = out_dir / "diagnose_plan.json"
-    write_plan(plan, cfg, inputs.spec, inputs.token_cache, inputs.seed_checkpoint, checkpoint, done)
+    DiagnosisPlan(cfg, inputs.spec, inputs.token_cache, inputs.seed_checkpoint, checkpoint, done).write(plan)
     stores = {}
     for framework in frameworks:
         stores[framework] = out_dir / "tensors" / framework
@@ -101,10 +102,7 @@ def diagnose_pair(pair: dict, out_dir: Path, keep_tensors: bool = False) -> dict
 
 
 def run_config(run_dir: Path) -> RunConfig:
-    plan = read_json(run_dir / "run_config.json", None)
-    if plan is None:
-        raise UserError(f"{run_dir} holds no run_config.json: not a run directory")
-    return RunConfig.from_dict(plan["config"])
+    return RunPlan.read(run_dir).config
 
 
 def find_checkpoint(run_dir: Path, step: int | None) -> tuple[Path, int]:

@@ -13,20 +13,7 @@ from pathlib import Path
 from common.checkpoint import latest_checkpoint
 from common.errors import UserError
 from common.fsutil import atomic_write_text
-from common.metrics import read_json
-
-
-def run_tokenizer_file(run_dir: Path) -> tuple[Path, dict]:
-    """The run's tokenizer.json (kept in its token cache) and the cache's meta (eos_id, pad_id)."""
-    plan = read_json(Path(run_dir) / "run_config.json", None)
-    if plan is None:
-        raise UserError(f"{run_dir} holds no run_config.json: not a run directory")
-    cache = Path(plan["token_cache"])
-    meta = read_json(cache / "meta.json", None)
-    if meta is None or not (cache / meta["tokenizer"]["path"]).is_file():
-        raise UserError(f"the run's token cache {cache} (with its tokenizer) is gone; run `dpcompare prepare` "
-                        "with the run's --dataset and --tokenizer to rebuild it")
-    return cache / meta["tokenizer"]["path"], meta
+from common.plan import RunPlan
 
 
 def export_run(run_dir: Path, out: Path) -> Path:
@@ -39,7 +26,7 @@ def export_run(run_dir: Path, out: Path) -> Path:
         raise UserError(f"{run_dir} holds no checkpoint to export")
     if out.exists() and any(out.iterdir()):
         raise UserError(f"{out} exists and is not empty; choose another --out")
-    tokenizer_file, meta = run_tokenizer_file(run_dir)
+    tokenizer_file, meta = RunPlan.read(run_dir).tokenizer_file()
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
     eos_id, pad_id = int(meta["eos_id"]), int(meta["pad_id"])
     eos, pad = tokenizer.id_to_token(eos_id), tokenizer.id_to_token(pad_id)

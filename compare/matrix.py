@@ -13,7 +13,7 @@ from pathlib import Path
 
 from common.config import DTYPES, FRAMEWORKS, read_toml
 from common.errors import ParityError, UserError
-from common.strategy import STRATEGIES, check_strategy
+from common.strategy import STRATEGIES
 
 from .flags import config_from_args
 from .report.labels import run_dirname, run_label
@@ -91,7 +91,6 @@ def plan_matrix(base, frameworks, strategies, dtypes, world_sizes, out: Path) ->
                     run_dir = out / run_dirname(fw, n, strategy, dtype)
                     cfg = base.replace(framework=fw, nproc=n, strategy=strategy, dtype=dtype, out=str(run_dir),
                                        backend=base.backend if fw == frameworks[0] else "auto")
-                    check_strategy(strategy, cfg.model_spec(), cfg.world_size)
                     check_run_dir(run_dir, cfg.resume, cfg.overwrite)
                     configs[(run_label(fw, n, strategy, dtype), run_dir)] = cfg
     if not configs:

@@ -16,17 +16,18 @@ from common.loop import World, rank_main
 INIT_BACKEND = {"jaccl-ring": "jaccl"}
 
 
-def start_world(cfg, plan) -> World:
+def start_world(cfg) -> World:
+    """This rank in the job the run plan's config describes (cfg.world_size ranks, cfg.resolved_backend)."""
     import mlx.core as mx
 
-    device = pick_device(cfg.device, 0, plan["world_size"])
-    if plan["world_size"] == 1:
+    device = pick_device(cfg.device, 0, cfg.world_size)
+    if cfg.world_size == 1:
         return World(rank=0, size=1, group=None, device=device)
-    backend = plan["backend"]
+    backend = cfg.resolved_backend
     group = mx.distributed.init(backend=INIT_BACKEND.get(backend, backend), strict=True)
-    if group.size() != plan["world_size"]:
+    if group.size() != cfg.world_size:
         raise UserError(f"the {backend} backend started {group.size()} ranks, the run expects "
-                        f"{plan['world_size']}")
+                        f"{cfg.world_size}")
     return World(rank=group.rank(), size=group.size(), group=group, device=device)
 
 

@@ -15,7 +15,8 @@ from common.errors import UserError
 from common.loop import World, rank_main
 
 
-def start_world(cfg, plan) -> World:
+def start_world(cfg) -> World:
+    """This rank in the job the run plan's config describes (cfg.world_size ranks, cfg.resolved_backend)."""
     import torch
     import torch.distributed as dist
 
@@ -25,10 +26,10 @@ def start_world(cfg, plan) -> World:
     device = pick_device(cfg.device, local_rank, world_size)
     if world_size == 1:
         return World(rank=0, size=1, group=None, device=device)
-    if world_size != plan["world_size"]:
-        raise UserError(f"the launcher started {world_size} ranks, the run expects {plan['world_size']}")
+    if world_size != cfg.world_size:
+        raise UserError(f"the launcher started {world_size} ranks, the run expects {cfg.world_size}")
     # A finite timeout turns a dead or hung peer into an error instead of an endless wait.
-    dist.init_process_group(backend=plan["backend"], timeout=datetime.timedelta(seconds=cfg.collective_timeout_s),
+    dist.init_process_group(backend=cfg.resolved_backend, timeout=datetime.timedelta(seconds=cfg.collective_timeout_s),
                             device_id=torch.device(device) if device.startswith("cuda") else None)
     return World(rank=rank, size=world_size, group=None, device=device)
 

@@ -20,9 +20,9 @@ from common import supervisor
 from common.config import RunConfig
 from common.errors import UserError
 from common.metrics import read_metrics, throughput_stats, write_json
+from common.plan import PLAN_FILE, RunPlan
 from common.precision import describe as describe_precision
 from common.spec import ModelSpec
-from common.strategy import check_strategy
 
 from ..machine import environment as env
 from ..machine.backends import check_available
@@ -33,7 +33,7 @@ from .launchers import build_command, device_note
 from .watchdog import read_ranks, stop_job, watch, watched_ranks
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
-RUN_FILES = ("run_config.json", "metrics.jsonl", "summary.json", "log.txt", "ranks", "checkpoints",
+RUN_FILES = (PLAN_FILE, "metrics.jsonl", "summary.json", "log.txt", "ranks", "checkpoints",
              RING_HOSTFILE, "tensorboard", "wandb", "trace", SAMPLE_FILE)
 
 
@@ -44,6 +44,10 @@ class Inputs:
     spec: ModelSpec
     seed_checkpoint: Path
     cache_meta: dict
+
+    def plan(self, cfg: RunConfig) -> RunPlan:
+        """The run plan of one run of the comparison (common/plan.py): what its ranks read."""
+        return RunPlan.of(cfg, self.spec, self.token_cache, self.seed_checkpoint, self.cache_meta)
 
 
 def prepare_inputs(cfg: RunConfig) -> Inputs:
@@ -109,27 +113,16 @@ def check_run_dir(run_dir: Path, resume: bool, overwrite: bool, clear: bool = Fa
 
 def check_resumable(cfg: RunConfig, inputs: Inputs, run_dir: Path) -> None:
     """Validate the checkpoint a --resume would load before anything is started or written."""
-    from common.checkpoint import latest_checkpoint, load_checkpoint
-    from common.loop import resume_fingerprints
+    from common.checkpoint import latest_checkpoint, load_checkpoint, resume_fingerprints
 
     latest = latest_checkpoint(run_dir) if cfg.resume else None
     if latest is not None:
         load_checkpoint(latest, inputs.spec, resume_fingerprints(cfg, inputs.cache_meta, str(inputs.token_cache)))
 
 
-def write_plan(cfg: RunConfig, inputs: Inputs, run_dir: Path) -> None:
-    write_json(run_dir / "run_config.json", {
-        "config": cfg.to_dict(), "spec": inputs.spec.to_dict(), "token_cache": str(inputs.token_cache),
-        "seed_checkpoint": str(inputs.seed_checkpoint), "world_size": cfg.nproc * cfg.nnodes,
-        "backend": cfg.resolved_backend, "data": {k: inputs.cache_meta.get(k) for k in
-                                                 ("num_documents", "num_tokens", "vocab_size", "tokenizer")},
-    })
-
-
 def launch(cfg: RunConfig, inputs: Inputs, run_dir: Path) -> dict:
     """Run every rank to the end (or to the first failure) and return the summary written to disk."""
     run_dir = Path(run_dir)
-    check_strategy(cfg.strategy, inputs.spec, cfg.world_size)
     check_run_dir(run_dir, cfg.resume, cfg.overwrite)
     check_hostfile(cfg)
     cfg = with_hostfile_backend(cfg)  # an MLX hostfile's "backend" applies unless --backend says otherwise
@@ -142,7 +135,7 @@ def launch(cfg: RunConfig, inputs: Inputs, run_dir: Path) -> dict:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise UserError(f"cannot write to output directory {run_dir}: {err.strerror}") from None
-    write_plan(cfg, inputs, run_dir)
+    inputs.plan(cfg).write(run_dir)
     if "MLX_HOSTFILE" in extra_env:
         write_json(Path(extra_env["MLX_HOSTFILE"]), ring_hosts(cfg))
     shutil.rmtree(run_dir / "ranks", ignore_errors=True)

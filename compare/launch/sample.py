@@ -17,9 +17,9 @@ from pathlib import Path
 
 from common.checkpoint import latest_checkpoint
 from common.errors import UserError
-from common.metrics import read_json, write_json
+from common.metrics import write_json
+from common.plan import RunPlan
 
-from ..export import run_tokenizer_file
 from ..machine import environment as env
 from ..report.samples import SAMPLE_FILE
 
@@ -38,19 +38,16 @@ def continuation(run_dir: Path, prompt: str = PROMPT, max_new_tokens: int = MAX_
     ckpt = latest_checkpoint(run_dir)
     if ckpt is None:
         raise UserError(f"{run_dir} holds no checkpoint to sample from")
-    plan = read_json(run_dir / "run_config.json", None) or {}
-    framework = (plan.get("config") or {}).get("framework")
-    if framework not in ("mlx", "torch"):
-        raise UserError(f"{run_dir}: unknown framework {framework!r} in run_config.json")
-    tokenizer_file, _ = run_tokenizer_file(run_dir)
+    plan = RunPlan.read(run_dir)
+    framework = plan.config.framework
+    tokenizer_file, _ = plan.tokenizer_file()
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
     ids = tokenizer.encode(prompt, add_special_tokens=False).ids
     if not ids:
         raise UserError(f"the prompt {prompt!r} encodes to no tokens")
-    config = plan.get("config") or {}
-    extra = env.thread_env(int(config.get("threads_per_rank", 1)))
+    extra = env.thread_env(plan.config.threads_per_rank)
     if framework == "mlx":
-        extra.update(env.mlx_blas(config.get("mlx_blas", "auto"))[1])
+        extra.update(env.mlx_blas(plan.config.mlx_blas)[1])
     child_env = {**os.environ, **extra, "PYTHONPATH": os.pathsep.join(
         filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))}
     with tempfile.TemporaryDirectory(prefix="dpcompare-sample-") as tmp:
