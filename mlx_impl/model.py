@@ -150,13 +150,3 @@ def from_pretrained(path: str | Path) -> Llama:
     load_weights(model, weights)
     model.eval()
     return model
-
-
-def generate(model: Llama, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """Greedy continuation of the token ids `prompt`: the whole window again for every token (no KV
-    cache), so each step's logits are those of an ordinary forward pass."""
-    tokens = list(prompt)
-    for _ in range(max_new_tokens):
-        logits = model(mx.array([tokens[-model.spec.max_seq_len:]]))[0, -1]
-        tokens.append(int(mx.argmax(logits.astype(mx.float32)).item()))
-    return tokens[len(prompt):]

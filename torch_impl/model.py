@@ -170,15 +170,3 @@ def from_pretrained(path: str | Path) -> Llama:
     load_weights(model, weights)
     model.eval()
     return model
-
-
-@torch.no_grad()
-def generate(model: Llama, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """Greedy continuation of the token ids `prompt`: the whole window again for every token (no KV
-    cache), so each step's logits are those of an ordinary forward pass."""
-    tokens = list(prompt)
-    device = next(model.parameters()).device
-    for _ in range(max_new_tokens):
-        logits = model(torch.tensor([tokens[-model.spec.max_seq_len:]], device=device))[0, -1]
-        tokens.append(int(torch.argmax(logits.float()).item()))
-    return tokens[len(prompt):]

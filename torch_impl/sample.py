@@ -1,23 +1,27 @@
 """Greedy continuation for the report: `python -m torch_impl.sample WEIGHTS_DIR OUT_JSON IDS MAX_NEW_TOKENS`.
 
-IDS is the prompt's token ids, comma-separated (compare/samples.py tokenizes and decodes); OUT_JSON gets
-{"tokens": [...]}, the new tokens only.
+The loop is common/sample.py's; this file gives it the model and one greedy token. compare/launch/sample.py
+runs it after training and writes the run's sample.json.
 """
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
 
-from .model import from_pretrained, generate
+import torch
+
+from common.sample import sample_main
+
+from .model import from_pretrained
+
+
+@torch.no_grad()
+def next_token(model, window: list[int]) -> int:
+    logits = model(torch.tensor([window], device=next(model.parameters()).device))[0, -1]
+    return int(torch.argmax(logits.float()).item())
 
 
 def main(argv: list[str] | None = None) -> int:
-    weights_dir, out, ids, max_new_tokens = sys.argv[1:] if argv is None else argv
-    model = from_pretrained(weights_dir)
-    tokens = generate(model, [int(i) for i in ids.split(",")], int(max_new_tokens))
-    Path(out).write_text(json.dumps({"tokens": tokens}))
-    return 0
+    return sample_main(argv, from_pretrained, next_token)
 
 
 if __name__ == "__main__":
