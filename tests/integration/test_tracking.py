@@ -1,16 +1,5 @@
 """--report-to tensorboard: every run's metrics as event files that TensorBoard's own reader opens."""
-import pytest
-
-
-event_accumulator = pytest.importorskip(
-    "tensorboard.backend.event_processing.event_accumulator",
-    reason="tensorboard is not installed (pip install -e '.[dev]' installs it)")
-
-
-def read_events(logdir):
-    events = event_accumulator.EventAccumulator(str(logdir))
-    events.Reload()
-    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+from unit.test_tracking import read_events
 
 
 def test_a_run_with_report_to_tensorboard_writes_event_files(matrix):
