@@ -19,9 +19,12 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/dpcompare compare --config configs/demo.toml --frameworks mlx,torch --nproc 1,2 --out $(OUT) --overwrite
 
-# Everything, unit first so a broken edit fails in seconds.
+# Everything, unit first so a broken edit fails in seconds; the integration lane on TEST_WORKERS processes
+# (pytest-xdist; tests/conftest.py sends the readers of a shared run to one worker). 2 pays on 2 cores.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest tests/unit tests/integration
+	$(BIN)/python -m pytest tests/unit
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) tests/integration
 
 # The unit lane: tests that start no training process (under a minute), to run after each edit.
 test-fast: $(STAMP)

@@ -34,6 +34,43 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.slow)
 
 
+# Under pytest-xdist (`make test` runs the integration lane on 2 workers) a session or module fixture is
+# built once per worker that asks for it. So the unit of scheduling is a test file, except that the tests
+# reading one of the session's shared runs (tests/integration/conftest.py) form one unit wherever they live:
+# each shared run is trained once. (xdist's own --dist loadgroup would do this with markers, but xdist 3.8
+# sets `item._nodeid`, which pytest 9 no longer reads, so its groups are silently ignored.)
+SHARED_RUNS = ("matrix", "uninterrupted")
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_run_users(path: str) -> dict[str, str]:
+    """{test function name: the shared run it takes as an argument} for one test file."""
+    import ast
+
+    users = {}
+    for node in ast.walk(ast.parse((HERE.parent / path).read_text())):
+        if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
+            shared = [a.arg for a in node.args.args if a.arg in SHARED_RUNS]
+            if shared:
+                users[node.name] = shared[0]
+    return users
+
+
+def scheduling_unit(nodeid: str) -> str:
+    path, _, rest = nodeid.partition("::")
+    return _shared_run_users(path).get(rest.split("[")[0], path) if path.endswith(".py") else path
+
+
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedRunScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return scheduling_unit(nodeid)
+
+    return SharedRunScheduling(config, log)
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):
     """One token cache and seed-checkpoint store for the whole session, as a user's cache would be."""
