@@ -1,4 +1,5 @@
-"""The design card's rules: common/ and compare/ stay framework-free; the two backends mirror each other."""
+"""The design card's rules: common/ and compare/ stay framework-free; the two backends mirror each other; the
+import graph has no cycle and no upward import."""
 import ast
 import subprocess
 import sys
@@ -62,3 +63,72 @@ def test_mlx_impl_and_torch_impl_mirror_file_for_file_and_name_for_name():
         assert public_names(ROOT / "mlx_impl" / name) - only == public_names(ROOT / "torch_impl" / name) - only, name
     # model.py: the same classes and functions, except torch's own RoPE table (MLX has nn.RoPE).
     assert public_names(ROOT / "mlx_impl" / "model.py") == public_names(ROOT / "torch_impl" / "model.py") - {"RoPE"}
+
+
+# ---- the import graph of the four packages: no cycle, nothing imported from a layer above --------------
+PACKAGES = ("common", "mlx_impl", "torch_impl", "compare")
+LAYER = {"common": 0, "mlx_impl": 1, "torch_impl": 1, "compare": 1}  # 1s import common only, not each other
+
+
+def project_modules() -> dict[str, Path]:
+    modules = {}
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def import_graph() -> dict[str, set[str]]:
+    """{module: the project modules it imports}, lazy imports inside functions included."""
+    modules = project_modules()
+
+    def known(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for name, path in modules.items():
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets |= {known(a.name) for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = ".".join(package[:len(package) - node.level + 1] + [node.module or ""]).strip(".") \
+                    if node.level else node.module or ""
+                # `from pkg import module` names a module; `from module import name` names the module
+                targets |= {known(f"{base}.{a.name}") if f"{base}.{a.name}" in modules else known(base)
+                            for a in node.names}
+        graph[name] = targets - {None, name}
+    return graph
+
+
+def test_the_import_graph_has_no_cycle_and_no_upward_import():
+    graph = import_graph()
+    upward = [f"{m} -> {t}" for m, targets in graph.items() for t in targets
+              if t.split(".")[0] != m.split(".")[0] and LAYER[t.split(".")[0]] >= LAYER[m.split(".")[0]]]
+    # compare's parts (launch/, report/, machine/) serve the commands at its top, never the other way round
+    upward += [f"{m} -> {t}" for m, targets in graph.items() for t in targets
+               if m.startswith("compare.") and m.count(".") == 2 and t.startswith("compare.") and t.count(".") == 1
+               and t not in ("compare.launch", "compare.report", "compare.machine")]
+    assert not upward, upward
+
+    visiting, done, cycles = set(), set(), []
+
+    def visit(module: str, path: list[str]) -> None:
+        if module in visiting:
+            cycles.append(path[path.index(module):] + [module])
+            return
+        if module in done:
+            return
+        visiting.add(module)
+        for target in sorted(graph.get(module, ())):
+            visit(target, path + [module])
+        visiting.discard(module)
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+    assert not cycles, cycles
