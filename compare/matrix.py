@@ -17,7 +17,9 @@ from common.strategy import STRATEGIES
 
 from .flags import config_from_args
 from .report.labels import run_dirname, run_label
+from .launch.hosts import check_hostfile
 from .launch.runner import check_run_dir, launch, prepare_inputs
+from .machine.backends import check_available
 
 
 def parse_list(text: str, name: str, kind=str, allowed=None) -> list:
@@ -77,8 +79,9 @@ def run_matrix(args) -> int:
 
 
 def plan_matrix(base, frameworks, strategies, dtypes, world_sizes, out: Path) -> tuple[dict, list[str]]:
-    """{(label, run_dir): RunConfig} for every run, each validated and its directory checked now, before
-    anything trains; and the combinations left out, with the reason (fsdp and tp need 2 ranks or more)."""
+    """{(label, run_dir): RunConfig} for every run, each validated and its directory, hostfile, backend and
+    device checked now, before anything is prepared or trains; and the combinations left out, with the
+    reason (fsdp and tp need 2 ranks or more)."""
     configs, left_out = {}, []
     for strategy in strategies:
         for dtype in dtypes:
@@ -92,6 +95,9 @@ def plan_matrix(base, frameworks, strategies, dtypes, world_sizes, out: Path) ->
                     cfg = base.replace(framework=fw, nproc=n, strategy=strategy, dtype=dtype, out=str(run_dir),
                                        backend=base.backend if fw == frameworks[0] else "auto")
                     check_run_dir(run_dir, cfg.resume, cfg.overwrite)
+                    # A backend or device this machine lacks is refused now, not as a failed run halfway through
+                    check_hostfile(cfg)
+                    check_available(cfg)
                     configs[(run_label(fw, n, strategy, dtype), run_dir)] = cfg
     if not configs:
         raise UserError("nothing to run: " + "; ".join(left_out))
@@ -117,10 +123,13 @@ def check_run_dir_for_compare(out: Path, overwrite: bool) -> None:
         raise UserError(f"{out} already holds a comparison; pass --overwrite or choose another --out")
     if out.exists() and not out.is_dir():
         raise UserError(f"output path {out} exists and is not a directory")
+    created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
         (out / ".write_probe").write_text("")
         (out / ".write_probe").unlink()
+        if created:  # made again once every run is checked: a refused compare leaves nothing behind
+            out.rmdir()
     except OSError as err:
         raise UserError(f"cannot write to output directory {out}: {err.strerror}") from None
 

@@ -158,3 +158,20 @@ def test_a_backend_this_mlx_lacks_exits_2_with_one_line_before_anything_starts(c
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.count("\n") == 1 and "--backend jaccl" in proc.stderr and "has no jaccl backend" in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_compare_refuses_a_device_one_framework_lacks_before_the_first_run(cache_dir, tmp_path):
+    """Every run of the matrix is checked up front: a device the second framework lacks exits 2 with one
+    line and writes nothing, instead of a failed run after the first one has trained."""
+    from compare.machine.backends import PROBES, PROBE_IMPORTS, probe_flags
+
+    sees_cuda = {fw: probe_flags(PROBE_IMPORTS[fw] + f"; print(int(bool({PROBES[key]})))", 1)[0]
+                 for fw, key in (("mlx", ("mlx", "device")), ("torch", ("torch", "cuda")))}
+    if all(sees_cuda.values()):
+        pytest.skip("both frameworks see a GPU here")
+    out = tmp_path / "cmp"
+    proc = dpcompare_here("compare", *FAST, "--steps", 1, "--frameworks", "mlx,torch", "--nproc", 1,
+                          "--device", "cuda", "--out", out, cache_dir=cache_dir)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert proc.stderr.count("\n") == 1 and "--device cuda" in proc.stderr and "sees no cuda device" in proc.stderr
+    assert not out.exists()
