@@ -3,6 +3,7 @@
 # a new slow test replaces or extends an existing run (the session's `matrix` in
 # tests/integration/conftest.py, or a run a test already makes); it does not add one.
 import functools
+import os
 import shutil
 import subprocess
 import sys
@@ -73,8 +74,42 @@ def pytest_xdist_make_scheduler(config, log):
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):
-    """One token cache and seed-checkpoint store for the whole session, as a user's cache would be."""
+    """One token cache and seed-checkpoint store for the whole session, as a user's cache would be; under
+    xdist the workers share the one the matrix filled before they started (token cache, seed checkpoints,
+    MLX's compiled kernels; each is written whole under a temporary name, so concurrent runs are safe)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = tmp_path_factory.getbasetemp().parent / "dpcompare-cache"  # a worker's basetemp is popen-gwN
+        shared.mkdir(exist_ok=True)
+        return shared
     return tmp_path_factory.mktemp("dpcompare-cache")
+
+
+def runs_integration(config) -> bool:
+    lane = HERE / "integration"
+    paths = [Path(str(a).split("::")[0]).resolve() for a in config.args] or [Path(config.rootpath)]
+    return any(p == lane or lane.is_relative_to(p) or p.is_relative_to(lane) for p in paths)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist starts its workers (its own pytest_sessionstart)
+def pytest_sessionstart(session):
+    """Under xdist, the xdist controller trains the integration lane's shared matrix before any worker
+    exists, so that it trains alone (its time breakdown is judged to 15 %) and fills the workers' cache."""
+    config = session.config
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None) \
+            or not runs_integration(config):
+        return
+    from integration.conftest import MATRIX_ENV, build_matrix
+
+    base = config._tmp_path_factory.getbasetemp()
+    root, cache = base / "matrix", base / "dpcompare-cache"
+    root.mkdir(exist_ok=True)
+    cache.mkdir(exist_ok=True)
+    print(f"\ntraining the shared matrix before the workers start ({root})", flush=True)
+    try:
+        build_matrix(root, cache)
+    except AssertionError:
+        pass  # written to root/error.txt: the matrix's readers fail with it, the other tests run
+    os.environ[MATRIX_ENV] = str(root)
 
 
 @functools.lru_cache(maxsize=1)
