@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from .errors import UserError
+from .link import parse_rate
 from .sampler import check_divisible
 from .spec import ModelSpec, preset
 from .strategy import STRATEGIES, check_strategy, data_parallel
@@ -28,6 +29,7 @@ FRAMEWORKS = ("mlx", "torch")
 # mlx.launch --hostfile only.
 BACKENDS = {"mlx": ("auto", "ring", "mpi", "nccl", "jaccl", "jaccl-ring"), "torch": ("auto", "gloo", "nccl")}
 HOSTFILE_ONLY_BACKENDS = ("jaccl", "jaccl-ring")
+LINK_BACKENDS = {"mlx": ("ring", "mpi"), "torch": ("gloo",)}  # the TCP ones, which --link can shape
 COMMUNICATION_STREAMS = ("auto", "cpu", "default")  # mlx_impl/comm.py
 SEQUENCE_MODES = ("packing", "padding")
 DEVICES = ("auto", "cpu", "cuda", "mps", "gpu")
@@ -105,6 +107,7 @@ class RunConfig:
     rdzv_endpoint: str = ""
     init_from: str = ""              # an HF-format Llama dir to start from instead of the seeded init
     collective_timeout_s: float = 60.0
+    link: str = ""                   # emulate a link of this rate between local ranks (compare/launch/netns.py)
     timing_warmup_steps: int = 3
     profile_steps: int = 2           # extra instrumented steps after the run for the time breakdown; 0 = none
     trace: bool = False              # then a timeline of 2 more steps per rank in RUN_DIR/trace/ (common/trace.py)
@@ -235,6 +238,14 @@ class RunConfig:
             if self.nproc != 1:
                 raise UserError("MLX with nnodes > 1 starts one rank per node: use --nproc 1 (list a host "
                                 "twice in the hostfile and start two nodes on it for two ranks there)")
+        if self.link:
+            parse_rate(self.link)
+            if self.hostfile or self.nnodes > 1:
+                raise UserError(f"--link {self.link} emulates a link between the ranks of this machine; it "
+                                "cannot be combined with --hostfile or --nnodes (there the link is real)")
+            if self.resolved_backend not in LINK_BACKENDS[self.framework]:
+                raise UserError(f"--link {self.link}: the {self.resolved_backend} backend does not talk over "
+                                f"TCP; emulated links work with {', '.join(LINK_BACKENDS[self.framework])}")
         if not 0 <= self.node_rank < self.nnodes:
             raise UserError(f"node_rank {self.node_rank} must be in [0, nnodes={self.nnodes})")
         if not 0 <= self.val_fraction < 1:

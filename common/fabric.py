@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -93,6 +94,37 @@ def measure(c: Collectives, sizes: list[int], max_calls: int = 50, budget_bytes:
         last = (size, sorted(times)[len(times) // 2])
         del x
     return results
+
+
+# What every multi-rank run measures of its own all-reduce before training (summary.json `link.allreduce`,
+# read by the cost model): a latency-bound and a bandwidth-bound size, 3 timed calls each, in a few seconds
+# at most (4 MiB at 200 Mbit/s takes ~0.2 s a call).
+PROBE_SIZES = (4096, 4 * 2**20)
+PROBE_BUDGET_S = 8.0
+
+
+def fit(results: list[dict]) -> dict:
+    """{"latency_s", "bandwidth_Bps", "large_bytes"} from measure()'s results: latency is the median time of
+    the smallest message, bandwidth the largest over its median time less that latency (None where the
+    sweep has one size only)."""
+    medians = {r["size_bytes"]: statistics.median(r["times_s"]) for r in results if r["times_s"]}
+    if not medians:
+        return {"latency_s": None, "bandwidth_Bps": None, "large_bytes": 0}
+    small, large = min(medians), max(medians)
+    latency = medians[small]
+    if large == small:
+        return {"latency_s": latency, "bandwidth_Bps": None, "large_bytes": large}
+    # Subtracting the latency isolates the time that grows with the bytes; fall back when noise inverts it.
+    moving_s = medians[large] - latency
+    bandwidth = large / (moving_s if moving_s > 0.05 * medians[large] else medians[large])
+    return {"latency_s": latency, "bandwidth_Bps": bandwidth, "large_bytes": large}
+
+
+def probe_allreduce(c: Collectives, backend: str) -> dict:
+    """This job's own float32 all-reduce: time(S) ~= latency_s + S / bandwidth_Bps at this world size."""
+    results = measure(c, list(PROBE_SIZES), max_calls=3, budget_bytes=3 * PROBE_SIZES[-1],
+                      time_budget_s=PROBE_BUDGET_S, started=time.monotonic())
+    return {"backend": backend, "world_size": c.size, **fit(results)}
 
 
 def rank_main(argv: list[str] | None, start: Callable[[argparse.Namespace], Collectives], framework: str) -> int:

@@ -16,6 +16,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -23,6 +24,7 @@ from .breakdown import profile
 from .checkpoint import TrainState, latest_checkpoint, load_checkpoint, resume_fingerprints, save_checkpoint
 from .config import RunConfig
 from .errors import UserError
+from .fabric import Collectives, probe_allreduce
 from .metrics import MetricsWriter, RankStatus, peak_rss_bytes, truncate_metrics
 from .plan import RunPlan
 from .protocols import Trainer
@@ -52,6 +54,7 @@ class World:
     size: int = 1
     group: object = None
     device: str = "cpu"
+    collectives: Callable[[], Collectives] | None = None  # for the probe of the job's all-reduce (fabric.py)
 
 
 def rank_main(run_dir: str, start_world, trainer_cls) -> int:
@@ -164,6 +167,8 @@ def setup_run(run_dir: Path, world: World, trainer_cls) -> Run:
     if rank == 0:
         truncate_metrics(metrics_path, start_step)
     metrics = MetricsWriter(metrics_path, enabled=rank == 0)
+    if world.collectives is not None:  # the link this job talks over, as its own all-reduce sees it
+        status.update(force=True, allreduce=probe_allreduce(world.collectives(), cfg.resolved_backend))
     status.update(force=True, status="running", device=str(trainer.device), start_step=start_step)
     return Run(run_dir, cfg, spec, trainer, status, metrics, train_view, valid_view, sampler, fingerprints,
                dp_rank, dp_size, start_step, fault=injected_fault(trainer.framework),

@@ -40,6 +40,8 @@ RUN_FLAGS = [
     ("--nnodes", int, "nodes of a job started node by node (torch: torchrun; MLX: ring, without ssh)"),
     ("--node-rank", int, "this node's rank with --nnodes (node 0 writes metrics.jsonl)"),
     ("--rdzv-endpoint", str, "torch: rendezvous HOST:PORT for several nodes"),
+    ("--link", str, "emulate a link of this rate between the local ranks: 200mbit, 1gbit, 10gbit (root, Linux; "
+                    "each rank in a network namespace, tc-shaped both ways)"),
     ("--collective-timeout-s", float, "seconds without progress before a job is declared hung"),
     ("--eval-every", int, "steps between eval losses (0: only at the end)"),
     ("--checkpoint-every", int, "steps between checkpoints (0: only at the end)"),

@@ -19,6 +19,7 @@ from .flags import config_from_args
 from .report.labels import run_dirname, run_label
 from .launch.hosts import check_hostfile
 from .launch.runner import check_run_dir, launch, prepare_inputs
+from .launch.netns import check_can_emulate
 from .machine.backends import check_available
 
 
@@ -98,6 +99,8 @@ def plan_matrix(base, frameworks, strategies, dtypes, world_sizes, out: Path) ->
                     # A backend or device this machine lacks is refused now, not as a failed run halfway through
                     check_hostfile(cfg)
                     check_available(cfg)
+                    if cfg.link and cfg.world_size > 1:
+                        check_can_emulate(cfg.link)
                     configs[(run_label(fw, n, strategy, dtype), run_dir)] = cfg
     if not configs:
         raise UserError("nothing to run: " + "; ".join(left_out))

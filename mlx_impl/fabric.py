@@ -19,7 +19,14 @@ def start_collectives(args) -> Collectives:
 
     device = pick_device(args.device, 0, 2)
     group = mx.distributed.init(backend=INIT_BACKEND.get(args.backend, args.backend), strict=True)
-    stream = communication_stream(args)
+    return collectives_of(group, communication_stream(args), device)
+
+
+def collectives_of(group, stream, device: str) -> Collectives:
+    """The timing operations on a started group: doctor's job above, and a training rank's probe of its
+    own all-reduce (launch.py)."""
+    import mlx.core as mx
+
     rank = group.rank()
 
     def buffer(n: int):

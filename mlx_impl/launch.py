@@ -28,7 +28,11 @@ def start_world(cfg) -> World:
     if group.size() != cfg.world_size:
         raise UserError(f"the {backend} backend started {group.size()} ranks, the run expects "
                         f"{cfg.world_size}")
-    return World(rank=group.rank(), size=group.size(), group=group, device=device)
+    from .comm import communication_stream
+    from .fabric import collectives_of
+
+    return World(rank=group.rank(), size=group.size(), group=group, device=device,
+                 collectives=lambda: collectives_of(group, communication_stream(cfg), device))
 
 
 def pick_device(requested: str, local_rank: int, world_size: int) -> str:

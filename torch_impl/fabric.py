@@ -24,6 +24,16 @@ def start_collectives(args) -> Collectives:
         torch.cuda.set_device(device)
     dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.timeout_s),
                             device_id=device if device.type == "cuda" else None)
+    return collectives_of(None, None, str(device), finish=dist.destroy_process_group)
+
+
+def collectives_of(group, stream, device: str, finish=lambda: None) -> Collectives:
+    """The timing operations on the started default group: doctor's job above, and a training rank's probe
+    of its own all-reduce (launch.py). `group` and `stream` are MLX's; torch has one default group."""
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device(device)
     rank = dist.get_rank()
 
     def wait() -> None:
@@ -43,7 +53,7 @@ def start_collectives(args) -> Collectives:
         return mine.item()
 
     return Collectives(rank=rank, size=dist.get_world_size(), device=str(device), buffer=buffer,
-                       all_reduce=all_reduce, from_rank0=from_rank0, finish=dist.destroy_process_group)
+                       all_reduce=all_reduce, from_rank0=from_rank0, finish=finish)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,7 +31,10 @@ def start_world(cfg) -> World:
     # A finite timeout turns a dead or hung peer into an error instead of an endless wait.
     dist.init_process_group(backend=cfg.resolved_backend, timeout=datetime.timedelta(seconds=cfg.collective_timeout_s),
                             device_id=torch.device(device) if device.startswith("cuda") else None)
-    return World(rank=rank, size=world_size, group=None, device=device)
+    from .fabric import collectives_of
+
+    return World(rank=rank, size=world_size, group=None, device=device,
+                 collectives=lambda: collectives_of(None, None, device))
 
 
 def pick_device(requested: str, local_rank: int, world_size: int) -> str:

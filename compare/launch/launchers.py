@@ -22,6 +22,7 @@ from common.errors import UserError
 
 from ..machine import environment as env
 from .hosts import RING_HOSTFILE, effective_backend, interface_toward
+from .netns import EmulatedLink
 
 
 @dataclass
@@ -34,6 +35,7 @@ class Job:
     module: str
     args: list[str]
     env: dict[str, str] = field(default_factory=dict)
+    link: EmulatedLink | None = None  # --link: ranks in shaped network namespaces (netns.py)
 
     @property
     def rank_argv(self) -> list[str]:
@@ -41,7 +43,8 @@ class Job:
 
     def spawner(self, *how: str) -> list[str]:
         """compare.launch.spawn starting this machine's ranks of the job."""
-        return [sys.executable, "-m", "compare.launch.spawn", "--ranks", str(self.cfg.nproc), *how, "--",
+        netns = self.link.spawn_args() if self.link else []
+        return [sys.executable, "-m", "compare.launch.spawn", "--ranks", str(self.cfg.nproc), *how, *netns, "--",
                 *self.rank_argv]
 
 
@@ -152,15 +155,15 @@ def rank_environment(cfg: RunConfig) -> tuple[dict[str, str], str]:
     return extra, blas
 
 
-def build_command(cfg: RunConfig, run_dir: Path, module: str = "launch",
-                  args: list[str] | None = None) -> tuple[list[str], dict, str]:
+def build_command(cfg: RunConfig, run_dir: Path, module: str = "launch", args: list[str] | None = None,
+                  link: EmulatedLink | None = None) -> tuple[list[str], dict, str]:
     """(argv, extra environment, BLAS description) that start every rank of this run.
 
     Every rank runs `python -m {framework}_impl.{module} ARGS` (default: the training entry with the run
     directory; `doctor --fabric` starts `fabric` the same way)."""
     extra, blas = rank_environment(cfg)
     job = Job(cfg, Path(run_dir), effective_backend(cfg), f"{cfg.framework}_impl.{module}",
-              [str(run_dir)] if args is None else list(args), extra)
+              [str(run_dir)] if args is None else list(args), extra, link)
     return launcher_for(cfg, job.backend)(job), job.env, blas
 
 

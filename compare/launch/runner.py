@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from ..report import tracking
 from ..report.samples import SAMPLE_FILE
 from .hosts import RING_HOSTFILE, check_hostfile, ring_hosts, with_hostfile_backend
 from .launchers import build_command, device_note
+from .netns import EmulatedLink, check_can_emulate, loopback_record
 from .watchdog import read_ranks, stop_job, watch, watched_ranks
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -129,7 +131,10 @@ def launch(cfg: RunConfig, inputs: Inputs, run_dir: Path) -> dict:
     check_available(cfg)
     check_resumable(cfg, inputs, run_dir)
     tracking.check_installed(cfg.report_to)
-    argv, extra_env, blas = build_command(cfg, run_dir)
+    link = EmulatedLink(cfg.link, cfg.nproc) if cfg.link and cfg.world_size > 1 else None
+    if link:
+        check_can_emulate(cfg.link)
+    argv, extra_env, blas = build_command(cfg, run_dir, link=link)
     check_run_dir(run_dir, cfg.resume, cfg.overwrite, clear=True)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -149,15 +154,24 @@ def launch(cfg: RunConfig, inputs: Inputs, run_dir: Path) -> dict:
         log.write(f"$ {shlex.join([f'{k}={v}' for k, v in shown.items()] + argv)}\n")
         log.flush()
         interrupted = proc = None
-        try:
-            # A session of its own: the whole job can be signalled at once, and nothing outlives it.
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=child_env, cwd=PROJECT_ROOT, start_new_session=True)
-            failure = watch(proc, run_dir, cfg)
-        except KeyboardInterrupt as stop:  # Interrupted, or a plain KeyboardInterrupt (SIGINT)
-            interrupted = stop
-            failure = stop_interrupted(proc, run_dir, cfg, getattr(stop, "signum", signal.SIGINT))
-    summary = summarize(cfg, run_dir, argv, blas, time.time() - started, failure)
+        link_record = loopback_record() if cfg.world_size > 1 and cfg.nnodes == 1 and not cfg.hostfile else None
+        # The job is stopped inside the `with`, so an emulated link's namespaces go only after its ranks.
+        with link or nullcontext():
+            try:
+                if link:
+                    link_record = link.record(link.measure())
+                    log.write(f"link: {link_record['note']}; TCP measured "
+                              f"{(link_record['tcp_bandwidth_Bps'] or 0) * 8e-6:.0f} Mbit/s, "
+                              f"{(link_record['tcp_latency_s'] or 0) * 1e6:.0f} us one way\n")
+                    log.flush()
+                # A session of its own: the whole job can be signalled at once, and nothing outlives it.
+                proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                        env=child_env, cwd=PROJECT_ROOT, start_new_session=True)
+                failure = watch(proc, run_dir, cfg)
+            except KeyboardInterrupt as stop:  # Interrupted, or a plain KeyboardInterrupt (SIGINT)
+                interrupted = stop
+                failure = stop_interrupted(proc, run_dir, cfg, getattr(stop, "signum", signal.SIGINT))
+    summary = summarize(cfg, run_dir, argv, blas, time.time() - started, failure, link_record)
     write_json(run_dir / "summary.json", summary)
     if interrupted is not None:
         interrupted.detail = summary["error"]
@@ -183,7 +197,7 @@ def stop_interrupted(proc: subprocess.Popen | None, run_dir: Path, cfg: RunConfi
 
 
 def summarize(cfg: RunConfig, run_dir: Path, argv: list[str], blas: str, wall_s: float,
-              failure: dict | None) -> dict:
+              failure: dict | None, link: dict | None = None) -> dict:
     world = cfg.nproc * cfg.nnodes
     ranks = read_ranks(run_dir, world)
     train_rows, eval_rows = read_metrics(run_dir / "metrics.jsonl")
@@ -220,6 +234,8 @@ def summarize(cfg: RunConfig, run_dir: Path, argv: list[str], blas: str, wall_s:
         "tokens_per_step": train_rows[-1]["tokens"] if train_rows else None,
         "command": shlex.join(argv), "config": cfg.to_dict(),
     }
+    if link is not None:  # the path the ranks talked over, and their own all-reduce on it (common/fabric.py)
+        summary["link"] = {**link, "allreduce": rank0.get("allreduce")}
     if device_note(cfg):
         summary["device_note"] = device_note(cfg)
     if cfg.nnodes > 1:

@@ -30,10 +30,17 @@ def main(argv: list[str] | None = None) -> int:
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--ring-hostfile", help="where to write the MLX ring's MLX_HOSTFILE")
     which.add_argument("--torch", action="store_true", help="set torch's env:// rendezvous variables")
+    # --link (compare/launch/netns.py): rank r runs in namespace r at address r, reaching the others through
+    # its interface r; `ip netns exec` execs the rank, so its pid is the one signalled below.
+    parser.add_argument("--netns", help="comma list: rank r's network namespace")
+    parser.add_argument("--addresses", help="comma list: rank r's address in its namespace")
+    parser.add_argument("--interfaces", help="comma list: rank r's interface toward the others")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    procs = [subprocess.Popen(command, env=env) for env in rank_envs(args)]
+    namespaces = args.netns.split(",") if args.netns else [None] * args.ranks
+    procs = [subprocess.Popen((["ip", "netns", "exec", ns] if ns else []) + command, env=env)
+             for ns, env in zip(namespaces, rank_envs(args))]
     ranks = {proc.pid: r for r, proc in enumerate(procs)}
     signal.signal(signal.SIGTERM, lambda *_: stop(ranks, signal.SIGTERM) or sys.exit(143))
     code = 0
@@ -54,13 +61,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def rank_envs(args: argparse.Namespace) -> list[dict]:
     """Each rank's environment. Ports are chosen now, just before the ranks bind them."""
+    addresses = args.addresses.split(",") if args.addresses else ["127.0.0.1"] * args.ranks
+    # gloo finds its interface from the hostname otherwise, which resolves to no address in a namespace.
+    interfaces = [{"GLOO_SOCKET_IFNAME": i} for i in args.interfaces.split(",")] if args.interfaces else \
+        [{}] * args.ranks
     if args.torch:  # rank 0 hosts the TCP store at MASTER_PORT
-        job = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port_block(1)),
+        job = {**os.environ, "MASTER_ADDR": addresses[0], "MASTER_PORT": str(free_port_block(1)),
                "WORLD_SIZE": str(args.ranks), "LOCAL_WORLD_SIZE": str(args.ranks), "GROUP_RANK": "0"}
-        return [{**job, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(args.ranks)]
+        return [{**job, **interfaces[r], "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(args.ranks)]
     base = free_port_block(args.ranks)
     with open(args.ring_hostfile, "w") as f:
-        json.dump([[f"127.0.0.1:{base + r}"] for r in range(args.ranks)], f)
+        json.dump([[f"{addresses[r]}:{base + r}"] for r in range(args.ranks)], f)
     return [{**os.environ, "MLX_HOSTFILE": args.ring_hostfile, "MLX_RANK": str(r)} for r in range(args.ranks)]
 
 

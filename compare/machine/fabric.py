@@ -20,7 +20,6 @@ import math
 import os
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,7 +30,7 @@ from pathlib import Path
 
 from common.config import RunConfig
 from common.errors import UserError
-from common.fabric import RESULT_PREFIX
+from common.fabric import RESULT_PREFIX, fit
 from common.flops import flops_per_token, known_peak_flops
 from common.metrics import read_json
 from common.spec import preset
@@ -204,20 +203,14 @@ def _kill(proc: subprocess.Popen) -> None:
 
 def summarize(row: Measured, result: dict) -> Measured:
     row.device, row.raw = result.get("device", ""), result["results"]
-    medians = {r["size_bytes"]: statistics.median(r["times_s"]) for r in row.raw if r["times_s"]}
     row.calls = sum(len(r["times_s"]) for r in row.raw)
-    if not medians:
+    figures = fit(row.raw)
+    row.latency_s, row.bandwidth_Bps, row.large_bytes = (figures["latency_s"], figures["bandwidth_Bps"],
+                                                         figures["large_bytes"])
+    if row.latency_s is None:
         row.error = "no all-reduce finished within the time budget"
-        return row
-    small, large = min(medians), max(medians)
-    row.latency_s = medians[small]
-    row.large_bytes = large
-    if large == small:
+    elif row.bandwidth_Bps is None:
         row.error = "only the smallest message fit in the time budget: no bandwidth (raise --time-budget-s)"
-        return row
-    # Subtracting the latency isolates the time that grows with the bytes; fall back when noise inverts it.
-    moving_s = medians[large] - row.latency_s
-    row.bandwidth_Bps = large / (moving_s if moving_s > 0.05 * medians[large] else medians[large])
     return row
 
 
