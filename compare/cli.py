@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--backend", help="--fabric: only these backends, a comma list (ring, mpi, gloo, nccl, "
                                           "mlx:nccl, ...); with --hostfile: jaccl, jaccl-ring or ring")
     doctor.add_argument("--nproc", type=int, default=2, help="--fabric: local ranks (default 2)")
+    doctor.add_argument("--link", help="--fabric: the local ranks talk over an emulated link of this rate "
+                                       "(200mbit, 1gbit, ...; root, Linux)")
     doctor.add_argument("--max-mb", type=float, default=32.0, help="--fabric: largest message, MB (default 32)")
     doctor.add_argument("--time-budget-s", type=float, default=55.0,
                         help="--fabric: the whole measurement's time limit (default 55)")
@@ -131,8 +133,8 @@ def cmd_doctor(args) -> int:
     from .doctor import doctor
 
     if not args.fabric:
-        if args.hostfile or args.backend:
-            raise UserError("--hostfile and --backend go with doctor --fabric")
+        if args.hostfile or args.backend or args.link:
+            raise UserError("--hostfile, --backend and --link go with doctor --fabric")
         print(doctor(measure_peak=args.peak))
         return 0
     from .machine.fabric import Workload, fabric
@@ -146,7 +148,7 @@ def cmd_doctor(args) -> int:
     workload = Workload(args.preset, args.seq_len, args.global_batch_size)
     RunConfig(preset=args.preset, seq_len=args.seq_len, global_batch_size=args.global_batch_size).validate()
     report, code = fabric(nproc=args.nproc, hostfile=args.hostfile, backend=args.backend, max_mb=args.max_mb,
-                          time_budget_s=args.time_budget_s, workload=workload)
+                          time_budget_s=args.time_budget_s, workload=workload, link=args.link)
     print(report, flush=True)
     return code
 

@@ -64,3 +64,22 @@ def dpcompare_here(*args, cache_dir: Path, env: dict | None = None) -> subproces
             code = None
             traceback.print_exc()
     return subprocess.CompletedProcess(["dpcompare", *map(str, args)], code, out.getvalue(), err.getvalue())
+
+
+def namespaces() -> list[str]:
+    """`ip netns list`, names only: what an emulated link must leave as it found."""
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return sorted(line.split()[0] for line in out.splitlines() if line.strip())
+
+
+def can_emulate_links() -> bool:
+    import shutil
+
+    return sys.platform.startswith("linux") and os.geteuid() == 0 and shutil.which("ip") and shutil.which("tc")
+
+
+def skip_unless_links() -> None:
+    import pytest
+
+    if not can_emulate_links():
+        pytest.skip("emulated links need Linux, root, ip and tc (iproute2)")

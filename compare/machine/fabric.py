@@ -24,12 +24,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.config import RunConfig
+from common.config import LINK_BACKENDS, RunConfig
 from common.errors import UserError
+from common.link import NO_DELAY_NOTE, describe_rate, parse_rate
 from common.fabric import RESULT_PREFIX, fit
 from common.flops import flops_per_token, known_peak_flops
 from common.metrics import read_json
@@ -38,6 +40,7 @@ from common.weights import num_parameters
 
 from ..launch.hosts import check_hosts_for, read_mlx_hostfile
 from ..launch.launchers import build_command
+from ..launch.netns import EmulatedLink, check_can_emulate
 from . import environment as env
 from .backends import MLX_PROBE, TORCH_PROBE, probe
 
@@ -153,9 +156,13 @@ def check_reachable(hostfile: str, timeout_s: float = SSH_TIMEOUT_S) -> list[dic
 
 
 def run_job(framework: str, backend: str, device: str, nproc: int, hostfile: str | None, sizes: list[int],
-            budget_s: float, max_calls: int) -> Measured:
+            budget_s: float, max_calls: int, link: str | None = None) -> Measured:
     ranks = len(read_mlx_hostfile(hostfile).hosts) if hostfile else nproc
     row = Measured(framework, backend, ranks)
+    if link and backend not in LINK_BACKENDS[framework]:
+        row.error = f"not measured: --link emulates TCP links for {', '.join(sum(LINK_BACKENDS.values(), ()))} only"
+        return row
+    emulated = EmulatedLink(link, ranks) if link else None
     cfg = RunConfig(framework=framework, nproc=ranks, backend=backend, hostfile=hostfile or "",
                     device="cuda" if device == "cuda" else "auto")  # cuda: the nccl default, and mlx.launch
     measure_s = max(1.0, budget_s * 0.85 - STARTUP_S[framework])
@@ -164,8 +171,8 @@ def run_job(framework: str, backend: str, device: str, nproc: int, hostfile: str
             "--device", device,
             "--timeout-s", f"{max(5.0, budget_s):.0f}"]
     started = time.time()
-    with tempfile.TemporaryDirectory(prefix="dpcompare-fabric-") as work:
-        argv, extra, _ = build_command(cfg, Path(work), module="fabric", args=args)
+    with tempfile.TemporaryDirectory(prefix="dpcompare-fabric-") as work, emulated or nullcontext():
+        argv, extra, _ = build_command(cfg, Path(work), module="fabric", args=args, link=emulated)
         child_env = {**os.environ, **extra, "PYTHONUNBUFFERED": "1",
                      "PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))}
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
@@ -261,9 +268,14 @@ def bucket_bytes(framework: str) -> int:
 
 def fabric(nproc: int = 2, hostfile: str | None = None, backend: str | None = None, max_mb: float = 32.0,
            time_budget_s: float = DEFAULT_TIME_BUDGET_S, max_calls: int = 20,
-           workload: Workload | None = None) -> tuple[str, int]:
-    """(the report, exit code): 0 when every backend was measured, 1 when one failed."""
+           workload: Workload | None = None, link: str | None = None) -> tuple[str, int]:
+    """(the report, exit code): 0 when every backend was measured, 1 when one failed. `link`: the local
+    ranks talk over an emulated link of that rate (compare/launch/netns.py)."""
     started = time.time()
+    if link:
+        if hostfile:
+            raise UserError(f"--link {link} emulates a link between local ranks; it cannot go with --hostfile")
+        check_can_emulate(link)
     workload = workload or Workload("small", 128, 8)
     if hostfile:
         hosts = check_reachable(hostfile, min(SSH_TIMEOUT_S, max(1.0, time_budget_s / 4)))
@@ -281,13 +293,16 @@ def fabric(nproc: int = 2, hostfile: str | None = None, backend: str | None = No
         if share < 3:
             rows.append(Measured(framework, name, nproc, error="skipped: the time budget is spent"))
             continue
-        rows.append(run_job(framework, name, device, nproc, hostfile, sizes, share, max_calls))
-    report = render(rows, workload, hostfile, nproc, time.time() - started)
+        rows.append(run_job(framework, name, device, nproc, hostfile, sizes, share, max_calls, link))
+    report = render(rows, workload, hostfile, nproc, time.time() - started, link)
     return report, 1 if any(r.error for r in rows) else 0
 
 
-def render(rows: list[Measured], workload: Workload, hostfile: str | None, nproc: int, wall_s: float) -> str:
+def render(rows: list[Measured], workload: Workload, hostfile: str | None, nproc: int, wall_s: float,
+           link: str | None = None) -> str:
     where = f"across the hosts of {hostfile}" if hostfile else f"{nproc} local ranks on this machine"
+    if link:
+        where += f", over an emulated {describe_rate(parse_rate(link))} link ({NO_DELAY_NOTE})"
     lines = [f"fabric: all-reduce (float32 sum) over {where}; median of the timed calls", ""]
     header = ("backend", "ranks", "device", f"latency ({LATENCY_BYTES // 1024} KB)", "bandwidth", "bus bandwidth",
               "calls", "job s")
