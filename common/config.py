@@ -29,9 +29,7 @@ FRAMEWORKS = ("mlx", "torch")
 # mlx.launch --hostfile only.
 BACKENDS = {"mlx": ("auto", "ring", "mpi", "nccl", "jaccl", "jaccl-ring"), "torch": ("auto", "gloo", "nccl")}
 HOSTFILE_ONLY_BACKENDS = ("jaccl", "jaccl-ring")
-# The TCP backends whose ranks --link can put in namespaces. Not MLX's mpi: Open MPI's ranks reach mpirun's
-# PMIx server over loopback, which a rank in its own namespace does not share (MPI_Init fails "Unreachable").
-LINK_BACKENDS = {"mlx": ("ring",), "torch": ("gloo",)}
+LINK_BACKENDS = {"mlx": ("ring", "mpi"), "torch": ("gloo",)}  # the TCP ones, which --link can shape
 COMMUNICATION_STREAMS = ("auto", "cpu", "default")  # mlx_impl/comm.py
 SEQUENCE_MODES = ("packing", "padding")
 DEVICES = ("auto", "cpu", "cuda", "mps", "gpu")

@@ -86,6 +86,9 @@ def mlx_mpirun(job: Job) -> list[str]:
     if lib:
         job.env["MLX_MPI_LIBNAME"] = Path(lib).name if lib.startswith("/usr/lib") else lib
     argv = [exe, "-np", str(job.cfg.nproc)]
+    rank_argv = job.rank_argv
+    if job.link:
+        argv, rank_argv = mpirun_over_link(job.link, argv, rank_argv, job.env)
     if job.cfg.hostfile:
         argv += ["--hostfile", job.cfg.hostfile]
     if env.mpirun_is_openmpi():
@@ -95,7 +98,20 @@ def mlx_mpirun(job: Job) -> list[str]:
         for key in list(job.env) + ["PYTHONPATH", "DPCOMPARE_LAUNCH_TIME", "PYTHONUNBUFFERED",
                                     "DPCOMPARE_SUPERVISOR"]:
             argv += ["-x", key]
-    return argv + job.rank_argv
+    return argv + rank_argv
+
+
+def mpirun_over_link(link: EmulatedLink, argv: list[str], rank_argv: list[str], env: dict) -> tuple[list, list]:
+    """mpirun in rank 0's namespace, each rank entering its own by its MPI rank, talking TCP over the shaped
+    subnet (not shared memory). A rank reaches mpirun's PMIx server over loopback otherwise, which another
+    namespace does not share: the server takes connections on the subnet (init and finalize only)."""
+    subnet = link.addresses[0].rsplit(".", 1)[0] + ".0/24"
+    env.update(PMIX_MCA_ptl_tcp_remote_connections="1", PMIX_MCA_ptl_tcp_if_include=subnet,
+               OMPI_MCA_oob_tcp_if_include=subnet)
+    argv = ["ip", "netns", "exec", link.namespaces[0], *argv, "--mca", "btl", "self,tcp",
+            "--mca", "btl_tcp_if_include", subnet]
+    enter = f'exec ip netns exec "{link.tag}r$OMPI_COMM_WORLD_RANK" "$@"'
+    return argv, ["sh", "-c", enter, "rank", *rank_argv]
 
 
 def mlx_ring_spawner(job: Job) -> list[str]:

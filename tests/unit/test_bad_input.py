@@ -75,8 +75,8 @@ def _cases(tmp):
         ("link rate without a unit", [*run, "--nproc", "2", "--link", "100"], "give a rate such as 200mbit"),
         ("emulated link between hosts", [*run, "--nproc", "2", "--link", "1gbit", "--hostfile", str(bad_hostfile)],
          "cannot be combined with --hostfile"),
-        ("emulated link for mpi", [*run, "--nproc", "2", "--link", "1gbit", "--backend", "mpi"],
-         "emulated links work with ring"),
+        ("emulated link for nccl", ["run", "--framework", "torch", *FAST, "--nproc", "2", "--link", "1gbit",
+                                    "--backend", "nccl"], "emulated links work with gloo"),
     ]
 
 
