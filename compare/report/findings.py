@@ -49,6 +49,7 @@ def run_row(run: RunData, parity: dict, peaks: "PeakFinder") -> dict:
         "comm_bytes_per_step": s.get("comm_bytes_per_step"),
         "comm_bytes_per_step_estimate": s.get("comm_bytes_per_step_estimate"),
         "reduce_scatter": s.get("reduce_scatter"),
+        "link": s.get("link"),  # the path the ranks talked over, emulated or loopback (docs/links.md)
         "breakdown": s.get("breakdown"),
         "trace": [str(run.run_dir / f) for f in s.get("trace") or []],  # --trace timelines (common/trace.py)
         "command": s.get("command"), "rerun": rerun_command(cfg, run.framework, run.world_size),

@@ -117,7 +117,10 @@ def run_cells(r: dict) -> tuple:
     if r.get("tokens_per_s_p10") is not None:
         tps += f" [{r['tokens_per_s_p10']:,.0f}–{r['tokens_per_s_p90']:,.0f}]"
     status = r["status"] if r["ok"] else r["problem"]  # the problem starts with the status
-    return (r["label"], r["world_size"], r["backend"], r["device"], status, fmt(r.get("final_loss"), ".4f"),
+    backend = r["backend"]
+    if (r.get("link") or {}).get("requested"):  # --link: the backend over an emulated link of this rate
+        backend += f" @ {r['link']['requested']}"
+    return (r["label"], r["world_size"], backend, r["device"], status, fmt(r.get("final_loss"), ".4f"),
             fmt(r.get("final_eval_loss"), ".4f"), tps, fmt(r.get("step_time_ms"), ".1f"),
             f"{r['compile_s']:.2f} ({r['warmup_steps']})" if r.get("compile_s") is not None else "–",
             fmt(r.get("time_to_first_step_s"), ".1f"), pct(r.get("mfu"), ".2f"),
@@ -265,4 +268,15 @@ def precision_blocks(rows: list[dict]) -> list[tuple]:
         policies.setdefault(text, []).append(r["label"])
     items = [f"{', '.join(labels)}: {text}" for text, labels in policies.items()]
     items += [f"{r['label']}: {r['device_note']}" for r in rows if r.get("device_note")]
+    items += [link_line(r) for r in rows if (r.get("link") or {}).get("emulated")]
     return [("h2", "Precision"), ("ul", items)]
+
+
+def link_line(r: dict) -> str:
+    """An emulated link as the run measured it (docs/links.md)."""
+    link, allreduce = r["link"], r["link"].get("allreduce") or {}
+    measured = [f"TCP {link['tcp_bandwidth_Bps'] * 8e-6:,.0f} Mbit/s" if link.get("tcp_bandwidth_Bps") else None,
+                f"{link['tcp_latency_s'] * 1e6:,.0f} µs one way" if link.get("tcp_latency_s") else None,
+                f"its all-reduce {allreduce['bandwidth_Bps'] / 1e6:,.1f} MB/s" if allreduce.get("bandwidth_Bps")
+                else None]
+    return f"{r['label']}: {link['note']}; measured {', '.join(m for m in measured if m) or 'nothing'}"
