@@ -15,6 +15,8 @@ NCCL on its own CUDA streams, which have no watchdog).
 """
 from __future__ import annotations
 
+from common.fabric import Collectives
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
@@ -73,3 +75,26 @@ class CommCounter:
                 self.per_call[name] = self.traced_bytes - before
             return out
         return call
+
+
+def collectives_of(group, stream, device: str) -> Collectives:
+    """The timing operations on a started group: doctor's job above, and a training rank's probe of its
+    own all-reduce (launch.py)."""
+    import mlx.core as mx
+
+    rank = group.rank()
+
+    def buffer(n: int):
+        x = mx.ones(n // 4, dtype=mx.float32)
+        mx.eval(x)
+        return x
+
+    def all_reduce(x) -> None:
+        mx.eval(mx.distributed.all_sum(x, group=group, stream=stream))
+
+    def from_rank0(value: float) -> float:
+        mine = mx.array([value if rank == 0 else 0.0], dtype=mx.float32)
+        return mx.distributed.all_sum(mine, group=group, stream=stream).item()
+
+    return Collectives(rank=rank, size=group.size(), device=device, buffer=buffer, all_reduce=all_reduce,
+                       from_rank0=from_rank0)

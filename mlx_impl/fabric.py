@@ -10,6 +10,8 @@ import sys
 
 from common.fabric import Collectives, rank_main
 
+from .comm import collectives_of
+
 
 def start_collectives(args) -> Collectives:
     import mlx.core as mx
@@ -20,29 +22,6 @@ def start_collectives(args) -> Collectives:
     device = pick_device(args.device, 0, 2)
     group = mx.distributed.init(backend=INIT_BACKEND.get(args.backend, args.backend), strict=True)
     return collectives_of(group, communication_stream(args), device)
-
-
-def collectives_of(group, stream, device: str) -> Collectives:
-    """The timing operations on a started group: doctor's job above, and a training rank's probe of its
-    own all-reduce (launch.py)."""
-    import mlx.core as mx
-
-    rank = group.rank()
-
-    def buffer(n: int):
-        x = mx.ones(n // 4, dtype=mx.float32)
-        mx.eval(x)
-        return x
-
-    def all_reduce(x) -> None:
-        mx.eval(mx.distributed.all_sum(x, group=group, stream=stream))
-
-    def from_rank0(value: float) -> float:
-        mine = mx.array([value if rank == 0 else 0.0], dtype=mx.float32)
-        return mx.distributed.all_sum(mine, group=group, stream=stream).item()
-
-    return Collectives(rank=rank, size=group.size(), device=device, buffer=buffer, all_reduce=all_reduce,
-                       from_rank0=from_rank0)
 
 
 def main(argv: list[str] | None = None) -> int:

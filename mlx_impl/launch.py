@@ -28,8 +28,7 @@ def start_world(cfg) -> World:
     if group.size() != cfg.world_size:
         raise UserError(f"the {backend} backend started {group.size()} ranks, the run expects "
                         f"{cfg.world_size}")
-    from .comm import communication_stream
-    from .fabric import collectives_of
+    from .comm import collectives_of, communication_stream
 
     return World(rank=group.rank(), size=group.size(), group=group, device=device,
                  collectives=lambda: collectives_of(group, communication_stream(cfg), device))

@@ -9,6 +9,8 @@ so this file has no `average_gradients`. `CommCounter` counts the bytes all-redu
 """
 from __future__ import annotations
 
+from common.fabric import Collectives
+
 from torch.utils._python_dispatch import TorchDispatchMode
 
 STREAM_CHOICES = ("auto", "cpu", "default")
@@ -35,3 +37,32 @@ class CommCounter(TorchDispatchMode):
             tensors = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
             self.bytes += sum(t.numel() * t.element_size() for t in tensors)
         return func(*args, **(kwargs or {}))
+
+
+def collectives_of(group, stream, device: str, finish=lambda: None) -> Collectives:
+    """The timing operations on the started default group: doctor's job above, and a training rank's probe
+    of its own all-reduce (launch.py). `group` and `stream` are MLX's; torch has one default group."""
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device(device)
+    rank = dist.get_rank()
+
+    def wait() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def buffer(n: int):
+        return torch.zeros(n // 4, dtype=torch.float32, device=device)  # zeros: repeated sums stay finite
+
+    def all_reduce(x) -> None:
+        dist.all_reduce(x)
+        wait()
+
+    def from_rank0(value: float) -> float:
+        mine = torch.tensor([value if rank == 0 else 0.0], dtype=torch.float32, device=device)
+        dist.all_reduce(mine)
+        return mine.item()
+
+    return Collectives(rank=rank, size=dist.get_world_size(), device=str(device), buffer=buffer,
+                       all_reduce=all_reduce, from_rank0=from_rank0, finish=finish)

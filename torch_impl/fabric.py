@@ -12,6 +12,8 @@ import sys
 
 from common.fabric import Collectives, rank_main
 
+from .comm import collectives_of
+
 
 def start_collectives(args) -> Collectives:
     import torch
@@ -25,35 +27,6 @@ def start_collectives(args) -> Collectives:
     dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.timeout_s),
                             device_id=device if device.type == "cuda" else None)
     return collectives_of(None, None, str(device), finish=dist.destroy_process_group)
-
-
-def collectives_of(group, stream, device: str, finish=lambda: None) -> Collectives:
-    """The timing operations on the started default group: doctor's job above, and a training rank's probe
-    of its own all-reduce (launch.py). `group` and `stream` are MLX's; torch has one default group."""
-    import torch
-    import torch.distributed as dist
-
-    device = torch.device(device)
-    rank = dist.get_rank()
-
-    def wait() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    def buffer(n: int):
-        return torch.zeros(n // 4, dtype=torch.float32, device=device)  # zeros: repeated sums stay finite
-
-    def all_reduce(x) -> None:
-        dist.all_reduce(x)
-        wait()
-
-    def from_rank0(value: float) -> float:
-        mine = torch.tensor([value if rank == 0 else 0.0], dtype=torch.float32, device=device)
-        dist.all_reduce(mine)
-        return mine.item()
-
-    return Collectives(rank=rank, size=dist.get_world_size(), device=str(device), buffer=buffer,
-                       all_reduce=all_reduce, from_rank0=from_rank0, finish=finish)
 
 
 def main(argv: list[str] | None = None) -> int:

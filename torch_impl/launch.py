@@ -31,7 +31,7 @@ def start_world(cfg) -> World:
     # A finite timeout turns a dead or hung peer into an error instead of an endless wait.
     dist.init_process_group(backend=cfg.resolved_backend, timeout=datetime.timedelta(seconds=cfg.collective_timeout_s),
                             device_id=torch.device(device) if device.startswith("cuda") else None)
-    from .fabric import collectives_of
+    from .comm import collectives_of
 
     return World(rank=rank, size=world_size, group=None, device=device,
                  collectives=lambda: collectives_of(None, None, device))
