@@ -97,7 +97,7 @@ def measure(c: Collectives, sizes: list[int], max_calls: int = 50, budget_bytes:
 
 
 # What every multi-rank run measures of its own all-reduce before training (summary.json `link.allreduce`,
-# read by the cost model): a latency-bound and a bandwidth-bound size, 3 timed calls each, in a few seconds
+# read by the cost model): a latency-bound size (10 timed calls) and a bandwidth-bound one (3), in a few seconds
 # at most (4 MiB at 200 Mbit/s takes ~0.2 s a call).
 PROBE_SIZES = (4096, 4 * 2**20)
 PROBE_BUDGET_S = 8.0
@@ -122,7 +122,7 @@ def fit(results: list[dict]) -> dict:
 
 def probe_allreduce(c: Collectives, backend: str) -> dict:
     """This job's own float32 all-reduce: time(S) ~= latency_s + S / bandwidth_Bps at this world size."""
-    results = measure(c, list(PROBE_SIZES), max_calls=3, budget_bytes=3 * PROBE_SIZES[-1],
+    results = measure(c, list(PROBE_SIZES), max_calls=10, budget_bytes=3 * PROBE_SIZES[-1],
                       time_budget_s=PROBE_BUDGET_S, started=time.monotonic())
     return {"backend": backend, "world_size": c.size, **fit(results)}
 
