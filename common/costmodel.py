@@ -19,7 +19,8 @@ Time of one step at N ranks:
   - f_state: the share of the parameters a rank updates (AdamW touches what it holds): 1 for ddp, the
     shard for fsdp, the split layers for tp. `other` (host overhead per step) is taken as constant.
   - overlap: measured from a calibration run at N > 1 with a known link, as 1 - exposed / modelled
-    (the breakdown's `communication` is the synced minus the unsynced step). Unmeasured: DEFAULT_OVERLAP,
+    (the breakdown's `communication` is the synced minus the unsynced step); below 0 when the sync costs
+    more than the collectives alone (contention for the cores), floored at -2. Unmeasured: DEFAULT_OVERLAP,
     0, measured on the reference machine (docs/benchmarks.md: the gradient sync of `small` at N=2 costs as
     much as the isolated all-reduce in MLX and more in torch: on 2 busy cores nothing overlaps). tp's
     all-reduces sit on the critical path and are never overlapped.
@@ -67,6 +68,7 @@ from .weights import parameter_shapes
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 MASTER_BYTES = 4          # master weights, gradients, AdamW state and the gradient reduction stay fp32
 DEFAULT_OVERLAP = 0.0     # see the module docstring: measured here, nothing overlaps on 2 busy cores
+MIN_OVERLAP = -2.0        # a measured "overlap" below 0 is contention: the sync costs more than alone
 DEFAULT_BUCKET_BYTES = {"mlx": 32 * 2**20, "torch": 25 * 2**20}  # RunConfig's all_reduce_size_mb, bucket_cap_mb
 # All-reduce at N=2 over loopback on the reference machine (docs/benchmarks.md, "All-reduce against message
 # size": the 4 KB median and the 108 MB bandwidth), for runs whose summary.json has no `link` record.
@@ -337,7 +339,9 @@ def calibrate(summary: dict, spec: ModelSpec, source: str = "") -> Calibration:
     overlap = None
     if n > 1 and strategy == "ddp" and link is not None:
         full = sum(c.seconds(link, n) for c in collectives("ddp", w, n))
-        overlap = min(1.0, max(0.0, 1.0 - exposed / full)) if full > 0 else None
+        # Below 0 when the sync costs more than the isolated collectives (contention for the cores: torch
+        # on 2 busy cores, docs/benchmarks.md); floored at -2 so one noisy run cannot triple a plan.
+        overlap = min(1.0, max(MIN_OVERLAP, 1.0 - exposed / full)) if full > 0 else None
     on_gpu = str(summary.get("device", "")).startswith(("cuda", "gpu", "mps"))
     peaks = summary.get("peak_mem_bytes" if on_gpu else "peak_rss_bytes") or []
     peak = max((p for p in peaks if p), default=None)

@@ -163,9 +163,15 @@ def cmd_doctor(args) -> int:
         raise UserError(f"--out {args.out}: directory {Path(args.out).resolve().parent} not found")
     workload = Workload(args.preset, args.seq_len, args.global_batch_size)
     RunConfig(preset=args.preset, seq_len=args.seq_len, global_batch_size=args.global_batch_size).validate()
+    rows = []
     report, code = fabric(nproc=args.nproc, hostfile=args.hostfile, backend=args.backend, max_mb=args.max_mb,
-                          time_budget_s=args.time_budget_s, workload=workload, out=args.out)
+                          time_budget_s=args.time_budget_s, workload=workload, rows_out=rows)
     print(report, flush=True)
+    if args.out:
+        from .plan import write_fabric
+
+        write_fabric(args.out, rows, f"the hosts of {args.hostfile}" if args.hostfile else f"{args.nproc} local ranks")
+        print(f"figures for `dpcompare plan --fabric`: {args.out}")
     return code
 
 

@@ -268,9 +268,9 @@ def bucket_bytes(framework: str) -> int:
 
 def fabric(nproc: int = 2, hostfile: str | None = None, backend: str | None = None, max_mb: float = 32.0,
            time_budget_s: float = DEFAULT_TIME_BUDGET_S, max_calls: int = 20,
-           workload: Workload | None = None, out: str | None = None) -> tuple[str, int]:
-    """(the report, exit code): 0 when every backend was measured, 1 when one failed. `out`: also write the
-    figures as JSON there, for `dpcompare plan --fabric` (compare/plan.py)."""
+           workload: Workload | None = None, rows_out: list | None = None) -> tuple[str, int]:
+    """(the report, exit code): 0 when every backend was measured, 1 when one failed. `rows_out` receives the
+    Measured rows (doctor --fabric --out writes them for `dpcompare plan`)."""
     started = time.time()
     workload = workload or Workload("small", 128, 8)
     if hostfile:
@@ -291,10 +291,8 @@ def fabric(nproc: int = 2, hostfile: str | None = None, backend: str | None = No
             continue
         rows.append(run_job(framework, name, device, nproc, hostfile, sizes, share, max_calls))
     report = render(rows, workload, hostfile, nproc, time.time() - started)
-    if out:
-        from ..plan import write_fabric
-
-        write_fabric(out, rows, f"the hosts of {hostfile}" if hostfile else f"{nproc} local ranks")
+    if rows_out is not None:
+        rows_out.extend(rows)
     return report, 1 if any(r.error for r in rows) else 0
 
 

@@ -50,6 +50,8 @@ def run_row(run: RunData, parity: dict, peaks: "PeakFinder") -> dict:
         "comm_bytes_per_step_estimate": s.get("comm_bytes_per_step_estimate"),
         "reduce_scatter": s.get("reduce_scatter"),
         "breakdown": s.get("breakdown"),
+        # The cost model's step for this run, from the N=1 run (compare/plan.py), and the job's link.
+        "prediction": s.get("prediction"), "link": s.get("link"),
         "trace": [str(run.run_dir / f) for f in s.get("trace") or []],  # --trace timelines (common/trace.py)
         "command": s.get("command"), "rerun": rerun_command(cfg, run.framework, run.world_size),
         "parity": run_verdict(parity, run.label) if run.ok else "skipped",
