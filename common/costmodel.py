@@ -281,6 +281,15 @@ class Calibration:
     notes: list = field(default_factory=list)
 
 
+def calibration_from_flops(w: Workload, achieved_flops_per_s: float, source: str) -> Calibration:
+    """A calibration on paper, for a device nobody measured here: the global batch's forward + backward at
+    `achieved_flops_per_s` (a peak times an assumed MFU), common/flops.py's count, the forward a third of it
+    (the backward's 2x, as the count assumes); the optimizer, host overhead and memory overhead left at 0."""
+    compute_s = w.tokens_per_step * flops_per_token(w.spec, w.seq_len) / achieved_flops_per_s
+    return Calibration(w, "ddp", 1, "none", compute_s / 3, 2 * compute_s / 3, 0.0, 0.0, compute_s, None, 0.0,
+                       "none (on paper)", None, source)
+
+
 def link_from_record(record: dict | None, framework: str = "", backend: str = "") -> Link | None:
     """The `link` record of summary.json -> a Link: the job's own all-reduce when measured, else the TCP
     path's figures; None when there is no record or it measured nothing."""
