@@ -33,8 +33,9 @@ Collectives, ring algorithm over N ranks, link latency a per hop and bandwidth b
     ddp   the fp32 gradients, one all-reduce per bucket (torch bucket_cap_mb, MLX all_reduce_size_mb)
     fsdp  per micro-step each block's fp32 parameters gathered twice (forward, backward: FSDP2 and
           nn.fully_shard re-gather), their gradients reduce-scattered (torch once per step, MLX once per
-          micro-step, common/../mlx_impl/fsdp.py); the all_sum + slice fallback (MLX ring and MPI) is an
-          all-reduce, twice the traffic. Vocabulary matrices MLX cannot shard (V % N) are all-reduced as ddp.
+          micro-step, mlx_impl/fsdp.py); the all_sum + slice fallback (MLX ring and MPI) is an all-reduce,
+          twice the traffic. MLX's replicated gradients (the final norm, and the vocabulary matrices when
+          V % N != 0) are all-reduced as under ddp; FSDP2 shards the root unit (embedding, norm, head) too.
     tp    per layer and micro-step 4 all-reduces of the activations (B x T x dim) in the compute dtype
     pp    not modelled yet: add `_pp_collectives` (point-to-point activations, 2 per stage boundary and
           micro-batch) to COLLECTIVES and the bubble (stages - 1)/(micro-batches + stages - 1) to compute_s.
@@ -57,7 +58,7 @@ Memory per rank (bytes): params + grads + optimizer + activations + overhead
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from .errors import UserError
 from .flops import attention_flops_per_token, flops_per_token, matmul_parameters
@@ -199,19 +200,22 @@ def _fsdp_collectives(w: Workload, n: int, reduce_scatter: str) -> list[Collecti
     block = sum(math.prod(s) for k, s in shapes.items() if k.startswith("model.layers.0.")) * MASTER_BYTES
     vocab = [math.prod(s) * MASTER_BYTES for k, s in shapes.items()
              if k in ("model.embed_tokens.weight", "lm_head.weight")]
-    sharded_vocab = _vocab_sharded(w.framework, w.spec, n)
-    units = [block] * w.spec.n_layers + (vocab if sharded_vocab else [])
-    micro = w.grad_accum
-    scatters = micro if w.framework == "mlx" else 1  # MLX reduce-scatters inside every micro-step's backward
-    out = [Collective("all_gather", int(sum(units) / len(units)), 2 * micro * len(units),
-                      "parameters gathered (forward and backward)")]
+    norm = w.spec.dim * MASTER_BYTES
+    if w.framework == "mlx":  # blocks, and the embedding and head each on its own where V divides by N
+        sharded_vocab = _vocab_sharded(w.framework, w.spec, n)
+        units = [block] * w.spec.n_layers + (vocab if sharded_vocab else [])
+        replicated = norm + (0 if sharded_vocab else sum(vocab))  # averaged after the backward, as ddp
+    else:  # FSDP2: the blocks, then the root unit (embedding, final norm, head)
+        units, replicated = [block] * w.spec.n_layers + [sum(vocab) + norm], 0
+    unit = int(sum(units) / len(units))
+    scatters = w.grad_accum if w.framework == "mlx" else 1  # MLX reduce-scatters in every micro-step's backward
+    out = [Collective("all_gather", unit, 2 * w.grad_accum * len(units), "parameters gathered (forward and backward)")]
     if reduce_scatter == "all_sum_slice":  # an all-reduce then the rank's slice: twice a reduce-scatter
-        out.append(Collective("all_reduce", int(sum(units) / len(units)), scatters * len(units),
-                              "gradients (all_sum + slice)"))
+        out.append(Collective("all_reduce", unit, scatters * len(units), "gradients (all_sum + slice)"))
     else:
-        out.append(Collective("reduce_scatter", int(sum(units) / len(units)), scatters * len(units), "gradients"))
-    if not sharded_vocab:
-        out.append(Collective("all_reduce", sum(vocab), 1, "replicated vocabulary gradients"))
+        out.append(Collective("reduce_scatter", unit, scatters * len(units), "gradients"))
+    if replicated:
+        out.append(Collective("all_reduce", replicated, 1, "replicated gradients"))
     return out
 
 
@@ -390,14 +394,14 @@ class Prediction:
 
 
 def predict(cal: Calibration, strategy: str, n: int, link: Link | None, device_memory_bytes: float | None = None,
-            backend: str | None = None, dtype: str | None = None) -> Prediction:
+            backend: str | None = None) -> Prediction:
     """One step of `strategy` at `n` ranks over `link` (None at N=1), from a calibration. Raises UserError
     when the strategy cannot split this model over n ranks (common/strategy.py's checks)."""
     if strategy not in STRATEGIES:
         raise UserError(f"unknown strategy {strategy!r}; allowed: {', '.join(STRATEGIES)}")
     if n > 1 or strategy != "ddp":
         check_strategy(strategy, cal.workload.spec, n)
-    w = replace(cal.workload, dtype=dtype) if dtype else cal.workload
+    w = cal.workload
     backend = backend or cal.backend
     compute = ((cal.forward_s + cal.backward_s) * work_fraction(strategy, w, n)
                + cal.optimizer_s * state_fraction(strategy, w, n) + cal.other_s)

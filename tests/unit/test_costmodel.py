@@ -90,8 +90,12 @@ def test_fsdp_gathers_twice_and_the_all_sum_slice_fallback_moves_double():
     summed = next(c for c in fallback if c.kind == "all_reduce")
     assert summed.wire_bytes(4) == 2 * scatter.wire_bytes(4)
     assert scatter.calls == 2 * (2 + 2)  # MLX: every micro-step, per unit (2 blocks, embedding, head)
-    torch_w = Workload(TINY, 128, 32, grad_accum=2, framework="torch")
-    assert next(c for c in collectives("fsdp", torch_w, 4) if c.kind == "reduce_scatter").calls == 4  # once a step
+    assert next(c for c in native if c.what == "replicated gradients").nbytes == 4 * TINY.dim  # the final norm
+    torch_fsdp = collectives("fsdp", Workload(TINY, 128, 32, grad_accum=2, framework="torch"), 4)
+    # FSDP2: once a step, per unit (2 blocks and the root: embedding, final norm and head), everything sharded
+    assert next(c for c in torch_fsdp if c.kind == "reduce_scatter").calls == 3
+    gathered = next(c for c in torch_fsdp if c.kind == "all_gather")
+    assert gathered.nbytes * gathered.calls == pytest.approx(2 * 2 * 4 * num_parameters(TINY), abs=8)
 
 
 def test_state_per_rank_matches_what_the_runs_hold():
