@@ -75,8 +75,9 @@ def link_from_fabric(path: str, framework: str, backend: str) -> Link:
     usable = [b for b in data["backends"] if isinstance(b, dict) and b.get("framework") == framework
               and b.get("latency_s") is not None and b.get("bandwidth_Bps")]
     if not usable:
-        raise UserError(f"--fabric {path} has no measured {framework} backend; measured: "
-                        f"{', '.join(str(b.get('framework')) + ' ' + str(b.get('backend')) for b in data['backends']) or 'none'}")
+        listed = [f"{b.get('framework')} {b.get('backend')}" + (f" (failed: {b['error']})" if b.get("error") else "")
+                  for b in data["backends"] if isinstance(b, dict)]
+        raise UserError(f"--fabric {path} has no measured {framework} backend; it holds: {', '.join(listed) or 'none'}")
     entry = next((b for b in usable if b.get("backend") == backend), usable[0])
     name = f"{entry['framework']} {entry['backend']}" + (f" over {data['where']}" if data.get("where") else "")
     return Link.from_allreduce(name, float(entry["latency_s"]), float(entry["bandwidth_Bps"]), int(entry.get("ranks") or 2),
@@ -184,7 +185,8 @@ def plot(rows: list[dict], points: list[dict], title: str, path: Path) -> None:
     ax.set_ylabel("tokens/s (whole job)")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:  # every split impossible and nothing measured: no legend
+        ax.legend(fontsize=8)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
