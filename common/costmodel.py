@@ -139,10 +139,12 @@ class Workload:
     grad_accum: int = 1
     dtype: str = "float32"
     framework: str = "torch"
+    bucket_bytes: int | None = None  # ddp's all-reduce chunks: MLX all_reduce_size_mb, torch bucket_cap_mb
+    target_tokens: int | None = None  # real target tokens per step where a run counted them (padding has fewer)
 
     @property
     def tokens_per_step(self) -> int:
-        return self.global_batch_size * self.seq_len
+        return self.target_tokens or self.global_batch_size * self.seq_len
 
     def micro_rows(self, strategy: str, n: int) -> float:
         """Sequences per rank per micro-step: tp ranks all read the whole batch."""
@@ -190,7 +192,7 @@ def state_fraction(strategy: str, w: Workload, n: int) -> float:
 # ---- bytes moved per step, per strategy ---------------------------------------------------------
 def _ddp_collectives(w: Workload, n: int, reduce_scatter: str) -> list[Collective]:
     grad_bytes = local_parameters("ddp", w.spec, 1) * MASTER_BYTES
-    bucket = DEFAULT_BUCKET_BYTES.get(w.framework, 25 * 2**20)
+    bucket = w.bucket_bytes or DEFAULT_BUCKET_BYTES.get(w.framework, 25 * 2**20)
     return [Collective("all_reduce", int(grad_bytes / math.ceil(grad_bytes / bucket)),
                        math.ceil(grad_bytes / bucket), "gradients")]
 
@@ -224,6 +226,9 @@ def _tp_collectives(w: Workload, n: int, reduce_scatter: str) -> list[Collective
     return [Collective("all_reduce", int(act), 4 * w.spec.n_layers * w.grad_accum, "activations")]
 
 
+# pp, when it lands: `_pp_collectives` (point-to-point sends of one micro-batch's (rows, T, dim) activations,
+# forward and backward, at each of the stages - 1 boundaries, per micro-batch; sent, not all-reduced: factor 1),
+# and its bubble, (stages - 1) / (micro-batches + stages - 1) of the compute, in predict()'s compute_s.
 COLLECTIVES = {"ddp": _ddp_collectives, "fsdp": _fsdp_collectives, "tp": _tp_collectives}
 
 
@@ -327,8 +332,10 @@ def calibrate(summary: dict, spec: ModelSpec, source: str = "") -> Calibration:
     cfg = summary.get("config") or {}
     framework, strategy = summary.get("framework", cfg.get("framework", "torch")), summary.get("strategy", "ddp")
     n, backend = int(summary.get("world_size") or 1), summary.get("backend") or "none"
+    bucket_mb = cfg.get("all_reduce_size_mb" if framework == "mlx" else "bucket_cap_mb")
     w = Workload(spec, int(cfg.get("seq_len", 128)), int(cfg.get("global_batch_size", 8)),
-                 int(cfg.get("grad_accum", 1)), summary.get("dtype", cfg.get("dtype", "float32")), framework)
+                 int(cfg.get("grad_accum", 1)), summary.get("dtype", cfg.get("dtype", "float32")), framework,
+                 int(bucket_mb * 2**20) if bucket_mb else None, summary.get("tokens_per_step"))
     step_s = bd.get("step_s") or summary.get("step_time_s")
     if not step_s:
         raise UserError(f"{source or 'the run'} has no measured step time in summary.json")
