@@ -29,10 +29,15 @@ def read_run(run_dir: Path) -> tuple[dict, ModelSpec]:
     """(summary.json, the model spec the run trained) of a finished run, or a one-line UserError."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
-        raise UserError(f"run directory {run_dir} not found")
+        raise UserError(f"run directory {run_dir} not found" if not run_dir.exists() else
+                        f"{run_dir} is not a directory: --from takes a run directory")
     summary = read_json(run_dir / "summary.json")
     if not isinstance(summary, dict):
         raise UserError(f"{run_dir} has no readable summary.json: is it a finished run directory?")
+    if "runs" in summary and "breakdown" not in summary:  # a compare directory's report summary
+        runs = sorted(p.name for p in run_dir.iterdir() if (p / "run_config.json").exists())
+        raise UserError(f"{run_dir} is a comparison, not a run: pass one of its runs to --from "
+                        f"({', '.join(runs) or 'none finished'})")
     if not summary.get("breakdown"):
         raise UserError(f"{run_dir}'s summary.json has no time breakdown to calibrate on (a run with "
                         "--profile-steps 0, or one that did not finish)")

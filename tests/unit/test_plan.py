@@ -65,9 +65,11 @@ def bad_inputs(cmp_dir):
     run = str(cmp_dir / "torch-n1")
     broken = write_run(cmp_dir / "broken", {**summary("torch", 1), "breakdown": None})
     (cmp_dir / "notjson.json").write_text("{")
+    (cmp_dir / "summary.json").write_text(json.dumps({"runs": [], "verdicts": {}}))  # compare's own summary
     return [
         (["plan", "--from", str(cmp_dir / "missing")], "not found"),
-        (["plan", "--from", str(cmp_dir)], "no readable summary.json"),
+        (["plan", "--from", str(cmp_dir)], "is a comparison, not a run: pass one of its runs"),
+        (["plan", "--from", str(cmp_dir / "mlx-n1" / "summary.json")], "is not a directory"),
         (["plan", "--from", str(broken)], "no time breakdown"),
         (["plan", "--from", run, "--strategies", "ddp,zero"], "unknown strategy 'zero'"),
         (["plan", "--from", run, "--nproc", "2,0"], "positive whole numbers"),
