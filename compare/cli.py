@@ -170,7 +170,9 @@ def cmd_doctor(args) -> int:
     if args.out:
         from .plan import write_fabric
 
-        write_fabric(args.out, rows, f"the hosts of {args.hostfile}" if args.hostfile else f"{args.nproc} local ranks")
+        shaped = getattr(args, "link", None)  # doctor --fabric --link RATE (issue 24's emulated links)
+        write_fabric(args.out, rows, f"the hosts of {args.hostfile}" if args.hostfile else f"{args.nproc} local ranks",
+                     {"requested": shaped} if shaped else None)
         print(f"figures for `dpcompare plan --fabric`: {args.out}")
     return code
 

@@ -84,7 +84,9 @@ def link_from_fabric(path: str, framework: str, backend: str) -> Link:
                   for b in data["backends"] if isinstance(b, dict)]
         raise UserError(f"--fabric {path} has no measured {framework} backend; it holds: {', '.join(listed) or 'none'}")
     entry = next((b for b in usable if b.get("backend") == backend), usable[0])
-    name = f"{entry['framework']} {entry['backend']}" + (f" over {data['where']}" if data.get("where") else "")
+    shaped = (data.get("link") or {}).get("requested") if isinstance(data.get("link"), dict) else None
+    name = (f"{entry['framework']} {entry['backend']}" + (f" over {data['where']}" if data.get("where") else "")
+            + (f", shaped to {shaped}" if shaped else ""))
     return Link.from_allreduce(name, float(entry["latency_s"]), float(entry["bandwidth_Bps"]), int(entry.get("ranks") or 2),
                                f"doctor --fabric ({path}, {data.get('created', 'undated')})")
 

@@ -55,6 +55,11 @@ def test_plan_reads_doctor_fabric_out(cmp_dir, capsys):
     assert main(["plan", "--from", str(cmp_dir / "mlx-n1"), "--fabric", str(fabric), "--nproc", "2"]) == 0
     plan = json.loads((cmp_dir / "mlx-n1" / "plan" / "plan.json").read_text())
     assert plan["link"]["name"].startswith("mlx ring") and plan["link"]["chosen_by"] == "--fabric"
+    # A ring all-reduce of S bytes measured as 300 µs + S / 0.9 GB/s at N=2 is 150 µs per hop and 0.9 GB/s each way
+    assert plan["link"]["hop_latency_s"] == pytest.approx(1.5e-4) and plan["link"]["bandwidth_Bps"] == pytest.approx(9e8)
+    write_fabric(str(fabric), rows, "2 local ranks", {"requested": "1gbit"})  # doctor --fabric --link 1gbit
+    assert main(["plan", "--from", str(cmp_dir / "mlx-n1"), "--fabric", str(fabric), "--nproc", "2"]) == 0
+    assert "shaped to 1gbit" in json.loads((cmp_dir / "mlx-n1" / "plan" / "plan.json").read_text())["link"]["name"]
     write_fabric(str(fabric), rows[:1], "2 local ranks")
     capsys.readouterr()
     assert main(["plan", "--from", str(cmp_dir / "torch-n1"), "--fabric", str(fabric)]) == 2
