@@ -6,7 +6,7 @@ Time of one step at N ranks:
 
     step_s    = compute_s + exposed_comm_s
     compute_s = (forward + backward) x f_work(strategy, N) + optimizer x f_state(strategy, N) + other
-    exposed_comm_s = (1 - overlap) x sum over the step's collectives of calls x t(collective)
+    exposed_comm_s = (1 - overlap) x sum over the step's collectives of calls x t(collective) [+ sync_overhead_s]
 
   - forward, backward, optimizer, other: the calibration run's breakdown, scaled so that they add up to its
     measured step less its communication, then divided by its own f (so every phase is "one rank doing the
@@ -19,8 +19,9 @@ Time of one step at N ranks:
   - f_state: the share of the parameters a rank updates (AdamW touches what it holds): 1 for ddp, the
     shard for fsdp, the split layers for tp. `other` (host overhead per step) is taken as constant.
   - overlap: measured from a calibration run at N > 1 with a known link, as 1 - exposed / modelled
-    (the breakdown's `communication` is the synced minus the unsynced step); below 0 when the sync costs
-    more than the collectives alone (contention for the cores), floored at -2. Unmeasured: DEFAULT_OVERLAP,
+    (the breakdown's `communication` is the synced minus the unsynced step; without a link record, against
+    the loopback figures); a sync that costs more than the collectives alone is overlap 0 plus that excess
+    as a fixed cost per step (sync_overhead_s: copies, threads waiting for a core). Unmeasured: DEFAULT_OVERLAP,
     0, measured on the reference machine (docs/benchmarks.md: the gradient sync of `small` at N=2 costs as
     much as the isolated all-reduce in MLX and more in torch: on 2 busy cores nothing overlaps). tp's
     all-reduces sit on the critical path and are never overlapped.
@@ -69,7 +70,6 @@ from .weights import parameter_shapes
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 MASTER_BYTES = 4          # master weights, gradients, AdamW state and the gradient reduction stay fp32
 DEFAULT_OVERLAP = 0.0     # see the module docstring: measured here, nothing overlaps on 2 busy cores
-MIN_OVERLAP = -2.0        # a measured "overlap" below 0 is contention: the sync costs more than alone
 DEFAULT_BUCKET_BYTES = {"mlx": 32 * 2**20, "torch": 25 * 2**20}  # RunConfig's all_reduce_size_mb, bucket_cap_mb
 # All-reduce at N=2 over loopback on the reference machine (docs/benchmarks.md, "All-reduce against message
 # size": the 4 KB median and the 108 MB bandwidth), for runs whose summary.json has no `link` record.
@@ -282,12 +282,13 @@ class Calibration:
     optimizer_s: float
     other_s: float
     step_s: float                   # the run's measured step
-    overlap: float | None           # measured, or None
+    overlap: float | None           # measured (ddp at N > 1), or None
     overhead_bytes: float
     memory_basis: str
     link: Link | None
     source: str = ""
     notes: list = field(default_factory=list)
+    sync_overhead_s: float = 0.0    # what a measured ddp sync costs beyond its collectives, per step
 
 
 def calibration_from_flops(w: Workload, achieved_flops_per_s: float, source: str) -> Calibration:
@@ -356,12 +357,15 @@ def calibrate(summary: dict, spec: ModelSpec, source: str = "") -> Calibration:
     phases["other"] = float(bd.get("other") or 0.0)
     scale = compute / (sum(phases.values()) or 1.0)
     work, state = work_fraction(strategy, w, n), state_fraction(strategy, w, n)
-    overlap = None
-    if n > 1 and strategy == "ddp" and link is not None:
-        full = sum(c.seconds(link, n) for c in collectives("ddp", w, n))
-        # Below 0 when the sync costs more than the isolated collectives (contention for the cores: torch
-        # on 2 busy cores, docs/benchmarks.md); floored at -2 so one noisy run cannot triple a plan.
-        overlap = min(1.0, max(MIN_OVERLAP, 1.0 - exposed / full)) if full > 0 else None
+    overlap, sync_overhead_s = None, 0.0
+    if n > 1 and strategy == "ddp":
+        if link is None:
+            notes.append(f"no link record: the overlap is measured against {loopback_link(backend).source}")
+        full = sum(c.seconds(link or loopback_link(backend), n) for c in collectives("ddp", w, n))
+        overlap = min(1.0, max(0.0, 1.0 - exposed / full))
+        # A sync that costs more than the collectives alone (torch on 2 busy cores: bucket copies, threads
+        # waiting for a core, docs/benchmarks.md) is a fixed cost per step, not a share of the link's time.
+        sync_overhead_s = max(0.0, exposed - full)
     on_gpu = str(summary.get("device", "")).startswith(("cuda", "gpu", "mps"))
     peaks = summary.get("peak_mem_bytes" if on_gpu else "peak_rss_bytes") or []
     peak = max((p for p in peaks if p), default=None)
@@ -372,7 +376,7 @@ def calibrate(summary: dict, spec: ModelSpec, source: str = "") -> Calibration:
         notes.append("no peak memory in summary.json: the fixed overhead is taken as 0")
     return Calibration(w, strategy, n, backend, phases["forward"] * scale / work, phases["backward"] * scale / work,
                        phases["optimizer"] * scale / state, phases["other"] * scale, float(step_s), overlap,
-                       overhead, "framework peak" if on_gpu else "peak RSS", link, source, notes)
+                       overhead, "framework peak" if on_gpu else "peak RSS", link, source, notes, sync_overhead_s)
 
 
 @dataclass
@@ -417,7 +421,7 @@ def predict(cal: Calibration, strategy: str, n: int, link: Link | None, device_m
         raise UserError(f"predicting {strategy} at N={n} needs a link (its latency and bandwidth)")
     comm = sum(c.seconds(link, n) for c in colls)
     overlap = 0.0 if strategy == "tp" else (cal.overlap if cal.overlap is not None else DEFAULT_OVERLAP)
-    exposed = (1.0 - overlap) * comm
+    exposed = (1.0 - overlap) * comm + (cal.sync_overhead_s if colls and strategy == "ddp" else 0.0)
     step = compute + exposed
     one = (cal.forward_s + cal.backward_s + cal.optimizer_s + cal.other_s)  # ddp at N=1: the scaling baseline
     memory = memory_bytes(strategy, w, n, cal.overhead_bytes)
