@@ -32,7 +32,7 @@ Collectives, ring algorithm over N ranks, link latency a per hop and bandwidth b
     all-gather / reduce-scatter  (N-1) a + (N-1)/N x S / b       (S: the full, gathered size)
 
     ddp   the fp32 gradients, one all-reduce per bucket (torch bucket_cap_mb, MLX all_reduce_size_mb)
-    fsdp  per micro-step each block's fp32 parameters gathered twice (forward, backward: FSDP2 and
+    fsdp  per micro-step each unit's fp32 parameters gathered twice (forward, backward: FSDP2 and
           nn.fully_shard re-gather), their gradients reduce-scattered (torch once per step, MLX once per
           micro-step, mlx_impl/fsdp.py); the all_sum + slice fallback (MLX ring and MPI) is an all-reduce,
           twice the traffic. MLX's replicated gradients (the final norm, and the vocabulary matrices when

@@ -282,20 +282,23 @@ def add_predictions(run_dirs: list[Path]) -> None:
         else:
             if strategy != "ddp":
                 record["note"] = f"{strategy} has no N=1 run: predicted from the ddp N=1 run"
-            link = link_from_record(s.get("link"), s.get("framework", ""), s.get("backend", ""))
-            link_note = "the job's link record"
-            if link is None:
-                link, link_note = loopback_link(s.get("backend") or "gloo"), "no link record: assumed loopback"
             try:
-                cal = calibrate_run(source)
-                p = predict(cal, strategy, s["world_size"], link, backend=s.get("backend"))
-                measured = s.get("step_time_s")
-                record.update(step_s=p.step_s, tokens_per_s=p.tokens_per_s, compute_s=p.compute_s,
-                              exposed_comm_s=p.exposed_comm_s, memory_bytes_per_rank=p.memory["total"],
-                              link=link.name, link_source=f"{link_note} ({link.source})",
-                              step_error=(p.step_s / measured - 1) if measured else None)
-            except UserError as err:
+                record.update(predicted_record(source, s, strategy))
+            except Exception as err:  # noqa: BLE001 - a run the model cannot read must not cost the report
                 record["note"] = f"no prediction: {err}"
         s["prediction"] = record
         write_json(run_dir / "summary.json", s)
 
+
+def predicted_record(source: Path, s: dict, strategy: str) -> dict:
+    """The `prediction` fields of run summary `s`, calibrated on the run in `source`."""
+    link = link_from_record(s.get("link"), s.get("framework", ""), s.get("backend", ""))
+    link_note = "the job's link record"
+    if link is None:
+        link, link_note = loopback_link(s.get("backend") or "gloo"), "no link record: assumed loopback"
+    p = predict(calibrate_run(source), strategy, s["world_size"], link, backend=s.get("backend"))
+    measured = s.get("step_time_s")
+    return {"step_s": p.step_s, "tokens_per_s": p.tokens_per_s, "compute_s": p.compute_s,
+            "exposed_comm_s": p.exposed_comm_s, "memory_bytes_per_rank": p.memory["total"], "link": link.name,
+            "link_source": f"{link_note} ({link.source})",
+            "step_error": (p.step_s / measured - 1) if measured else None}

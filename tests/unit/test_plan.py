@@ -18,6 +18,7 @@ def cmp_dir(tmp_path):
         write_run(tmp_path / f"{fw}-n1", summary(fw, 1))
         write_run(tmp_path / f"{fw}-n2", summary(fw, 2, link=link_record("1gbit", backend=backend)))
         write_run(tmp_path / f"{fw}-tp-n2", summary(fw, 2, strategy="tp"))  # an older run: no link record
+    write_run(tmp_path / "torch-fsdp-n2", summary("torch", 2, strategy="fsdp", link={"allreduce": {"latency_s": "?", "bandwidth_Bps": 1e9}}))
     return tmp_path
 
 
@@ -37,7 +38,8 @@ def test_plan_writes_plan_json_and_the_figure(cmp_dir, capsys):
     assert ddp1["step_s"] == pytest.approx(summary("torch", 1)["step_time_s"])
     assert {p["fits"] for p in plan["predictions"] if "fits" in p} == {True, False}  # 0.45 GB splits them
     assert plan["link"]["bandwidth_Bps"] == 10e9 / 8 and plan["link"]["hop_latency_s"] == pytest.approx(50e-6)
-    assert {(m["strategy"], m["world_size"]) for m in plan["measured"]} == {("ddp", 1), ("ddp", 2), ("tp", 2)}
+    assert {(m["strategy"], m["world_size"]) for m in plan["measured"]} == {("ddp", 1), ("ddp", 2), ("tp", 2),
+                                                                           ("fsdp", 2)}
     for text in ("tokens/s", "efficiency", "exposed comm", "memory/rank GB", "fits", "bottleneck is"):
         assert text in printed
 
@@ -112,9 +114,12 @@ def test_compare_writes_a_prediction_into_every_multi_rank_run_and_the_report_sh
     assert "link record" in ddp["link_source"]
     assert tp["from"] == "mlx-n1" and "predicted from the ddp N=1 run" in tp["note"]
     assert "assumed loopback" in tp["link_source"]  # the tp fixture has no link record, as older runs
+    broken = read["torch-fsdp-n2"]["prediction"]  # a link record the model cannot read: a note, no crash
+    assert broken["from"] == "torch-n1" and broken["note"].startswith("no prediction:") and "step_s" not in broken
     rows = [{"label": name, "step_time_ms": s["step_time_s"] * 1e3, "tokens_per_s": s["tokens_per_s"],
              "prediction": s.get("prediction")} for name, s in read.items()]
     blocks = prediction_blocks(rows)
     table = next(b for b in blocks if b[0] == "table")
     assert "predicted step ms" in table[1] and "measured step ms" in table[1]
     assert {r[0] for r in table[2]} == {"mlx-n2", "mlx-tp-n2", "torch-n2", "torch-tp-n2"}
+    assert any("torch-fsdp-n2: no prediction" in line for b in blocks if b[0] == "ul" for line in b[1])
