@@ -123,3 +123,11 @@ def test_compare_writes_a_prediction_into_every_multi_rank_run_and_the_report_sh
     assert "predicted step ms" in table[1] and "measured step ms" in table[1]
     assert {r[0] for r in table[2]} == {"mlx-n2", "mlx-tp-n2", "torch-n2", "torch-tp-n2"}
     assert any("torch-fsdp-n2: no prediction" in line for b in blocks if b[0] == "ul" for line in b[1])
+
+
+def test_doctor_out_is_refused_before_anything_is_measured(tmp_path, capsys):
+    assert main(["doctor", "--out", str(tmp_path / "f.json")]) == 2
+    assert "go with doctor --fabric" in capsys.readouterr().err
+    assert main(["doctor", "--fabric", "--out", str(tmp_path / "missing" / "f.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not found" in err and not (tmp_path / "missing").exists()
