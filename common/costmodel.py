@@ -394,7 +394,7 @@ class Prediction:
     exposed_share: float
     wire_bytes_per_rank: float
     collectives: list
-    memory: dict
+    memory_bytes: dict               # per rank: params, grads, optimizer, activations, overhead, total
     fits: bool | None
     bottleneck: str
 
@@ -436,9 +436,9 @@ def predict(cal: Calibration, strategy: str, n: int, link: Link | None, device_m
 def bottleneck(p: Prediction, device_memory_bytes: float | None = None) -> str:
     """One sentence naming what limits the step."""
     if p.fits is False:
-        return (f"memory: {p.memory['total'] / 1e9:.2f} GB per rank does not fit in {device_memory_bytes / 1e9:.3g} GB "
-                f"(optimizer state {p.memory['optimizer'] / 1e9:.2f} GB, activations "
-                f"{p.memory['activations'] / 1e9:.2f} GB)")
+        return (f"memory: {p.memory_bytes['total'] / 1e9:.2f} GB per rank does not fit in {device_memory_bytes / 1e9:.3g} GB "
+                f"(optimizer state {p.memory_bytes['optimizer'] / 1e9:.2f} GB, activations "
+                f"{p.memory_bytes['activations'] / 1e9:.2f} GB)")
     if p.collectives and p.exposed_comm_s >= p.compute_s:
         biggest = max(p.collectives, key=lambda c: c.calls * c.nbytes)
         moved = sum(c.calls * c.nbytes for c in p.collectives if c.what == biggest.what)

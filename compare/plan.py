@@ -209,7 +209,7 @@ def table(rows: list[dict], device_memory_gb: float | None) -> str:
             body.append((r["strategy"], str(r["world_size"])))
             continue
         cells = (r["strategy"], str(r["world_size"]), f"{r['step_s']:.4g}", f"{r['tokens_per_s']:,.0f}",
-                 f"{100 * r['efficiency']:.0f}%", f"{100 * r['exposed_share']:.0f}%", f"{r['memory']['total'] / 1e9:.3f}")
+                 f"{100 * r['efficiency']:.0f}%", f"{100 * r['exposed_share']:.0f}%", f"{r['memory_bytes']['total'] / 1e9:.3f}")
         body.append(cells + (("yes" if r["fits"] else "NO",) if device_memory_gb else ()))
     widths = [max(len(row[i]) for row in [header] + body if i < len(row)) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(header, widths)).rstrip()]
@@ -299,6 +299,6 @@ def predicted_record(source: Path, s: dict, strategy: str) -> dict:
     p = predict(calibrate_run(source), strategy, s["world_size"], link, backend=s.get("backend"))
     measured = s.get("step_time_s")
     return {"step_s": p.step_s, "tokens_per_s": p.tokens_per_s, "compute_s": p.compute_s,
-            "exposed_comm_s": p.exposed_comm_s, "memory_bytes_per_rank": p.memory["total"], "link": link.name,
+            "exposed_comm_s": p.exposed_comm_s, "memory_bytes_per_rank": p.memory_bytes["total"], "link": link.name,
             "link_source": f"{link_note} ({link.source})",
             "step_error": (p.step_s / measured - 1) if measured else None}

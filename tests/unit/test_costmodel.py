@@ -22,7 +22,7 @@ def test_the_model_reproduces_its_calibration_run(framework):
     assert p.step_s == pytest.approx(s["step_time_s"], rel=1e-9)
     assert p.tokens_per_s == pytest.approx(s["tokens_per_step"] / s["step_time_s"], rel=1e-9)
     assert (p.comm_s, p.efficiency) == (0, pytest.approx(1.0))
-    assert p.memory["total"] == pytest.approx(max(s["peak_rss_bytes"]), rel=1e-9)  # overhead calibrated
+    assert p.memory_bytes["total"] == pytest.approx(max(s["peak_rss_bytes"]), rel=1e-9)  # overhead calibrated
 
 
 @pytest.mark.parametrize("framework", ["mlx", "torch"])
@@ -39,7 +39,7 @@ def test_a_two_rank_calibration_run_with_a_link_is_reproduced_and_gives_the_over
         assert (cal.overlap, cal.sync_overhead_s) == (0.0, pytest.approx(exposed - full))
     p = predict(cal, "ddp", 2, link)
     assert p.step_s == pytest.approx(s["step_time_s"], rel=1e-9)
-    assert p.memory["total"] == pytest.approx(max(s["peak_rss_bytes"]), rel=1e-9)
+    assert p.memory_bytes["total"] == pytest.approx(max(s["peak_rss_bytes"]), rel=1e-9)
 
 
 @pytest.mark.parametrize("framework", ["mlx", "torch"])
@@ -139,11 +139,11 @@ def test_memory_fits_or_not_and_the_bottleneck_names_it():
     cal = calibrate(summary("torch", 1), TINY)
     link = Link.wire(1, 100)
     p = predict(cal, "fsdp", 2, link)
-    assert predict(cal, "fsdp", 2, link, device_memory_bytes=p.memory["total"] * 1.01).fits is True
-    tight = predict(cal, "fsdp", 2, link, device_memory_bytes=p.memory["total"] * 0.99)
+    assert predict(cal, "fsdp", 2, link, device_memory_bytes=p.memory_bytes["total"] * 1.01).fits is True
+    tight = predict(cal, "fsdp", 2, link, device_memory_bytes=p.memory_bytes["total"] * 0.99)
     assert tight.fits is False and tight.bottleneck.startswith("memory:")
     assert predict(cal, "fsdp", 2, link).fits is None
-    assert predict(cal, "fsdp", 4, link).memory["params"] < predict(cal, "ddp", 4, link).memory["params"]
+    assert predict(cal, "fsdp", 4, link).memory_bytes["params"] < predict(cal, "ddp", 4, link).memory_bytes["params"]
 
 
 def test_a_slow_link_is_named_as_the_bottleneck():
