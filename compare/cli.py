@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--preset", default="small", help="--fabric: the model whose gradient sync is estimated")
     doctor.add_argument("--seq-len", type=int, default=128, help="--fabric: tokens per sequence of that step")
     doctor.add_argument("--global-batch-size", type=int, default=8, help="--fabric: sequences per step")
+    doctor.add_argument("--out", help="--fabric: also write the figures as JSON to this file, for `dpcompare plan "
+                                      "--fabric FILE`")
     doctor.set_defaults(handler=cmd_doctor)
 
     prepare = sub.add_parser("prepare", help="tokenize a dataset into the shared token cache")
@@ -122,6 +124,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_flags(diagnose)
     diagnose.set_defaults(handler=cmd_diagnose)
 
+    plan = sub.add_parser("plan", help="predict step time, tokens/s and memory per rank at other world sizes, "
+                                       "strategies and links, from a measured run (docs/scaling.md)")
+    plan.add_argument("--from", dest="from_run", metavar="RUN_DIR", required=True,
+                      help="a finished run to calibrate on (its summary.json's time breakdown and peak memory)")
+    plan.add_argument("--nproc", default="2,4,8,16,64", help="comma list of world sizes (default 2,4,8,16,64)")
+    plan.add_argument("--strategies", default="ddp,fsdp,tp", help="comma list of ddp, fsdp, tp (default all)")
+    plan.add_argument("--fabric", metavar="FABRIC.json", help="the link as `dpcompare doctor --fabric --out` "
+                                                              "measured it (the run's framework's entry)")
+    plan.add_argument("--link-gbps", type=float, help="the link's bandwidth each way, Gbit/s (with --latency-us)")
+    plan.add_argument("--latency-us", type=float, help="the link's one-hop latency, µs (with --link-gbps)")
+    plan.add_argument("--device-memory-gb", type=float, help="memory per rank, GB: say whether each plan fits")
+    plan.add_argument("--out", help="where plan.json and plan.png go (default RUN_DIR/plan)")
+    plan.set_defaults(handler=cmd_plan)
+
     export = sub.add_parser("export", help="export a run's latest checkpoint as an HF Llama directory")
     export.add_argument("run_dir")
     export.add_argument("--out", required=True)
@@ -133,8 +149,8 @@ def cmd_doctor(args) -> int:
     from .doctor import doctor
 
     if not args.fabric:
-        if args.hostfile or args.backend or args.link:
-            raise UserError("--hostfile, --backend and --link go with doctor --fabric")
+        if args.hostfile or args.backend or args.link or args.out:
+            raise UserError("--hostfile, --backend, --link and --out go with doctor --fabric")
         print(doctor(measure_peak=args.peak))
         return 0
     from .machine.fabric import Workload, fabric
@@ -145,11 +161,21 @@ def cmd_doctor(args) -> int:
         raise UserError("doctor --fabric needs --nproc >= 2, a positive --max-mb and --time-budget-s")
     if args.hostfile and not Path(args.hostfile).is_file():
         raise UserError(f"hostfile {args.hostfile} not found")
+    if args.out and not Path(args.out).resolve().parent.is_dir():  # refused now, not after the measurement
+        raise UserError(f"--out {args.out}: directory {Path(args.out).resolve().parent} not found")
     workload = Workload(args.preset, args.seq_len, args.global_batch_size)
     RunConfig(preset=args.preset, seq_len=args.seq_len, global_batch_size=args.global_batch_size).validate()
+    rows = []
     report, code = fabric(nproc=args.nproc, hostfile=args.hostfile, backend=args.backend, max_mb=args.max_mb,
-                          time_budget_s=args.time_budget_s, workload=workload, link=args.link)
+                          time_budget_s=args.time_budget_s, workload=workload, link=args.link, rows_out=rows)
     print(report, flush=True)
+    if args.out:
+        from .plan import write_fabric
+
+        shaped = args.link  # doctor --fabric --link RATE: the figures are those of that emulated link
+        write_fabric(args.out, rows, f"the hosts of {args.hostfile}" if args.hostfile else f"{args.nproc} local ranks",
+                     {"requested": shaped} if shaped else None)
+        print(f"figures for `dpcompare plan --fabric`: {args.out}")
     return code
 
 
@@ -235,6 +261,12 @@ def cmd_diagnose(args) -> int:
     print(table(result))
     print(f"\ndiagnosis: {out / 'diagnosis.json'}")
     return 0
+
+
+def cmd_plan(args) -> int:
+    from .plan import run_plan
+
+    return run_plan(args)
 
 
 def cmd_export(args) -> int:

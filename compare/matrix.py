@@ -16,6 +16,7 @@ from common.errors import ParityError, UserError
 from common.strategy import STRATEGIES
 
 from .flags import config_from_args
+from .plan import add_predictions
 from .report.labels import run_dirname, run_label
 from .launch.hosts import check_hostfile
 from .launch.runner import check_run_dir, launch, prepare_inputs
@@ -76,6 +77,7 @@ def run_matrix(args) -> int:
     # A failed cross-framework verdict is followed by a diagnosis: where the frameworks first part.
     diagnose_failures(run_dirs, out, tolerances_from_args(args))
     write_samples(run_dirs)
+    add_predictions(run_dirs)  # the cost model's step for every N > 1 run, from its N=1 run (compare/plan.py)
     return finish(run_dirs, out, args, {"command": command}, failed)
 
 

@@ -268,9 +268,11 @@ def bucket_bytes(framework: str) -> int:
 
 def fabric(nproc: int = 2, hostfile: str | None = None, backend: str | None = None, max_mb: float = 32.0,
            time_budget_s: float = DEFAULT_TIME_BUDGET_S, max_calls: int = 20,
-           workload: Workload | None = None, link: str | None = None) -> tuple[str, int]:
+           workload: Workload | None = None, link: str | None = None,
+           rows_out: list | None = None) -> tuple[str, int]:
     """(the report, exit code): 0 when every backend was measured, 1 when one failed. `link`: the local
-    ranks talk over an emulated link of that rate (compare/launch/netns.py)."""
+    ranks talk over an emulated link of that rate (compare/launch/netns.py). `rows_out` receives the
+    Measured rows (doctor --fabric --out writes them for `dpcompare plan`)."""
     started = time.time()
     if link:
         if hostfile:
@@ -295,6 +297,8 @@ def fabric(nproc: int = 2, hostfile: str | None = None, backend: str | None = No
             continue
         rows.append(run_job(framework, name, device, nproc, hostfile, sizes, share, max_calls, link))
     report = render(rows, workload, hostfile, nproc, time.time() - started, link)
+    if rows_out is not None:
+        rows_out.extend(rows)
     return report, 1 if any(r.error for r in rows) else 0
 
 

@@ -51,6 +51,8 @@ def run_row(run: RunData, parity: dict, peaks: "PeakFinder") -> dict:
         "reduce_scatter": s.get("reduce_scatter"),
         "link": s.get("link"),  # the path the ranks talked over, emulated or loopback (docs/links.md)
         "breakdown": s.get("breakdown"),
+        # The cost model's step for this run, from the N=1 run (compare/plan.py).
+        "prediction": s.get("prediction"),
         "trace": [str(run.run_dir / f) for f in s.get("trace") or []],  # --trace timelines (common/trace.py)
         "command": s.get("command"), "rerun": rerun_command(cfg, run.framework, run.world_size),
         "parity": run_verdict(parity, run.label) if run.ok else "skipped",

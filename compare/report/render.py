@@ -62,6 +62,7 @@ def report_blocks(s: dict) -> list[tuple]:
     blocks += [("h2", "Runs"), ("table", RUN_HEADERS, [run_cells(r) for r in s["runs"]])]
     blocks += parity_blocks(s["parity"])
     blocks += breakdown_blocks(s["runs"])
+    blocks += prediction_blocks(s["runs"])
     blocks += sample_blocks(s.get("samples") or {})
     blocks += memory_blocks(s["runs"])
     blocks += precision_blocks(s["runs"])
@@ -171,6 +172,25 @@ def parity_blocks(p: dict) -> list[tuple]:
     if p["skipped"]:
         blocks.append(("ul", [f"skipped {r['label']} ({r['run_dir']}): {r['reason']}" for r in p["skipped"]]))
     return blocks
+
+
+def prediction_blocks(rows: list[dict]) -> list[tuple]:
+    """The cost model's step time next to the measured one (docs/scaling.md)."""
+    have = [r for r in rows if (r.get("prediction") or {}).get("step_s")]
+    if not have:
+        return []
+    table = [(r["label"], r["prediction"]["from"], r["prediction"].get("link", "–"),
+              fmt(r["prediction"]["step_s"] * 1e3, ",.1f"), fmt(r.get("step_time_ms"), ",.1f"),
+              (f"{100 * (r['prediction']['step_s'] * 1e3 / r['step_time_ms'] - 1):+.0f}%" if r.get("step_time_ms")
+               else "–"), fmt(r["prediction"]["tokens_per_s"], ",.0f"), fmt(r.get("tokens_per_s"), ",.0f"))
+             for r in have]
+    notes = [f"{r['label']}: {r['prediction']['note']}" for r in rows if (r.get("prediction") or {}).get("note")]
+    return [("h2", "Predicted and measured"),
+            ("p", "The cost model (common/costmodel.py, docs/scaling.md) predicts each multi-rank run from the "
+                  "1-rank run of its framework and dtype and the link the job measured: compute scaled by the "
+                  "work each rank does, plus the ring collectives' time at that link."),
+            ("table", ("run", "predicted from", "link", "predicted step ms", "measured step ms", "difference",
+                       "predicted tokens/s", "measured tokens/s"), table)] + ([("ul", notes)] if notes else [])
 
 
 def breakdown_blocks(rows: list[dict]) -> list[tuple]:

@@ -1,0 +1,67 @@
+"""The cost model against measured runs: predicted and measured step time at N=2, per framework and strategy,
+on loopback and on shaped links (issue 24's acceptance: within 15 %).
+
+    python benchmarks/bench_plan.py [--preset small] [--links none,1gbit,200mbit] [--strategies ddp,fsdp,tp]
+                                    [--steps 12] [--out runs/bench/plan.json]
+
+Per link one `dpcompare compare --nproc 1,2` (with `--link RATE` unless the link is `none`: plain loopback).
+compare writes each N=2 run's `prediction` (compare/plan.py: calibrated on the N=1 run of the same framework
+and dtype, over the link the job measured); this reads them back next to the measured step. `--link` needs
+root and `ip` (the emulated links of issue 24); on a machine without them use `--links none`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import tempfile
+from pathlib import Path
+
+import benchlib
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("runs/bench/plan.json"))
+    parser.add_argument("--quick", action="store_true", help="fewer steps")
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--links", default="none,1gbit,200mbit")
+    parser.add_argument("--strategies", default="ddp,fsdp,tp")
+    parser.add_argument("--frameworks", default="mlx,torch")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=8)
+    a = parser.parse_args()
+    steps = max(6, a.steps // 2) if a.quick else a.steps
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench_plan_") as work:
+        for link in a.links.split(","):
+            out = Path(work) / link
+            load = benchlib.wait_for_quiet()  # two ranks on 2 cores: another job's process halves a rank
+            argv = benchlib.DPCOMPARE + [
+                "compare", "--frameworks", a.frameworks, "--nproc", "1,2", "--strategies", a.strategies,
+                "--preset", a.preset, "--steps", str(steps), "--seq-len", str(a.seq_len), "--global-batch-size",
+                str(a.batch), "--eval-every", "0", *benchlib.data_args(a.preset), "--out", str(out), "--quiet",
+                *([] if link == "none" else ["--link", link])]
+            proc = subprocess.run(argv, cwd=benchlib.REPO, capture_output=True, text=True)
+            if proc.returncode not in (0, 1):  # 1: a run failed, its row says so; anything else: the compare did
+                raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}:\n{proc.stderr[-2000:]}")
+            for summary_path in sorted(out.glob("*-n2/summary.json")):
+                s = json.loads(summary_path.read_text())
+                p = s.get("prediction") or {}
+                source = json.loads((out / p["from"] / "summary.json").read_text()) if p.get("from") else {}
+                rows.append({"link": link, "run": summary_path.parent.name, "status": s.get("status"),
+                             "measured_step_s": s.get("step_time_s"), "predicted_step_s": p.get("step_s"),
+                             "error": (p["step_s"] / s["step_time_s"] - 1) if p.get("step_s") and s.get("step_time_s")
+                             else None, "predicted_from": p.get("from"), "link_used": p.get("link"),
+                             "measured_link": s.get("link"), "note": p.get("note"),
+                             "n1_step_s": source.get("step_time_s"), "load_average_at_start": load})
+    benchlib.print_table(rows, [("link", "link", ""), ("run", "run", ""), ("n1_step_s", "N=1 s", ".4f"),
+                                ("load_average_at_start", "load", ".1f"), ("measured_step_s", "measured s", ".4f"),
+                                ("predicted_step_s", "predicted s", ".4f"), ("error", "error", "+.1%")],
+                         f"{a.preset}, N=2 predicted from N=1")
+    benchlib.write_result(a.out, "plan", vars(a) | {"steps": steps}, rows)
+
+
+if __name__ == "__main__":
+    main()

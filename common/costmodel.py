@@ -1,0 +1,449 @@
+"""A cost model of one optimizer step, calibrated on a measured run: time and memory per rank for any
+(framework, strategy, N, link, dtype). Framework-neutral; `dpcompare plan` and `compare`'s `prediction`
+use it, docs/scaling.md explains it with worked examples.
+
+Time of one step at N ranks:
+
+    step_s    = compute_s + exposed_comm_s
+    compute_s = (forward + backward) x f_work(strategy, N) + optimizer x f_state(strategy, N) + other
+    exposed_comm_s = (1 - overlap) x sum over the step's collectives of calls x t(collective) [+ sync_overhead_s]
+
+  - forward, backward, optimizer, other: the calibration run's breakdown, scaled so that they add up to its
+    measured step less its communication, then divided by its own f (so every phase is "one rank doing the
+    whole global batch"). fsdp and tp run their collectives inside forward and backward (common/breakdown.py),
+    so for such a calibration run the model's own estimate of those collectives is subtracted first.
+  - f_work: the share of the global batch's matmul FLOPs (common/flops.py) one rank computes. ddp and fsdp
+    split the batch: 1/N. tp splits the layers' matrices and attention heads over N but every rank runs
+    the replicated lm_head over the whole batch: (6 P_layers / N + 12 L T d / N + 6 V d) / flops_per_token.
+    Assumption: time is proportional to FLOPs, so smaller matmuls are taken to run as fast per FLOP.
+  - f_state: the share of the parameters a rank updates (AdamW touches what it holds): 1 for ddp, the
+    shard for fsdp, the split layers for tp. `other` (host overhead per step) is taken as constant.
+  - overlap: measured from a calibration run at N > 1 with a known link, as 1 - exposed / modelled
+    (the breakdown's `communication` is the synced minus the unsynced step; without a link record, against
+    the loopback figures); a sync that costs more than the collectives alone is overlap 0 plus that excess
+    as a fixed cost per step (sync_overhead_s: copies, threads waiting for a core). Unmeasured: DEFAULT_OVERLAP,
+    0, measured on the reference machine (docs/benchmarks.md: the gradient sync of `small` at N=2 costs as
+    much as the isolated all-reduce in MLX and more in torch: on 2 busy cores nothing overlaps). tp's
+    all-reduces sit on the critical path and are never overlapped.
+
+Collectives, ring algorithm over N ranks, link latency a per hop and bandwidth b per direction (bytes/s):
+
+    all-reduce of S bytes        2 (N-1) a + 2 (N-1)/N x S / b
+    all-gather / reduce-scatter  (N-1) a + (N-1)/N x S / b       (S: the full, gathered size)
+
+    ddp   the fp32 gradients, one all-reduce per bucket (torch bucket_cap_mb, MLX all_reduce_size_mb)
+    fsdp  per micro-step each unit's fp32 parameters gathered twice (forward, backward: FSDP2 and
+          nn.fully_shard re-gather), their gradients reduce-scattered (torch once per step, MLX once per
+          micro-step, mlx_impl/fsdp.py); the all_sum + slice fallback (MLX ring and MPI) is an all-reduce,
+          twice the traffic. MLX's replicated gradients (the final norm, and the vocabulary matrices when
+          V % N != 0) are all-reduced as under ddp; FSDP2 shards the root unit (embedding, norm, head) too.
+    tp    per layer and micro-step 4 all-reduces of the activations (B x T x dim) in the compute dtype
+    pp    not modelled yet: add `_pp_collectives` (point-to-point activations, 2 per stage boundary and
+          micro-batch) to COLLECTIVES and the bubble (stages - 1)/(micro-batches + stages - 1) to compute_s.
+
+A link measured as an all-reduce, t(S) ~= latency_s + S / bandwidth_Bps at N_m ranks, is inverted through
+the ring formula (a = latency_s / 2(N_m - 1), b = bandwidth_Bps x 2(N_m - 1)/N_m), so the framework's own
+overheads at N_m carry over to any N. A link given by hand (--link-gbps, --latency-us) is the wire itself.
+
+Memory per rank (bytes): params + grads + optimizer + activations + overhead
+
+    params     4 x the parameters the rank holds (fp32 master weights under every dtype); grads the same;
+               optimizer 2 x params (AdamW's two moments) -- as summary.json's state_bytes counts them
+    activations one micro-batch's saved tensors, per token: per layer 7 d in the activation dtype, plus the
+               head- and ffn-split ones (3 d + 3 kv + 2 h T + 4 ffn) / N_tp, plus 2 V fp32 logits (logits
+               and their exponentials); fsdp adds two gathered blocks (the current one and the prefetch)
+    overhead   the calibration run's peak (RSS on a CPU, the framework's allocator peak on a GPU) minus
+               the above at the calibration point: the runtime, libraries, buffers, and the error of the
+               activation count, taken as fixed.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .errors import UserError
+from .flops import attention_flops_per_token, flops_per_token, matmul_parameters
+from .spec import ModelSpec
+from .strategy import STRATEGIES, check_strategy, tp_split_axis
+from .weights import parameter_shapes
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+MASTER_BYTES = 4          # master weights, gradients, AdamW state and the gradient reduction stay fp32
+DEFAULT_OVERLAP = 0.0     # see the module docstring: measured here, nothing overlaps on 2 busy cores
+DEFAULT_BUCKET_BYTES = {"mlx": 32 * 2**20, "torch": 25 * 2**20}  # RunConfig's all_reduce_size_mb, bucket_cap_mb
+# All-reduce at N=2 over loopback on the reference machine (docs/benchmarks.md, "All-reduce against message
+# size": the 4 KB median and the 108 MB bandwidth), for runs whose summary.json has no `link` record.
+LOOPBACK_ALLREDUCE = {"ring": (82e-6, 0.86e9), "mpi": (12e-6, 1.19e9), "gloo": (335e-6, 1.84e9)}
+
+
+@dataclass(frozen=True)
+class Link:
+    """A ring's per-hop latency (s) and per-direction bandwidth (bytes/s), and where they come from."""
+    name: str
+    hop_latency_s: float
+    bandwidth_Bps: float
+    source: str = ""
+
+    def __post_init__(self):
+        if not (self.hop_latency_s >= 0 and self.bandwidth_Bps > 0 and math.isfinite(self.bandwidth_Bps)):
+            raise UserError(f"link {self.name}: latency must be >= 0 and bandwidth positive, got "
+                            f"{self.hop_latency_s!r} s and {self.bandwidth_Bps!r} B/s")
+
+    @classmethod
+    def from_allreduce(cls, name: str, latency_s: float, bandwidth_Bps: float, world_size: int,
+                       source: str = "") -> "Link":
+        """From a measured all-reduce t(S) ~= latency_s + S / bandwidth_Bps at `world_size` ranks."""
+        n = max(2, int(world_size))
+        steps = 2 * (n - 1)
+        return cls(name, latency_s / steps, bandwidth_Bps * steps / n, source)
+
+    @classmethod
+    def wire(cls, gbit_per_s: float, latency_us: float, name: str = "") -> "Link":
+        return cls(name or f"{gbit_per_s:g} Gbit/s, {latency_us:g} µs", latency_us * 1e-6, gbit_per_s * 1e9 / 8,
+                   "given by hand (the wire: no framework overhead)")
+
+    def all_reduce_s(self, nbytes: float, n: int) -> float:
+        return 2 * (n - 1) * self.hop_latency_s + 2 * (n - 1) / n * nbytes / self.bandwidth_Bps
+
+    def all_gather_s(self, nbytes: float, n: int) -> float:
+        return (n - 1) * self.hop_latency_s + (n - 1) / n * nbytes / self.bandwidth_Bps
+
+    reduce_scatter_s = all_gather_s
+
+
+RING_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+               "reduce_scatter": lambda n: (n - 1) / n}
+
+
+@dataclass(frozen=True)
+class Collective:
+    kind: str      # all_reduce | all_gather | reduce_scatter
+    nbytes: int    # payload of one call (all-gather: the gathered size)
+    calls: int     # per optimizer step
+    what: str
+
+    def seconds(self, link: Link, n: int) -> float:
+        return self.calls * getattr(link, f"{self.kind}_s")(self.nbytes, n)
+
+    def wire_bytes(self, n: int) -> float:
+        """Bytes each rank sends per step for this collective."""
+        return self.calls * RING_FACTOR[self.kind](n) * self.nbytes
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What a step trains: the model, the global batch, the precision and the framework's buckets."""
+    spec: ModelSpec
+    seq_len: int
+    global_batch_size: int
+    grad_accum: int = 1
+    dtype: str = "float32"
+    framework: str = "torch"
+    bucket_bytes: int | None = None  # ddp's all-reduce chunks: MLX all_reduce_size_mb, torch bucket_cap_mb
+    target_tokens: int | None = None  # real target tokens per step where a run counted them (padding has fewer)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.target_tokens or self.global_batch_size * self.seq_len
+
+    def micro_rows(self, strategy: str, n: int) -> float:
+        """Sequences per rank per micro-step: tp ranks all read the whole batch."""
+        return self.global_batch_size / ((1 if strategy == "tp" else n) * self.grad_accum)
+
+
+def _vocab_sharded(framework: str, spec: ModelSpec, n: int) -> bool:
+    """torch's FSDP2 pads an uneven vocabulary and shards it; MLX's fully_shard keeps it replicated."""
+    return framework != "mlx" or spec.vocab_size % n == 0
+
+
+def local_parameters(strategy: str, spec: ModelSpec, n: int, framework: str = "torch") -> float:
+    """Parameters one rank holds (and updates) under a strategy at N ranks."""
+    shapes = parameter_shapes(spec)
+    total = sum(math.prod(s) for s in shapes.values())
+    if strategy == "ddp" or n == 1:
+        return total
+    if strategy == "tp":
+        split = sum(math.prod(s) for k, s in shapes.items() if tp_split_axis(k) is not None)
+        return total - split + split / n
+    blocks = sum(math.prod(s) for k, s in shapes.items() if k.startswith("model.layers."))
+    vocab = sum(math.prod(s) for k, s in shapes.items() if k in ("model.embed_tokens.weight", "lm_head.weight"))
+    rest = total - blocks - vocab  # the final norm: MLX keeps it replicated, FSDP2 shards the root unit
+    if framework == "mlx":
+        return blocks / n + rest + (vocab / n if _vocab_sharded(framework, spec, n) else vocab)
+    matrices = 1 if spec.tie_embeddings else 2  # FSDP2 pads V up to a multiple of N
+    return blocks / n + rest / n + matrices * math.ceil(spec.vocab_size / n) * spec.dim
+
+
+def work_fraction(strategy: str, w: Workload, n: int) -> float:
+    """f_work: one rank's share of the global batch's forward + backward FLOPs (module docstring)."""
+    if strategy != "tp":
+        return 1.0 / n
+    head = 6.0 * w.spec.vocab_size * w.spec.dim
+    layers = 6.0 * matmul_parameters(w.spec) - head + attention_flops_per_token(w.spec, w.seq_len)
+    return (layers / n + head) / flops_per_token(w.spec, w.seq_len)
+
+
+def state_fraction(strategy: str, w: Workload, n: int) -> float:
+    """f_state: the share of the parameters a rank updates."""
+    total = local_parameters("ddp", w.spec, 1)
+    return local_parameters(strategy, w.spec, n, w.framework) / total
+
+
+# ---- bytes moved per step, per strategy ---------------------------------------------------------
+def _ddp_collectives(w: Workload, n: int, reduce_scatter: str) -> list[Collective]:
+    grad_bytes = local_parameters("ddp", w.spec, 1) * MASTER_BYTES
+    bucket = w.bucket_bytes or DEFAULT_BUCKET_BYTES.get(w.framework, 25 * 2**20)
+    return [Collective("all_reduce", int(grad_bytes / math.ceil(grad_bytes / bucket)),
+                       math.ceil(grad_bytes / bucket), "gradients")]
+
+
+def _fsdp_collectives(w: Workload, n: int, reduce_scatter: str) -> list[Collective]:
+    shapes = parameter_shapes(w.spec)
+    block = sum(math.prod(s) for k, s in shapes.items() if k.startswith("model.layers.0.")) * MASTER_BYTES
+    vocab = [math.prod(s) * MASTER_BYTES for k, s in shapes.items()
+             if k in ("model.embed_tokens.weight", "lm_head.weight")]
+    norm = w.spec.dim * MASTER_BYTES
+    if w.framework == "mlx":  # blocks, and the embedding and head each on its own where V divides by N
+        sharded_vocab = _vocab_sharded(w.framework, w.spec, n)
+        units = [block] * w.spec.n_layers + (vocab if sharded_vocab else [])
+        replicated = norm + (0 if sharded_vocab else sum(vocab))  # averaged after the backward, as ddp
+    else:  # FSDP2: the blocks, then the root unit (embedding, final norm, head)
+        units, replicated = [block] * w.spec.n_layers + [sum(vocab) + norm], 0
+    unit = int(sum(units) / len(units))
+    scatters = w.grad_accum if w.framework == "mlx" else 1  # MLX reduce-scatters in every micro-step's backward
+    out = [Collective("all_gather", unit, 2 * w.grad_accum * len(units), "parameters gathered (forward and backward)")]
+    if reduce_scatter == "all_sum_slice":  # an all-reduce then the rank's slice: twice a reduce-scatter
+        out.append(Collective("all_reduce", unit, scatters * len(units), "gradients (all_sum + slice)"))
+    else:
+        out.append(Collective("reduce_scatter", unit, scatters * len(units), "gradients"))
+    if replicated:
+        out.append(Collective("all_reduce", replicated, 1, "replicated gradients"))
+    return out
+
+
+def _tp_collectives(w: Workload, n: int, reduce_scatter: str) -> list[Collective]:
+    act = w.micro_rows("tp", n) * w.seq_len * w.spec.dim * DTYPE_BYTES[w.dtype]
+    return [Collective("all_reduce", int(act), 4 * w.spec.n_layers * w.grad_accum, "activations")]
+
+
+# pp, when it lands: `_pp_collectives` (point-to-point sends of one micro-batch's (rows, T, dim) activations,
+# forward and backward, at each of the stages - 1 boundaries, per micro-batch; sent, not all-reduced: factor 1),
+# and its bubble, (stages - 1) / (micro-batches + stages - 1) of the compute, in predict()'s compute_s.
+COLLECTIVES = {"ddp": _ddp_collectives, "fsdp": _fsdp_collectives, "tp": _tp_collectives}
+
+
+def collectives(strategy: str, w: Workload, n: int, reduce_scatter: str = "native") -> list[Collective]:
+    """The step's collectives (none at N=1); `reduce_scatter`: "native" or MLX's "all_sum_slice"."""
+    if strategy not in COLLECTIVES:
+        raise UserError(f"the cost model knows no strategy {strategy!r}; allowed: {', '.join(COLLECTIVES)}")
+    return [] if n < 2 else COLLECTIVES[strategy](w, n, reduce_scatter)
+
+
+def reduce_scatter_kind(framework: str, backend: str) -> str:
+    """mlx_impl/fsdp.py: MLX 0.32.4's ring and MPI lack sum_scatter; torch always has one."""
+    return "all_sum_slice" if framework == "mlx" and backend not in ("nccl",) else "native"
+
+
+# ---- memory per rank ----------------------------------------------------------------------------
+def activation_bytes(strategy: str, w: Workload, n: int) -> float:
+    """One micro-batch's saved activations on one rank (module docstring); a rough count whose error the
+    calibrated overhead absorbs at the calibration point."""
+    s = w.spec
+    tp_n = n if strategy == "tp" else 1
+    kv = s.n_kv_heads * s.head_dim
+    per_token_layer = 7 * s.dim + (3 * s.dim + 3 * kv + 2 * s.n_heads * w.seq_len + 4 * s.ffn_dim) / tp_n
+    tokens = w.micro_rows(strategy, n) * w.seq_len
+    layers = tokens * s.n_layers * per_token_layer * DTYPE_BYTES[w.dtype]
+    logits = tokens * 2 * s.vocab_size * 4
+    gathered = 0.0
+    if strategy == "fsdp" and n > 1:
+        block = sum(math.prod(v) for k, v in parameter_shapes(s).items() if k.startswith("model.layers.0."))
+        gathered = 2 * block * MASTER_BYTES
+    return layers + logits + gathered
+
+
+def memory_bytes(strategy: str, w: Workload, n: int, overhead_bytes: float = 0.0) -> dict:
+    params = local_parameters(strategy, w.spec, n, w.framework) * MASTER_BYTES
+    parts = {"params": params, "grads": params, "optimizer": 2 * params,
+             "activations": activation_bytes(strategy, w, n), "overhead": overhead_bytes}
+    return {**parts, "total": sum(parts.values())}
+
+
+# ---- calibration and prediction -----------------------------------------------------------------
+@dataclass(frozen=True)
+class Calibration:
+    """A measured run reduced to per-phase seconds for one rank doing the whole global batch."""
+    workload: Workload
+    strategy: str
+    world_size: int
+    backend: str
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+    other_s: float
+    step_s: float                   # the run's measured step
+    overlap: float | None           # measured (ddp at N > 1), or None
+    overhead_bytes: float
+    memory_basis: str
+    link: Link | None
+    source: str = ""
+    notes: list = field(default_factory=list)
+    sync_overhead_s: float = 0.0    # what a measured ddp sync costs beyond its collectives, per step
+
+
+def calibration_from_flops(w: Workload, achieved_flops_per_s: float, source: str) -> Calibration:
+    """A calibration on paper, for a device nobody measured here: the global batch's forward + backward at
+    `achieved_flops_per_s` (a peak times an assumed MFU), common/flops.py's count, the forward a third of it
+    (the backward's 2x, as the count assumes); the optimizer, host overhead and memory overhead left at 0."""
+    compute_s = w.tokens_per_step * flops_per_token(w.spec, w.seq_len) / achieved_flops_per_s
+    return Calibration(w, "ddp", 1, "none", compute_s / 3, 2 * compute_s / 3, 0.0, 0.0, compute_s, None, 0.0,
+                       "none (on paper)", None, source)
+
+
+def link_from_record(record: dict | None, framework: str = "", backend: str = "") -> Link | None:
+    """The `link` record of summary.json -> a Link: the job's own all-reduce when measured, else the TCP
+    path's figures; None when there is no record or it measured nothing."""
+    if not record:
+        return None
+    name = record.get("requested") or "loopback"
+    ar = record.get("allreduce") or {}
+    if ar.get("latency_s") is not None and ar.get("bandwidth_Bps"):
+        return Link.from_allreduce(name, ar["latency_s"], ar["bandwidth_Bps"], ar.get("world_size") or 2,
+                                   f"the job's {ar.get('backend', backend)} all-reduce, measured at its start")
+    if record.get("tcp_bandwidth_Bps"):
+        return Link(name, record.get("tcp_latency_s") or 0.0, record["tcp_bandwidth_Bps"],
+                    "the path's TCP throughput and latency, measured")
+    if record.get("rate_bps"):
+        return Link(name, record.get("tcp_latency_s") or 0.0, record["rate_bps"] / 8, "the shaped rate (not measured)")
+    return None
+
+
+def loopback_link(backend: str) -> Link:
+    latency_s, bandwidth_Bps = LOOPBACK_ALLREDUCE.get(backend, LOOPBACK_ALLREDUCE["gloo"])
+    return Link.from_allreduce(f"loopback ({backend}, assumed)", latency_s, bandwidth_Bps, 2,
+                               "docs/benchmarks.md's loopback all-reduce at N=2 (no link record in the run)")
+
+
+def calibrate(summary: dict, spec: ModelSpec, source: str = "") -> Calibration:
+    """A run's summary.json (with its `breakdown`) and model spec -> Calibration."""
+    bd = summary.get("breakdown") or {}
+    if not all(isinstance(bd.get(k), (int, float)) for k in ("forward", "backward", "optimizer")):
+        raise UserError(f"{source or 'the run'} has no time breakdown in summary.json (a finished run writes one; "
+                        "--profile-steps 0 turns it off)")
+    cfg = summary.get("config") or {}
+    framework, strategy = summary.get("framework", cfg.get("framework", "torch")), summary.get("strategy", "ddp")
+    n, backend = int(summary.get("world_size") or 1), summary.get("backend") or "none"
+    bucket_mb = cfg.get("all_reduce_size_mb" if framework == "mlx" else "bucket_cap_mb")
+    w = Workload(spec, int(cfg.get("seq_len", 128)), int(cfg.get("global_batch_size", 8)),
+                 int(cfg.get("grad_accum", 1)), summary.get("dtype", cfg.get("dtype", "float32")), framework,
+                 int(bucket_mb * 2**20) if bucket_mb else None, summary.get("tokens_per_step"))
+    step_s = bd.get("step_s") or summary.get("step_time_s")
+    if not step_s:
+        raise UserError(f"{source or 'the run'} has no measured step time in summary.json")
+    notes = []
+    link = link_from_record(summary.get("link"), framework, backend)
+    exposed = float(bd.get("communication") or 0.0)
+    if n > 1 and strategy in ("fsdp", "tp"):
+        # Their collectives run inside forward and backward, where the breakdown cannot tell them from
+        # compute: the model's own estimate of all of them (not overlapped) is taken off the step instead.
+        used = link or loopback_link(backend)
+        exposed = sum(c.seconds(used, n) for c in collectives(strategy, w, n, reduce_scatter_kind(framework, backend)))
+    compute = step_s - exposed
+    if compute < 0.2 * step_s:  # the link estimate exceeds what was measured: keep a floor, and say so
+        notes.append(f"modelled communication {exposed:.3g} s leaves under 20% of the measured step "
+                     f"{step_s:.3g} s for compute; compute floored at 20%")
+        compute = 0.2 * step_s
+    phases = {k: float(bd[k]) for k in ("forward", "backward", "optimizer")}
+    phases["other"] = float(bd.get("other") or 0.0)
+    scale = compute / (sum(phases.values()) or 1.0)
+    work, state = work_fraction(strategy, w, n), state_fraction(strategy, w, n)
+    overlap, sync_overhead_s = None, 0.0
+    if n > 1 and strategy == "ddp":
+        if link is None:
+            notes.append(f"no link record: the overlap is measured against {loopback_link(backend).source}")
+        full = sum(c.seconds(link or loopback_link(backend), n) for c in collectives("ddp", w, n))
+        overlap = min(1.0, max(0.0, 1.0 - exposed / full))
+        # A sync that costs more than the collectives alone (torch on 2 busy cores: bucket copies, threads
+        # waiting for a core, docs/benchmarks.md) is a fixed cost per step, not a share of the link's time.
+        sync_overhead_s = max(0.0, exposed - full)
+    on_gpu = str(summary.get("device", "")).startswith(("cuda", "gpu", "mps"))
+    peaks = summary.get("peak_mem_bytes" if on_gpu else "peak_rss_bytes") or []
+    peak = max((p for p in peaks if p), default=None)
+    overhead = 0.0
+    if peak:
+        overhead = max(0.0, peak - memory_bytes(strategy, w, n)["total"])
+    else:
+        notes.append("no peak memory in summary.json: the fixed overhead is taken as 0")
+    return Calibration(w, strategy, n, backend, phases["forward"] * scale / work, phases["backward"] * scale / work,
+                       phases["optimizer"] * scale / state, phases["other"] * scale, float(step_s), overlap,
+                       overhead, "framework peak" if on_gpu else "peak RSS", link, source, notes, sync_overhead_s)
+
+
+@dataclass
+class Prediction:
+    framework: str
+    strategy: str
+    world_size: int
+    link: str
+    compute_s: float
+    comm_s: float
+    exposed_comm_s: float
+    step_s: float
+    tokens_per_s: float
+    efficiency: float
+    exposed_share: float
+    wire_bytes_per_rank: float
+    collectives: list
+    memory_bytes: dict               # per rank: params, grads, optimizer, activations, overhead, total
+    fits: bool | None
+    bottleneck: str
+
+    def to_dict(self) -> dict:
+        out = dict(vars(self))
+        out["collectives"] = [vars(c) for c in self.collectives]
+        return out
+
+
+def predict(cal: Calibration, strategy: str, n: int, link: Link | None, device_memory_bytes: float | None = None,
+            backend: str | None = None) -> Prediction:
+    """One step of `strategy` at `n` ranks over `link` (None at N=1), from a calibration. Raises UserError
+    when the strategy cannot split this model over n ranks (common/strategy.py's checks)."""
+    if strategy not in STRATEGIES:
+        raise UserError(f"unknown strategy {strategy!r}; allowed: {', '.join(STRATEGIES)}")
+    if n > 1 or strategy != "ddp":
+        check_strategy(strategy, cal.workload.spec, n)
+    w = cal.workload
+    backend = backend or cal.backend
+    compute = ((cal.forward_s + cal.backward_s) * work_fraction(strategy, w, n)
+               + cal.optimizer_s * state_fraction(strategy, w, n) + cal.other_s)
+    colls = collectives(strategy, w, n, reduce_scatter_kind(w.framework, backend))
+    if colls and link is None:
+        raise UserError(f"predicting {strategy} at N={n} needs a link (its latency and bandwidth)")
+    comm = sum(c.seconds(link, n) for c in colls)
+    overlap = 0.0 if strategy == "tp" else (cal.overlap if cal.overlap is not None else DEFAULT_OVERLAP)
+    exposed = (1.0 - overlap) * comm + (cal.sync_overhead_s if colls and strategy == "ddp" else 0.0)
+    step = compute + exposed
+    one = (cal.forward_s + cal.backward_s + cal.optimizer_s + cal.other_s)  # ddp at N=1: the scaling baseline
+    memory = memory_bytes(strategy, w, n, cal.overhead_bytes)
+    fits = None if device_memory_bytes is None else memory["total"] <= device_memory_bytes
+    pred = Prediction(w.framework, strategy, n, link.name if (link and colls) else "none", compute, comm, exposed,
+                      step, w.tokens_per_step / step, one / (n * step), exposed / step,
+                      sum(c.wire_bytes(n) for c in colls), colls, memory, fits, "")
+    pred.bottleneck = bottleneck(pred, device_memory_bytes)
+    return pred
+
+
+def bottleneck(p: Prediction, device_memory_bytes: float | None = None) -> str:
+    """One sentence naming what limits the step."""
+    if p.fits is False:
+        return (f"memory: {p.memory_bytes['total'] / 1e9:.2f} GB per rank does not fit in {device_memory_bytes / 1e9:.3g} GB "
+                f"(optimizer state {p.memory_bytes['optimizer'] / 1e9:.2f} GB, activations "
+                f"{p.memory_bytes['activations'] / 1e9:.2f} GB)")
+    if p.collectives and p.exposed_comm_s >= p.compute_s:
+        biggest = max(p.collectives, key=lambda c: c.calls * c.nbytes)
+        moved = sum(c.calls * c.nbytes for c in p.collectives if c.what == biggest.what)
+        return (f"the link: {p.link} needs {p.comm_s:.3g} s per step for {moved / 1e6:,.1f} MB of {biggest.what} "
+                f"({p.wire_bytes_per_rank / 1e6:,.1f} MB sent per rank), against {p.compute_s:.3g} s of compute")
+    tail = (f"; communication adds {p.exposed_comm_s:.3g} s ({100 * p.exposed_share:.0f}% of the step)"
+            if p.collectives else "")
+    return f"compute: {p.compute_s:.3g} s per step per rank{tail}"

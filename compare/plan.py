@@ -1,0 +1,304 @@
+"""`dpcompare plan --from RUN_DIR`: how far a measured run scales, per strategy and world size, over a link,
+and whether it fits in memory; and `compare`'s `prediction` in every N > 1 run's summary.json.
+
+Both calibrate common/costmodel.py on a measured run (its time breakdown, its peak memory) and predict
+with a link: from `--fabric FILE` (what `dpcompare doctor --fabric --out FILE` measured, the entry of the
+run's framework), from `--link-gbps G --latency-us L` (the wire, by hand), or else from the run's own
+`link` record (summary.json; loopback figures from docs/benchmarks.md where it has none). docs/scaling.md
+explains the model and every assumption.
+"""
+from __future__ import annotations
+
+import math
+import sys
+import time
+from pathlib import Path
+
+from common.costmodel import Calibration, Link, calibrate, link_from_record, loopback_link, predict
+from common.errors import UserError
+from common.metrics import read_json, write_json
+from common.spec import ModelSpec, preset
+from common.strategy import STRATEGIES
+
+FABRIC_KIND = "dpcompare doctor --fabric"
+DEFAULT_NPROC = "2,4,8,16,64"
+
+
+# ---- reading runs ---------------------------------------------------------------------------------
+def read_run(run_dir: Path) -> tuple[dict, ModelSpec]:
+    """(summary.json, the model spec the run trained) of a finished run, or a one-line UserError."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise UserError(f"run directory {run_dir} not found" if not run_dir.exists() else
+                        f"{run_dir} is not a directory: --from takes a run directory")
+    summary = read_json(run_dir / "summary.json")
+    if not isinstance(summary, dict):
+        raise UserError(f"{run_dir} has no readable summary.json: is it a finished run directory?")
+    if "runs" in summary and "breakdown" not in summary:  # a compare directory's report summary
+        runs = sorted(p.name for p in run_dir.iterdir() if (p / "run_config.json").exists())
+        raise UserError(f"{run_dir} is a comparison, not a run: pass one of its runs to --from "
+                        f"({', '.join(runs) or 'none finished'})")
+    if not summary.get("breakdown"):
+        raise UserError(f"{run_dir}'s summary.json has no time breakdown to calibrate on (a run with "
+                        "--profile-steps 0, or one that did not finish)")
+    spec = (read_json(run_dir / "run_config.json") or {}).get("spec")
+    try:
+        if spec is None:  # older runs: the preset with its overrides (the tokenizer's vocabulary unknown)
+            cfg = summary.get("config") or {}
+            spec = {**preset(cfg.get("preset", "small")).to_dict(), **(cfg.get("model") or {})}
+        return summary, ModelSpec.from_dict(spec)
+    except (TypeError, ValueError) as err:
+        raise UserError(f"{run_dir}: cannot read the model spec: {err}") from None
+
+
+def calibrate_run(run_dir: Path) -> Calibration:
+    summary, spec = read_run(run_dir)
+    return calibrate(summary, spec, source=str(run_dir))
+
+
+# ---- links ---------------------------------------------------------------------------------------
+def fabric_record(rows, where: str, link: dict | None = None) -> dict:
+    """What `doctor --fabric --out FILE` writes: one entry per backend measured (compare/machine/fabric.py's
+    Measured rows), in the units the cost model reads."""
+    keys = ("framework", "backend", "ranks", "device", "latency_s", "bandwidth_Bps", "large_bytes", "error")
+    return {"kind": FABRIC_KIND, "created": time.strftime("%Y-%m-%d %H:%M:%S"), "where": where, "link": link,
+            "backends": [{k: getattr(r, k) for k in keys} for r in rows]}
+
+
+def write_fabric(path: str, rows, where: str, link: dict | None = None) -> None:
+    try:
+        write_json(Path(path), fabric_record(rows, where, link))
+    except OSError as err:
+        raise UserError(f"cannot write {path}: {err.strerror}") from None
+
+
+def link_from_fabric(path: str, framework: str, backend: str) -> Link:
+    """The entry of `framework` in a `doctor --fabric --out` file (its `backend` preferred)."""
+    data = read_json(Path(path))
+    if not isinstance(data, dict) or not isinstance(data.get("backends"), list):
+        raise UserError(f"--fabric {path}: not a file written by `dpcompare doctor --fabric --out FILE`")
+    usable = [b for b in data["backends"] if isinstance(b, dict) and b.get("framework") == framework
+              and b.get("latency_s") is not None and b.get("bandwidth_Bps")]
+    if not usable:
+        listed = [f"{b.get('framework')} {b.get('backend')}" + (f" (failed: {b['error']})" if b.get("error") else "")
+                  for b in data["backends"] if isinstance(b, dict)]
+        raise UserError(f"--fabric {path} has no measured {framework} backend; it holds: {', '.join(listed) or 'none'}")
+    entry = next((b for b in usable if b.get("backend") == backend), usable[0])
+    shaped = (data.get("link") or {}).get("requested") if isinstance(data.get("link"), dict) else None
+    name = (f"{entry['framework']} {entry['backend']}" + (f" over {data['where']}" if data.get("where") else "")
+            + (f", shaped to {shaped}" if shaped else ""))
+    return Link.from_allreduce(name, float(entry["latency_s"]), float(entry["bandwidth_Bps"]), int(entry.get("ranks") or 2),
+                               f"doctor --fabric ({path}, {data.get('created', 'undated')})")
+
+
+def choose_link(args, summary: dict) -> tuple[Link, str]:
+    """(link, how it was chosen) from the flags, else from the run."""
+    framework, backend = summary.get("framework", ""), summary.get("backend") or ""
+    if args.fabric and (args.link_gbps is not None or args.latency_us is not None):
+        raise UserError("give either --fabric FILE or --link-gbps/--latency-us, not both")
+    if args.fabric:
+        return link_from_fabric(args.fabric, framework, backend), "--fabric"
+    if args.link_gbps is not None or args.latency_us is not None:
+        if args.link_gbps is None or args.latency_us is None:
+            raise UserError("--link-gbps and --latency-us go together (the link's bandwidth and its latency)")
+        if not (math.isfinite(args.link_gbps) and args.link_gbps > 0):
+            raise UserError(f"--link-gbps must be a positive number, got {args.link_gbps}")
+        if not (math.isfinite(args.latency_us) and args.latency_us >= 0):
+            raise UserError(f"--latency-us must be 0 or more, got {args.latency_us}")
+        return Link.wire(args.link_gbps, args.latency_us), "--link-gbps/--latency-us"
+    own = link_from_record(summary.get("link"), framework, backend)
+    if own:
+        return own, "the run's link record"
+    return loopback_link(backend if backend not in ("none", "") else ("ring" if framework == "mlx" else "gloo")), \
+        "assumed loopback (the run has no link record; pass --fabric or --link-gbps)"
+
+
+# ---- the plan ------------------------------------------------------------------------------------
+def parse_ints(text: str, name: str) -> list[int]:
+    try:
+        values = [int(v) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        raise UserError(f"--{name} must be a comma list of whole numbers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise UserError(f"--{name} must be a comma list of positive whole numbers, got {text!r}")
+    return sorted(set(values))
+
+
+def parse_strategies(text: str) -> list[str]:
+    values = [v.strip() for v in str(text).split(",") if v.strip()]
+    for v in values:
+        if v not in STRATEGIES:
+            raise UserError(f"unknown strategy {v!r}; allowed: {', '.join(STRATEGIES)}")
+    if not values:
+        raise UserError("--strategies needs at least one of " + ", ".join(STRATEGIES))
+    return values
+
+
+def make_plan(cal: Calibration, link: Link, strategies: list[str], world_sizes: list[int],
+              device_memory_bytes: float | None) -> list[dict]:
+    """One row per strategy and N: the prediction, or why that split is impossible."""
+    rows = []
+    for strategy in strategies:
+        for n in sorted({1, *world_sizes}) if strategy == "ddp" else world_sizes:  # ddp x1: the baseline
+            if n == 1 and strategy != "ddp":
+                continue  # fsdp and tp need 2 ranks or more; ddp at 1 is the baseline
+            try:
+                rows.append(predict(cal, strategy, n, link if n > 1 else None, device_memory_bytes).to_dict())
+            except UserError as err:
+                # The check's advice (--set, --nproc) is for a run; a plan only needs the reason.
+                rows.append({"strategy": strategy, "world_size": n,
+                             "impossible": str(err).split("; ")[0].split(": run on")[0]})
+    return rows
+
+
+def measured_points(run_dir: Path, summary: dict) -> list[dict]:
+    """Runs next to RUN_DIR (a compare directory) of the same framework, dtype and workload: the figure's
+    measured points."""
+    cfg = summary.get("config") or {}
+    same = ("preset", "seq_len", "global_batch_size", "grad_accum")
+    points = []
+    for other in sorted(Path(run_dir).resolve().parent.glob("*/summary.json")):
+        s = read_json(other) or {}
+        c = s.get("config") or {}
+        if (s.get("status") == "ok" and s.get("tokens_per_s") and s.get("framework") == summary.get("framework")
+                and s.get("dtype") == summary.get("dtype") and all(c.get(k) == cfg.get(k) for k in same)):
+            points.append({"run": other.parent.name, "strategy": s.get("strategy", "ddp"),
+                           "world_size": s.get("world_size"), "tokens_per_s": s["tokens_per_s"],
+                           "step_s": s.get("step_time_s"), "link": (s.get("link") or {}).get("requested")})
+    return points
+
+
+def plot(rows: list[dict], points: list[dict], title: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"ddp": "#1f77b4", "fsdp": "#2ca02c", "tp": "#9467bd"}
+    fig, ax = plt.subplots(figsize=(7, 4.4))
+    for strategy in dict.fromkeys(r["strategy"] for r in rows):
+        line = [r for r in rows if r["strategy"] == strategy and "impossible" not in r]
+        if line:
+            ax.plot([r["world_size"] for r in line], [r["tokens_per_s"] for r in line], marker="o",
+                    color=colors.get(strategy), label=f"{strategy}, predicted")
+    for strategy in dict.fromkeys(p["strategy"] for p in points):
+        mine = [p for p in points if p["strategy"] == strategy]
+        ax.scatter([p["world_size"] for p in mine], [p["tokens_per_s"] for p in mine], marker="x", s=70,
+                   color=colors.get(strategy), label=f"{strategy}, measured (over its own link)", zorder=3)
+    ax.set_xscale("log", base=2)
+    sizes = sorted({r["world_size"] for r in rows} | {p["world_size"] for p in points})
+    ax.set_xticks(sizes, [str(n) for n in sizes])
+    ax.set_xlabel("ranks N")
+    ax.set_ylabel("tokens/s (whole job)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3, which="both")
+    if ax.get_legend_handles_labels()[0]:  # every split impossible and nothing measured: no legend
+        ax.legend(fontsize=8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def table(rows: list[dict], device_memory_gb: float | None) -> str:
+    header = ("strategy", "N", "step s", "tokens/s", "efficiency", "exposed comm", "memory/rank GB") + \
+        (("fits",) if device_memory_gb else ())
+    body, impossible = [], {}
+    for i, r in enumerate(rows):
+        if "impossible" in r:
+            impossible[i] = f"not possible: {r['impossible']}"
+            body.append((r["strategy"], str(r["world_size"])))
+            continue
+        cells = (r["strategy"], str(r["world_size"]), f"{r['step_s']:.4g}", f"{r['tokens_per_s']:,.0f}",
+                 f"{100 * r['efficiency']:.0f}%", f"{100 * r['exposed_share']:.0f}%", f"{r['memory_bytes']['total'] / 1e9:.3f}")
+        body.append(cells + (("yes" if r["fits"] else "NO",) if device_memory_gb else ()))
+    widths = [max(len(row[i]) for row in [header] + body if i < len(row)) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(header, widths)).rstrip()]
+    for i, row in enumerate(body):
+        line = "  ".join(c.ljust(w) for c, w in zip(row, widths))
+        lines.append((line + "  " + impossible[i]) if i in impossible else line.rstrip())
+    return "\n".join(lines)
+
+
+def run_plan(args) -> int:
+    run_dir = Path(args.from_run)
+    summary, spec = read_run(run_dir)
+    world_sizes = parse_ints(args.nproc, "nproc")
+    strategies = parse_strategies(args.strategies)
+    if args.device_memory_gb is not None and not (math.isfinite(args.device_memory_gb) and args.device_memory_gb > 0):
+        raise UserError(f"--device-memory-gb must be a positive number, got {args.device_memory_gb}")
+    link, link_how = choose_link(args, summary)
+    cal = calibrate(summary, spec, source=str(run_dir))
+    memory = args.device_memory_gb * 1e9 if args.device_memory_gb else None
+    rows = make_plan(cal, link, strategies, world_sizes, memory)
+    out = Path(args.out) if args.out else run_dir / "plan"
+    points = measured_points(run_dir, summary)
+    w = cal.workload
+    what = (f"{w.framework} {summary.get('strategy', 'ddp')} x{cal.world_size} ({run_dir}), "
+            f"{(summary.get('config') or {}).get('preset', '?')}, {w.tokens_per_step:,} tokens per step, {w.dtype}")
+    link_text = (f"{link.name}: {link.hop_latency_s * 1e6:,.1f} µs per hop, {link.bandwidth_Bps / 1e9:.3g} GB/s each "
+                 f"way ({link.source}; {link_how})")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        plot(rows, points, f"predicted from {what}\nlink {link.name}", out / "plan.png")
+        write_json(out / "plan.json", {
+            "from": str(run_dir), "calibrated_on": what, "link": {**vars(link), "chosen_by": link_how},
+            "device_memory_bytes": memory, "calibration": {k: v for k, v in vars(cal).items() if k not in ("workload", "link")},
+            "predictions": rows, "measured": points, "figure": "plan.png"})
+    except OSError as err:
+        raise UserError(f"cannot write the plan into {out}: {err.strerror}") from None
+    print(f"plan from {what}\nlink {link_text}\n")
+    print(table(rows, args.device_memory_gb))
+    print()
+    for strategy in strategies:
+        feasible = [r for r in rows if r["strategy"] == strategy and "impossible" not in r]
+        if feasible:
+            print(f"{strategy} x{feasible[-1]['world_size']}: bottleneck is {feasible[-1]['bottleneck']}")
+    for note in cal.notes:
+        print(f"note: {note}", file=sys.stderr)
+    print(f"\nplan: {out / 'plan.json'}  ({out / 'plan.png'}); assumptions: docs/scaling.md")
+    return 0
+
+
+# ---- compare: a prediction in every N > 1 run ------------------------------------------------------
+def add_predictions(run_dirs: list[Path]) -> None:
+    """Every finished N > 1 run's summary.json gets `prediction`, made from the N=1 run of the same
+    framework, strategy and dtype (for fsdp and tp, which need 2 ranks: the ddp one), over the link the
+    job measured (its `link` record; loopback figures where it has none)."""
+    runs = {Path(d): read_json(Path(d) / "summary.json") or {} for d in run_dirs}
+    for run_dir, s in runs.items():
+        if s.get("status") != "ok" or (s.get("world_size") or 1) < 2:
+            continue
+        strategy = s.get("strategy", "ddp")
+
+        def one(want: str):
+            return next((d for d, o in runs.items() if o.get("status") == "ok" and o.get("world_size") == 1
+                         and o.get("framework") == s.get("framework") and o.get("dtype") == s.get("dtype")
+                         and o.get("strategy", "ddp") == want), None)
+
+        source = one(strategy) or one("ddp")
+        record = {"from": source.name if source else None}
+        if source is None:
+            record["note"] = "no N=1 run of this framework and dtype to predict from"
+        else:
+            if strategy != "ddp":
+                record["note"] = f"{strategy} has no N=1 run: predicted from the ddp N=1 run"
+            try:
+                record.update(predicted_record(source, s, strategy))
+            except Exception as err:  # noqa: BLE001 - a run the model cannot read must not cost the report
+                record["note"] = f"no prediction: {err}"
+        s["prediction"] = record
+        write_json(run_dir / "summary.json", s)
+
+
+def predicted_record(source: Path, s: dict, strategy: str) -> dict:
+    """The `prediction` fields of run summary `s`, calibrated on the run in `source`."""
+    link = link_from_record(s.get("link"), s.get("framework", ""), s.get("backend", ""))
+    link_note = "the job's link record"
+    if link is None:
+        link, link_note = loopback_link(s.get("backend") or "gloo"), "no link record: assumed loopback"
+    p = predict(calibrate_run(source), strategy, s["world_size"], link, backend=s.get("backend"))
+    measured = s.get("step_time_s")
+    return {"step_s": p.step_s, "tokens_per_s": p.tokens_per_s, "compute_s": p.compute_s,
+            "exposed_comm_s": p.exposed_comm_s, "memory_bytes_per_rank": p.memory_bytes["total"], "link": link.name,
+            "link_source": f"{link_note} ({link.source})",
+            "step_error": (p.step_s / measured - 1) if measured else None}

@@ -1,0 +1,173 @@
+"""The cost model (common/costmodel.py): it reproduces its calibration run, its ring factors and byte counts
+are the formulas and match what the runs count, and its memory per rank matches state_bytes."""
+import math
+
+import pytest
+from costmodel_fixtures import SPEC, link_record, summary
+
+from common.costmodel import (RING_FACTOR, Link, Workload, calibrate, collectives, link_from_record,
+                              local_parameters, loopback_link, predict, state_fraction, work_fraction)
+from common.errors import UserError
+from common.spec import ModelSpec, preset
+from common.strategy import comm_bytes_per_step_estimate
+from common.weights import num_parameters
+
+TINY = ModelSpec.from_dict(SPEC)
+
+
+@pytest.mark.parametrize("framework", ["mlx", "torch"])
+def test_the_model_reproduces_its_calibration_run(framework):
+    s = summary(framework, 1)
+    p = predict(calibrate(s, TINY), "ddp", 1, None)
+    assert p.step_s == pytest.approx(s["step_time_s"], rel=1e-9)
+    assert p.tokens_per_s == pytest.approx(s["tokens_per_step"] / s["step_time_s"], rel=1e-9)
+    assert (p.comm_s, p.efficiency) == (0, pytest.approx(1.0))
+    assert p.memory_bytes["total"] == pytest.approx(max(s["peak_rss_bytes"]), rel=1e-9)  # overhead calibrated
+
+
+@pytest.mark.parametrize("framework", ["mlx", "torch"])
+def test_a_two_rank_calibration_run_with_a_link_is_reproduced_and_gives_the_overlap(framework):
+    backend = {"mlx": "ring", "torch": "gloo"}[framework]
+    s = summary(framework, 2, link=link_record("1gbit", backend=backend))
+    cal = calibrate(s, TINY)
+    link = link_from_record(s["link"])
+    full = collectives("ddp", cal.workload, 2)[0].seconds(link, 2)
+    exposed = s["breakdown"]["communication"]
+    if framework == "mlx":  # 3.8 ms exposed of 6.0 ms modelled: part of the sync overlapped
+        assert (cal.overlap, cal.sync_overhead_s) == (pytest.approx(1 - exposed / full), 0.0)
+    else:  # 6.2 ms exposed, more than the modelled 6.0: no overlap, and the excess a fixed cost per step
+        assert (cal.overlap, cal.sync_overhead_s) == (0.0, pytest.approx(exposed - full))
+    p = predict(cal, "ddp", 2, link)
+    assert p.step_s == pytest.approx(s["step_time_s"], rel=1e-9)
+    assert p.memory_bytes["total"] == pytest.approx(max(s["peak_rss_bytes"]), rel=1e-9)
+
+
+@pytest.mark.parametrize("framework", ["mlx", "torch"])
+def test_an_older_two_rank_run_without_a_link_record_is_reproduced_too(framework):
+    s = summary(framework, 2)  # no `link`: the overlap is measured against the loopback figures
+    cal = calibrate(s, TINY)
+    assert "loopback" in cal.notes[0]
+    p = predict(cal, "ddp", 2, loopback_link(s["backend"]))
+    assert p.step_s == pytest.approx(s["step_time_s"], rel=1e-9)
+    # Its sync overhead does not grow with the link's time: over 1 Gbit/s the step grows by the bytes' time only
+    slow = predict(cal, "ddp", 2, Link.wire(1, 100))
+    assert slow.exposed_comm_s - p.exposed_comm_s == pytest.approx(
+        (1 - cal.overlap) * (slow.comm_s - p.comm_s), rel=1e-9)
+
+
+def test_predicting_two_ranks_from_one_on_the_recorded_run():
+    """The fixture's measured N=2 steps (loopback, 2 busy cores): 0.074 s (MLX ring), 0.040 s (torch gloo).
+    From N=1 and the loopback figures the model gives 0.063 and 0.036: 15 % and 9 % low, because on two
+    shared cores the measured exposed communication (3.8 ms, 6.2 ms) is several times the isolated
+    all-reduce of 0.6 MB. The bound here is that measurement, not a tolerance to aim for."""
+    for framework, backend, limit in (("mlx", "ring", 0.16), ("torch", "gloo", 0.10)):
+        measured = summary(framework, 2)["step_time_s"]
+        p = predict(calibrate(summary(framework, 1), TINY), "ddp", 2, loopback_link(backend))
+        assert abs(p.step_s / measured - 1) < limit
+
+
+def test_ring_factors_and_latency_terms():
+    link = Link("x", hop_latency_s=1e-4, bandwidth_Bps=1e9)
+    for n in (2, 4, 64):
+        assert RING_FACTOR["all_reduce"](n) == 2 * (n - 1) / n
+        assert RING_FACTOR["all_gather"](n) == RING_FACTOR["reduce_scatter"](n) == (n - 1) / n
+        assert link.all_reduce_s(1e8, n) == pytest.approx(2 * (n - 1) * 1e-4 + 2 * (n - 1) / n * 1e8 / 1e9)
+        assert link.all_gather_s(1e8, n) == pytest.approx((n - 1) * 1e-4 + (n - 1) / n * 1e8 / 1e9)
+    # A measured all-reduce t(S) = latency + S / bandwidth at N_m, inverted through the ring, gives it back.
+    for n in (2, 8):
+        measured = Link.from_allreduce("m", 3e-4, 2e9, n)
+        for size in (4096, 32 * 2**20):
+            assert measured.all_reduce_s(size, n) == pytest.approx(3e-4 + size / 2e9)
+    # At N=2 a ring all-reduce sends the payload once each way: bus and algorithm bandwidth coincide.
+    assert Link.from_allreduce("m", 2e-4, 1e9, 2).bandwidth_Bps == 1e9
+
+
+@pytest.mark.parametrize("framework", ["mlx", "torch"])
+def test_bytes_per_step_match_the_formulas_and_the_runs_counts(framework):
+    s = summary(framework, 2)
+    w = calibrate(s, TINY).workload
+    ddp = collectives("ddp", w, 2)
+    assert sum(c.nbytes * c.calls for c in ddp) == s["comm_bytes_per_step"] == 4 * num_parameters(TINY)
+    assert sum(c.wire_bytes(2) for c in ddp) == s["comm_bytes_per_step"]  # 2 (N-1)/N = 1 at N=2
+    tp = collectives("tp", w, 2)
+    assert sum(c.nbytes * c.calls for c in tp) == comm_bytes_per_step_estimate("tp", TINY, 2, 32, 128, 1)
+    bf16 = collectives("tp", Workload(TINY, 128, 32, dtype="bfloat16"), 2)
+    assert sum(c.nbytes * c.calls for c in bf16) * 2 == sum(c.nbytes * c.calls for c in tp)  # activations by dtype
+    assert collectives("ddp", w, 1) == []
+
+
+def test_fsdp_gathers_twice_and_the_all_sum_slice_fallback_moves_double():
+    w = Workload(TINY, 128, 32, grad_accum=2, framework="mlx")
+    native, fallback = collectives("fsdp", w, 4, "native"), collectives("fsdp", w, 4, "all_sum_slice")
+    params = 4 * num_parameters(TINY) - 4 * TINY.dim  # the final norm stays replicated in MLX
+    gathers = next(c for c in native if c.kind == "all_gather")
+    assert gathers.nbytes * gathers.calls == 2 * 2 * params  # forward and backward, per micro-step
+    scatter = next(c for c in native if c.kind == "reduce_scatter")
+    summed = next(c for c in fallback if c.kind == "all_reduce")
+    assert summed.wire_bytes(4) == 2 * scatter.wire_bytes(4)
+    assert scatter.calls == 2 * (2 + 2)  # MLX: every micro-step, per unit (2 blocks, embedding, head)
+    assert next(c for c in native if c.what == "replicated gradients").nbytes == 4 * TINY.dim  # the final norm
+    torch_fsdp = collectives("fsdp", Workload(TINY, 128, 32, grad_accum=2, framework="torch"), 4)
+    # FSDP2: once a step, per unit (2 blocks and the root: embedding, final norm and head), everything sharded
+    assert next(c for c in torch_fsdp if c.kind == "reduce_scatter").calls == 3
+    gathered = next(c for c in torch_fsdp if c.kind == "all_gather")
+    assert gathered.nbytes * gathered.calls == pytest.approx(2 * 2 * 4 * num_parameters(TINY), abs=8)
+
+
+def test_state_per_rank_matches_what_the_runs_hold():
+    """fixtures: state_bytes params 632064 per rank at N=1 and 2 (ddp); FACTS.md: on `small` (GPT-2's 50257
+    tokens) MLX's fsdp holds 0.95x ddp's state per rank (the vocabulary stays replicated), torch's 0.5x."""
+    assert local_parameters("ddp", TINY, 2) * 4 == summary("torch", 2)["state_bytes"]["params"][0]
+    small = preset("small")
+    assert local_parameters("fsdp", small, 2, "mlx") / num_parameters(small) == pytest.approx(0.95, abs=0.01)
+    assert local_parameters("fsdp", small, 2, "torch") / num_parameters(small) == pytest.approx(0.5, abs=0.01)
+    w = Workload(small, 128, 8)
+    assert 0.5 < state_fraction("tp", w, 2) < 1  # the vocabulary matrices are replicated under tp
+
+
+def test_tp_work_is_the_split_layers_plus_the_replicated_head():
+    w = Workload(preset("base"), 512, 8)
+    assert work_fraction("ddp", w, 4) == work_fraction("fsdp", w, 4) == 0.25
+    d, kv, ffn, layers, vocab, seq = 768, 3 * 64, 3072, 12, 50000, 512
+    split = 6 * layers * (2 * d * d + 2 * kv * d + 3 * d * ffn) + 12 * layers * seq * d  # per token, split over N
+    head = 6 * vocab * d                                                                 # replicated
+    for n in (2, 4):
+        assert work_fraction("tp", w, n) == pytest.approx((split / n + head) / (split + head))
+
+
+def test_memory_fits_or_not_and_the_bottleneck_names_it():
+    cal = calibrate(summary("torch", 1), TINY)
+    link = Link.wire(1, 100)
+    p = predict(cal, "fsdp", 2, link)
+    assert predict(cal, "fsdp", 2, link, device_memory_bytes=p.memory_bytes["total"] * 1.01).fits is True
+    tight = predict(cal, "fsdp", 2, link, device_memory_bytes=p.memory_bytes["total"] * 0.99)
+    assert tight.fits is False and tight.bottleneck.startswith("memory:")
+    assert predict(cal, "fsdp", 2, link).fits is None
+    assert predict(cal, "fsdp", 4, link).memory_bytes["params"] < predict(cal, "ddp", 4, link).memory_bytes["params"]
+
+
+def test_a_slow_link_is_named_as_the_bottleneck():
+    cal = calibrate(summary("torch", 1), TINY)
+    slow = predict(cal, "ddp", 8, Link.wire(0.01, 500, name="10 Mbit/s"))
+    assert slow.exposed_share > 0.5 and slow.bottleneck.startswith("the link: 10 Mbit/s needs")
+    assert "MB of gradients" in slow.bottleneck
+    fast = predict(cal, "ddp", 2, Link.wire(400, 1))
+    assert fast.bottleneck.startswith("compute:")
+
+
+def test_link_records_old_runs_and_bad_input():
+    assert link_from_record(None) is None and link_from_record({}) is None
+    rec = link_record("200mbit", latency_s=4e-4, bandwidth_Bps=2.3e7)
+    assert link_from_record(rec).all_reduce_s(1e6, 2) == pytest.approx(4e-4 + 1e6 / 2.3e7)
+    tcp_only = {**rec, "allreduce": None}
+    assert link_from_record(tcp_only).bandwidth_Bps == rec["tcp_bandwidth_Bps"]
+    no_breakdown = {**summary("mlx", 1), "breakdown": None}
+    with pytest.raises(UserError, match="no time breakdown"):
+        calibrate(no_breakdown, TINY)
+    with pytest.raises(UserError, match="allowed"):
+        collectives("pp", Workload(TINY, 128, 32), 2)  # the hook pipeline parallelism fills in
+    with pytest.raises(UserError, match="needs 2 or more"):
+        predict(calibrate(summary("mlx", 1), TINY), "fsdp", 1, None)
+    with pytest.raises(UserError):
+        Link("bad", -1.0, 1e9)
+    assert math.isclose(Link.wire(8, 0).bandwidth_Bps, 1e9)
