@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -105,10 +106,12 @@ def pytest_sessionstart(session):
     root.mkdir(exist_ok=True)
     cache.mkdir(exist_ok=True)
     print(f"\ntraining the shared matrix before the workers start ({root})", flush=True)
+    started = time.monotonic()
     try:
         build_matrix(root, cache)
     except AssertionError:
         pass  # written to root/error.txt: the matrix's readers fail with it, the other tests run
+    print(f"the shared matrix took {time.monotonic() - started:.0f} s", flush=True)
     os.environ[MATRIX_ENV] = str(root)
 
 
