@@ -175,25 +175,50 @@ def breakdown_blocks(rows: list[dict]) -> list[tuple]:
     if not have:  # --profile-steps 0: the traces alone
         traces = trace_blocks(rows)
         return [("h2", "Where the time goes")] + traces if traces else []
-    table = []
+    table, misses = [], []
     for r in have:
         b = r["breakdown"]
+        spread = b.get("spread") or {}
         overhead = b.get("instrumentation_overhead")
         limit = f"{1 / r['mfu']:.1f}x" if r.get("mfu") else "–"
         table.append((r["label"], fmt(b["step_s"] * 1e3, ",.1f"),
-                      *(fmt(b.get(p, 0) * 1e3, ",.1f") for p in BREAKDOWN_PHASES),
+                      ms_spread(b.get("reference_step_s"), spread.get("reference_step_s")),
+                      *(ms_spread(b.get(p, 0), spread.get(p)) for p in BREAKDOWN_PHASES),
                       fmt(b.get("phases_sum_s", 0) * 1e3, ",.1f"),
                       "–" if overhead is None else f"{100 * overhead:+.0f}%", limit))
-    return [("h2", "Where the time goes"),
-            ("p", "Milliseconds per optimizer step, from extra steps run after the last checkpoint: forward, "
-                  "backward and optimizer from steps that wait for the device after each phase and skip the "
-                  "gradient sync; communication is the median step with gradient sync minus the median step "
-                  "without it (what overlap does not hide); other is the rest of the instrumented step; data "
-                  "is batch assembly on the host, outside the step timer. 'sum vs step' is what the "
-                  "instrumentation itself adds to uninstrumented steps taken in alternation with it. 'x limit' is the step time over the "
-                  "time its matmul FLOPs take at the peak used for MFU."),
-            ("table", ("run", "step ms", *(f"{p} ms" for p in BREAKDOWN_PHASES), "phases ms", "sum vs step",
-                       "x limit"), table)] + trace_blocks(rows)
+        if b.get("within_tolerance") is False:
+            misses.append(f"{r['label']}: its phases add up to {fmt(b['phases_sum_s'] * 1e3, ',.1f')} ms against "
+                          f"{fmt(b['reference_step_s'] * 1e3, ',.1f')} ms for the uninstrumented steps beside them "
+                          f"({100 * overhead:+.0f}%, beyond the {100 * b.get('tolerance', 0.15):.0f}% the breakdown is "
+                          f"held to) over {b.get('profile_steps')} rounds: the step could not be split reliably under "
+                          "this load; read its phases as rough shares, and measure it again on a quieter machine or "
+                          "with more --profile-steps")
+    blocks = [("h2", "Where the time goes"),
+              ("p", "Milliseconds per optimizer step, from extra rounds of steps run after the last checkpoint: the "
+                    "median over the rounds, and in brackets the 10th to 90th percentile of the rounds (a "
+                    "difference inside these spreads is not a real one). forward, backward and optimizer come from "
+                    "steps that wait for the device after each phase and skip the gradient sync; communication is "
+                    "each round's step with gradient sync minus its step without it (what overlap does not hide); "
+                    "other is the rest of the median round (host overhead, casts, syncs, and what slow phases added to it); data is batch assembly on "
+                    "the host, outside the step timer. 'ref step ms' are the uninstrumented steps taken in "
+                    "alternation with the instrumented ones, 'step ms' the run's own median step; 'sum vs ref' is "
+                    "how far the phases are from the reference (what the instrumentation and the noise add; the "
+                    "breakdown is held to 15%). 'x limit' is the step time over the time its matmul FLOPs take at "
+                    "the peak used for MFU."),
+              ("table", ("run", "step ms", "ref step ms", *(f"{p} ms" for p in BREAKDOWN_PHASES), "phases ms",
+                         "sum vs ref", "x limit"), table)]
+    if misses:
+        blocks.append(("ul", misses))
+    return blocks + trace_blocks(rows)
+
+
+def ms_spread(value, spread) -> str:
+    """'12.3 [11.0–14.1]': a median and its p10–p90 in ms (no brackets without a spread, or for a constant)."""
+    if value is None:
+        return "–"
+    if not spread or spread[0] == spread[1]:
+        return fmt(value * 1e3, ",.1f")
+    return f"{value * 1e3:,.1f} [{spread[0] * 1e3:,.1f}–{spread[1] * 1e3:,.1f}]"
 
 
 def trace_blocks(rows: list[dict]) -> list[tuple]:
