@@ -76,3 +76,30 @@ def test_the_phase_verdict_says_whether_the_spreads_overlap():
     assert "not a clear difference" in phase_gap(fast, run("mlx x1", 0.012, [0.010, 0.020]))
     assert "spread" not in phase_gap({"label": "a", "breakdown": {"forward": 0.01}},
                                      {"label": "b", "breakdown": {"forward": 0.02}})
+
+
+class _Instant:
+    """A one-rank trainer whose steps take no time: what profile() drives."""
+    rank, world_size = 0, 1
+
+    def __init__(self):
+        self.steps = 0
+
+    def train_step(self, batches, lr, tokens, sync=True, phase=None, wait=False):
+        self.steps += 1
+        for name in ("forward", "backward", "optimizer"):
+            if phase is not None:
+                with phase(name):
+                    pass
+        return 0.0, 0.0
+
+
+def test_profile_takes_the_rounds_asked_and_stops_at_its_budget_after_three():
+    from common.breakdown import MIN_ROUNDS, profile
+
+    trainer = _Instant()
+    b = profile(trainer, lambda k: ([], 1e-3, 1), 8, step_s=1e-3, data_s=0.0, world_size=1)
+    assert b["profile_steps"] == 8 and b["profile_steps_asked"] == 8 and trainer.steps == 2 * 9  # + 1 warm round
+    trainer = _Instant()
+    b = profile(trainer, lambda k: ([], 1e-3, 1), 8, step_s=1e-3, data_s=0.0, world_size=1, budget_s=0.0)
+    assert b["profile_steps"] == MIN_ROUNDS and trainer.steps == 2 * (MIN_ROUNDS + 1)
