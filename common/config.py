@@ -109,7 +109,7 @@ class RunConfig:
     collective_timeout_s: float = 60.0
     link: str = ""                   # emulate a link of this rate between local ranks (compare/launch/netns.py)
     timing_warmup_steps: int = 3
-    profile_steps: int = 2           # extra instrumented steps after the run for the time breakdown; 0 = none
+    profile_steps: int = 8           # rounds of extra steps after the run for the time breakdown (common/breakdown.py); 0 = none
     trace: bool = False              # then a timeline of 2 more steps per rank in RUN_DIR/trace/ (common/trace.py)
     out: str = ""
     resume: bool = False

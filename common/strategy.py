@@ -12,6 +12,7 @@ The framework code for each lives in a file of the same name in mlx_impl/ and to
 from __future__ import annotations
 
 from .errors import UserError
+from .precision import policy
 from .spec import ModelSpec
 from .weights import parameter_shapes
 
@@ -110,22 +111,28 @@ def check_tp(spec: ModelSpec, world_size: int) -> None:
                             f"--set model.{field}=N with N a multiple of {world_size}")
 
 
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
 def comm_bytes_per_step_estimate(strategy: str, spec, world_size: int, micro_batch_size: int, seq_len: int,
-                                 grad_accum: int, dtype_bytes: int = 4) -> int | None:
+                                 grad_accum: int, dtype: str = "float32") -> int | None:
     """Bytes handed to all-reduce per optimizer step (payload, not wire traffic: a ring all-reduce sends
     2 (N-1)/N times it per rank), from the shapes alone. Scalars (loss, grad-norm partial sums) are left out.
+    `dtype` is the run's --dtype: the policy's reduce dtype for gradients, its compute dtype for
+    activations (common/precision.py; bf16 activations are half the bytes).
 
-        ddp  every gradient once:                  parameters x dtype_bytes
+        ddp  every gradient once:                  parameters x reduce bytes (4: float32 in every policy)
         tp   per layer and micro-step, 2 all-reduces forward (after o_proj and down_proj) and 2 backward
              (into q/k/v's and gate/up's common input), each of the activations (B, T, dim):
-                                                   4 x layers x B x T x dim x dtype_bytes x grad_accum
+                                                   4 x layers x B x T x dim x compute bytes x grad_accum
     """
     if world_size < 2:
         return 0
+    p = policy(dtype)
     if strategy == "ddp":
         from .weights import num_parameters
 
-        return num_parameters(spec) * dtype_bytes
+        return num_parameters(spec) * DTYPE_BYTES[p.reduce_dtype]
     if strategy == "tp":
-        return 4 * spec.n_layers * micro_batch_size * seq_len * spec.dim * dtype_bytes * grad_accum
+        return 4 * spec.n_layers * micro_batch_size * seq_len * spec.dim * DTYPE_BYTES[p.compute_dtype] * grad_accum
     return None  # fsdp gathers and reduce-scatters rather than all-reduces: its own formula

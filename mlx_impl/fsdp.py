@@ -12,10 +12,14 @@ What each rank holds (torch_impl/fsdp.py does the same with FSDP2):
 
 Reduce-scatter. `fully_shard`'s backward calls `mx.distributed.sum_scatter`, which the ring and MPI
 backends of mlx 0.32.4 do not implement ("[ring] sum_scatter not supported"; upstream reports a group that
-hangs instead of raising). So on those backends each wrapper's gather function is replaced by
-`_gather_fn` below, upstream's own with the reduce-scatter made an argument: an `all_sum` of the full
-gradient followed by this rank's slice (twice the traffic of a true reduce-scatter, the same sums).
-nccl keeps the native one. summary.json records which one ran.
+hangs instead of raising). So on those backends the reduce-scatter is an `all_sum` of the full gradient
+followed by this rank's slice (twice the traffic of a true reduce-scatter, the same sums); nccl keeps
+the native one. summary.json records which one ran.
+
+Streams. Every wrapper's gather function is replaced by `_gather_fn` below, upstream's own with the
+reduce-scatter made an argument and every collective on the Trainer's communication stream
+(mlx_impl/comm.py: the CPU stream on a Metal GPU): upstream's all-gather takes no stream, so it ran on
+the GPU stream, inside a command buffer, exactly what communication_stream keeps collectives out of.
 
 Accumulation happens on the shards. In MLX the reduce-scatter is the backward of the parameter gather (a
 custom vjp), so it runs in every micro-step's backward and cannot be deferred the way torch's
@@ -44,18 +48,19 @@ def reduce_scatter_kind(backend: str) -> str:
     return "native" if backend in NATIVE_REDUCE_SCATTER else "all_sum_slice"
 
 
-def shard_model(model, group, kind: str, compute_dtype=None) -> None:
-    """Wrap the blocks (and the embedding and head when the vocabulary divides by N) in place."""
+def shard_model(model, group, kind: str, compute_dtype=None, stream=None) -> None:
+    """Wrap the blocks (and the embedding and head when the vocabulary divides by N) in place; their
+    collectives run on `stream` (None: MLX's default)."""
     size = group.size()
+    reduce_scatter = _all_sum_slice(group, stream) if kind == "all_sum_slice" else _sum_scatter(group, stream)
 
     def wrap(module):
         if isinstance(module, (nn.Embedding, nn.Linear)) and module.weight.shape[0] % size:
             return module  # an uneven vocabulary: replicated, averaged as under DDP
         wrapped = nn.fully_shard(module, group=group, compute_dtype=compute_dtype)
-        if kind == "all_sum_slice":
-            params = dict(tree_flatten(wrapped.module.parameters()))
-            wrapped._gather_fn = _gather_fn(group, [params[p] for p in wrapped._paths], _all_sum_slice(group),
-                                            compute_dtype)
+        params = dict(tree_flatten(wrapped.module.parameters()))
+        wrapped._gather_fn = _gather_fn(group, [params[p] for p in wrapped._paths], reduce_scatter, compute_dtype,
+                                        stream)
         return wrapped
 
     model.model.layers = [wrap(layer) for layer in model.model.layers]
@@ -77,7 +82,7 @@ class Sharding:
         self.reduce_bytes = int(cfg.all_reduce_size_mb * 2**20)
 
     def wrap(self, model):
-        shard_model(model, self.group, self.reduce_scatter)
+        shard_model(model, self.group, self.reduce_scatter, stream=self.stream)
         return model
 
     @staticmethod
@@ -98,7 +103,7 @@ class Sharding:
         flat = tree_flatten(grads)
         replicated_sq = sum((sum_of_squares(g) for k, g in flat if not self.is_sharded(k)), mx.array(0.0))
         sharded_sq = sum((sum_of_squares(g) for k, g in flat if self.is_sharded(k)), mx.array(0.0))
-        return mx.sqrt(replicated_sq + mx.distributed.all_sum(sharded_sq, group=self.group))
+        return mx.sqrt(replicated_sq + mx.distributed.all_sum(sharded_sq, group=self.group, stream=self.stream))
 
     def export_state(self, weights: dict, optimizer: dict):
         weights = self.full(weights)
@@ -114,7 +119,7 @@ class Sharding:
         out = {}
         for key, value in flat.items():
             if self.is_sharded(key):
-                value = mx.distributed.all_gather(mx.array(value), group=self.group)
+                value = mx.distributed.all_gather(mx.array(value), group=self.group, stream=self.stream)
                 mx.eval(value)
             if self.rank == 0:
                 out[key.replace(SHARD, ".")] = np.array(value)
@@ -132,17 +137,25 @@ class Sharding:
         return out
 
 
-def _all_sum_slice(group):
+def _all_sum_slice(group, stream=None):
     rank = group.rank()
 
     def reduce_scatter(x):  # (N, S) -> (1, S): row `rank` of the sum over ranks, as sum_scatter returns it
-        return mx.distributed.all_sum(x, group=group)[rank:rank + 1]
+        return mx.distributed.all_sum(x, group=group, stream=stream)[rank:rank + 1]
 
     return reduce_scatter
 
 
-def _gather_fn(group, shards, reduce_scatter, compute_dtype=None):
-    """mlx.nn.layers.distributed._make_gather_fn of mlx 0.32.4 with `reduce_scatter` in place of sum_scatter.
+def _sum_scatter(group, stream=None):
+    def reduce_scatter(x):
+        return mx.distributed.sum_scatter(x, group=group, stream=stream)
+
+    return reduce_scatter
+
+
+def _gather_fn(group, shards, reduce_scatter, compute_dtype=None, stream=None):
+    """mlx.nn.layers.distributed._make_gather_fn of mlx 0.32.4 with `reduce_scatter` in place of sum_scatter
+    and the all-gather on `stream`.
 
     `shards` in the wrapper's `_paths` order, the order its forward passes them in."""
     N = group.size()
@@ -156,7 +169,7 @@ def _gather_fn(group, shards, reduce_scatter, compute_dtype=None):
     @mx.custom_function
     def gather(shards):
         flat = mx.concatenate([cast(s.reshape(1, -1), compute_dtype) for s in shards], axis=1)
-        full = mx.distributed.all_gather(flat, group=group)
+        full = mx.distributed.all_gather(flat, group=group, stream=stream)
         return [p.reshape(shape) for p, shape in zip(mx.split(full, split_indices, axis=1), full_shapes)]
 
     @gather.vjp

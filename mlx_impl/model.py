@@ -28,6 +28,45 @@ def attention_mask(padding_mask: mx.array | None, T: int) -> mx.array | str:
     return causal & (keys | mx.eye(T, dtype=mx.bool_))
 
 
+def _causal_mask(T: int) -> mx.array:
+    return mx.arange(T)[:, None] >= mx.arange(T)[None]
+
+
+@mx.compile
+def _softmax(scores: mx.array) -> mx.array:
+    """Softmax over the last axis in float32, rounded once to the scores' dtype. Written out so that mx.compile
+    fuses the subtraction and exp into one kernel built for this CPU (--mlx-cpu-jit; MLX's softmax and exp
+    primitives are prebuilt for baseline x86-64); the max is a constant shift, no gradient flows to it."""
+    s = scores.astype(mx.float32)
+    e = mx.exp(s - mx.stop_gradient(s.max(axis=-1, keepdims=True)))
+    return (e / e.sum(axis=-1, keepdims=True)).astype(scores.dtype)
+
+
+def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array | str) -> mx.array:
+    """softmax(q k^T * scale + mask) v, (B, H, T, D) with H a multiple of k's and v's heads (grouped-query).
+
+    On a Metal GPU: MLX's fused kernel (mx.fast.scaled_dot_product_attention). On a CPU that kernel is not
+    fused: MLX computes it as below, with its softmax primitive and the prebuilt exp (7.4 ms per layer of a
+    29 ms tiny forward, issue 27). Written out here and fused by mx.compile, the forward rounds at the same
+    points, bit for bit in float32 and bfloat16 (q * scale and the scores in the input dtype, softmax in
+    float32, P rounded to the input dtype, P v in it: docs/precision.md); the softmax's backward runs in
+    float32, as in torch's CPU flash-attention kernel, where MLX's primitive ran it in the input dtype
+    (benchmarks/bench_attention.py measures both)."""
+    if mx.default_device() == mx.gpu:
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    B, H, T, D = q.shape
+    if isinstance(mask, str):
+        mask = _causal_mask(T)
+    if H != k.shape[1]:  # each k/v head serves H / kv_heads query heads: (B, kv_heads, H / kv_heads, T, D)
+        q = q.reshape(B, k.shape[1], H // k.shape[1], T, D)
+        k, v = k[:, :, None], v[:, :, None]
+        if mask.ndim == 4:
+            mask = mask[:, :, None]
+    scores = (q * mx.array(scale, dtype=q.dtype)) @ k.swapaxes(-1, -2)
+    scores = mx.where(mask, scores, mx.array(-mx.inf, dtype=scores.dtype))
+    return (_softmax(scores) @ v).reshape(B, H, T, D)
+
+
 class Linear(nn.Linear):
     """No bias; the float32 weight is cast to the input's dtype at use, so its gradient lands in float32."""
 
@@ -68,9 +107,9 @@ class Attention(nn.Module):
         k = self.k_proj(x).reshape(B, T, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(B, T, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         q, k = self.rope(q), self.rope(k)
-        # Grouped-query attention: the kernel shares each k/v head among n_heads / n_kv_heads queries.
+        # Grouped-query attention: each k/v head is shared among n_heads / n_kv_heads queries.
         # bf16 q, k, v: the CPU path rounds q.k scores to bf16, then softmax accumulates in float32.
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        out = attention(q, k, v, self.scale, mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1))
 
 
@@ -84,7 +123,10 @@ class MLP(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         gate = self.gate_proj(x)
         # SiLU in float32, rounded once: what torch's bf16 kernel does; MLX's would round the sigmoid first.
-        return self.down_proj(nn.silu(gate.astype(mx.float32)).astype(gate.dtype) * self.up_proj(x))
+        # Written as torch's CPU kernel writes it, x / (1 + exp(-x)), so that mx.compile fuses it with its
+        # exp: nn.silu's sigmoid is a prebuilt kernel, 2x slower at tiny's shapes (issue 27).
+        g = gate.astype(mx.float32)
+        return self.down_proj((g / (1 + mx.exp(-g))).astype(gate.dtype) * self.up_proj(x))
 
 
 class TransformerBlock(nn.Module):

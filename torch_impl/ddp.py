@@ -46,8 +46,8 @@ class Replicated:
         return FixedCount(sum(p.numel() * p.element_size() for p in self.model.parameters()) * (self.dp_size > 1))
 
     def global_norm(self, params, dtype: torch.dtype) -> torch.Tensor:
-        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad, dtype=dtype)
-                                                     for p in params if p.grad is not None]))
+        squares = [sum_of_squares(p.grad, dtype) for p in params if p.grad is not None]
+        return torch.stack(squares).sum().sqrt()
 
     def export_state(self, params: dict, exp_avg: dict, exp_avg_sq: dict):
         return weights_of(self.model), _numpy(exp_avg), _numpy(exp_avg_sq)
@@ -62,6 +62,20 @@ class FixedCount(contextlib.nullcontext):
     def __init__(self, nbytes: int | None):
         super().__init__()
         self.bytes = nbytes
+
+
+def sum_of_squares(x: torch.Tensor, dtype: torch.dtype = torch.float64, width: int = 1024) -> torch.Tensor:
+    """Sum of x², in `dtype`: float32 norms of rows of `width` elements (short sums), squared and summed in
+    `dtype`. Casting every element to float64 first, as vector_norm(dtype=float64) does, made the norm of
+    `small`'s 28M gradients 69 ms of a step on the 2-core Zen 5 VM (2 threads); this takes 3.4 ms and is
+    within 1e-9 of the float64 norm, where one flat float32 norm per tensor was 4.5e-4 off (gradients with a
+    mean, issue 27). mlx_impl/ddp.py's sum_of_squares is the same idea as a tree of sums."""
+    flat = x.detach().reshape(-1)
+    n = flat.numel() // width * width
+    norms = [torch.linalg.vector_norm(flat[:n].view(-1, width), dim=1)] if n else []
+    if n < flat.numel():
+        norms.append(torch.linalg.vector_norm(flat[n:]).reshape(1))
+    return torch.cat(norms).to(dtype).square().sum() if norms else torch.zeros((), dtype=dtype, device=x.device)
 
 
 def clip_by_norm(params, max_norm: float, norm: torch.Tensor) -> None:

@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from .ddp import FixedCount
+from .ddp import FixedCount, sum_of_squares
 
 
 def reduce_scatter_kind(backend: str) -> str:
@@ -81,7 +81,7 @@ class Sharding:
         every element lives on exactly one rank (FSDP2 pads uneven shards with zeros)."""
         local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in parameters
                  if p.grad is not None]
-        squares = torch.stack([torch.linalg.vector_norm(g, dtype=dtype) ** 2 for g in local]).sum()
+        squares = torch.stack([sum_of_squares(g, dtype) for g in local]).sum()
         dist.all_reduce(squares)
         return squares.sqrt()
 

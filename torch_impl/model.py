@@ -71,6 +71,14 @@ class RMSNorm(nn.RMSNorm):
         return normed * self.weight.to(x.dtype)
 
 
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+              mask: torch.Tensor | None) -> torch.Tensor:
+    """softmax(q k^T * scale + mask) v, (B, H, T, D) with H a multiple of k's and v's heads (grouped-query):
+    torch's fused kernel on every device (mlx_impl/model.py writes MLX's out on a CPU, where MLX has none)."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                          enable_gqa=True)
+
+
 class Attention(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
@@ -88,10 +96,9 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(B, T, self.n_kv_heads, -1).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, -1).transpose(1, 2)
         q, k = self.rope(q), self.rope(k)
-        # Grouped-query attention: enable_gqa shares each k/v head among n_heads / n_kv_heads queries.
+        # Grouped-query attention: each k/v head is shared among n_heads / n_kv_heads queries.
         # bf16 q, k, v: the CPU kernel keeps q.k scores in float32, softmax accumulates in float32.
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                             scale=self.scale, enable_gqa=True)
+        out = attention(q, k, v, self.scale, mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 

@@ -26,6 +26,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                parallelize_module)
 
 from .comm import CommCounter
+from .ddp import sum_of_squares
 
 
 class TensorParallel:
@@ -78,8 +79,8 @@ class TensorParallel:
         local = [g.to_local() if sharded else g for g, sharded in grads]
 
         def squares(tensors):
-            norms = [torch.linalg.vector_norm(t, 2.0, dtype=dtype) for t in tensors]
-            return torch.stack(norms).square().sum() if norms else torch.zeros((), dtype=dtype)
+            return torch.stack([sum_of_squares(t, dtype) for t in tensors]).sum() if tensors else \
+                torch.zeros((), dtype=dtype)
 
         sharded = squares([t for t, (_, is_sharded) in zip(local, grads) if is_sharded])
         dist.all_reduce(sharded)

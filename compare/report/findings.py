@@ -151,8 +151,14 @@ def phase_gap(fast: dict, slow: dict) -> str | None:
         return None
     phase = max(BREAKDOWN_PHASES, key=lambda p: abs((b.get(p) or 0) - (a.get(p) or 0)))
     fa, fb = (a.get(phase) or 0) * 1e3, (b.get(phase) or 0) * 1e3
+    sa, sb = (a.get("spread") or {}).get(phase), (b.get("spread") or {}).get(phase)
+    real = ""
+    if sa and sb:  # p10-p90 over the profile rounds (common/breakdown.py)
+        apart = sa[1] < sb[0] or sb[1] < sa[0]
+        real = ("; their p10–p90 spreads do not overlap" if apart else
+                "; within the spread of the profile rounds, so not a clear difference")
     return (f"the phase that differs most is {phase} ({fb:,.1f} ms in {slow['label']} vs {fa:,.1f} ms in "
-            f"{fast['label']} per step)")
+            f"{fast['label']} per step{real})")
 
 
 def rerun_command(cfg: dict, framework: str, world_size: int) -> str:

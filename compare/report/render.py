@@ -145,6 +145,17 @@ def parity_blocks(p: dict) -> list[tuple]:
                             f"(curves) and {100 * t['precision_eval_rtol']:g}% (eval), with no per-step check "
                             "(the two part ways from the first step). The measurements behind these numbers are "
                             "in docs/precision.md."))
+        blocks.append(("p", f"What a bf16 pass can and cannot tell. The per-step check across frameworks "
+                            f"({100 * t['bf16_loss_rtol']:g}% relative) catches a mismatch that moves the loss by a "
+                            "percent or more: a missing cast, a matmul left in float32 on one side, a wrong scale. "
+                            "It cannot tell a subtle policy mismatch from rounding: one framework keeping its "
+                            "residual stream or its softmax in float32 moves the loss about as much as bf16 does "
+                            "against float32 (2-5e-4 relative per step, measured at 256 tokens per step), 4-10x "
+                            "below the tolerance, and at 256 tokens per step MLX and torch bf16 already differ "
+                            "by up to 3.7e-4 from rounding alone. A bf16 pass therefore says both frameworks "
+                            "train in bf16 and neither is broken; that both round at the same points is checked "
+                            "module by module by tests/unit/test_bf16.py (bf16 logits within one bf16 ulp), not "
+                            "by this verdict (docs/precision.md)."))
     headers = ("pair", "kind", "per-step max Δ (steps)", "at step", "curve max rel. Δ", "eval max rel. Δ",
                "verdict")
     table = []
@@ -198,25 +209,50 @@ def breakdown_blocks(rows: list[dict]) -> list[tuple]:
     if not have:  # --profile-steps 0: the traces alone
         traces = trace_blocks(rows)
         return [("h2", "Where the time goes")] + traces if traces else []
-    table = []
+    table, misses = [], []
     for r in have:
         b = r["breakdown"]
+        spread = b.get("spread") or {}
         overhead = b.get("instrumentation_overhead")
         limit = f"{1 / r['mfu']:.1f}x" if r.get("mfu") else "–"
         table.append((r["label"], fmt(b["step_s"] * 1e3, ",.1f"),
-                      *(fmt(b.get(p, 0) * 1e3, ",.1f") for p in BREAKDOWN_PHASES),
+                      ms_spread(b.get("reference_step_s"), spread.get("reference_step_s")),
+                      *(ms_spread(b.get(p, 0), spread.get(p)) for p in BREAKDOWN_PHASES),
                       fmt(b.get("phases_sum_s", 0) * 1e3, ",.1f"),
                       "–" if overhead is None else f"{100 * overhead:+.0f}%", limit))
-    return [("h2", "Where the time goes"),
-            ("p", "Milliseconds per optimizer step, from extra steps run after the last checkpoint: forward, "
-                  "backward and optimizer from steps that wait for the device after each phase and skip the "
-                  "gradient sync; communication is the median step with gradient sync minus the median step "
-                  "without it (what overlap does not hide); other is the rest of the instrumented step; data "
-                  "is batch assembly on the host, outside the step timer. 'sum vs step' is what the "
-                  "instrumentation itself adds to uninstrumented steps taken in alternation with it. 'x limit' is the step time over the "
-                  "time its matmul FLOPs take at the peak used for MFU."),
-            ("table", ("run", "step ms", *(f"{p} ms" for p in BREAKDOWN_PHASES), "phases ms", "sum vs step",
-                       "x limit"), table)] + trace_blocks(rows)
+        if b.get("within_tolerance") is False:
+            misses.append(f"{r['label']}: its phases add up to {fmt(b['phases_sum_s'] * 1e3, ',.1f')} ms against "
+                          f"{fmt(b['reference_step_s'] * 1e3, ',.1f')} ms for the uninstrumented steps beside them "
+                          f"({100 * overhead:+.0f}%, beyond the {100 * b.get('tolerance', 0.15):.0f}% the breakdown is "
+                          f"held to) over {b.get('profile_steps')} rounds: the step could not be split reliably under "
+                          "this load; read its phases as rough shares, and measure it again on a quieter machine or "
+                          "with more --profile-steps")
+    blocks = [("h2", "Where the time goes"),
+              ("p", "Milliseconds per optimizer step, from extra rounds of steps run after the last checkpoint: the "
+                    "median over the rounds, and in brackets the 10th to 90th percentile of the rounds (a "
+                    "difference inside these spreads is not a real one). forward, backward and optimizer come from "
+                    "steps that wait for the device after each phase and skip the gradient sync; communication is "
+                    "each round's step with gradient sync minus its step without it (what overlap does not hide); "
+                    "other is the rest of the median round (host overhead, casts, syncs, and what slow phases added to it); data is batch assembly on "
+                    "the host, outside the step timer. 'ref step ms' are the uninstrumented steps taken in "
+                    "alternation with the instrumented ones, 'step ms' the run's own median step; 'sum vs ref' is "
+                    "how far the phases are from the reference (what the instrumentation and the noise add; the "
+                    "breakdown is held to 15%). 'x limit' is the step time over the time its matmul FLOPs take at "
+                    "the peak used for MFU."),
+              ("table", ("run", "step ms", "ref step ms", *(f"{p} ms" for p in BREAKDOWN_PHASES), "phases ms",
+                         "sum vs ref", "x limit"), table)]
+    if misses:
+        blocks.append(("ul", misses))
+    return blocks + trace_blocks(rows)
+
+
+def ms_spread(value, spread) -> str:
+    """'12.3 [11.0–14.1]': a median and its p10–p90 in ms (no brackets without a spread, or for a constant)."""
+    if value is None:
+        return "–"
+    if not spread or spread[0] == spread[1]:
+        return fmt(value * 1e3, ",.1f")
+    return f"{value * 1e3:,.1f} [{spread[0] * 1e3:,.1f}–{spread[1] * 1e3:,.1f}]"
 
 
 def trace_blocks(rows: list[dict]) -> list[tuple]:

@@ -86,6 +86,9 @@ def test_the_report_states_strategy_memory_and_bf16_tolerances(tmp_path):
     assert "Precision: mlx bf16 x2 stays close to mlx x2" in lines
     md = (tmp_path / "report" / "report.md").read_text()
     assert "## Memory per rank" in md and "bfloat16 pairs are judged relative to the loss" in md
+    # What the bf16 verdict cannot catch is said plainly, with the figures (docs/precision.md).
+    assert "What a bf16 pass can and cannot tell" in md and "cannot tell a subtle policy mismatch from rounding" in md
+    assert "2-5e-4 relative per step" in md and "tests/unit/test_bf16.py" in md
 
 
 def test_a_matrix_leaves_out_sharded_runs_on_one_rank_and_names_every_run(tmp_path):

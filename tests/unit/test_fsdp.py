@@ -16,3 +16,46 @@ def test_the_shape_check_names_the_parameter_and_passes_shardable_models():
         check_strategy("fsdp", preset("base"), 5)
     with pytest.raises(UserError, match="needs 2 or more"):
         check_strategy("fsdp", preset("tiny"), 1)
+
+
+class _TwoRanks:
+    """A group of 2 for code that asks only its size and rank; the collectives are faked below."""
+
+    def size(self):
+        return 2
+
+    def rank(self):
+        return 0
+
+
+@pytest.mark.parametrize("backend", ["ring", "nccl"])
+def test_mlx_fsdp_runs_every_collective_on_the_communication_stream(backend, monkeypatch):
+    """The all-gathers of the forward, the reduce-scatters of the backward and the norm's all-sum all get
+    the Trainer's stream (here mx.cpu, what a Metal GPU run uses): upstream's gather passed none."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from types import SimpleNamespace
+
+    from mlx_impl.fsdp import Sharding
+    from mlx_impl.model import Llama
+
+    streams = []
+
+    def fake(name, fn):
+        def collective(x, *, group=None, stream=None):
+            streams.append((name, stream))
+            return fn(x)
+        monkeypatch.setattr(mx.distributed, name, collective)
+
+    fake("all_gather", lambda x: mx.concatenate([x, x]))
+    fake("all_sum", lambda x: 2 * x)
+    fake("sum_scatter", lambda x: 2 * x[:x.shape[0] // 2])
+    cfg = SimpleNamespace(resolved_backend=backend, all_reduce_size_mb=25)
+    sharding = Sharding(cfg, SimpleNamespace(group=_TwoRanks()), comm=None, stream=mx.cpu)
+    model = sharding.wrap(Llama(preset("tiny")))
+    tokens = mx.zeros((1, 8), dtype=mx.int32)
+    _, grads = nn.value_and_grad(model, lambda m, x: m(x).sum())(model, tokens)
+    mx.eval(sharding.global_norm(grads))
+    names = {name for name, _ in streams}
+    assert {"all_gather", "all_sum" if backend == "ring" else "sum_scatter"} <= names, names
+    assert all(stream == mx.cpu for _, stream in streams), streams

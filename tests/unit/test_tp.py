@@ -56,6 +56,14 @@ def test_tp_estimate_is_four_activation_all_reduces_per_layer_and_micro_step():
     assert comm_bytes_per_step_estimate("ddp", spec, 1, 8, 32, 1) == 0
 
 
+def test_the_tp_estimate_follows_the_dtype_bf16_activations_are_half_the_bytes_gradients_stay_float32():
+    spec = preset("tiny")
+    fp32 = comm_bytes_per_step_estimate("tp", spec, 2, 8, 32, 1)
+    assert comm_bytes_per_step_estimate("tp", spec, 2, 8, 32, 1, "bfloat16") * 2 == fp32
+    assert comm_bytes_per_step_estimate("ddp", spec, 2, 8, 32, 1, "bfloat16") == comm_bytes_per_step_estimate(
+        "ddp", spec, 2, 8, 32, 1)  # the gradient all-reduce is float32 under the bf16 policy
+
+
 # ---- checkpoints ------------------------------------------------------------------------------------------
 
 

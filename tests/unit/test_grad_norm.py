@@ -1,0 +1,22 @@
+"""The gradient norm both frameworks clip with: precise (float64-exact to ~1e-9 where a flat float32 sum
+drifts) and cheap (torch: no float64 copy of every gradient; issue 27's harness cost)."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from torch_impl.ddp import sum_of_squares
+
+
+def test_torch_sum_of_squares_is_float64_exact_where_a_flat_float32_norm_drifts():
+    g = torch.Generator().manual_seed(0)
+    # An embedding-sized gradient with a mean, where a float32 accumulation drifts; an odd size leaves a tail.
+    x = torch.randn(3_000_001, generator=g) * 1e-3 + 2e-4
+    exact = float((x.double() ** 2).sum())
+    assert abs(float(sum_of_squares(x)) - exact) / exact < 1e-8
+    assert sum_of_squares(x).dtype == torch.float64
+    flat32 = float(torch.linalg.vector_norm(x)) ** 2  # what one float32 norm per tensor gives
+    assert abs(flat32 - exact) / exact > 1e-6
+    small = torch.arange(10.0).reshape(2, 5)
+    assert np.isclose(float(sum_of_squares(small, width=4)), np.sum(np.arange(10.0) ** 2), rtol=1e-7)
+    assert float(sum_of_squares(torch.zeros(0))) == 0.0
