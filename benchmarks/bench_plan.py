@@ -31,6 +31,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--profile-steps", type=int, default=3, help="breakdown rounds of every run (its N=1 "
+                        "calibration needs them; at 200mbit a `small` fsdp step takes ~8 s)")
     a = parser.parse_args()
     steps = max(6, a.steps // 2) if a.quick else a.steps
     rows = []
@@ -41,7 +43,8 @@ def main() -> None:
             argv = benchlib.DPCOMPARE + [
                 "compare", "--frameworks", a.frameworks, "--nproc", "1,2", "--strategies", a.strategies,
                 "--preset", a.preset, "--steps", str(steps), "--seq-len", str(a.seq_len), "--global-batch-size",
-                str(a.batch), "--eval-every", "0", *benchlib.data_args(a.preset), "--out", str(out), "--quiet",
+                str(a.batch), "--eval-every", "0", "--profile-steps", str(a.profile_steps),
+                *benchlib.data_args(a.preset), "--out", str(out), "--quiet",
                 *([] if link == "none" else ["--link", link])]
             proc = subprocess.run(argv, cwd=benchlib.REPO, capture_output=True, text=True)
             if proc.returncode not in (0, 1):  # 1: a run failed, its row says so; anything else: the compare did
