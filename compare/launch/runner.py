@@ -220,6 +220,13 @@ def summarize(cfg: RunConfig, run_dir: Path, argv: list[str], blas: str, wall_s:
         "tokens_per_step": train_rows[-1]["tokens"] if train_rows else None,
         "command": shlex.join(argv), "config": cfg.to_dict(),
     }
+    if "pp_bubble_analytic" in rank0:  # pp (common/pipeline.py): each stage's idle fraction and what it held
+        summary["pipeline"] = {
+            "schedule": rank0.get("pp_schedule"), "microbatches": rank0.get("pp_microbatches"),
+            "bubble": [ranks.get(r, {}).get("pp_bubble") for r in range(world)],
+            "bubble_analytic": rank0.get("pp_bubble_analytic"),
+            "layers": [ranks.get(r, {}).get("pp_layers") for r in range(world)],
+            "comm_bytes_per_step": [ranks.get(r, {}).get("comm_bytes_per_step") for r in range(world)]}
     if device_note(cfg):
         summary["device_note"] = device_note(cfg)
     if cfg.nnodes > 1:

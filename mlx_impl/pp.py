@@ -1,0 +1,235 @@
+"""Pipeline parallelism in MLX, written out with `mx.distributed.send` / `recv`: one stage per rank.
+
+The split and the schedules are common/pipeline.py's: a stage holds a contiguous run of blocks (the first also
+the embedding, the last the final norm and the head) and runs `stage_ops`, one operation at a time:
+
+    recv_act / send_act    the activations (micro-batch, T, dim) in the compute dtype, down the stages
+    recv_grad / send_grad  their gradients, back up
+    F / B                  a micro-batch's forward / backward on this stage
+
+Each send and receive is evaluated on its own, in order (mx.eval of a list of independent receives ran them in
+reverse and mixed micro-batches up: /work/shared/FACTS.md). MLX keeps no autograd tape, so a stage's backward
+is `mx.vjp` of its forward, which runs that forward again: every stage but the last recomputes its forward in
+its backward (full activation checkpointing; a stage keeps only its micro-batches' inputs). The last stage
+computes its loss and the gradients in one `mx.vjp` at the forward, so it recomputes nothing.
+
+Exact loss: the last stage holds the masked token losses of the whole batch, the others none, so the Trainer
+sums the loss over the world (`loss_over`). Gradients are those of (sum of token losses) x scale, scale =
+1 / global tokens, as under ddp at one rank (nothing is averaged: the data-parallel size is 1). The global
+norm adds each stage's sum of squares over the ranks (every parameter lives on exactly one stage; tied
+embeddings are refused before the run starts, common/strategy.py). Checkpoints are whole HF-named files: the
+stages' parameters keep their HF names (blocks of other stages are empty placeholders in the layer list), and
+export_state sums the stages' dicts (zeros where a stage holds nothing) so every rank has the whole state.
+
+The bubble: every training step runs between two barriers (a one-element all_sum), so all stages see the same
+window; the time a stage spends outside its own forward and backward computations inside that window, over
+the window, is its measured idle fraction, reported beside (p - 1) / (M + p - 1). Mirrors torch_impl/pp.py.
+"""
+from __future__ import annotations
+
+import time
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
+
+from common.pipeline import bubble_fraction, stage_layers, stage_of, stage_ops
+from common.protocols import no_phase
+
+from .comm import CommCounter
+from .ddp import moments, sum_of_squares, wait_for
+from .model import cross_entropy
+
+
+class Pipeline:
+    """The pp strategy (common/protocols.py): this rank's stage, its schedule, and the state across stages."""
+
+    reduce_scatter = None
+    full_state_on_every_rank = True  # export_state sums the stages' parts on every rank
+    communicates = False             # no gradient is averaged; activations move inside forward_backward
+    loss_over = "world"              # the last stage holds the loss sum
+
+    def __init__(self, cfg, world, comm: CommCounter, stream=None):
+        self.group, self.comm, self.stream = world.group, comm, stream
+        self.stage, self.n_stages = self.group.rank(), self.group.size()
+        self.first, self.last = self.stage == 0, self.stage == self.n_stages - 1
+        self.n_micro, self.schedule = cfg.pp_microbatches, cfg.pp_schedule
+        self.ops = stage_ops(self.schedule, self.stage, self.n_stages, self.n_micro)
+        self.idle: list[float] = []  # per training step: this stage's measured idle fraction
+
+    def wrap(self, model):
+        """Keep this stage's part of a loaded full model, in place; the names stay HF's."""
+        spec, inner = model.spec, model.model
+        self.n_layers, self.layers = spec.n_layers, stage_layers(spec.n_layers, self.n_stages, self.stage)
+        inner.layers = [layer if i in self.layers else nn.Module() for i, layer in enumerate(inner.layers)]
+        if not self.first:
+            inner.pop("embed_tokens")
+        if not self.last:
+            inner.pop("norm")
+            if "lm_head" in model:
+                model.pop("lm_head")
+        self.model, self.dtype, self.dim = model, inner.compute_dtype, spec.dim
+        self.keys = [k for k, _ in tree_flatten(model.trainable_parameters())]
+        mx.eval(model.parameters())
+        return model
+
+    # ---- the schedule ---------------------------------------------------------------------------------------
+    def forward_backward(self, trainer, batches, scale, phase=no_phase, wait=False, backward=True):
+        """-> (the token losses of every micro-batch on the last stage, [] elsewhere; this stage's gradients
+        of (sum of token losses) x scale, or None when backward=False, eval)."""
+        if backward:
+            self._barrier()
+        start, busy, sent = time.perf_counter(), 0.0, 0
+        token_losses, grads = [], None
+        for inputs, targets, mask in batches:
+            losses, flush_grads, seconds, nbytes = self._flush(inputs, targets, mask, scale, phase, backward)
+            token_losses += losses
+            busy, sent = busy + seconds, sent + nbytes
+            if flush_grads is not None:
+                grads = flush_grads if grads is None else tree_map(mx.add, grads, flush_grads)
+        if backward:
+            self._barrier()
+            window = time.perf_counter() - start
+            self.idle.append(max(0.0, 1.0 - busy / window) if window > 0 else 0.0)
+            self.comm.per_call.setdefault("micro_step", sent // len(batches))  # bytes this stage sends per flush
+            wait_for(wait, grads)
+        return token_losses, grads
+
+    def _flush(self, inputs, targets, mask, scale, phase, backward):
+        """One pass of the schedule over one micro-step's batch, cut into M micro-batches."""
+        xs, ys, ms = (np.split(np.asarray(a), self.n_micro) for a in (inputs, targets, mask))
+        shape = (xs[0].shape[0], xs[0].shape[1], self.dim)
+        acts, cots, inputs_kept, outputs, dx, losses, grads = {}, {}, {}, {}, {}, {}, None
+        busy, sent = 0.0, 0
+        ops = self.ops if backward else [op for op in self.ops if op[0] in ("recv_act", "F", "send_act")]
+        for op in ops:
+            kind, i = op[0], op[1]
+            if kind == "recv_act":
+                acts[i] = self._recv(shape, op[2])
+            elif kind == "recv_grad":
+                cots[i] = self._recv(shape, op[2])  # the gradient of the activation sent down
+            elif kind in ("send_act", "send_grad"):
+                out = outputs.pop(i) if kind == "send_act" else dx.pop(i)
+                sent += out.nbytes
+                self._send(out, op[2])
+            elif kind == "F":
+                t0 = time.perf_counter()
+                with phase("forward"):
+                    x = mx.array(xs[i]) if self.first else acts.pop(i)
+                    if not self.last:
+                        outputs[i] = self._forward(x)
+                        inputs_kept[i] = x  # for the recomputation in B
+                        mx.eval(outputs[i])
+                    elif not backward:  # eval
+                        losses[i] = self._losses(self._forward(x), mx.array(ys[i]), mx.array(ms[i]))
+                        mx.eval(losses[i])
+                    else:  # the last stage: the loss and every gradient at once
+                        losses[i], g, dx_i = self._vjp(x, None, mx.array(ys[i]), mx.array(ms[i]))
+                        grads = self._accumulate(grads, g, scale)
+                        if dx_i is not None:
+                            dx[i] = dx_i
+                        mx.eval(losses[i], grads, *([] if dx_i is None else [dx_i]))
+                busy += time.perf_counter() - t0
+            elif not self.last:  # "B"; on the last stage it was done at the forward
+                t0 = time.perf_counter()
+                with phase("backward"):
+                    _, g, dx_i = self._vjp(inputs_kept.pop(i), cots.pop(i))
+                    grads = self._accumulate(grads, g, scale)
+                    if dx_i is not None:
+                        dx[i] = dx_i
+                    mx.eval(grads, *([] if dx_i is None else [dx_i]))
+                busy += time.perf_counter() - t0
+        return [losses[i] for i in sorted(losses)], grads, busy, sent
+
+    def _forward(self, x):
+        """This stage's part of Llama.__call__ (mlx_impl/model.py): tokens or activations in, activations or
+        logits out (causal mask: the model is always called without a padding mask)."""
+        inner = self.model.model
+        h = inner.embed_tokens(x).astype(self.dtype) if self.first else x
+        for i in self.layers:
+            h = inner.layers[i](h, "causal")
+        return self.model.lm_head(inner.norm(h)) if self.last else h
+
+    @staticmethod
+    def _losses(logits, targets, mask):
+        return cross_entropy(logits.astype(mx.float32), targets) * mask
+
+    def _vjp(self, x, cotangent, targets=None, mask=None):
+        """(token losses on the last stage, the parameters' gradients, the input's gradient or None on the
+        first stage) of this stage's forward; the last stage's cotangent is 1 for the loss sum."""
+        params = [v for _, v in tree_flatten(self.model.trainable_parameters())]
+        n = len(params)
+
+        def stage(*arrays):
+            self.model.update(tree_unflatten(list(zip(self.keys, arrays[:n]))))
+            out = self._forward(x if self.first else arrays[n])
+            if not self.last:
+                return [out]
+            losses = self._losses(out, targets, mask)
+            return [losses.sum(), losses]
+
+        primals = params + ([] if self.first else [x])
+        if self.last:
+            cotangents = [mx.array(1.0, dtype=mx.float32), mx.zeros(targets.shape, dtype=mx.float32)]
+        else:
+            cotangents = [cotangent]
+        outputs, vjps = mx.vjp(stage, primals, cotangents)
+        self.model.update(tree_unflatten(list(zip(self.keys, params))))  # the real arrays back in place
+        grads = tree_unflatten(list(zip(self.keys, vjps[:n])))
+        return (outputs[1] if self.last else None), grads, (None if self.first else vjps[n])
+
+    @staticmethod
+    def _accumulate(grads, micro, scale):
+        micro = tree_map(lambda g: g * scale, micro)
+        return micro if grads is None else tree_map(mx.add, grads, micro)
+
+    def _send(self, x, dst):
+        mx.eval(mx.distributed.send(x, dst, group=self.group, stream=self.stream))
+
+    def _recv(self, shape, src):
+        x = mx.distributed.recv(shape, self.dtype, src, group=self.group, stream=self.stream)
+        mx.eval(x)
+        return x
+
+    def _barrier(self):
+        mx.eval(mx.distributed.all_sum(mx.zeros((1,)), group=self.group, stream=self.stream))
+
+    # ---- the rest of the Strategy protocol -------------------------------------------------------------------
+    def reduce_gradients(self, grads):
+        return grads  # nothing to average: one replica
+
+    def global_norm(self, grads) -> mx.array:
+        """Each stage's sum of squares, summed over the stages: every parameter lives on exactly one."""
+        squares = sum((sum_of_squares(g) for _, g in tree_flatten(grads)), mx.array(0.0))
+        return mx.sqrt(mx.distributed.all_sum(squares, group=self.group))
+
+    def export_state(self, weights: dict, optimizer: dict):
+        return tuple(self.gather(part) for part in (weights, *moments(weights, optimizer)))
+
+    def import_state(self, full: dict, paths) -> dict:
+        return {path: full[path] for path in paths}
+
+    def gather(self, named: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The whole model's arrays on every rank from each stage's own: an all_sum per array, zeros from the
+        stages that do not hold it (x + 0 is exact). Every rank calls it: collectives, in one order."""
+        from common.weights import parameter_shapes
+
+        full = {}
+        for name, shape in parameter_shapes(self.model.spec).items():
+            if name == "lm_head.weight" and self.model.spec.tie_embeddings:
+                continue
+            mine = stage_of(name, self.n_layers, self.n_stages) == self.stage
+            value = mx.array(named[name]) if mine else mx.zeros(shape, dtype=mx.float32)
+            summed = mx.distributed.all_sum(value, group=self.group)
+            full[name] = np.array(summed)
+        return full
+
+    def figures(self) -> dict:
+        """The bubble: this stage's median idle fraction over the training steps after the first (compilation
+        and warm caches), beside the analytic value; and what the stage held."""
+        steady = self.idle[1:] or self.idle
+        return {"pp_bubble": float(np.median(steady)) if steady else None,
+                "pp_bubble_analytic": bubble_fraction(self.n_stages, self.n_micro),
+                "pp_schedule": self.schedule, "pp_microbatches": self.n_micro,
+                "pp_layers": [self.layers.start, self.layers.stop]}
