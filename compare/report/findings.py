@@ -49,6 +49,7 @@ def run_row(run: RunData, parity: dict, peaks: "PeakFinder") -> dict:
         "comm_bytes_per_step": s.get("comm_bytes_per_step"),
         "comm_bytes_per_step_estimate": s.get("comm_bytes_per_step_estimate"),
         "reduce_scatter": s.get("reduce_scatter"),
+        "pipeline": s.get("pipeline"),  # pp: schedule, micro-batches, each stage's bubble and layers
         "breakdown": s.get("breakdown"),
         "trace": [str(run.run_dir / f) for f in s.get("trace") or []],  # --trace timelines (common/trace.py)
         "command": s.get("command"), "rerun": rerun_command(cfg, run.framework, run.world_size),
@@ -112,7 +113,7 @@ def speed_table(rows: list[dict]) -> list[dict]:
         return next((r for r in done if all(r.get(k) == v for k, v in want.items())), None)
 
     for n in sorted({r["world_size"] for r in done}):
-        for strategy in ("ddp", "fsdp", "tp"):
+        for strategy in ("ddp", "fsdp", "tp", "pp"):
             for dtype in dict.fromkeys(r["dtype"] for r in done):
                 at = {}
                 for r in done:
