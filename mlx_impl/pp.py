@@ -71,6 +71,9 @@ class Pipeline:
                 model.pop("lm_head")
         self.model, self.dtype, self.dim = model, inner.compute_dtype, spec.dim
         self.keys = [k for k, _ in tree_flatten(model.trainable_parameters())]
+        # Compiled like the Trainer's micro-step: the parameters are inputs (set into the model while tracing,
+        # put back after each call), so one trace serves every call of the same shapes.
+        self._compiled_vjp, self._compiled_forward = mx.compile(self._stage_vjp), mx.compile(self._stage_forward)
         mx.eval(model.parameters())
         return model
 
@@ -118,7 +121,7 @@ class Pipeline:
                 with phase("forward"):
                     x = mx.array(xs[i]) if self.first else acts.pop(i)
                     if not self.last:
-                        outputs[i] = self._forward(x)
+                        outputs[i] = self._run_forward(x)
                         inputs_kept[i] = x  # for the recomputation in B
                         mx.eval(outputs[i])
                     elif not backward:  # eval
@@ -157,27 +160,48 @@ class Pipeline:
 
     def _vjp(self, x, cotangent, targets=None, mask=None):
         """(token losses on the last stage, the parameters' gradients, the input's gradient or None on the
-        first stage) of this stage's forward; the last stage's cotangent is 1 for the loss sum."""
+        first stage) of this stage's forward; the last stage's cotangent is 1 for the loss sum. Compiled."""
         params = [v for _, v in tree_flatten(self.model.trainable_parameters())]
-        n = len(params)
+        rest = [x, targets, mask] if self.last else [x, cotangent]
+        out = self._compiled_vjp(*params, *rest)
+        self.model.update(tree_unflatten(list(zip(self.keys, params))))  # the real arrays back in place
+        losses, vjps = (out[0], out[1:]) if self.last else (None, out)
+        grads = tree_unflatten(list(zip(self.keys, vjps[:len(params)])))
+        return losses, grads, (None if self.first else vjps[len(params)])
 
-        def stage(*arrays):
-            self.model.update(tree_unflatten(list(zip(self.keys, arrays[:n]))))
-            out = self._forward(x if self.first else arrays[n])
+    def _stage_vjp(self, *arrays):
+        """The compiled function of `_vjp`: parameters, then the input and either the cotangent or (last stage)
+        the targets and the mask -> ([token losses,] the parameters' gradients..., [the input's gradient])."""
+        n = len(self.keys)
+        params, x = list(arrays[:n]), arrays[n]
+
+        def stage(*primals):
+            self.model.update(tree_unflatten(list(zip(self.keys, primals[:n]))))
+            out = self._forward(x if self.first else primals[n])
             if not self.last:
                 return [out]
-            losses = self._losses(out, targets, mask)
+            losses = self._losses(out, arrays[n + 1], arrays[n + 2])
             return [losses.sum(), losses]
 
         primals = params + ([] if self.first else [x])
         if self.last:
-            cotangents = [mx.array(1.0, dtype=mx.float32), mx.zeros(targets.shape, dtype=mx.float32)]
+            cotangents = [mx.array(1.0, dtype=mx.float32), mx.zeros(arrays[n + 1].shape, dtype=mx.float32)]
         else:
-            cotangents = [cotangent]
+            cotangents = [arrays[n + 1]]
         outputs, vjps = mx.vjp(stage, primals, cotangents)
-        self.model.update(tree_unflatten(list(zip(self.keys, params))))  # the real arrays back in place
-        grads = tree_unflatten(list(zip(self.keys, vjps[:n])))
-        return (outputs[1] if self.last else None), grads, (None if self.first else vjps[n])
+        return ([outputs[1]] if self.last else []) + list(vjps)
+
+    def _run_forward(self, x):
+        """This stage's forward alone (non-last stages' F, the last stage's eval losses come from `_forward`)."""
+        params = [v for _, v in tree_flatten(self.model.trainable_parameters())]
+        out = self._compiled_forward(*params, x)
+        self.model.update(tree_unflatten(list(zip(self.keys, params))))
+        return out
+
+    def _stage_forward(self, *arrays):
+        n = len(self.keys)
+        self.model.update(tree_unflatten(list(zip(self.keys, arrays[:n]))))
+        return self._forward(arrays[n])
 
     @staticmethod
     def _accumulate(grads, micro, scale):
