@@ -100,12 +100,15 @@ class Pipeline:
         return token_losses, grads
 
     def _flush(self, inputs, targets, mask, scale, phase, backward):
-        """One pass of the schedule over one micro-step's batch, cut into M micro-batches."""
-        xs, ys, ms = (np.split(np.asarray(a), self.n_micro) for a in (inputs, targets, mask))
+        """One pass of the schedule over one micro-step's batch, cut into M micro-batches; eval (forward only)
+        takes the batch as one piece, whatever its size (the last eval batch may be short)."""
+        pieces = self.n_micro if backward else 1
+        xs, ys, ms = (np.split(np.asarray(a), pieces) for a in (inputs, targets, mask))
         shape = (xs[0].shape[0], xs[0].shape[1], self.dim)
         acts, cots, inputs_kept, outputs, dx, losses, grads = {}, {}, {}, {}, {}, {}, None
         busy, sent = 0.0, 0
-        ops = self.ops if backward else [op for op in self.ops if op[0] in ("recv_act", "F", "send_act")]
+        ops = self.ops if backward else [op for op in stage_ops(self.schedule, self.stage, self.n_stages, 1)
+                                         if op[0] in ("recv_act", "F", "send_act")]
         for op in ops:
             kind, i = op[0], op[1]
             if kind == "recv_act":
