@@ -143,7 +143,7 @@ def check_tp(spec: ModelSpec, world_size: int) -> None:
 
 
 def comm_bytes_per_step_estimate(strategy: str, spec, world_size: int, micro_batch_size: int, seq_len: int,
-                                 grad_accum: int, dtype_bytes: int = 4) -> int | None:
+                                 grad_accum: int, dtype_bytes: int = 4, activation_bytes: int | None = None) -> int | None:
     """Bytes handed to all-reduce per optimizer step (payload, not wire traffic: a ring all-reduce sends
     2 (N-1)/N times it per rank), from the shapes alone. Scalars (loss, grad-norm partial sums) are left out.
 
@@ -152,7 +152,8 @@ def comm_bytes_per_step_estimate(strategy: str, spec, world_size: int, micro_bat
              (into q/k/v's and gate/up's common input), each of the activations (B, T, dim):
                                                    4 x layers x B x T x dim x dtype_bytes x grad_accum
         pp   not an all-reduce: the bytes rank 0 (the first stage) sends, the activations of the whole
-             global batch to the next stage (common/pipeline.py): B x grad_accum x T x dim x dtype_bytes
+             global batch to the next stage (common/pipeline.py), in the compute dtype (`activation_bytes`,
+             default dtype_bytes): B x grad_accum x T x dim x activation_bytes
     """
     if world_size < 2:
         return 0
@@ -165,5 +166,5 @@ def comm_bytes_per_step_estimate(strategy: str, spec, world_size: int, micro_bat
     if strategy == "pp":
         from .pipeline import comm_bytes_per_step as pp_bytes
 
-        return pp_bytes(micro_batch_size * grad_accum, seq_len, spec.dim, dtype_bytes)
+        return pp_bytes(micro_batch_size * grad_accum, seq_len, spec.dim, activation_bytes or dtype_bytes)
     return None  # fsdp gathers and reduce-scatters rather than all-reduces: its own formula

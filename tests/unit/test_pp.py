@@ -88,6 +88,8 @@ def test_pp_reads_the_whole_batch_on_every_rank_and_estimates_the_activations_of
     # global batch 8 = micro-batch 4 x grad accum 2; seq 32: the activations (8, 32, dim) in float32
     assert comm_bytes_per_step_estimate("pp", spec, 2, 4, 32, 2) == 8 * 32 * spec.dim * 4
     assert comm_bytes_per_step_estimate("pp", spec, 1, 8, 32, 1) == 0
+    # bf16: the activations cross in the compute dtype (measured: 32768 bytes sent per step on tiny, as here)
+    assert comm_bytes_per_step_estimate("pp", spec, 2, 8, 32, 1, activation_bytes=2) == 8 * 32 * spec.dim * 2
 
 
 # ---- bad input ----------------------------------------------------------------------------------------------
