@@ -257,7 +257,7 @@ def final_figures(run: Run, median: float, world_size: int) -> dict:
         comm_bytes_per_step=trainer.comm_bytes_per_step() if step_times else None,
         comm_bytes_per_step_estimate=comm_bytes_per_step_estimate(
             cfg.strategy, run.spec, world_size, cfg.micro_batch_size, cfg.seq_len, cfg.grad_accum,
-            activation_bytes=2 if cfg.dtype == "bfloat16" else 4),  # pp sends activations in the compute dtype
+            activation_bytes=2 if cfg.dtype == "bfloat16" else 4),  # tp and pp move activations in the compute dtype
         **trainer.strategy.figures(),  # pp: the bubble, measured and analytic
     )
 

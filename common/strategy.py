@@ -149,8 +149,9 @@ def comm_bytes_per_step_estimate(strategy: str, spec, world_size: int, micro_bat
 
         ddp  every gradient once:                  parameters x dtype_bytes
         tp   per layer and micro-step, 2 all-reduces forward (after o_proj and down_proj) and 2 backward
-             (into q/k/v's and gate/up's common input), each of the activations (B, T, dim):
-                                                   4 x layers x B x T x dim x dtype_bytes x grad_accum
+             (into q/k/v's and gate/up's common input), each of the activations (B, T, dim) in the compute
+             dtype (`activation_bytes`, default dtype_bytes; bf16 measured 262144 bytes on tiny, half of fp32):
+                                                   4 x layers x B x T x dim x activation_bytes x grad_accum
         pp   not an all-reduce: the bytes rank 0 (the first stage) sends, the activations of the whole
              global batch to the next stage (common/pipeline.py), in the compute dtype (`activation_bytes`,
              default dtype_bytes): B x grad_accum x T x dim x activation_bytes
@@ -162,7 +163,7 @@ def comm_bytes_per_step_estimate(strategy: str, spec, world_size: int, micro_bat
 
         return num_parameters(spec) * dtype_bytes
     if strategy == "tp":
-        return 4 * spec.n_layers * micro_batch_size * seq_len * spec.dim * dtype_bytes * grad_accum
+        return 4 * spec.n_layers * micro_batch_size * seq_len * spec.dim * (activation_bytes or dtype_bytes) * grad_accum
     if strategy == "pp":
         from .pipeline import comm_bytes_per_step as pp_bytes
 
