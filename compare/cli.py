@@ -222,7 +222,7 @@ def cmd_diagnose(args) -> int:
     if args.step is not None and not args.from_run:
         raise UserError("--step needs --from RUN_DIR")
     base = run_config(Path(args.from_run)).to_dict() if args.from_run else None
-    cfg = config_from_args(args, base=base, framework=frameworks[0], nproc=1)
+    cfg = config_from_args(args, base=base, framework=frameworks[0], nproc=1, strategy="ddp")  # one process each
     out = Path(args.out or (Path(args.from_run) / "diagnosis" if args.from_run else "runs/diagnose"))
     try:
         result = diagnose(cfg, out, from_run=args.from_run, step=args.step, frameworks=frameworks,
