@@ -11,7 +11,9 @@ Each send and receive is evaluated on its own, in order (mx.eval of a list of in
 reverse and mixed micro-batches up: /work/shared/FACTS.md). MLX keeps no autograd tape, so a stage's backward
 is `mx.vjp` of its forward, which runs that forward again: every stage but the last recomputes its forward in
 its backward (full activation checkpointing; a stage keeps only its micro-batches' inputs). The last stage
-computes its loss and the gradients in one `mx.vjp` at the forward, so it recomputes nothing.
+computes its loss and the gradients in one `mx.vjp` at the forward, so it recomputes nothing. The forward and
+the vjp are compiled (`mx.compile`, the parameters passed as inputs), like the Trainer's micro-step. Eval runs
+the forward only, each batch as one piece.
 
 Exact loss: the last stage holds the masked token losses of the whole batch, the others none, so the Trainer
 sums the loss over the world (`loss_over`). Gradients are those of (sum of token losses) x scale, scale =
