@@ -99,7 +99,8 @@ class Pipeline:
         if backward:
             self._barrier()
             window = time.perf_counter() - start
-            self.idle.append(max(0.0, 1.0 - busy / window) if window > 0 else 0.0)
+            if not wait:  # the time breakdown's instrumented steps wait after every phase: not a bubble
+                self.idle.append(max(0.0, 1.0 - busy / window) if window > 0 else 0.0)
             self.comm.per_call.setdefault("micro_step", sent // len(batches))  # bytes this stage sends per flush
             wait_for(wait, grads)
         return token_losses, grads
@@ -283,8 +284,9 @@ class Pipeline:
         return full
 
     def figures(self) -> dict:
-        """The bubble: this stage's median idle fraction over the training steps after the first (compilation
-        and warm caches), beside the analytic value; and what the stage held."""
+        """The bubble: this stage's median idle fraction over the steps after the first (compilation and warm
+        caches; the time breakdown's uninstrumented steps count too), beside the analytic value; and what the
+        stage held."""
         steady = self.idle[1:] or self.idle
         return {"pp_bubble": float(np.median(steady)) if steady else None,
                 "pp_bubble_analytic": bubble_fraction(self.n_stages, self.n_micro),

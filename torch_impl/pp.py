@@ -109,7 +109,8 @@ class Pipeline:
                 trainer.wait(wait)
         self._barrier()
         window = time.perf_counter() - start
-        self.idle.append(max(0.0, 1.0 - self.busy / window) if window > 0 else 0.0)
+        if not wait:  # the time breakdown's instrumented steps wait after every phase: not a bubble
+            self.idle.append(max(0.0, 1.0 - self.busy / window) if window > 0 else 0.0)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         # the first step's shape inference runs the loss once more, on a micro-batch: the schedule's are the last
         return loss_sum + sum(self.sums[-self.n_micro * len(batches):]) if self.sums else loss_sum
@@ -188,8 +189,9 @@ class Pipeline:
         return full
 
     def figures(self) -> dict:
-        """The bubble: this stage's median idle fraction over the training steps after the first (warm caches,
-        the schedule's shape inference), beside the analytic value; and what the stage held."""
+        """The bubble: this stage's median idle fraction over the steps after the first (warm caches, the
+        schedule's shape inference; the time breakdown's uninstrumented steps count too), beside the analytic
+        value; and what the stage held."""
         steady = self.idle[1:] or self.idle
         return {"pp_bubble": float(np.median(steady)) if steady else None,
                 "pp_bubble_analytic": bubble_fraction(self.n_stages, self.n_micro),
