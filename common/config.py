@@ -22,7 +22,8 @@ from .errors import UserError
 from .link import parse_rate
 from .sampler import check_divisible
 from .spec import ModelSpec, preset
-from .strategy import STRATEGIES, check_strategy, data_parallel
+from .pipeline import SCHEDULES as PP_SCHEDULES
+from .strategy import STRATEGIES, check_pp_microbatches, check_strategy, data_parallel
 
 FRAMEWORKS = ("mlx", "torch")
 # jaccl and jaccl-ring: RDMA over Thunderbolt 5 between Macs (a mesh, or a ring of neighbours), through
@@ -85,7 +86,9 @@ class RunConfig:
     # Where and how it runs.
     framework: str = "mlx"
     nproc: int = 1
-    strategy: str = "ddp"            # ddp, fsdp or tp (common/strategy.py)
+    strategy: str = "ddp"            # ddp, fsdp, tp or pp (common/strategy.py)
+    pp_microbatches: int = 4         # pp: pieces each micro-step's batch is cut into (common/pipeline.py)
+    pp_schedule: str = "1f1b"        # pp: gpipe or 1f1b
     backend: str = "auto"
     device: str = "auto"
     dtype: str = "float32"
@@ -207,11 +210,12 @@ class RunConfig:
         _choice("mlx_cpu_jit", self.mlx_cpu_jit, MLX_CPU_JIT)
         _choice("dtype", self.dtype, DTYPES)
         _choice("strategy", self.strategy, STRATEGIES)
+        _choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
         _choice("communication_stream", self.communication_stream, COMMUNICATION_STREAMS)
         for tracker in filter(None, (t.strip() for t in self.report_to.split(","))):
             _choice("report_to", tracker, ("none",) + TRACKERS)
         for name in ("seq_len", "global_batch_size", "grad_accum", "steps", "nproc", "threads_per_rank",
-                     "builtin_vocab_size", "builtin_corpus_bytes", "eval_batches", "nnodes"):
+                     "builtin_vocab_size", "builtin_corpus_bytes", "eval_batches", "nnodes", "pp_microbatches"):
             _positive(name, getattr(self, name))
         for name in ("warmup_steps", "lr_decay_steps", "eval_every", "checkpoint_every", "timing_warmup_steps", "seed",
                      "profile_steps"):
@@ -258,6 +262,8 @@ class RunConfig:
             raise UserError("communication_stream cpu does not work with the nccl backend (NCCL reduces GPU "
                             "memory on the GPU stream); use auto")
         self.micro_batch_size  # raises when the global batch does not split
+        if self.strategy == "pp":
+            check_pp_microbatches(self.global_batch_size, self.grad_accum, self.pp_microbatches)
         # preset, [model] fields and seq_len checked now; and whether the strategy can split that model (the one
         # place this is checked: every RunConfig is validated when it is made, before anything is prepared)
         check_strategy(self.strategy, self.model_spec(vocab_size=None), self.world_size)

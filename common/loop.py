@@ -262,6 +262,7 @@ def final_figures(run: Run, median: float, world_size: int) -> dict:
         comm_bytes_per_step=trainer.comm_bytes_per_step() if step_times else None,
         comm_bytes_per_step_estimate=comm_bytes_per_step_estimate(
             cfg.strategy, run.spec, world_size, cfg.micro_batch_size, cfg.seq_len, cfg.grad_accum, cfg.dtype),
+        **trainer.strategy.figures(),  # pp: the bubble, measured and analytic
     )
 
 
@@ -320,7 +321,8 @@ def evaluate(trainer, view: SequenceView, cfg: RunConfig, rank: int, world_size:
     for start in range(0, len(mine), per_rank):
         loss_sum += trainer.eval_loss_sum(*view.batch(mine[start:start + per_rank]))
     tokens = view.real_target_count(indices) if count else 0
-    total = trainer.all_sum(np.array([loss_sum], dtype=np.float64))[0]
+    # over the data-parallel ranks, or (pp) every stage: the last holds the losses, the others add 0
+    total = trainer.all_sum(np.array([loss_sum], dtype=np.float64), over=trainer.strategy.loss_over)[0]
     return float(total / tokens) if tokens else float("nan")
 
 

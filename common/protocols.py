@@ -1,7 +1,7 @@
 """The interfaces between the shared loop and a framework, written as code (torchtitan's `protocols/`).
 
 A backend's `step.py` supplies a `Trainer`; the Trainer holds one `Strategy` (ddp.py `Replicated`, fsdp.py
-`Sharding`, tp.py `TensorParallel`, the same names in mlx_impl/ and torch_impl/) and asks it everything
+`Sharding`, tp.py `TensorParallel`, pp.py `Pipeline`, the same names in mlx_impl/ and torch_impl/) and asks it everything
 that differs between strategies, so a new parallelism is a new class, not a new branch in the step.
 Arrays are the framework's own (mx.array trees, torch tensors); common/ imports neither framework.
 """
@@ -21,7 +21,8 @@ def no_phase(name: str) -> ContextManager:
 
 
 class Strategy(Protocol):
-    """How the ranks share one model: replicated (ddp), sharded (fsdp) or split layer by layer (tp).
+    """How the ranks share one model: replicated (ddp), sharded (fsdp), each layer split (tp) or the layers
+    split into stages (pp).
 
     What both frameworks ask of it is below. Where the gradients are reduced differs, so each framework adds
     its own members: MLX reduces after the backward, `reduce_gradients(grads)`; torch's DDP and FSDP2 reduce
@@ -31,6 +32,19 @@ class Strategy(Protocol):
     reduce_scatter: str | None       # fsdp: "native" | "all_sum_slice" (summary.json); None otherwise
     full_state_on_every_rank: bool   # export_state's result is whole on every rank (fsdp: on rank 0 only)
     communicates: bool               # the step reduces gradients apart from the backward (a phase of its own)
+    loss_over: str                   # the ranks whose loss sums add up to the step's: "data" (the data-parallel
+                                     # ranks; under tp each holds the whole sum) or "world" (pp: the last stage
+                                     # holds it, the others contribute 0); the Trainer's all_sum(over=...)
+
+    def forward_backward(self, trainer: Any, batches, scale, phase: Phase = no_phase, wait: bool = False,
+                         **options) -> Any:
+        """The forward and backward passes of a step's micro-batches on this rank; the framework's step.py
+        says what it passes and gets back (the token losses and the accumulated gradients). ddp, fsdp and tp
+        run the micro-batches one after another (the shared default in ddp.py, `MicroSteps`); pp runs its
+        pipeline schedule (pp.py), with `backward=False` for eval (forward only)."""
+
+    def figures(self) -> dict:
+        """What the rank's status file records for this strategy beyond the common figures (pp: the bubble)."""
 
     def wrap(self, model: Any) -> Any:
         """Make a loaded full model this rank's part, in place; returns what the step runs."""

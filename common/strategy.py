@@ -6,6 +6,9 @@
           parameters, gradients and optimizer state, gathering parameters for compute.
     tp    tensor parallelism (Megatron): each layer's matrices are split over the ranks, and every rank
           reads the whole global batch, so a tp run at N ranks computes what one ddp rank computes.
+    pp    pipeline parallelism: each rank holds a contiguous run of blocks (a stage, common/pipeline.py);
+          activations flow down the stages, their gradients back up, micro-batch by micro-batch. Every
+          rank reads the whole global batch (no data parallelism beside it), like tp.
 
 The framework code for each lives in a file of the same name in mlx_impl/ and torch_impl/.
 """
@@ -16,7 +19,9 @@ from .precision import policy
 from .spec import ModelSpec
 from .weights import parameter_shapes
 
-STRATEGIES = ("ddp", "fsdp", "tp")
+STRATEGIES = ("ddp", "fsdp", "tp", "pp")
+# One replica between all the ranks: every rank reads the whole global batch, nothing is averaged.
+MODEL_PARALLEL = ("tp", "pp")
 
 # What sets axis 0 of each transformer-block parameter, for the message that says what to change.
 _AXIS0_FIELD = {"input_layernorm": "model.dim", "post_attention_layernorm": "model.dim", "q_proj": "model.dim",
@@ -28,8 +33,8 @@ _AXIS0_FIELD = {"input_layernorm": "model.dim", "post_attention_layernorm": "mod
 def data_parallel(strategy: str, rank: int, world_size: int) -> tuple[int, int]:
     """(data-parallel rank, data-parallel size): which slice of the global batch a rank reads.
 
-    TP ranks are one model replica between them, so all of them read the whole batch."""
-    if strategy == "tp":
+    TP and PP ranks are one model replica between them, so all of them read the whole batch."""
+    if strategy in MODEL_PARALLEL:
         return 0, 1
     return rank, world_size
 
@@ -40,6 +45,33 @@ def check_strategy(strategy: str, spec: ModelSpec, world_size: int) -> None:
         check_fsdp(spec, world_size)
     elif strategy == "tp":
         check_tp(spec, world_size)
+    elif strategy == "pp":
+        check_pp(spec, world_size)
+
+
+def check_pp(spec: ModelSpec, world_size: int) -> None:
+    """One stage per rank, each with at least one transformer block; untied embeddings (a tied matrix would
+    live on the first and the last stage, and its gradient would have to be summed between them)."""
+    if world_size < 2:
+        raise UserError("--strategy pp puts one pipeline stage on each rank and needs at least 2 (--nproc 2); "
+                        "use --strategy ddp for one rank")
+    if spec.n_layers < world_size:
+        raise UserError(f"--strategy pp over {world_size} stages needs at least one transformer block per stage, "
+                        f"but model.n_layers = {spec.n_layers} < {world_size}: use --nproc {spec.n_layers} or fewer, "
+                        f"or --set model.n_layers={world_size}")
+    if spec.tie_embeddings:
+        raise UserError("--strategy pp does not support tied embeddings (model.tie_embeddings = true): the "
+                        "embedding lives on the first stage and the head on the last, and their shared gradient "
+                        "is not summed between them; use --strategy ddp, fsdp or tp, or untie the embeddings")
+
+
+def check_pp_microbatches(global_batch: int, grad_accum: int, microbatches: int) -> None:
+    """Each micro-step's batch (global batch / grad accum) is cut into --pp-microbatches equal pieces."""
+    per_step = global_batch // grad_accum
+    if microbatches <= 0 or per_step % microbatches:
+        raise UserError(f"--pp-microbatches {microbatches} must divide the batch of each micro-step: global batch "
+                        f"size {global_batch} / grad accum {grad_accum} = {per_step} sequences; use a divisor "
+                        f"of {per_step}")
 
 
 def check_fsdp(spec: ModelSpec, world_size: int) -> None:
@@ -125,6 +157,9 @@ def comm_bytes_per_step_estimate(strategy: str, spec, world_size: int, micro_bat
         tp   per layer and micro-step, 2 all-reduces forward (after o_proj and down_proj) and 2 backward
              (into q/k/v's and gate/up's common input), each of the activations (B, T, dim):
                                                    4 x layers x B x T x dim x compute bytes x grad_accum
+        pp   not an all-reduce: the bytes rank 0 (the first stage) sends, the activations of the whole
+             global batch to the next stage (common/pipeline.py), in the compute dtype:
+                                                   B x grad_accum x T x dim x compute bytes
     """
     if world_size < 2:
         return 0
@@ -135,4 +170,8 @@ def comm_bytes_per_step_estimate(strategy: str, spec, world_size: int, micro_bat
         return num_parameters(spec) * DTYPE_BYTES[p.reduce_dtype]
     if strategy == "tp":
         return 4 * spec.n_layers * micro_batch_size * seq_len * spec.dim * DTYPE_BYTES[p.compute_dtype] * grad_accum
+    if strategy == "pp":
+        from .pipeline import comm_bytes_per_step as pp_bytes
+
+        return pp_bytes(micro_batch_size * grad_accum, seq_len, spec.dim, DTYPE_BYTES[p.compute_dtype])
     return None  # fsdp gathers and reduce-scatters rather than all-reduces: its own formula

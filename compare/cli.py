@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare = sub.add_parser("compare", help="run both frameworks at several world sizes and report")
     compare.add_argument("--frameworks", default="mlx,torch", help="comma list, e.g. mlx,torch")
     compare.add_argument("--nproc", default="1,2", help="comma list of world sizes, e.g. 1,2")
-    compare.add_argument("--strategies", help="comma list of ddp, fsdp, tp (default: --strategy, or ddp)")
+    compare.add_argument("--strategies", help="comma list of ddp, fsdp, tp, pp (default: --strategy, or ddp)")
     compare.add_argument("--dtypes", help="comma list of float32, bfloat16 (default: --dtype, or float32)")
     compare.add_argument("--strict", action="store_true", help="exit 3 when a parity verdict fails")
     compare.add_argument("--report-on-interrupt", action="store_true",
@@ -250,7 +250,7 @@ def cmd_diagnose(args) -> int:
     if args.step is not None and not args.from_run:
         raise UserError("--step needs --from RUN_DIR")
     base = run_config(Path(args.from_run)).to_dict() if args.from_run else None
-    cfg = config_from_args(args, base=base, framework=frameworks[0], nproc=1)
+    cfg = config_from_args(args, base=base, framework=frameworks[0], nproc=1, strategy="ddp")  # one process each
     out = Path(args.out or (Path(args.from_run) / "diagnosis" if args.from_run else "runs/diagnose"))
     try:
         result = diagnose(cfg, out, from_run=args.from_run, step=args.step, frameworks=frameworks,

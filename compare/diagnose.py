@@ -73,7 +73,8 @@ def diagnose(cfg: RunConfig | None, out_dir: Path, *, from_run: Path | None = No
     frameworks = list(frameworks)
     if len(frameworks) != 2:
         raise UserError(f"diagnose compares two frameworks, got {', '.join(frameworks)}")
-    cfg = cfg.replace(nproc=1, nnodes=1, node_rank=0, hostfile="", resume=False, out=str(out_dir))
+    # One process each, so the strategy is ddp's: fsdp, tp and pp refuse one rank (they compute the same model).
+    cfg = cfg.replace(nproc=1, nnodes=1, node_rank=0, hostfile="", resume=False, out=str(out_dir), strategy="ddp")
     inputs = inputs or prepare_inputs(cfg)
     out_dir.mkdir(parents=True, exist_ok=True)
     plan = out_dir / "diagnose_plan.json"

@@ -26,7 +26,9 @@ RUN_FLAGS = [
     ("--text-field", str, "column holding the text"),
     ("--tokenizer", str, "builtin, a tokenizer dir or hub name (gpt2), or a tokenizer.json"),
     ("--sequence", str, "packing (default) or padding"),
-    ("--strategy", str, "ddp (replicated), fsdp (sharded) or tp (tensor parallel)"),
+    ("--strategy", str, "ddp (replicated), fsdp (sharded), tp (tensor parallel) or pp (pipeline)"),
+    ("--pp-microbatches", int, "pp: micro-batches each micro-step's batch is cut into (default 4)"),
+    ("--pp-schedule", str, "pp: gpipe or 1f1b (default)"),
     ("--backend", str, "distributed backend: auto, ring, mpi, nccl (mlx); auto, gloo, nccl (torch)"),
     ("--device", str, "auto, cpu, cuda, mps, gpu"),
     ("--dtype", str, "float32, or bfloat16: mixed precision, the same policy in both frameworks on every "

@@ -9,10 +9,45 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
+from common.protocols import no_phase
+
 from .comm import CommCounter, average_gradients
 
 
-class Replicated:
+class MicroSteps:
+    """The shared default of `forward_backward` (common/protocols.py) for ddp, fsdp and tp: the micro-batches
+    one after another, each the Trainer's compiled forward and backward, the gradients accumulated lazily
+    (DDP communicates only in the update; fsdp: see fsdp.py). -> (token losses per micro-batch, gradients).
+    wait=True ends each phase in mx.eval: forward (a micro-batch's losses), backward (the rest of its
+    gradients: the compiled micro-step's graph is then evaluated in two parts, and kernels it fused across the
+    two run in forward). backward=False: eval, the token losses only."""
+
+    loss_over = "data"  # each data-parallel rank holds its part of the loss sum
+
+    def forward_backward(self, trainer, batches, scale, phase=no_phase, wait=False, backward=True):
+        if not backward:
+            return [trainer._eval_losses(*(mx.array(a) for a in batch)) for batch in batches], None
+        token_losses, grads = [], None
+        for inputs, targets, mask in batches:
+            with phase("forward"):
+                losses, micro_grads = trainer._micro_step(mx.array(inputs), mx.array(targets), mx.array(mask), scale)
+                token_losses.append(losses)
+                wait_for(wait, losses)
+            with phase("backward"):
+                grads = micro_grads if grads is None else tree_map(mx.add, grads, micro_grads)
+                wait_for(wait, grads)
+        return token_losses, grads
+
+    def figures(self) -> dict:
+        return {}
+
+
+def wait_for(wait: bool, arrays) -> None:
+    if wait:
+        mx.eval(arrays)
+
+
+class Replicated(MicroSteps):
     reduce_scatter = None
     full_state_on_every_rank = True
 

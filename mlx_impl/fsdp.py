@@ -38,7 +38,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .comm import CommCounter, average_gradients
-from .ddp import moments, sum_of_squares
+from .ddp import MicroSteps, moments, sum_of_squares
 
 NATIVE_REDUCE_SCATTER = ("nccl",)  # the mlx 0.32.4 backends that implement mx.distributed.sum_scatter
 SHARD = ".module."                 # fully_shard puts the wrapped module under `module`; HF names never hold it
@@ -69,7 +69,7 @@ def shard_model(model, group, kind: str, compute_dtype=None, stream=None) -> Non
         model.lm_head = wrap(model.lm_head)
 
 
-class Sharding:
+class Sharding(MicroSteps):
     """The fsdp strategy (common/protocols.py): which parameters a rank holds a shard of, and the
     collectives that treat them apart."""
 

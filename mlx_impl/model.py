@@ -174,6 +174,28 @@ class Llama(nn.Module):
         return self.lm_head(h)
 
 
+def token_loss_sum(model, inputs, targets, mask):
+    """(float32 sum of the masked token losses, the masked token losses): the gradients come from the
+    sum, the reported loss from the token losses (summed in float64 by `_exact_sum`)."""
+    logits = model(inputs).astype(mx.float32)
+    losses = cross_entropy(logits, targets) * mask
+    return losses.sum(), losses
+
+
+def cross_entropy(logits: mx.array, targets: mx.array) -> mx.array:
+    """Per-token cross-entropy, logsumexp(logits) - logits[target], with the logsumexp written out.
+
+    nn.losses.cross_entropy calls the LogSumExp primitive, whose gradient computes the softmax again: a
+    second exponential of every logit, and on a CPU MLX's exp is the slowest part of the step (`small`:
+    2048 x 50257 exponentials, ~1.3 s each; benchmarks/bench_ops.py). Written out, mx.compile fuses the
+    subtraction and exp into one kernel and the backward reuses the forward's exponentials (the gradient of
+    exp is its output). The max is a constant shift that cancels, so no gradient flows to it; the target
+    logit is read from `logits`, not from the shifted array, which would then have to be materialised too."""
+    peak = mx.stop_gradient(logits.max(axis=-1, keepdims=True))
+    target_logits = mx.take_along_axis(logits, targets[..., None], axis=-1).squeeze(-1)
+    return mx.log(mx.exp(logits - peak).sum(axis=-1)) + peak.squeeze(-1) - target_logits
+
+
 def load_weights(model: Llama, weights: dict[str, np.ndarray]) -> None:
     """Set every parameter from an HF-named dict; raises on a missing, extra or misshapen tensor."""
     if model.spec.tie_embeddings:

@@ -33,34 +33,13 @@ from common.protocols import no_phase
 from .comm import CommCounter, communication_stream
 from .ddp import Replicated, clip_by_norm, state_bytes
 from .fsdp import Sharding
-from .model import Llama, load_weights, weights_of
+from .model import Llama, cross_entropy, load_weights, token_loss_sum, weights_of  # noqa: F401 (benchmarks, tests)
+from .pp import Pipeline
 from .tp import TensorParallel
 from .trace import Tracer
 
 FRAMEWORK = "mlx"
-STRATEGIES = {"ddp": Replicated, "fsdp": Sharding, "tp": TensorParallel}
-
-
-def token_loss_sum(model, inputs, targets, mask):
-    """(float32 sum of the masked token losses, the masked token losses): the gradients come from the
-    sum, the reported loss from the token losses (summed in float64 by `_exact_sum`)."""
-    logits = model(inputs).astype(mx.float32)
-    losses = cross_entropy(logits, targets) * mask
-    return losses.sum(), losses
-
-
-def cross_entropy(logits: mx.array, targets: mx.array) -> mx.array:
-    """Per-token cross-entropy, logsumexp(logits) - logits[target], with the logsumexp written out.
-
-    nn.losses.cross_entropy calls the LogSumExp primitive, whose gradient computes the softmax again: a
-    second exponential of every logit, and on a CPU MLX's exp is the slowest part of the step (`small`:
-    2048 x 50257 exponentials, ~1.3 s each; benchmarks/bench_ops.py). Written out, mx.compile fuses the
-    subtraction and exp into one kernel and the backward reuses the forward's exponentials (the gradient of
-    exp is its output). The max is a constant shift that cancels, so no gradient flows to it; the target
-    logit is read from `logits`, not from the shifted array, which would then have to be materialised too."""
-    peak = mx.stop_gradient(logits.max(axis=-1, keepdims=True))
-    target_logits = mx.take_along_axis(logits, targets[..., None], axis=-1).squeeze(-1)
-    return mx.log(mx.exp(logits - peak).sum(axis=-1)) + peak.squeeze(-1) - target_logits
+STRATEGIES = {"ddp": Replicated, "fsdp": Sharding, "tp": TensorParallel, "pp": Pipeline}
 
 
 def strategy_for(cfg, world, comm: CommCounter, stream=None):
@@ -128,16 +107,8 @@ class Trainer:
         byte counts of comm_bytes_per_step; under fsdp the shards' reduce-scatter is in backward), optimizer."""
         # scale = N / T (N data-parallel ranks): after averaging, the gradient is that of (sum of losses) / T.
         scale = mx.array(self.dp_size / global_tokens, dtype=mx.float32)
-        token_losses, grads = [], None
-        for inputs, targets, mask in batches:
-            with phase("forward"):
-                losses, micro_grads = self._micro_step(mx.array(inputs), mx.array(targets), mx.array(mask), scale)
-                token_losses.append(losses)
-                _wait_for(wait, losses)
-            with phase("backward"):
-                # accumulate lazily; DDP communicates only in `update` (FSDP: see fsdp.py)
-                grads = micro_grads if grads is None else tree_map(mx.add, grads, micro_grads)
-                _wait_for(wait, grads)
+        # The micro-batches' forward and backward: one after another (ddp.py's MicroSteps), or pp's schedule.
+        token_losses, grads = self.strategy.forward_backward(self, batches, scale, phase, wait)
         update_syncs = sync
         if wait and sync and self.strategy.communicates:
             with phase("communication"):
@@ -149,11 +120,13 @@ class Trainer:
             grad_norm = self._update[update_syncs](grads)
             mx.eval(grad_norm, token_losses, self.model.state, self.optimizer.state)  # the step is done when timed
         local = np.array([_exact_sum(token_losses)])
-        loss_sum = (self.all_sum(local) if sync else local)[0]
+        loss_sum = (self.all_sum(local, over=self.strategy.loss_over) if sync else local)[0]
         return float(loss_sum / global_tokens), grad_norm.item()
 
     def eval_loss_sum(self, inputs, targets, mask):
-        return _exact_sum([self._eval_losses(mx.array(inputs), mx.array(targets), mx.array(mask))])
+        """This rank's part of the sum (under pp: the last stage's, 0 elsewhere; strategy.loss_over)."""
+        token_losses, _ = self.strategy.forward_backward(self, [(inputs, targets, mask)], None, backward=False)
+        return _exact_sum(token_losses)
 
     def all_sum(self, values, over="data"):
         """Sum over the data-parallel ranks (under tp: this rank alone, which holds the whole sum), or
@@ -196,11 +169,6 @@ class Trainer:
         """Bytes given to all-reduce by one step's micro-steps and update (scalars left out)."""
         calls = self.comm.per_call
         return calls.get("micro_step", 0) * self.grad_accum + calls.get("update", 0)
-
-
-def _wait_for(wait: bool, arrays) -> None:
-    if wait:
-        mx.eval(arrays)
 
 
 def _set_path(tree, path, value):

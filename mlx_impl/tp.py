@@ -23,11 +23,11 @@ from mlx.utils import tree_flatten, tree_unflatten
 from common.strategy import tp_shard, tp_split_axis
 
 from .comm import CommCounter
-from .ddp import moments, sum_of_squares
+from .ddp import MicroSteps, moments, sum_of_squares
 from .model import RMSNorm
 
 
-class TensorParallel:
+class TensorParallel(MicroSteps):
     """The tp strategy (common/protocols.py): one model's split over the group, and what the Trainer needs to
     train and checkpoint it. The data-parallel size is 1, so no gradient is averaged."""
 

@@ -11,10 +11,47 @@ import contextlib
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .model import weights_of
+from common.protocols import no_phase
+
+from .model import token_loss_sum, weights_of
 
 
-class Replicated:
+class MicroSteps:
+    """The shared default of `forward_backward` (common/protocols.py) for ddp, fsdp and tp: the micro-batches
+    one after another -> the float64 sum of this rank's token losses. sync=False runs the bare model, whose
+    gradient hooks never sync (time breakdown only); DDP and FSDP communicate only on the micro-step that ends
+    the optimizer step (the bare model has no hooks apart from the wrapper's, unless the strategy wraps in
+    place: fsdp). `counter` counts the first step's collectives. backward=False: eval, the loss sum only."""
+
+    loss_over = "data"  # each data-parallel rank holds its part of the loss sum
+
+    def forward_backward(self, trainer, batches, scale, phase=no_phase, wait=False, sync=True,
+                         counter=None, backward=True):
+        loss_sum = torch.zeros((), dtype=torch.float64, device=trainer.device)
+        if not backward:
+            for batch in batches:
+                loss_sum += token_loss_sum(trainer.model, *trainer.to_device(*batch))
+            return loss_sum
+        model = trainer.wrapped if sync else trainer.model
+        counter = counter or contextlib.nullcontext()
+        for i, (inputs, targets, mask) in enumerate(batches):
+            last = i == len(batches) - 1
+            deferred = contextlib.nullcontext() if last or model is not trainer.wrapped else self.no_sync()
+            with deferred, counter:
+                with phase("forward"):
+                    micro = token_loss_sum(model, *trainer.to_device(inputs, targets, mask))
+                    trainer.wait(wait)
+                with phase("backward"):
+                    (micro * scale).backward()
+                    trainer.wait(wait)
+            loss_sum += micro.detach()
+        return loss_sum
+
+    def figures(self) -> dict:
+        return {}
+
+
+class Replicated(MicroSteps):
     reduce_scatter = None
     full_state_on_every_rank = True
     communicates = False  # inside the backward (DDP's hooks), not a phase of its own

@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from .ddp import FixedCount, sum_of_squares
+from .ddp import FixedCount, MicroSteps, sum_of_squares
 
 
 def reduce_scatter_kind(backend: str) -> str:
@@ -45,7 +45,7 @@ def shard_model(model, device: torch.device, backend: str) -> None:
                 module.set_force_sum_reduction_for_comms(True)
 
 
-class Sharding:
+class Sharding(MicroSteps):
     """The fsdp strategy (common/protocols.py): deferred gradient sync, the global norm, full and local state."""
 
     full_state_on_every_rank = False  # rank 0 gathers the state, the checkpoint's one writer

@@ -160,6 +160,21 @@ class Llama(nn.Module):
         return self.lm_head(h)
 
 
+def token_loss_sum(model, inputs, targets, mask):
+    """The sum of the masked token losses, in float64: a float32 sum of thousands of losses is off by
+    ~1e-6 of the mean, as much as a real difference between world sizes. The gradients do not change:
+    the float64 part only sums, and its gradient is cast back to float32 exactly."""
+    losses = cross_entropy(model(inputs).float(), targets)
+    wide = torch.float32 if losses.device.type == "mps" else torch.float64  # MPS has no float64
+    return (losses.to(wide) * mask.reshape(-1)).sum()
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-token cross-entropy, flattened. torch's log-softmax kernels are fused and vectorised already;
+    mlx_impl/step.py writes its cross_entropy out so MLX's compiler can fuse it (and skip an exp pass)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
+
+
 def load_weights(model: Llama, weights: dict[str, np.ndarray]) -> None:
     """Set every parameter from an HF-named dict; raises on a missing, extra or misshapen tensor."""
     if model.spec.tie_embeddings:

@@ -21,34 +21,19 @@ import contextlib
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from common.protocols import no_phase
 
 from .comm import communication_stream
 from .ddp import Replicated, clip_by_norm, state_bytes
 from .fsdp import Sharding
-from .model import Llama, load_weights
+from .model import Llama, cross_entropy, load_weights, token_loss_sum  # noqa: F401 (diagnose, tests)
+from .pp import Pipeline
 from .tp import TensorParallel
 from .trace import Tracer
 
 FRAMEWORK = "torch"
-STRATEGIES = {"ddp": Replicated, "fsdp": Sharding, "tp": TensorParallel}
-
-
-def token_loss_sum(model, inputs, targets, mask):
-    """The sum of the masked token losses, in float64: a float32 sum of thousands of losses is off by
-    ~1e-6 of the mean, as much as a real difference between world sizes. The gradients do not change:
-    the float64 part only sums, and its gradient is cast back to float32 exactly."""
-    losses = cross_entropy(model(inputs).float(), targets)
-    wide = torch.float32 if losses.device.type == "mps" else torch.float64  # MPS has no float64
-    return (losses.to(wide) * mask.reshape(-1)).sum()
-
-
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Per-token cross-entropy, flattened. torch's log-softmax kernels are fused and vectorised already;
-    mlx_impl/step.py writes its cross_entropy out so MLX's compiler can fuse it (and skip an exp pass)."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
+STRATEGIES = {"ddp": Replicated, "fsdp": Sharding, "tp": TensorParallel, "pp": Pipeline}
 
 
 def strategy_for(cfg, world, device: torch.device):
@@ -84,30 +69,17 @@ class Trainer:
         weights part ways). `phase(name)` wraps each phase (common/protocols.py); wait=True ends each in a
         device sync: forward and backward per micro-batch, optimizer. DDP and FSDP sync the gradients inside
         the backward (their hooks), so there is no communication phase; the profiler shows it there."""
-        model = self.wrapped if sync else self.model
         scale = self.dp_size / global_tokens
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         counter = self.strategy.comm_counter() if self.comm_bytes is None else contextlib.nullcontext()
-        for i, (inputs, targets, mask) in enumerate(batches):
-            # Communicate only on the micro-step that ends the optimizer step (the bare model has no hooks
-            # apart from the wrapper's, unless the strategy wraps in place: fsdp).
-            last = i == len(batches) - 1
-            deferred = contextlib.nullcontext() if last or model is not self.wrapped else self.strategy.no_sync()
-            with deferred, counter:
-                with phase("forward"):
-                    micro = token_loss_sum(model, *self._to_device(inputs, targets, mask))
-                    self._wait(wait)
-                with phase("backward"):
-                    (micro * scale).backward()
-                    self._wait(wait)
-            loss_sum += micro.detach()
+        # The micro-batches' forward and backward: one after another (ddp.py's MicroSteps), or pp's schedule.
+        loss_sum = self.strategy.forward_backward(self, batches, scale, phase, wait, sync=sync, counter=counter)
         if self.comm_bytes is None:
             self.comm_bytes = counter.bytes
         with phase("optimizer"):
             grad_norm = self._update(lr)
-            self._wait(wait)
-        if self.dp_size > 1 and sync:
-            dist.all_reduce(loss_sum)
+            self.wait(wait)
+        if sync and (self.dp_size if self.strategy.loss_over == "data" else self.world_size) > 1:
+            dist.all_reduce(loss_sum)  # pp: the last stage holds the sum, the others add 0
         loss = (loss_sum / global_tokens).item()  # .item() waits for the device: the step is done
         return loss, grad_norm.item()
 
@@ -126,7 +98,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=not self.strategy.keeps_grads)
         return grad_norm
 
-    def _wait(self, wait=True):
+    def wait(self, wait=True):
         if not wait:
             return
         if self.device.type == "cuda":
@@ -136,7 +108,8 @@ class Trainer:
 
     @torch.no_grad()
     def eval_loss_sum(self, inputs, targets, mask):
-        return token_loss_sum(self.model, *self._to_device(inputs, targets, mask)).item()
+        """This rank's part of the sum (under pp: the last stage's, 0 elsewhere; strategy.loss_over)."""
+        return self.strategy.forward_backward(self, [(inputs, targets, mask)], None, backward=False).item()
 
     def all_sum(self, values, over="data"):
         """Sum over the data-parallel ranks (under tp: this rank alone, which holds the whole sum), or
@@ -181,7 +154,7 @@ class Trainer:
         """Bytes given to all-reduce by one step's forward and backward passes (scalars left out)."""
         return self.comm_bytes
 
-    def _to_device(self, inputs, targets, mask):
+    def to_device(self, inputs, targets, mask):
         return (torch.from_numpy(inputs).long().to(self.device), torch.from_numpy(targets).long().to(self.device),
                 torch.from_numpy(mask).to(self.device))
 

@@ -26,10 +26,10 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                parallelize_module)
 
 from .comm import CommCounter
-from .ddp import sum_of_squares
+from .ddp import MicroSteps, sum_of_squares
 
 
-class TensorParallel:
+class TensorParallel(MicroSteps):
     """The tp strategy (common/protocols.py): one model's split over every rank, and what the Trainer needs
     to train and checkpoint it. The data-parallel size is 1, so no gradient is averaged."""
 

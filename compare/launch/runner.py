@@ -236,6 +236,13 @@ def summarize(cfg: RunConfig, run_dir: Path, argv: list[str], blas: str, wall_s:
     }
     if link is not None:  # the path the ranks talked over, and their own all-reduce on it (common/fabric.py)
         summary["link"] = {**link, "allreduce": rank0.get("allreduce")}
+    if "pp_bubble_analytic" in rank0:  # pp (common/pipeline.py): each stage's idle fraction and what it held
+        summary["pipeline"] = {
+            "schedule": rank0.get("pp_schedule"), "microbatches": rank0.get("pp_microbatches"),
+            "bubble": [ranks.get(r, {}).get("pp_bubble") for r in range(world)],
+            "bubble_analytic": rank0.get("pp_bubble_analytic"),
+            "layers": [ranks.get(r, {}).get("pp_layers") for r in range(world)],
+            "comm_bytes_per_step": [ranks.get(r, {}).get("comm_bytes_per_step") for r in range(world)]}
     if device_note(cfg):
         summary["device_note"] = device_note(cfg)
     if cfg.nnodes > 1:

@@ -50,6 +50,7 @@ def run_row(run: RunData, parity: dict, peaks: "PeakFinder") -> dict:
         "comm_bytes_per_step_estimate": s.get("comm_bytes_per_step_estimate"),
         "reduce_scatter": s.get("reduce_scatter"),
         "link": s.get("link"),  # the path the ranks talked over, emulated or loopback (docs/links.md)
+        "pipeline": s.get("pipeline"),  # pp: schedule, micro-batches, each stage's bubble and layers
         "breakdown": s.get("breakdown"),
         # The cost model's step for this run, from the N=1 run (compare/plan.py).
         "prediction": s.get("prediction"),
@@ -115,7 +116,7 @@ def speed_table(rows: list[dict]) -> list[dict]:
         return next((r for r in done if all(r.get(k) == v for k, v in want.items())), None)
 
     for n in sorted({r["world_size"] for r in done}):
-        for strategy in ("ddp", "fsdp", "tp"):
+        for strategy in ("ddp", "fsdp", "tp", "pp"):
             for dtype in dict.fromkeys(r["dtype"] for r in done):
                 at = {}
                 for r in done:

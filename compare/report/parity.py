@@ -276,7 +276,7 @@ def judge(runs: list[RunData], tol: Tolerances) -> dict:
             "skipped": skipped, **pairs}
 
 
-STRATEGY_ORDER = {"ddp": 0, "fsdp": 1, "tp": 2}
+STRATEGY_ORDER = {"ddp": 0, "fsdp": 1, "tp": 2, "pp": 3}
 
 
 def find_pairs(runs: list[RunData], kind: str) -> list[tuple[RunData, RunData]]:
@@ -296,8 +296,8 @@ def find_pairs(runs: list[RunData], kind: str) -> list[tuple[RunData, RunData]]:
         elif kind == "strategy" and a.strategy == "fsdp":
             ref = first(framework=a.framework, strategy="ddp", dtype=a.dtype, world_size=a.world_size)
             found += [(a, ref)] if ref else []
-        elif kind == "strategy" and a.strategy == "tp":
-            # A tp job is one model replica: it must compute what one ddp rank computes.
+        elif kind == "strategy" and a.strategy in ("tp", "pp"):
+            # A tp or pp job is one model replica: it must compute what one ddp rank computes.
             ref = (first(framework=a.framework, strategy="ddp", dtype=a.dtype, world_size=1) or
                    first(framework=a.framework, strategy="ddp", dtype=a.dtype, world_size=a.world_size))
             found += [(a, ref)] if ref else []

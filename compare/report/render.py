@@ -298,16 +298,28 @@ def memory_blocks(rows: list[dict]) -> list[tuple]:
     blocks = [("h2", "Memory per rank"),
               ("p", "Parameters, gradients and optimizer state are the bytes of the arrays each rank holds after "
                     "its last step (counted from the arrays themselves); ddp replicates all three, fsdp keeps "
-                    "1/N of the sharded ones, tp 1/N of the split layers. The framework peak and the process "
+                    "1/N of the sharded ones, tp 1/N of the split layers, pp its stage's layers. The framework peak and the process "
                     "peak RSS add activations, buffers and the runtime."),
               ("table", ("run", "rank", "params MB", "grads MB", "optimizer MB", "state MB", "framework peak MB",
                          "peak RSS MB"), table)]
     comm = [r for r in rows if r.get("comm_bytes_per_step")]
     if comm:
-        blocks.append(("ul", [f"{r['label']}: {fmt(r['comm_bytes_per_step'] / 1e6, ',.2f')} MB all-reduced per step "
-                              "per rank, measured" + (f"; {fmt(r['comm_bytes_per_step_estimate'] / 1e6, ',.2f')} MB "
-                              "estimated from the shapes" if r.get("comm_bytes_per_step_estimate") else "")
+        blocks.append(("ul", [f"{r['label']}: {fmt(r['comm_bytes_per_step'] / 1e6, ',.2f')} MB "
+                              + ("sent to the next or previous stage" if r.get("pipeline") else "all-reduced")
+                              + " per step per rank, measured"
+                              + (f"; {fmt(r['comm_bytes_per_step_estimate'] / 1e6, ',.2f')} MB "
+                                 "estimated from the shapes" if r.get("comm_bytes_per_step_estimate") else "")
                               for r in comm]))
+    pipes = [r for r in rows if r.get("pipeline")]
+    if pipes:
+        blocks.append(("ul", [
+            f"{r['label']}: {r['pipeline']['schedule']}, {r['pipeline']['microbatches']} micro-batches; pipeline "
+            "bubble (each stage's idle fraction of a step) "
+            + ", ".join(f"stage {s} (layers {lay[0]}-{lay[1] - 1}) {fmt(100 * b, '.0f')}%" if b is not None and lay
+                        else f"stage {s} -" for s, (b, lay) in enumerate(zip(r["pipeline"]["bubble"],
+                                                                             r["pipeline"]["layers"])))
+            + f" measured; {fmt(100 * r['pipeline']['bubble_analytic'], '.0f')}% analytic, (p - 1) / (M + p - 1)"
+            for r in pipes]))
     notes = [f"{r['label']}: reduce-scatter {r['reduce_scatter']}" for r in rows if r.get("reduce_scatter")]
     if notes:
         blocks.append(("ul", notes))

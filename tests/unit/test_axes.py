@@ -46,6 +46,15 @@ def test_tp_is_judged_against_one_rank_ddp_because_its_ranks_are_one_replica(tmp
     assert [(p["a"], p["b"]) for p in result["dp_invariance"]] == [("torch x2", "torch x1")]
 
 
+def test_pp_is_judged_against_one_rank_ddp_and_mlx_pp_against_torch_pp(tmp_path):
+    runs = [make_run(tmp_path, "mlx", 1), make_run(tmp_path, "torch", 1),
+            make_run(tmp_path, "mlx", 2, config={"strategy": "pp"}, name="mlx-pp-n2"),
+            make_run(tmp_path, "torch", 2, config={"strategy": "pp"}, name="torch-pp-n2")]
+    result = judged(*runs)
+    assert sorted((p["a"], p["b"]) for p in result["strategy"]) == [("mlx pp x2", "mlx x1"), ("torch pp x2", "torch x1")]
+    assert ("mlx pp x2", "torch pp x2") in [(p["a"], p["b"]) for p in result["cross_framework"]]
+
+
 def test_bf16_pairs_are_judged_relative_to_the_loss_where_fp32_tolerances_would_fail(tmp_path):
     bf16 = {"dtype": "bfloat16"}
     a = make_run(tmp_path, "mlx", 1, config=bf16, name="mlx-bf16-n1")

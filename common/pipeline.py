@@ -1,0 +1,110 @@
+"""Pipeline parallelism (--strategy pp), framework-neutral: which blocks each stage holds, the order in which a
+stage runs its micro-batches and talks to its neighbours, and the analytic bubble.
+
+One stage per rank. Blocks are split contiguously and as evenly as possible (the first stages take one more
+block when N does not divide the layer count); the embedding is on the first stage, the final norm and the
+head on the last. A step's batch (each of its --grad-accum micro-steps) is cut into --pp-microbatches M
+pieces that flow through the stages:
+
+    gpipe  every forward, then every backward (fill, drain): each stage keeps M micro-batches' activations;
+           the last stage runs each backward right after its forward (nothing waits for it there) and sends
+           the gradients up as soon as the last activation has arrived, while it runs the last micro-batch
+           (torch's ScheduleGPipe runs all the last stage's forwards first; the bubble is the same)
+    1f1b   after p - s - 1 warm-up forwards, stage s alternates one forward and one backward, so it keeps
+           at most p - s micro-batches' activations; the same bubble as gpipe
+
+Both leave each stage idle for a fraction (p - 1) / (M + p - 1) of the step when a forward and a backward
+take the same time on every stage ("the bubble"). mlx_impl/pp.py runs `stage_ops` literally with blocking
+send/recv; torch_impl/pp.py runs torch.distributed.pipelining's ScheduleGPipe / Schedule1F1B, which post
+their sends and receives as batched non-blocking operations.
+
+The operations of `stage_ops` are deadlock-free even if every send waited for its receive (a rendezvous),
+which a blocking send over a socket does once the message outgrows the socket buffers: in 1f1b's steady
+state a stage would otherwise send an activation downstream while its neighbour sends a gradient upstream,
+each waiting for the other's receive. `stage_ops` lets the activation go first (the stage below receives it
+before it sends its gradient); tests/unit/test_pp.py simulates every schedule up to 8 stages and 16
+micro-batches under rendezvous semantics.
+"""
+from __future__ import annotations
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+def stage_layers(n_layers: int, n_stages: int, stage: int) -> range:
+    """The transformer blocks of `stage`: contiguous, the first n_layers % n_stages stages one block more."""
+    base, extra = divmod(n_layers, n_stages)
+    start = stage * base + min(stage, extra)
+    return range(start, start + base + (stage < extra))
+
+
+def stage_of(name: str, n_layers: int, n_stages: int) -> int:
+    """The stage that holds an HF-named parameter."""
+    if name.startswith("model.embed_tokens."):
+        return 0
+    if name.startswith("model.layers."):
+        layer = int(name.split(".")[2])
+        return next(s for s in range(n_stages) if layer in stage_layers(n_layers, n_stages, s))
+    return n_stages - 1  # model.norm, lm_head
+
+
+def compute_order(schedule: str, stage: int, n_stages: int, n_micro: int) -> list[tuple[str, int]]:
+    """("F", i) and ("B", i) in the order `stage` runs them."""
+    if schedule == "gpipe" and stage < n_stages - 1:
+        return [("F", i) for i in range(n_micro)] + [("B", i) for i in range(n_micro)]
+    if schedule == "gpipe":  # the last stage: each backward right after its forward, the gradient sent at once
+        return [(kind, i) for i in range(n_micro) for kind in ("F", "B")]
+    if schedule != "1f1b":
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; allowed: {', '.join(SCHEDULES)}")
+    warm = min(n_stages - stage - 1, n_micro)
+    order = [("F", i) for i in range(warm)]
+    for i in range(n_micro - warm):
+        order += [("F", warm + i), ("B", i)]
+    return order + [("B", i) for i in range(n_micro - warm, n_micro)]
+
+
+def stage_ops(schedule: str, stage: int, n_stages: int, n_micro: int) -> list[tuple]:
+    """The stage's computations and point-to-point operations, in order:
+
+        ("recv_act", i, src)  ("F", i)  ("send_act", i, dst)  ("recv_grad", i, src)  ("B", i)  ("send_grad", i, dst)
+
+    A gradient sent upstream right before an activation is received from upstream is sent after it instead
+    (see the module docstring: otherwise 1f1b deadlocks under blocking sends)."""
+    first, last = stage == 0, stage == n_stages - 1
+    if schedule == "gpipe" and last:
+        # Each backward right after its forward; the gradients wait for the last activation (the stage above
+        # sends every activation before it receives any gradient), then go up while the last micro-batch runs.
+        ops = []
+        for i in range(n_micro):
+            ops.append(("recv_act", i, stage - 1))
+            if i == n_micro - 1:
+                ops += [("send_grad", j, stage - 1) for j in range(n_micro - 1)]
+            ops += [("F", i), ("B", i)]
+        return ops + [("send_grad", n_micro - 1, stage - 1)]
+    ops: list[tuple] = []
+    for kind, i in compute_order(schedule, stage, n_stages, n_micro):
+        if kind == "F":
+            ops += ([] if first else [("recv_act", i, stage - 1)]) + [("F", i)]
+            ops += [] if last else [("send_act", i, stage + 1)]
+        else:
+            ops += ([] if last else [("recv_grad", i, stage + 1)]) + [("B", i)]
+            ops += [] if first else [("send_grad", i, stage - 1)]
+    ordered, k = [], 0
+    while k < len(ops):
+        if k + 1 < len(ops) and ops[k][0] == "send_grad" and ops[k + 1][0] == "recv_act":
+            ordered += [ops[k + 1], ops[k]]
+            k += 2
+        else:
+            ordered.append(ops[k])
+            k += 1
+    return ordered
+
+
+def bubble_fraction(n_stages: int, n_micro: int) -> float:
+    """The analytic idle fraction of a stage, (p - 1) / (M + p - 1), for gpipe and 1f1b alike."""
+    return (n_stages - 1) / (n_micro + n_stages - 1)
+
+
+def comm_bytes_per_step(global_batch: int, seq_len: int, dim: int, dtype_bytes: int = 4) -> int:
+    """Bytes one stage boundary carries each way per optimizer step: the activations (B, T, dim) of the whole
+    global batch go down, their gradients come back up. An end stage sends this once, a middle stage twice."""
+    return global_batch * seq_len * dim * dtype_bytes

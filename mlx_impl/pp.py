@@ -1,0 +1,294 @@
+"""Pipeline parallelism in MLX, written out with `mx.distributed.send` / `recv`: one stage per rank.
+
+The split and the schedules are common/pipeline.py's: a stage holds a contiguous run of blocks (the first also
+the embedding, the last the final norm and the head) and runs `stage_ops`, one operation at a time:
+
+    recv_act / send_act    the activations (micro-batch, T, dim) in the compute dtype, down the stages
+    recv_grad / send_grad  their gradients, back up
+    F / B                  a micro-batch's forward / backward on this stage
+
+Each send and receive is evaluated on its own, in order (mx.eval of a list of independent receives ran them in
+reverse and mixed micro-batches up: /work/shared/FACTS.md). MLX keeps no autograd tape, so a stage's backward
+is `mx.vjp` of its forward. To avoid running that forward twice, a stage other than the last builds the vjp at
+the forward, with the gradient's receive as its cotangent: MLX is lazy, so the receive does not run until it is
+evaluated at its own place in the schedule (recv_grad), and evaluating the stage's output (to send it) runs the
+forward alone. The forward's intermediates stay alive for the backward graph until B evaluates it, as
+activations do in torch (gpipe keeps M micro-batches' worth, 1f1b at most p - s). Measured on a 4-layer dim-256
+model at p = 2: 1.1-1.4x the tokens/s of recomputing the forward in B, and stage 1's idle time fell from 42-49 %
+to 23-36 %. The last stage computes its loss and the gradients in one compiled `mx.vjp` at the forward. Eval
+runs the compiled forward only, each batch as one piece.
+
+Exact loss: the last stage holds the masked token losses of the whole batch, the others none, so the Trainer
+sums the loss over the world (`loss_over`). Gradients are those of (sum of token losses) x scale, scale =
+1 / global tokens, as under ddp at one rank (nothing is averaged: the data-parallel size is 1). The global
+norm adds each stage's sum of squares over the ranks (every parameter lives on exactly one stage; tied
+embeddings are refused before the run starts, common/strategy.py). Checkpoints are whole HF-named files: the
+stages' parameters keep their HF names (blocks of other stages are empty placeholders in the layer list), and
+export_state sums the stages' dicts (zeros where a stage holds nothing) so every rank has the whole state.
+
+The bubble: every training step runs between two barriers (a one-element all_sum), so all stages see the same
+window; the time a stage spends outside its own forward and backward computations inside that window, over
+the window, is its measured idle fraction, reported beside (p - 1) / (M + p - 1). Mirrors torch_impl/pp.py.
+"""
+from __future__ import annotations
+
+import time
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
+
+from common.pipeline import bubble_fraction, stage_layers, stage_of, stage_ops
+from common.protocols import no_phase
+
+from .comm import CommCounter
+from .ddp import moments, sum_of_squares, wait_for
+from .model import cross_entropy
+
+
+class Pipeline:
+    """The pp strategy (common/protocols.py): this rank's stage, its schedule, and the state across stages."""
+
+    reduce_scatter = None
+    full_state_on_every_rank = True  # export_state sums the stages' parts on every rank
+    communicates = False             # no gradient is averaged; activations move inside forward_backward
+    loss_over = "world"              # the last stage holds the loss sum
+
+    def __init__(self, cfg, world, comm: CommCounter, stream=None):
+        self.group, self.comm, self.stream = world.group, comm, stream
+        self.stage, self.n_stages = self.group.rank(), self.group.size()
+        self.first, self.last = self.stage == 0, self.stage == self.n_stages - 1
+        self.n_micro, self.schedule = cfg.pp_microbatches, cfg.pp_schedule
+        self.ops = stage_ops(self.schedule, self.stage, self.n_stages, self.n_micro)
+        self.idle: list[float] = []  # per training step: this stage's measured idle fraction
+
+    def wrap(self, model):
+        """Keep this stage's part of a loaded full model, in place; the names stay HF's."""
+        spec, inner = model.spec, model.model
+        self.n_layers, self.layers = spec.n_layers, stage_layers(spec.n_layers, self.n_stages, self.stage)
+        inner.layers = [layer if i in self.layers else nn.Module() for i, layer in enumerate(inner.layers)]
+        if not self.first:
+            inner.pop("embed_tokens")
+        if not self.last:
+            inner.pop("norm")
+            if "lm_head" in model:
+                model.pop("lm_head")
+        self.model, self.dtype, self.dim = model, inner.compute_dtype, spec.dim
+        self.keys = [k for k, _ in tree_flatten(model.trainable_parameters())]
+        # Compiled like the Trainer's micro-step: the parameters are inputs (set into the model while tracing,
+        # put back after each call), so one trace serves every call of the same shapes.
+        self._compiled_vjp, self._compiled_forward = mx.compile(self._stage_vjp), mx.compile(self._stage_forward)
+        mx.eval(model.parameters())
+        return model
+
+    # ---- the schedule ---------------------------------------------------------------------------------------
+    def forward_backward(self, trainer, batches, scale, phase=no_phase, wait=False, backward=True):
+        """-> (the token losses of every micro-batch on the last stage, [] elsewhere; this stage's gradients
+        of (sum of token losses) x scale, or None when backward=False, eval)."""
+        if backward:
+            self._barrier()
+        start, busy, sent = time.perf_counter(), 0.0, 0
+        token_losses, grads = [], None
+        for inputs, targets, mask in batches:
+            losses, flush_grads, seconds, nbytes = self._flush(inputs, targets, mask, scale, phase, backward)
+            token_losses += losses
+            busy, sent = busy + seconds, sent + nbytes
+            if flush_grads is not None:
+                grads = flush_grads if grads is None else tree_map(mx.add, grads, flush_grads)
+        if backward:
+            self._barrier()
+            window = time.perf_counter() - start
+            if not wait:  # the time breakdown's instrumented steps wait after every phase: not a bubble
+                self.idle.append(max(0.0, 1.0 - busy / window) if window > 0 else 0.0)
+            self.comm.per_call.setdefault("micro_step", sent // len(batches))  # bytes this stage sends per flush
+            wait_for(wait, grads)
+        return token_losses, grads
+
+    def _flush(self, inputs, targets, mask, scale, phase, backward):
+        """One pass of the schedule over one micro-step's batch, cut into M micro-batches; eval (forward only)
+        takes the batch as one piece, whatever its size (the last eval batch may be short)."""
+        pieces = self.n_micro if backward else 1
+        xs, ys, ms = (np.split(np.asarray(a), pieces) for a in (inputs, targets, mask))
+        shape = (xs[0].shape[0], xs[0].shape[1], self.dim)
+        acts, cots, outputs, dx, losses, grads = {}, {}, {}, {}, {}, None
+        busy, sent = 0.0, 0
+        ops = self.ops if backward else [op for op in stage_ops(self.schedule, self.stage, self.n_stages, 1)
+                                         if op[0] in ("recv_act", "F", "send_act")]
+        for op in ops:
+            kind, i = op[0], op[1]
+            if kind == "recv_act":
+                acts[i] = self._recv(shape, op[2])
+            elif kind == "recv_grad":
+                mx.eval(cots[i][0])  # the receive created with the forward's vjp, run now, in its place
+            elif kind in ("send_act", "send_grad"):
+                out = outputs.pop(i) if kind == "send_act" else dx.pop(i)
+                sent += out.nbytes
+                self._send(out, op[2])
+            elif kind == "F":
+                t0 = time.perf_counter()
+                with phase("forward"):
+                    x = mx.array(xs[i]) if self.first else acts.pop(i)
+                    if not self.last and backward:
+                        # The backward's graph is built now, on a receive not yet run (MLX is lazy): the
+                        # forward's intermediates stay for it, so B recomputes nothing (see the docstring).
+                        cot = mx.distributed.recv(shape, self.dtype, self.stage + 1, group=self.group,
+                                                  stream=self.stream)
+                        outputs[i], vjps = self._lazy_vjp(x, cot)
+                        cots[i] = (cot, vjps)
+                        mx.eval(outputs[i])  # the forward only: nothing in it reads the receive
+                    elif not self.last:
+                        outputs[i] = self._run_forward(x)
+                        mx.eval(outputs[i])
+                    elif not backward:  # eval
+                        losses[i] = self._losses(self._forward(x), mx.array(ys[i]), mx.array(ms[i]))
+                        mx.eval(losses[i])
+                    else:  # the last stage: the loss and every gradient at once
+                        losses[i], g, dx_i = self._vjp(x, None, mx.array(ys[i]), mx.array(ms[i]))
+                        grads = self._accumulate(grads, g, scale)
+                        if dx_i is not None:
+                            dx[i] = dx_i
+                        mx.eval(losses[i], grads, *([] if dx_i is None else [dx_i]))
+                busy += time.perf_counter() - t0
+            elif not self.last:  # "B"; on the last stage it was done at the forward
+                t0 = time.perf_counter()
+                with phase("backward"):
+                    _, vjps = cots.pop(i)
+                    n = len(self.keys)
+                    g = tree_unflatten(list(zip(self.keys, vjps[:n])))
+                    dx_i = None if self.first else vjps[n]
+                    grads = self._accumulate(grads, g, scale)
+                    if dx_i is not None:
+                        dx[i] = dx_i
+                    mx.eval(grads, *([] if dx_i is None else [dx_i]))
+                busy += time.perf_counter() - t0
+        return [losses[i] for i in sorted(losses)], grads, busy, sent
+
+    def _forward(self, x):
+        """This stage's part of Llama.__call__ (mlx_impl/model.py): tokens or activations in, activations or
+        logits out (causal mask: the model is always called without a padding mask)."""
+        inner = self.model.model
+        h = inner.embed_tokens(x).astype(self.dtype) if self.first else x
+        for i in self.layers:
+            h = inner.layers[i](h, "causal")
+        return self.model.lm_head(inner.norm(h)) if self.last else h
+
+    @staticmethod
+    def _losses(logits, targets, mask):
+        return cross_entropy(logits.astype(mx.float32), targets) * mask
+
+    def _vjp(self, x, cotangent, targets=None, mask=None):
+        """(token losses on the last stage, the parameters' gradients, the input's gradient or None on the
+        first stage) of this stage's forward; the last stage's cotangent is 1 for the loss sum. Compiled."""
+        params = [v for _, v in tree_flatten(self.model.trainable_parameters())]
+        rest = [x, targets, mask] if self.last else [x, cotangent]
+        out = self._compiled_vjp(*params, *rest)
+        self.model.update(tree_unflatten(list(zip(self.keys, params))))  # the real arrays back in place
+        losses, vjps = (out[0], out[1:]) if self.last else (None, out)
+        grads = tree_unflatten(list(zip(self.keys, vjps[:len(params)])))
+        return losses, grads, (None if self.first else vjps[len(params)])
+
+    def _stage_vjp(self, *arrays):
+        """The compiled function of `_vjp`: parameters, then the input and either the cotangent or (last stage)
+        the targets and the mask -> ([token losses,] the parameters' gradients..., [the input's gradient])."""
+        n = len(self.keys)
+        params, x = list(arrays[:n]), arrays[n]
+
+        def stage(*primals):
+            self.model.update(tree_unflatten(list(zip(self.keys, primals[:n]))))
+            out = self._forward(x if self.first else primals[n])
+            if not self.last:
+                return [out]
+            losses = self._losses(out, arrays[n + 1], arrays[n + 2])
+            return [losses.sum(), losses]
+
+        primals = params + ([] if self.first else [x])
+        if self.last:
+            cotangents = [mx.array(1.0, dtype=mx.float32), mx.zeros(arrays[n + 1].shape, dtype=mx.float32)]
+        else:
+            cotangents = [arrays[n + 1]]
+        outputs, vjps = mx.vjp(stage, primals, cotangents)
+        return ([outputs[1]] if self.last else []) + list(vjps)
+
+    def _lazy_vjp(self, x, cot):
+        """(this stage's output, the vjps of its parameters and input) for the cotangent `cot`, a receive that
+        has not run yet. Not compiled: a compiled graph may fuse forward and backward operations into one
+        kernel, and evaluating the output would then run the receive out of its place in the schedule."""
+        params = [v for _, v in tree_flatten(self.model.trainable_parameters())]
+        n = len(params)
+
+        def stage(*primals):
+            self.model.update(tree_unflatten(list(zip(self.keys, primals[:n]))))
+            return [self._forward(x if self.first else primals[n])]
+
+        outs, vjps = mx.vjp(stage, params + ([] if self.first else [x]), [cot])
+        self.model.update(tree_unflatten(list(zip(self.keys, params))))
+        return outs[0], vjps
+
+    def _run_forward(self, x):
+        """This stage's forward alone, compiled: eval on the stages but the last (whose losses come from `_forward`)."""
+        params = [v for _, v in tree_flatten(self.model.trainable_parameters())]
+        out = self._compiled_forward(*params, x)
+        self.model.update(tree_unflatten(list(zip(self.keys, params))))
+        return out
+
+    def _stage_forward(self, *arrays):
+        n = len(self.keys)
+        self.model.update(tree_unflatten(list(zip(self.keys, arrays[:n]))))
+        return self._forward(arrays[n])
+
+    @staticmethod
+    def _accumulate(grads, micro, scale):
+        micro = tree_map(lambda g: g * scale, micro)
+        return micro if grads is None else tree_map(mx.add, grads, micro)
+
+    def _send(self, x, dst):
+        mx.eval(mx.distributed.send(x, dst, group=self.group, stream=self.stream))
+
+    def _recv(self, shape, src):
+        x = mx.distributed.recv(shape, self.dtype, src, group=self.group, stream=self.stream)
+        mx.eval(x)
+        return x
+
+    def _barrier(self):
+        mx.eval(mx.distributed.all_sum(mx.zeros((1,)), group=self.group, stream=self.stream))
+
+    # ---- the rest of the Strategy protocol -------------------------------------------------------------------
+    def reduce_gradients(self, grads):
+        return grads  # nothing to average: one replica
+
+    def global_norm(self, grads) -> mx.array:
+        """Each stage's sum of squares, summed over the stages: every parameter lives on exactly one."""
+        squares = sum((sum_of_squares(g) for _, g in tree_flatten(grads)), mx.array(0.0))
+        return mx.sqrt(mx.distributed.all_sum(squares, group=self.group))
+
+    def export_state(self, weights: dict, optimizer: dict):
+        return tuple(self.gather(part) for part in (weights, *moments(weights, optimizer)))
+
+    def import_state(self, full: dict, paths) -> dict:
+        return {path: full[path] for path in paths}
+
+    def gather(self, named: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The whole model's arrays on every rank from each stage's own: an all_sum per array, zeros from the
+        stages that do not hold it (x + 0 is exact). Every rank calls it: collectives, in one order."""
+        from common.weights import parameter_shapes
+
+        full = {}
+        for name, shape in parameter_shapes(self.model.spec).items():
+            if name == "lm_head.weight" and self.model.spec.tie_embeddings:
+                continue
+            mine = stage_of(name, self.n_layers, self.n_stages) == self.stage
+            value = mx.array(named[name]) if mine else mx.zeros(shape, dtype=mx.float32)
+            summed = mx.distributed.all_sum(value, group=self.group)
+            full[name] = np.array(summed)
+        return full
+
+    def figures(self) -> dict:
+        """The bubble: this stage's median idle fraction over the steps after the first (compilation and warm
+        caches; the time breakdown's uninstrumented steps count too), beside the analytic value; and what the
+        stage held."""
+        steady = self.idle[1:] or self.idle
+        return {"pp_bubble": float(np.median(steady)) if steady else None,
+                "pp_bubble_analytic": bubble_fraction(self.n_stages, self.n_micro),
+                "pp_schedule": self.schedule, "pp_microbatches": self.n_micro,
+                "pp_layers": [self.layers.start, self.layers.stop]}

@@ -1,0 +1,129 @@
+"""Pipeline parallelism (--strategy pp), without starting ranks: the split, the schedules (simulated with
+sends that wait for their receives), the analytic bubble, the estimate, and bad input refused with exit 2."""
+import pytest
+
+from common.config import RunConfig
+from common.errors import UserError
+from common.pipeline import (bubble_fraction, compute_order, stage_layers, stage_of, stage_ops)
+from common.spec import preset
+from common.strategy import check_strategy, comm_bytes_per_step_estimate, data_parallel
+from common.weights import parameter_shapes
+from helpers import FAST, dpcompare_here
+
+
+# ---- the split ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("layers, stages, expected", [(2, 2, [(0, 1), (1, 2)]), (5, 2, [(0, 3), (3, 5)]),
+                                                      (7, 3, [(0, 3), (3, 5), (5, 7)]), (4, 4, [(0, 1), (1, 2), (2, 3), (3, 4)])])
+def test_blocks_are_split_contiguously_and_as_evenly_as_possible(layers, stages, expected):
+    assert [(r.start, r.stop) for r in (stage_layers(layers, stages, s) for s in range(stages))] == expected
+
+
+def test_every_parameter_lives_on_exactly_one_stage_embedding_first_head_last():
+    spec = preset("tiny").with_(n_layers=5)
+    owners = {name: stage_of(name, spec.n_layers, 3) for name in parameter_shapes(spec)}
+    assert owners["model.embed_tokens.weight"] == 0
+    assert owners["model.norm.weight"] == owners["lm_head.weight"] == 2
+    assert [owners[f"model.layers.{i}.mlp.up_proj.weight"] for i in range(5)] == [0, 0, 1, 1, 2]
+
+
+# ---- the schedules ------------------------------------------------------------------------------------------
+def _simulate(schedule: str, stages: int, micro: int) -> bool:
+    """Run every stage's operations with rendezvous sends (a send completes only together with its receive):
+    True when all stages finish, False on a deadlock."""
+    ops = [stage_ops(schedule, s, stages, micro) for s in range(stages)]
+    pos = [0] * stages
+    while any(pos[s] < len(ops[s]) for s in range(stages)):
+        moved = False
+        for s in range(stages):
+            while pos[s] < len(ops[s]) and ops[s][pos[s]][0] in ("F", "B"):
+                pos[s], moved = pos[s] + 1, True
+        for s in range(stages):
+            if pos[s] < len(ops[s]) and ops[s][pos[s]][0].startswith("send"):
+                kind, i, dst = ops[s][pos[s]]
+                want = ("recv_" + kind[len("send_"):], i, s)
+                if pos[dst] < len(ops[dst]) and ops[dst][pos[dst]] == want:
+                    pos[s], pos[dst], moved = pos[s] + 1, pos[dst] + 1, True
+        if not moved:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_schedules_never_deadlock_even_when_every_send_waits_for_its_receive(schedule):
+    for stages in range(2, 9):
+        for micro in range(1, 17):
+            assert _simulate(schedule, stages, micro), (schedule, stages, micro)
+
+
+def test_each_stage_runs_every_forward_and_backward_once_backward_after_forward():
+    for schedule in ("gpipe", "1f1b"):
+        for stage in range(4):
+            order = compute_order(schedule, stage, 4, 6)
+            assert sorted(order) == sorted([("F", i) for i in range(6)] + [("B", i) for i in range(6)])
+            assert all(order.index(("F", i)) < order.index(("B", i)) for i in range(6))
+
+
+def test_1f1b_keeps_at_most_p_minus_s_micro_batches_in_flight_gpipe_all():
+    def in_flight(order):
+        live = peak = 0
+        for kind, _ in order:
+            live += 1 if kind == "F" else -1
+            peak = max(peak, live)
+        return peak
+
+    assert [in_flight(compute_order("1f1b", s, 4, 8)) for s in range(4)] == [4, 3, 2, 1]
+    assert [in_flight(compute_order("gpipe", s, 4, 8)) for s in range(3)] == [8, 8, 8]
+
+
+def test_the_analytic_bubble_is_p_minus_1_over_m_plus_p_minus_1():
+    assert bubble_fraction(2, 2) == pytest.approx(1 / 3)
+    assert bubble_fraction(2, 4) == pytest.approx(0.2)
+    assert bubble_fraction(2, 8) == pytest.approx(1 / 9)
+    assert bubble_fraction(4, 4) == pytest.approx(3 / 7)
+
+
+def test_pp_reads_the_whole_batch_on_every_rank_and_estimates_the_activations_of_one_boundary():
+    assert data_parallel("pp", 1, 2) == (0, 1)
+    spec = preset("tiny")
+    # global batch 8 = micro-batch 4 x grad accum 2; seq 32: the activations (8, 32, dim) in float32
+    assert comm_bytes_per_step_estimate("pp", spec, 2, 4, 32, 2) == 8 * 32 * spec.dim * 4
+    assert comm_bytes_per_step_estimate("pp", spec, 1, 8, 32, 1) == 0
+    # bf16: the activations cross in the compute dtype (measured: 32768 bytes sent per step on tiny, as here)
+    assert comm_bytes_per_step_estimate("pp", spec, 2, 8, 32, 1, "bfloat16") == 8 * 32 * spec.dim * 2
+
+
+# ---- bad input ----------------------------------------------------------------------------------------------
+def test_pp_refuses_more_stages_than_blocks_and_tied_embeddings_naming_the_numbers():
+    with pytest.raises(UserError, match=r"4 stages .* model\.n_layers = 2 < 4"):
+        check_strategy("pp", preset("tiny"), 4)
+    with pytest.raises(UserError, match="at least 2"):
+        check_strategy("pp", preset("tiny"), 1)
+    with pytest.raises(UserError, match="tied embeddings"):
+        check_strategy("pp", preset("tiny").with_(tie_embeddings=True), 2)
+    check_strategy("pp", preset("tiny"), 2)
+
+
+def test_pp_microbatches_must_divide_each_micro_steps_batch():
+    RunConfig.from_dict({"strategy": "pp", "nproc": 2, "global_batch_size": 8, "grad_accum": 2,
+                         "pp_microbatches": 4})
+    with pytest.raises(UserError, match=r"--pp-microbatches 3 .* global batch size 8 / grad accum 2 = 4"):
+        RunConfig.from_dict({"strategy": "pp", "nproc": 2, "global_batch_size": 8, "grad_accum": 2,
+                             "pp_microbatches": 3})
+    with pytest.raises(UserError, match="unknown pp_schedule 'zb'"):
+        RunConfig.from_dict({"strategy": "pp", "nproc": 2, "pp_schedule": "zb"})
+    RunConfig.from_dict({"strategy": "ddp", "pp_microbatches": 3})  # only pp cuts the batch
+
+
+@pytest.mark.parametrize("extra, named", [
+    (("--nproc", 3), "--strategy pp over 3 stages needs at least one transformer block per stage, but "
+                     "model.n_layers = 2 < 3"),
+    (("--nproc", 2, "--pp-microbatches", 3), "--pp-microbatches 3 must divide"),
+    (("--nproc", 2, "--pp-schedule", "interleaved"), "unknown pp_schedule 'interleaved'"),
+    (("--nproc", 2, "--set", "model.tie_embeddings=true"), "does not support tied embeddings")])
+def test_pp_that_cannot_run_exits_2_with_one_line_and_writes_nothing(extra, named, cache_dir, tmp_path):
+    out = tmp_path / "never"
+    proc = dpcompare_here("run", *FAST, "--framework", "torch", "--strategy", "pp", *extra, "--steps", 2,
+                          "--out", out, cache_dir=cache_dir)
+    assert proc.returncode == 2, proc.stderr
+    assert named in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert not out.exists()
