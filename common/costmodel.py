@@ -38,8 +38,13 @@ Collectives, ring algorithm over N ranks, link latency a per hop and bandwidth b
           twice the traffic. MLX's replicated gradients (the final norm, and the vocabulary matrices when
           V % N != 0) are all-reduced as under ddp; FSDP2 shards the root unit (embedding, norm, head) too.
     tp    per layer and micro-step 4 all-reduces of the activations (B x T x dim) in the compute dtype
-    pp    not modelled yet: add `_pp_collectives` (point-to-point activations, 2 per stage boundary and
-          micro-batch) to COLLECTIVES and the bubble (stages - 1)/(micro-batches + stages - 1) to compute_s.
+    pp    point to point, not a ring: per micro-step and piece (M pieces, --pp-microbatches) each stage
+          boundary carries the piece's activations (rows x T x dim, compute dtype) down and their gradient
+          back up, t_send = a + S / b each (boundaries work side by side). The slowest stage sets the pace:
+          its share of the FLOPs (its blocks, plus the head on the last or the embedding on the first) is
+          f_work, inflated by the bubble to (M + p - 1) / M slots of one piece each. A piece's slot is its
+          stage compute, or 2 t_send when the link is slower (an activation and a gradient per piece cross
+          every boundary); fill and drain add 2 (p - 1) t_send per micro-step. Nothing else overlaps.
 
 A link measured as an all-reduce, t(S) ~= latency_s + S / bandwidth_Bps at N_m ranks, is inverted through
 the ring formula (a = latency_s / 2(N_m - 1), b = bandwidth_Bps x 2(N_m - 1)/N_m), so the framework's own
@@ -63,6 +68,7 @@ from dataclasses import dataclass, field
 
 from .errors import UserError
 from .flops import attention_flops_per_token, flops_per_token, matmul_parameters
+from .pipeline import stage_layers, stage_of
 from .spec import ModelSpec
 from .strategy import STRATEGIES, check_strategy, tp_split_axis
 from .weights import parameter_shapes
@@ -110,14 +116,18 @@ class Link:
 
     reduce_scatter_s = all_gather_s
 
+    def send_s(self, nbytes: float, n: int) -> float:
+        """One point-to-point message to a neighbour (pp): one hop."""
+        return self.hop_latency_s + nbytes / self.bandwidth_Bps
+
 
 RING_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-               "reduce_scatter": lambda n: (n - 1) / n}
+               "reduce_scatter": lambda n: (n - 1) / n, "send": lambda n: 1.0}
 
 
 @dataclass(frozen=True)
 class Collective:
-    kind: str      # all_reduce | all_gather | reduce_scatter
+    kind: str      # all_reduce | all_gather | reduce_scatter | send (point to point)
     nbytes: int    # payload of one call (all-gather: the gathered size)
     calls: int     # per optimizer step
     what: str
@@ -141,14 +151,15 @@ class Workload:
     framework: str = "torch"
     bucket_bytes: int | None = None  # ddp's all-reduce chunks: MLX all_reduce_size_mb, torch bucket_cap_mb
     target_tokens: int | None = None  # real target tokens per step where a run counted them (padding has fewer)
+    pp_microbatches: int = 4          # pp: pieces per micro-step (RunConfig.pp_microbatches)
 
     @property
     def tokens_per_step(self) -> int:
         return self.target_tokens or self.global_batch_size * self.seq_len
 
     def micro_rows(self, strategy: str, n: int) -> float:
-        """Sequences per rank per micro-step: tp ranks all read the whole batch."""
-        return self.global_batch_size / ((1 if strategy == "tp" else n) * self.grad_accum)
+        """Sequences per rank per micro-step: tp and pp ranks all read the whole batch."""
+        return self.global_batch_size / ((1 if strategy in ("tp", "pp") else n) * self.grad_accum)
 
 
 def _vocab_sharded(framework: str, spec: ModelSpec, n: int) -> bool:
@@ -165,6 +176,9 @@ def local_parameters(strategy: str, spec: ModelSpec, n: int, framework: str = "t
     if strategy == "tp":
         split = sum(math.prod(s) for k, s in shapes.items() if tp_split_axis(k) is not None)
         return total - split + split / n
+    if strategy == "pp":  # the stage holding the most: its blocks and the embedding, or the norm and the head
+        return max(sum(math.prod(s) for k, s in shapes.items() if stage_of(k, spec.n_layers, n) == stage)
+                   for stage in range(n))
     blocks = sum(math.prod(s) for k, s in shapes.items() if k.startswith("model.layers."))
     vocab = sum(math.prod(s) for k, s in shapes.items() if k in ("model.embed_tokens.weight", "lm_head.weight"))
     rest = total - blocks - vocab  # the final norm: MLX keeps it replicated, FSDP2 shards the root unit
@@ -175,12 +189,20 @@ def local_parameters(strategy: str, spec: ModelSpec, n: int, framework: str = "t
 
 
 def work_fraction(strategy: str, w: Workload, n: int) -> float:
-    """f_work: one rank's share of the global batch's forward + backward FLOPs (module docstring)."""
-    if strategy != "tp":
+    """f_work: one rank's share of the global batch's forward + backward FLOPs (module docstring); under pp
+    the slowest stage's, inflated by the bubble."""
+    if strategy not in ("tp", "pp") or n == 1:
         return 1.0 / n
     head = 6.0 * w.spec.vocab_size * w.spec.dim
     layers = 6.0 * matmul_parameters(w.spec) - head + attention_flops_per_token(w.spec, w.seq_len)
-    return (layers / n + head) / flops_per_token(w.spec, w.seq_len)
+    total = flops_per_token(w.spec, w.seq_len)
+    if strategy == "tp":
+        return (layers / n + head) / total
+    per_block = layers / w.spec.n_layers  # the embedding is a lookup: no FLOPs on the first stage
+    slowest = max(len(stage_layers(w.spec.n_layers, n, s)) * per_block + (head if s == n - 1 else 0.0)
+                  for s in range(n))
+    m = w.pp_microbatches
+    return slowest / total * (m + n - 1) / m
 
 
 def state_fraction(strategy: str, w: Workload, n: int) -> float:
@@ -226,10 +248,22 @@ def _tp_collectives(w: Workload, n: int, reduce_scatter: str) -> list[Collective
     return [Collective("all_reduce", int(act), 4 * w.spec.n_layers * w.grad_accum, "activations")]
 
 
-# pp, when it lands: `_pp_collectives` (point-to-point sends of one micro-batch's (rows, T, dim) activations,
-# forward and backward, at each of the stages - 1 boundaries, per micro-batch; sent, not all-reduced: factor 1),
-# and its bubble, (stages - 1) / (micro-batches + stages - 1) of the compute, in predict()'s compute_s.
-COLLECTIVES = {"ddp": _ddp_collectives, "fsdp": _fsdp_collectives, "tp": _tp_collectives}
+def _pp_collectives(w: Workload, n: int, reduce_scatter: str) -> list[Collective]:
+    """One boundary's sends per step: each piece's activations down and their gradient up."""
+    piece = w.micro_rows("pp", n) / w.pp_microbatches * w.seq_len * w.spec.dim * DTYPE_BYTES[w.dtype]
+    return [Collective("send", int(piece), 2 * w.pp_microbatches * w.grad_accum, "activations and their gradients")]
+
+
+COLLECTIVES = {"ddp": _ddp_collectives, "fsdp": _fsdp_collectives, "tp": _tp_collectives, "pp": _pp_collectives}
+
+
+def pipeline_exposed_s(w: Workload, n: int, link: Link, compute_fwd_bwd_s: float) -> float:
+    """pp's communication on the critical path (module docstring): per micro-step, fill and drain cross
+    2 (p - 1) boundaries, and a link slower than a piece's compute stretches every one of the M + p - 1 slots."""
+    piece = _pp_collectives(w, n, "")[0].nbytes
+    send_s, m = link.send_s(piece, n), w.pp_microbatches
+    slot_s = compute_fwd_bwd_s / (w.grad_accum * (m + n - 1))
+    return w.grad_accum * ((m + n - 1) * max(0.0, 2 * send_s - slot_s) + 2 * (n - 1) * send_s)
 
 
 def collectives(strategy: str, w: Workload, n: int, reduce_scatter: str = "native") -> list[Collective]:
@@ -253,7 +287,8 @@ def activation_bytes(strategy: str, w: Workload, n: int) -> float:
     kv = s.n_kv_heads * s.head_dim
     per_token_layer = 7 * s.dim + (3 * s.dim + 3 * kv + 2 * s.n_heads * w.seq_len + 4 * s.ffn_dim) / tp_n
     tokens = w.micro_rows(strategy, n) * w.seq_len
-    layers = tokens * s.n_layers * per_token_layer * DTYPE_BYTES[w.dtype]
+    stage_blocks = len(stage_layers(s.n_layers, n, 0)) if strategy == "pp" else s.n_layers
+    layers = tokens * stage_blocks * per_token_layer * DTYPE_BYTES[w.dtype]  # pp: every piece's, as gpipe keeps
     logits = tokens * 2 * s.vocab_size * 4
     gathered = 0.0
     if strategy == "fsdp" and n > 1:
@@ -336,15 +371,16 @@ def calibrate(summary: dict, spec: ModelSpec, source: str = "") -> Calibration:
     bucket_mb = cfg.get("all_reduce_size_mb" if framework == "mlx" else "bucket_cap_mb")
     w = Workload(spec, int(cfg.get("seq_len", 128)), int(cfg.get("global_batch_size", 8)),
                  int(cfg.get("grad_accum", 1)), summary.get("dtype", cfg.get("dtype", "float32")), framework,
-                 int(bucket_mb * 2**20) if bucket_mb else None, summary.get("tokens_per_step"))
+                 int(bucket_mb * 2**20) if bucket_mb else None, summary.get("tokens_per_step"),
+                 int(cfg.get("pp_microbatches", 4)))
     step_s = bd.get("step_s") or summary.get("step_time_s")
     if not step_s:
         raise UserError(f"{source or 'the run'} has no measured step time in summary.json")
     notes = []
     link = link_from_record(summary.get("link"), framework, backend)
     exposed = float(bd.get("communication") or 0.0)
-    if n > 1 and strategy in ("fsdp", "tp"):
-        # Their collectives run inside forward and backward, where the breakdown cannot tell them from
+    if n > 1 and strategy in ("fsdp", "tp", "pp"):
+        # Their collectives (pp: its sends) run inside forward and backward, where the breakdown cannot tell them from
         # compute: the model's own estimate of all of them (not overlapped) is taken off the step instead.
         used = link or loopback_link(backend)
         exposed = sum(c.seconds(used, n) for c in collectives(strategy, w, n, reduce_scatter_kind(framework, backend)))
@@ -422,6 +458,8 @@ def predict(cal: Calibration, strategy: str, n: int, link: Link | None, device_m
     comm = sum(c.seconds(link, n) for c in colls)
     overlap = 0.0 if strategy == "tp" else (cal.overlap if cal.overlap is not None else DEFAULT_OVERLAP)
     exposed = (1.0 - overlap) * comm + (cal.sync_overhead_s if colls and strategy == "ddp" else 0.0)
+    if strategy == "pp" and colls:  # its sends overlap other pieces' compute: only the critical path counts
+        exposed = pipeline_exposed_s(w, n, link, (cal.forward_s + cal.backward_s) * work_fraction(strategy, w, n))
     step = compute + exposed
     one = (cal.forward_s + cal.backward_s + cal.optimizer_s + cal.other_s)  # ddp at N=1: the scaling baseline
     memory = memory_bytes(strategy, w, n, cal.overhead_bytes)

@@ -262,7 +262,7 @@ def run_plan(args) -> int:
 # ---- compare: a prediction in every N > 1 run ------------------------------------------------------
 def add_predictions(run_dirs: list[Path]) -> None:
     """Every finished N > 1 run's summary.json gets `prediction`, made from the N=1 run of the same
-    framework, strategy and dtype (for fsdp and tp, which need 2 ranks: the ddp one), over the link the
+    framework, strategy and dtype (for fsdp, tp and pp, which need 2 ranks: the ddp one), over the link the
     job measured (its `link` record; loopback figures where it has none)."""
     runs = {Path(d): read_json(Path(d) / "summary.json") or {} for d in run_dirs}
     for run_dir, s in runs.items():

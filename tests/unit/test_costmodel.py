@@ -10,7 +10,7 @@ from common.costmodel import (RING_FACTOR, Link, Workload, calibrate, collective
 from common.errors import UserError
 from common.spec import ModelSpec, preset
 from common.strategy import comm_bytes_per_step_estimate
-from common.weights import num_parameters
+from common.weights import num_parameters, parameter_shapes
 
 TINY = ModelSpec.from_dict(SPEC)
 
@@ -165,9 +165,42 @@ def test_link_records_old_runs_and_bad_input():
     with pytest.raises(UserError, match="no time breakdown"):
         calibrate(no_breakdown, TINY)
     with pytest.raises(UserError, match="allowed"):
-        collectives("pp", Workload(TINY, 128, 32), 2)  # the hook pipeline parallelism fills in
+        collectives("zero", Workload(TINY, 128, 32), 2)
     with pytest.raises(UserError, match="needs 2 or more"):
         predict(calibrate(summary("mlx", 1), TINY), "fsdp", 1, None)
     with pytest.raises(UserError):
         Link("bad", -1.0, 1e9)
     assert math.isclose(Link.wire(8, 0).bandwidth_Bps, 1e9)
+
+
+# ---- pp -----------------------------------------------------------------------------------------
+def test_pp_holds_its_stage_runs_the_slowest_stage_stretched_by_the_bubble_and_sends_each_piece_twice():
+    from common.pipeline import bubble_fraction, comm_bytes_per_step, stage_of
+
+    w = Workload(TINY, 128, 32, pp_microbatches=4)
+    shapes = {k: math.prod(v) for k, v in parameter_shapes(TINY).items()}
+    last = sum(v for k, v in shapes.items() if stage_of(k, TINY.n_layers, 2) == 1)
+    first = sum(v for k, v in shapes.items() if stage_of(k, TINY.n_layers, 2) == 0)
+    assert local_parameters("pp", TINY, 2) == max(first, last)
+    # The bubble: M + p - 1 slots of one piece each, (p - 1) / (M + p - 1) of them idle.
+    stretch = work_fraction("pp", w, 2) / work_fraction("pp", Workload(TINY, 128, 32, pp_microbatches=10**9), 2)
+    assert 1 - 1 / stretch == pytest.approx(bubble_fraction(2, 4))
+    assert 0.5 < work_fraction("pp", Workload(TINY, 128, 32, pp_microbatches=10**9), 2) < 1  # the head's stage
+    # Each boundary carries the whole batch's activations down and their gradients up (common/pipeline.py).
+    sends = collectives("pp", w, 2)
+    assert sum(c.calls * c.nbytes for c in sends) == 2 * comm_bytes_per_step(32, 128, TINY.dim)
+    assert sum(c.wire_bytes(2) for c in sends) == 2 * comm_bytes_per_step(32, 128, TINY.dim)
+
+
+def test_pp_over_a_slow_link_is_paced_by_its_sends_and_over_a_fast_one_by_its_slowest_stage():
+    cal = calibrate(summary("torch", 1), TINY)
+    fast, slow = predict(cal, "pp", 2, Link.wire(1000, 1)), predict(cal, "pp", 2, Link.wire(0.01, 1))
+    piece = collectives("pp", cal.workload, 2)[0].nbytes
+    m = cal.workload.pp_microbatches
+    assert fast.exposed_comm_s < 0.05 * fast.compute_s
+    send_s = Link.wire(0.01, 1).send_s(piece, 2)
+    # link-bound: every one of the M + p - 1 slots takes an activation and a gradient, plus fill and drain
+    assert slow.step_s == pytest.approx((m + 1) * 2 * send_s + 2 * send_s
+                                        + cal.optimizer_s * state_fraction("pp", cal.workload, 2) + cal.other_s,
+                                        rel=1e-9)
+    assert "the link" in slow.bottleneck
