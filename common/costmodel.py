@@ -274,8 +274,13 @@ def collectives(strategy: str, w: Workload, n: int, reduce_scatter: str = "nativ
 
 
 def reduce_scatter_kind(framework: str, backend: str) -> str:
-    """mlx_impl/fsdp.py: MLX 0.32.4's ring and MPI lack sum_scatter; torch always has one."""
-    return "all_sum_slice" if framework == "mlx" and backend not in ("nccl",) else "native"
+    """How many bytes a reduce-scatter moves: "all_sum_slice" costs an all-reduce. mlx_impl/fsdp.py: MLX
+    0.32.4's ring and MPI lack sum_scatter and all-reduce. torch's gloo has reduce_scatter_tensor, but it moves
+    an all-reduce's bytes: 32 MB at N=2 over 200mbit took 1,436 ms against all_reduce's 1,409 (a ring
+    reduce-scatter would take half; AMD EPYC Zen 5, docs/scaling.md)."""
+    if framework == "mlx":
+        return "native" if backend == "nccl" else "all_sum_slice"
+    return "all_sum_slice" if backend == "gloo" else "native"
 
 
 # ---- memory per rank ----------------------------------------------------------------------------

@@ -97,10 +97,12 @@ def measure(c: Collectives, sizes: list[int], max_calls: int = 50, budget_bytes:
 
 
 # What every multi-rank run measures of its own all-reduce before training (summary.json `link.allreduce`,
-# read by the cost model): a latency-bound size (10 timed calls) and a bandwidth-bound one (3), in a few seconds
+# read by the cost model): a latency-bound size (10 timed calls) and bandwidth-bound ones (3), in a few seconds
 # at most (4 MiB at 200 Mbit/s takes ~0.2 s a call).
-PROBE_SIZES = (4096, 4 * 2**20)
-PROBE_BUDGET_S = 8.0
+# 32 MiB (a gradient bucket: MLX's ring reached 0.3 GB/s at 4 MiB and 1.3 at 32 MiB over loopback) only where
+# it fits the budget: over 200mbit it would take 1.3 s a call, and 4 MiB is then bandwidth-bound anyway.
+PROBE_SIZES = (4096, 4 * 2**20, 32 * 2**20)
+PROBE_BUDGET_S = 5.0
 
 
 def fit(results: list[dict]) -> dict:
@@ -122,7 +124,7 @@ def fit(results: list[dict]) -> dict:
 
 def probe_allreduce(c: Collectives, backend: str) -> dict:
     """This job's own float32 all-reduce: time(S) ~= latency_s + S / bandwidth_Bps at this world size."""
-    results = measure(c, list(PROBE_SIZES), max_calls=10, budget_bytes=3 * PROBE_SIZES[-1],
+    results = measure(c, list(PROBE_SIZES), max_calls=10, budget_bytes=3 * PROBE_SIZES[1],
                       time_budget_s=PROBE_BUDGET_S, started=time.monotonic())
     return {"backend": backend, "world_size": c.size, **fit(results)}
 
