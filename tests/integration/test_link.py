@@ -12,7 +12,10 @@ import pytest
 from helpers import FAST, dpcompare, namespaces, skip_unless_links, summary
 
 RATE, RATE_BPS = "400mbit", 400e6
-TOLERANCE = 0.15  # placeholder until measured
+# The target for the cost model. Measured here: -1.3 % and -0.5 % (torch x2, tiny, 100mbit: 63.5 ms
+# measured, 62.7 and 63.1 predicted; AMD EPYC Zen 5, 2 cores); small over 1gbit and 200mbit: -4 % to +6 %
+# (docs/scaling.md).
+TOLERANCE = 0.15
 
 
 @pytest.mark.slow
