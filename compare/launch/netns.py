@@ -164,7 +164,7 @@ class EmulatedLink:
         """summary.json's `link` (the runner adds the ranks' own all-reduce figures)."""
         return {"requested": self.rate, "rate_bps": self.rate_bps, "emulated": True,
                 "tcp_bandwidth_Bps": measured.get("bandwidth_Bps"), "tcp_latency_s": measured.get("latency_s"),
-                "allreduce": None,
+                "allreduce": None, "namespaces": list(self.namespaces) + ([self.hub] if self.hub else []),
                 "note": f"{self.ranks} ranks in network namespaces joined by veth pairs"
                         f"{' and a bridge' if self.hub else ''} at {describe_rate(self.rate_bps)}; {NO_DELAY_NOTE}"}
 

@@ -158,7 +158,6 @@ def test_a_crashing_rank_ends_the_job_with_its_error_naming_the_rank(framework, 
     rank must also leave no network namespace behind, and the summary records the shaped path."""
     skip_unless_available(framework, backend)
     link = ["--link", "1gbit"] if backend == "gloo" and can_emulate_links() else []
-    before = namespaces()
     out = tmp_path / "run"
     started = time.time()
     proc = dpcompare("run", *FAST, "--framework", framework, "--nproc", 2, "--backend", backend, "--steps", 50,
@@ -169,8 +168,8 @@ def test_a_crashing_rank_ends_the_job_with_its_error_naming_the_rank(framework, 
     assert not any(alive(pid) for pid in all_rank_pids(out))
     recorded = summary(out)["link"]
     assert recorded["allreduce"]["bandwidth_Bps"] > 0 and recorded["allreduce"]["world_size"] == 2
-    if link:
-        assert namespaces() == before
+    if link:  # the names this run's link recorded (another test's may exist meanwhile)
+        assert recorded["namespaces"] and not set(recorded["namespaces"]) & set(namespaces())
         # 1 Gbit/s shaped: TCP measured 955-963 Mbit/s here (AMD EPYC Zen 5); the gloo all-reduce of 4 MiB less.
         assert recorded["requested"] == "1gbit" and recorded["emulated"]
         assert abs(recorded["tcp_bandwidth_Bps"] * 8 - 1e9) <= 0.2e9, recorded
