@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import FAST, dpcompare
+from helpers import FAST, dpcompare, losses
 
 # Both frameworks at 1 and 2 ranks, every output switched on. The shape (steps of ~50-200 ms on 2 cores,
 # 8 profile steps of each kind) keeps the time breakdown's timer noise small next to a step.
@@ -86,3 +86,20 @@ def uninterrupted(cache_dir, tmp_path_factory):
         return runs[framework, strategy, nproc]
 
     return run
+
+
+def switched_at_a_checkpoint(first: str, second: str, flags: dict, uninterrupted, cache_dir, tmp_path) -> tuple:
+    """(losses of a run trained 10 steps as `first` then resumed to 20 as `second`, losses of the uninterrupted
+    20-step `second` run). `first`/`second` are "FRAMEWORK STRATEGY"; flags[strategy] are its run flags
+    (e.g. ("--strategy", "tp", "--nproc", 2)), on the uninterrupted runs' LR horizon."""
+    def args(which):
+        framework, strategy = which.split()
+        return ("--framework", framework, *flags[strategy], *HORIZON)
+
+    framework, strategy = second.split()
+    world = dict(zip(flags[strategy][::2], flags[strategy][1::2])).get("--nproc", 1)
+    straight = losses(uninterrupted(framework, strategy, world))  # 20 steps on the same horizon
+    switched = tmp_path / "switched"
+    dpcompare("run", *FAST, "--out", switched, *args(first), "--steps", 10, cache_dir=cache_dir)
+    dpcompare("run", *FAST, "--out", switched, *args(second), "--steps", 20, "--resume", cache_dir=cache_dir)
+    return losses(switched), straight

@@ -15,6 +15,7 @@ from common.spec import ModelSpec
 from common.weights import parameter_shapes
 from helpers import FAST, dpcompare, losses, summary
 from integration import test_faults as faults, test_stop as stop  # their helpers (no test is imported by name)
+from integration.conftest import switched_at_a_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -144,20 +145,11 @@ def test_mlx_pp_and_torch_pp_agree_step_by_step(uninterrupted):
 
 
 STRATEGY = {"ddp": ("--nproc", 1), "pp": PP}
-WORLD = {"ddp": 1, "pp": 2}
 
 
 @pytest.mark.parametrize("first, second, atol", [("mlx pp", "mlx ddp", 1e-6), ("torch ddp", "torch pp", 1e-6)])
 def test_a_checkpoint_resumed_under_another_strategy_continues_the_same_curve(first, second, atol, uninterrupted,
                                                                               cache_dir, tmp_path):
-    def args(which):
-        framework, strategy = which.split()
-        return ("--framework", framework, *STRATEGY[strategy], "--lr-decay-steps", 20, "--lr", "1e-3")
-
-    framework, strategy = second.split()
-    straight = losses(uninterrupted(framework, strategy, WORLD[strategy]))  # 20 steps on the same horizon
-    switched = tmp_path / "switched"
-    run(cache_dir, switched, *args(first), "--steps", 10)
-    resumed = run(cache_dir, switched, *args(second), "--steps", 20, "--resume")
+    resumed, straight = switched_at_a_checkpoint(first, second, STRATEGY, uninterrupted, cache_dir, tmp_path)
     assert len(resumed) == 20
     np.testing.assert_allclose(resumed, straight, rtol=0, atol=atol)

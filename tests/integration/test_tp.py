@@ -9,6 +9,7 @@ from helpers import FAST, dpcompare, losses, summary
 from common.spec import ModelSpec
 from common.strategy import tp_split_axis
 from common.weights import parameter_shapes
+from integration.conftest import switched_at_a_checkpoint
 
 FRAMEWORKS = ["mlx", "torch"]
 TP = ("--set", "strategy=tp", "--nproc", 2)
@@ -77,7 +78,6 @@ def test_mlx_tp_and_torch_tp_agree_step_by_step(uninterrupted):
 
 
 STRATEGY = {"ddp": ("--nproc", 1), "tp": TP}
-WORLD = {"ddp": 1, "tp": 2}
 
 
 @pytest.mark.slow
@@ -87,14 +87,6 @@ WORLD = {"ddp": 1, "tp": 2}
     ("mlx tp", "torch tp", 1e-4)])
 def test_a_checkpoint_resumed_under_another_strategy_continues_the_same_curve(first, second, atol, uninterrupted,
                                                                               cache_dir, tmp_path):
-    def args(which):
-        framework, strategy = which.split()
-        return ("--framework", framework, *STRATEGY[strategy], "--lr-decay-steps", 20, "--lr", "1e-3")
-
-    framework, strategy = second.split()
-    straight = losses(uninterrupted(framework, strategy, WORLD[strategy]))  # 20 steps on the same horizon
-    switched = tmp_path / "switched"
-    run(cache_dir, switched, *args(first), "--steps", 10)
-    resumed = run(cache_dir, switched, *args(second), "--steps", 20, "--resume")
+    resumed, straight = switched_at_a_checkpoint(first, second, STRATEGY, uninterrupted, cache_dir, tmp_path)
     assert len(resumed) == 20
     np.testing.assert_allclose(resumed, straight, rtol=0, atol=atol)
