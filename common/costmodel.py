@@ -70,10 +70,9 @@ from .errors import UserError
 from .flops import attention_flops_per_token, flops_per_token, matmul_parameters
 from .pipeline import stage_layers, stage_of
 from .spec import ModelSpec
-from .strategy import STRATEGIES, check_strategy, tp_split_axis
+from .strategy import DTYPE_BYTES, STRATEGIES, check_strategy, tp_split_axis
 from .weights import parameter_shapes
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 MASTER_BYTES = 4          # master weights, gradients, AdamW state and the gradient reduction stay fp32
 DEFAULT_OVERLAP = 0.0     # see the module docstring: measured here, nothing overlaps on 2 busy cores
 DEFAULT_BUCKET_BYTES = {"mlx": 32 * 2**20, "torch": 25 * 2**20}  # RunConfig's all_reduce_size_mb, bucket_cap_mb

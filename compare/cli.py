@@ -199,11 +199,17 @@ def cmd_run(args) -> int:
     cfg = config_from_args(args)
     run_dir = Path(cfg.out or default_out(cfg))
     from .machine.backends import check_available
+    from .launch.netns import check_can_emulate
     from .launch.runner import check_hostfile, check_run_dir
 
     check_run_dir(run_dir, cfg.resume, cfg.overwrite)
     check_hostfile(cfg)
     check_available(cfg)
+    if cfg.link:  # before the data is prepared, as compare does; one rank has no link to shape
+        if cfg.world_size == 1:
+            raise UserError(f"--link {cfg.link} shapes the link between ranks, and --nproc 1 has none: "
+                            "pass --nproc 2 or more")
+        check_can_emulate(cfg.link)
     inputs = prepare_inputs(cfg)
     summary = launch(cfg, inputs, run_dir)
     return print_run_result(summary, run_dir)

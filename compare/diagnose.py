@@ -18,7 +18,6 @@ order, is where the frameworks part: `first_divergence` in diagnosis.json.
 """
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -125,8 +124,7 @@ def run_worker(cfg: RunConfig, plan: Path, store: Path, out_dir: Path) -> None:
     extra = env.thread_env(cfg.threads_per_rank)
     if cfg.framework == "mlx":
         extra.update(env.mlx_blas(cfg.mlx_blas)[1])
-    child_env = {**os.environ, **extra, "PYTHONPATH": os.pathsep.join(
-        filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))}
+    child_env = env.child_env(extra)
     log = out_dir / f"log_{cfg.framework}.txt"
     argv = [sys.executable, "-m", f"{cfg.framework}_impl.diagnose", str(plan), str(store)]
     started = time.time()

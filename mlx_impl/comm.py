@@ -80,8 +80,6 @@ class CommCounter:
 def collectives_of(group, stream, device: str) -> Collectives:
     """The timing operations on a started group: doctor's job above, and a training rank's probe of its
     own all-reduce (launch.py)."""
-    import mlx.core as mx
-
     rank = group.rank()
 
     def buffer(n: int):

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from common.errors import UserError
 from common.link import NO_DELAY_NOTE, describe_rate, parse_rate
 
+from ..machine.environment import child_env
+
 _links = itertools.count()
 TBF_LATENCY = "100ms"  # how long a packet may queue in the bucket before it is dropped
 
@@ -146,12 +148,12 @@ class EmulatedLink:
         server = subprocess.Popen(["ip", "netns", "exec", self.namespaces[1], sys.executable, "-m",
                                    "compare.launch.linkprobe", "serve", self.addresses[1], port],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                  env=_project_env())
+                                  env=child_env())
         try:
             probe_bytes = int(min(32 * 2**20, max(2**20, self.rate_bps / 8 * 0.5)))
             done = subprocess.run(["ip", "netns", "exec", self.namespaces[0], sys.executable, "-m",
                                    "compare.launch.linkprobe", "probe", self.addresses[1], port, str(probe_bytes)],
-                                  capture_output=True, text=True, timeout=60, env=_project_env())
+                                  capture_output=True, text=True, timeout=60, env=child_env())
             measured = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else {}
         except (subprocess.TimeoutExpired, ValueError, IndexError):
             measured = {}
@@ -173,10 +175,3 @@ def loopback_record() -> dict:
     """summary.json's `link` for local ranks that talk over loopback, unshaped."""
     return {"requested": None, "rate_bps": None, "emulated": False, "tcp_bandwidth_Bps": None,
             "tcp_latency_s": None, "allreduce": None, "note": "local ranks over loopback, unshaped"}
-
-
-def _project_env() -> dict:
-    from pathlib import Path
-
-    root = str(Path(__file__).resolve().parents[2])
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}

@@ -146,9 +146,8 @@ def launch(cfg: RunConfig, inputs: Inputs, run_dir: Path) -> dict:
     shutil.rmtree(run_dir / "ranks", ignore_errors=True)
     shutil.rmtree(run_dir / "trace", ignore_errors=True)  # a resumed run's old traces would be listed as its own
     started = time.time()
-    child_env = {**os.environ, **extra_env, "PYTHONUNBUFFERED": "1", "DPCOMPARE_LAUNCH_TIME": str(started),
-                 supervisor.ENV: supervisor.identity(),  # ranks exit by themselves if this process dies
-                 "PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))}
+    child_env = env.child_env({**extra_env, "PYTHONUNBUFFERED": "1", "DPCOMPARE_LAUNCH_TIME": str(started),
+                               supervisor.ENV: supervisor.identity()})  # ranks exit by themselves if this process dies
     with open(run_dir / "log.txt", "a") as log:
         shown = {k: v for k, v in extra_env.items() if k.startswith(("MLX_RANK", "MLX_HOSTFILE", "GLOO_"))}
         log.write(f"$ {shlex.join([f'{k}={v}' for k, v in shown.items()] + argv)}\n")

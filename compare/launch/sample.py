@@ -9,7 +9,6 @@ different texts point at different weights (or, rarely, at a near-tie between th
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -48,8 +47,7 @@ def continuation(run_dir: Path, prompt: str = PROMPT, max_new_tokens: int = MAX_
     extra = env.thread_env(plan.config.threads_per_rank)
     if framework == "mlx":
         extra.update(env.mlx_blas(plan.config.mlx_blas)[1])
-    child_env = {**os.environ, **extra, "PYTHONPATH": os.pathsep.join(
-        filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))}
+    child_env = env.child_env(extra)
     with tempfile.TemporaryDirectory(prefix="dpcompare-sample-") as tmp:
         out = Path(tmp) / "sample.json"
         proc = subprocess.run([sys.executable, "-m", f"{framework}_impl.sample", str(ckpt), str(out),

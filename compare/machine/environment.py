@@ -107,6 +107,16 @@ def _cpu_signature() -> str:
     return hashlib.sha256("\n".join(wanted).encode()).hexdigest()[:12]
 
 
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+def child_env(extra: dict | None = None) -> dict:
+    """This environment plus `extra`, with the project on PYTHONPATH: what every process dpcompare starts
+    (ranks, probes, samples) needs to import common/ and the backends from any working directory."""
+    return {**os.environ, **(extra or {}),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))}
+
+
 def thread_env(threads: int) -> dict:
     """Threads per rank, set the same way for both frameworks (torchrun alone would force 1)."""
     n = str(threads)

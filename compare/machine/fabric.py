@@ -173,8 +173,7 @@ def run_job(framework: str, backend: str, device: str, nproc: int, hostfile: str
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="dpcompare-fabric-") as work, emulated or nullcontext():
         argv, extra, _ = build_command(cfg, Path(work), module="fabric", args=args, link=emulated)
-        child_env = {**os.environ, **extra, "PYTHONUNBUFFERED": "1",
-                     "PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))}
+        child_env = env.child_env({**extra, "PYTHONUNBUFFERED": "1"})
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
                                 text=True, env=child_env, cwd=PROJECT_ROOT, start_new_session=True)
         try:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import platform
 import re
 import shutil
@@ -63,8 +62,7 @@ def measure(framework: str, threads: int, device: str, blas: str, blas_env: dict
     extra = env.thread_env(threads)
     if framework == "mlx":
         extra.update(blas_env)
-    child_env = {**os.environ, **extra,
-                 "PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))}
+    child_env = env.child_env(extra)
     device_arg = {"mlx": {"cuda": "gpu", "mps": "gpu"}, "torch": {"gpu": "cuda"}}[framework].get(device, device)
     argv = [sys.executable, "-m", f"{framework}_impl.peak", "--threads", str(threads), "--device", device_arg]
     try:

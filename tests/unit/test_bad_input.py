@@ -72,6 +72,7 @@ def _cases(tmp):
         ("report of nothing", ["report", str(tmp / "no-runs")], "neither a run directory"),
         ("export without checkpoint", ["export", str(tmp), "--out", str(tmp / "exp")], "no checkpoint"),
         ("unknown subcommand flag", [*run, "--stepz", "3"], "unrecognized arguments"),
+        ("link with one rank", [*run, "--link", "1gbit"], "--nproc 1 has none"),
         ("link rate without a unit", [*run, "--nproc", "2", "--link", "100"], "give a rate such as 200mbit"),
         ("emulated link between hosts", [*run, "--nproc", "2", "--link", "1gbit", "--hostfile", str(bad_hostfile)],
          "cannot be combined with --hostfile"),
