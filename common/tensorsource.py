@@ -1,0 +1,89 @@
+"""Where a rank's starting tensors come from, read one tensor, or one slice of one, at a time.
+
+A sharded strategy (fsdp, tp, pp) keeps only part of each tensor, so it must never hold the whole model
+to start: it asks a `TensorSource` for the slices it keeps (`read(name, index)`), and the source reads
+only those bytes (safetensors' `get_slice` maps the file and copies just the slice). The seed checkpoint,
+a resumed checkpoint (whole HF files or the sharded format) and an in-memory dict all look the same to
+the Trainer.
+
+`bytes_read` counts what the rank copied out of the source, so a test can prove that a rank read its
+share and not the whole model.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from .errors import UserError
+
+Index = tuple  # a tuple of slices, one per leading axis; () reads the whole tensor
+
+
+class TensorSource(Protocol):
+    bytes_read: int
+
+    def names(self) -> list[str]:
+        """Tensor names (HF names), in the file's order."""
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The whole tensor's shape, without reading it."""
+
+    def read(self, name: str, index: Index = ()) -> np.ndarray:
+        """The tensor, or the slice `index` of it, as a float32 numpy array."""
+
+
+def _as_float32(array: np.ndarray) -> np.ndarray:
+    return array if array.dtype == np.float32 else array.astype(np.float32)
+
+
+class DictSource:
+    """Whole numpy arrays in memory (tests, diagnose, a state already gathered)."""
+
+    def __init__(self, arrays: dict[str, np.ndarray]):
+        self.arrays, self.bytes_read = arrays, 0
+
+    def names(self) -> list[str]:
+        return list(self.arrays)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.arrays[name].shape)
+
+    def read(self, name: str, index: Index = ()) -> np.ndarray:
+        out = _as_float32(np.ascontiguousarray(self.arrays[name][index]))
+        self.bytes_read += out.nbytes
+        return out
+
+
+class SafetensorsSource:
+    """One safetensors file, opened lazily; `prefix` selects and strips a name prefix ("exp_avg." of an
+    optimizer file), so a checkpoint's moments read like its weights."""
+
+    def __init__(self, path: Path, prefix: str = ""):
+        from safetensors import SafetensorError, safe_open
+
+        self.path, self.prefix, self.bytes_read = Path(path), prefix, 0
+        try:
+            self._file = safe_open(str(self.path), framework="numpy")
+            keys = list(self._file.keys())
+        except (SafetensorError, OSError, ValueError) as err:
+            raise UserError(f"{self.path} cannot be read (truncated or corrupt?): {err}") from None
+        self._names = [k[len(prefix):] for k in keys if k.startswith(prefix)]
+
+    def names(self) -> list[str]:
+        return list(self._names)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._file.get_slice(self.prefix + name).get_shape())
+
+    def read(self, name: str, index: Index = ()) -> np.ndarray:
+        piece = self._file.get_slice(self.prefix + name)
+        out = _as_float32(np.ascontiguousarray(piece[index] if index else piece[:]))
+        self.bytes_read += out.nbytes
+        return out
+
+
+def read_all(source: TensorSource) -> dict[str, np.ndarray]:
+    """Every tensor whole: what a replicated strategy keeps."""
+    return {name: source.read(name) for name in source.names()}
