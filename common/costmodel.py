@@ -49,6 +49,10 @@ Collectives, ring algorithm over N ranks, link latency a per hop and bandwidth b
 A link measured as an all-reduce, t(S) ~= latency_s + S / bandwidth_Bps at N_m ranks, is inverted through
 the ring formula (a = latency_s / 2(N_m - 1), b = bandwidth_Bps x 2(N_m - 1)/N_m), so the framework's own
 overheads at N_m carry over to any N. A link given by hand (--link-gbps, --latency-us) is the wire itself.
+An fsdp run also measures its own all-gather (common/fabric.py PROBES_ALL_GATHER), inverted the same way
+(a = latency_s / (N_m - 1), b = bandwidth_Bps x (N_m - 1)/N_m) and used for the all-gathers only: gloo's
+all_gather is CPU-bound where its all-reduce is not (docs/scaling.md), so one link figure for both
+mispredicted torch fsdp over loopback by -27.5 %.
 
 Memory per rank (bytes): params + grads + optimizer + activations + overhead
 
@@ -64,7 +68,7 @@ Memory per rank (bytes): params + grads + optimizer + activations + overhead
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .errors import UserError
 from .flops import attention_flops_per_token, flops_per_token, matmul_parameters
@@ -83,11 +87,15 @@ LOOPBACK_ALLREDUCE = {"ring": (82e-6, 0.86e9), "mpi": (12e-6, 1.19e9), "gloo": (
 
 @dataclass(frozen=True)
 class Link:
-    """A ring's per-hop latency (s) and per-direction bandwidth (bytes/s), and where they come from."""
+    """A ring's per-hop latency (s) and per-direction bandwidth (bytes/s), and where they come from; and,
+    where the job's own all-gather was measured (fsdp runs, common/fabric.py), the hop figures its
+    all-gathers showed, which gloo's CPU-bound all_gather makes worse than its all-reduce's."""
     name: str
     hop_latency_s: float
     bandwidth_Bps: float
     source: str = ""
+    gather_hop_latency_s: float | None = None
+    gather_bandwidth_Bps: float | None = None
 
     def __post_init__(self):
         if not (self.hop_latency_s >= 0 and self.bandwidth_Bps > 0 and math.isfinite(self.bandwidth_Bps)):
@@ -102,6 +110,12 @@ class Link:
         steps = 2 * (n - 1)
         return cls(name, latency_s / steps, bandwidth_Bps * steps / n, source)
 
+    def with_allgather(self, latency_s: float, bandwidth_Bps: float, world_size: int) -> "Link":
+        """The same link with its all-gathers measured: t(S) ~= latency_s + S / bandwidth_Bps, S gathered."""
+        n = max(2, int(world_size))
+        return replace(self, gather_hop_latency_s=latency_s / (n - 1), gather_bandwidth_Bps=bandwidth_Bps * (n - 1) / n,
+                       source=self.source + "; its all-gather measured too")
+
     @classmethod
     def wire(cls, gbit_per_s: float, latency_us: float, name: str = "") -> "Link":
         return cls(name or f"{gbit_per_s:g} Gbit/s, {latency_us:g} µs", latency_us * 1e-6, gbit_per_s * 1e9 / 8,
@@ -111,9 +125,12 @@ class Link:
         return 2 * (n - 1) * self.hop_latency_s + 2 * (n - 1) / n * nbytes / self.bandwidth_Bps
 
     def all_gather_s(self, nbytes: float, n: int) -> float:
-        return (n - 1) * self.hop_latency_s + (n - 1) / n * nbytes / self.bandwidth_Bps
+        if self.gather_bandwidth_Bps:
+            return (n - 1) * (self.gather_hop_latency_s or 0.0) + (n - 1) / n * nbytes / self.gather_bandwidth_Bps
+        return self.reduce_scatter_s(nbytes, n)
 
-    reduce_scatter_s = all_gather_s
+    def reduce_scatter_s(self, nbytes: float, n: int) -> float:
+        return (n - 1) * self.hop_latency_s + (n - 1) / n * nbytes / self.bandwidth_Bps
 
     def send_s(self, nbytes: float, n: int) -> float:
         """One point-to-point message to a neighbour (pp): one hop."""
@@ -345,10 +362,13 @@ def link_from_record(record: dict | None, framework: str = "", backend: str = ""
     if not record:
         return None
     name = record.get("requested") or "loopback"
-    ar = record.get("allreduce") or {}
+    ar, ag = record.get("allreduce") or {}, record.get("allgather") or {}
     if ar.get("latency_s") is not None and ar.get("bandwidth_Bps"):
-        return Link.from_allreduce(name, ar["latency_s"], ar["bandwidth_Bps"], ar.get("world_size") or 2,
+        link = Link.from_allreduce(name, ar["latency_s"], ar["bandwidth_Bps"], ar.get("world_size") or 2,
                                    f"the job's {ar.get('backend', backend)} all-reduce, measured at its start")
+        if ag.get("latency_s") is not None and ag.get("bandwidth_Bps"):
+            link = link.with_allgather(ag["latency_s"], ag["bandwidth_Bps"], ag.get("world_size") or 2)
+        return link
     if record.get("tcp_bandwidth_Bps"):
         return Link(name, record.get("tcp_latency_s") or 0.0, record["tcp_bandwidth_Bps"],
                     "the path's TCP throughput and latency, measured")

@@ -37,6 +37,7 @@ class Collectives:
     all_reduce: Callable[[object], None]    # sum over ranks, returns when done
     from_rank0: Callable[[float], float]    # rank 0's value, on every rank (a small all-reduce)
     finish: Callable[[], None] = lambda: None
+    all_gather: Callable[[object], None] | None = None  # gathers every rank's buffer, returns when done
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -62,10 +63,15 @@ def planned_calls(size: int, max_calls: int, budget_bytes: int) -> int:
 
 
 def measure(c: Collectives, sizes: list[int], max_calls: int = 50, budget_bytes: int = 512 * 2**20,
-            time_budget_s: float = math.inf, started: float = STARTED) -> list[dict]:
+            time_budget_s: float = math.inf, started: float = STARTED, op: str = "all_reduce") -> list[dict]:
     """[{"size_bytes", "times_s"}] per size measured; sizes that would not fit the time budget, counted from
-    `started` (time.monotonic(); default: when this module was imported), are left out."""
+    `started` (time.monotonic(); default: when this module was imported), are left out.
+
+    op="all_gather" times `c.all_gather` instead; its size is the gathered (whole) size, as the cost model
+    counts an all-gather, so every rank contributes size / N bytes."""
     deadline = started + time_budget_s
+    collective = getattr(c, op)
+    per_rank = c.size if op == "all_gather" else 1
     results, last = [], None  # last: (size, seconds per call) of the previous size, to predict the next
     for i, size in enumerate(sizes):
         left = deadline - time.monotonic()
@@ -74,10 +80,10 @@ def measure(c: Collectives, sizes: list[int], max_calls: int = 50, budget_bytes:
         go = c.from_rank0(1.0 if left > (WARMUP_CALLS + 1) * predicted else 0.0)
         if go < 0.5:
             break
-        x = c.buffer(size)
+        x = c.buffer(max(4, size // per_rank))
         for _ in range(WARMUP_CALLS):
             start = time.perf_counter()
-            c.all_reduce(x)
+            collective(x)
         warm_s = time.perf_counter() - start
         calls = planned_calls(size, max_calls, budget_bytes)
         if math.isfinite(time_budget_s):  # this size's share of the time left, over the sizes left
@@ -88,7 +94,7 @@ def measure(c: Collectives, sizes: list[int], max_calls: int = 50, budget_bytes:
         for _ in range(calls):
             c.from_rank0(0.0)  # the barrier: everyone enters the timed call together
             start = time.perf_counter()
-            c.all_reduce(x)
+            collective(x)
             times.append(time.perf_counter() - start)
         results.append({"size_bytes": size, "times_s": times})
         last = (size, sorted(times)[len(times) // 2])
@@ -122,11 +128,18 @@ def fit(results: list[dict]) -> dict:
     return {"latency_s": latency, "bandwidth_Bps": bandwidth, "large_bytes": large}
 
 
-def probe_allreduce(c: Collectives, backend: str) -> dict:
-    """This job's own float32 all-reduce: time(S) ~= latency_s + S / bandwidth_Bps at this world size."""
+def probe_allreduce(c: Collectives, backend: str, op: str = "all_reduce") -> dict:
+    """This job's own float32 all-reduce (or op="all_gather": its all-gather, S the gathered size):
+    time(S) ~= latency_s + S / bandwidth_Bps at this world size."""
     results = measure(c, list(PROBE_SIZES), max_calls=10, budget_bytes=3 * PROBE_SIZES[1],
-                      time_budget_s=PROBE_BUDGET_S, started=time.monotonic())
+                      time_budget_s=PROBE_BUDGET_S, started=time.monotonic(), op=op)
     return {"backend": backend, "world_size": c.size, **fit(results)}
+
+
+# Strategies whose step is mostly all-gathers: their own all-gather is probed too. Why: gloo's all_gather is
+# CPU-bound where its all-reduce is not (32 MB gathered at N=2 over loopback took 48 ms against the ring
+# formula's 16 ms from the all-reduce probe: docs/scaling.md), so the all-reduce alone mispredicts fsdp.
+PROBES_ALL_GATHER = ("fsdp",)
 
 
 def rank_main(argv: list[str] | None, start: Callable[[argparse.Namespace], Collectives], framework: str) -> int:

@@ -24,7 +24,7 @@ from .breakdown import profile
 from .checkpoint import TrainState, latest_checkpoint, load_checkpoint, resume_fingerprints, save_checkpoint
 from .config import RunConfig
 from .errors import UserError
-from .fabric import Collectives, probe_allreduce
+from .fabric import PROBES_ALL_GATHER, Collectives, probe_allreduce
 from .metrics import MetricsWriter, RankStatus, peak_rss_bytes, truncate_metrics
 from .plan import RunPlan
 from .protocols import Trainer
@@ -168,7 +168,10 @@ def setup_run(run_dir: Path, world: World, trainer_cls) -> Run:
         truncate_metrics(metrics_path, start_step)
     metrics = MetricsWriter(metrics_path, enabled=rank == 0)
     if world.collectives is not None:  # the link this job talks over, as its own all-reduce sees it
-        status.update(force=True, allreduce=probe_allreduce(world.collectives(), cfg.resolved_backend))
+        collectives = world.collectives()
+        status.update(force=True, allreduce=probe_allreduce(collectives, cfg.resolved_backend))
+        if cfg.strategy in PROBES_ALL_GATHER and collectives.all_gather is not None:
+            status.update(force=True, allgather=probe_allreduce(collectives, cfg.resolved_backend, op="all_gather"))
     status.update(force=True, status="running", device=str(trainer.device), start_step=start_step)
     return Run(run_dir, cfg, spec, trainer, status, metrics, train_view, valid_view, sampler, fingerprints,
                dp_rank, dp_size, start_step, fault=injected_fault(trainer.framework),

@@ -90,9 +90,12 @@ def collectives_of(group, stream, device: str) -> Collectives:
     def all_reduce(x) -> None:
         mx.eval(mx.distributed.all_sum(x, group=group, stream=stream))
 
+    def all_gather(x) -> None:
+        mx.eval(mx.distributed.all_gather(x, group=group, stream=stream))
+
     def from_rank0(value: float) -> float:
         mine = mx.array([value if rank == 0 else 0.0], dtype=mx.float32)
         return mx.distributed.all_sum(mine, group=group, stream=stream).item()
 
     return Collectives(rank=rank, size=group.size(), device=device, buffer=buffer, all_reduce=all_reduce,
-                       from_rank0=from_rank0)
+                       from_rank0=from_rank0, all_gather=all_gather)

@@ -59,10 +59,15 @@ def collectives_of(group, stream, device: str, finish=lambda: None) -> Collectiv
         dist.all_reduce(x)
         wait()
 
+    def all_gather(x) -> None:  # into one tensor, as FSDP2 gathers a unit's flat parameters
+        out = torch.empty(x.numel() * dist.get_world_size(), dtype=x.dtype, device=device)
+        dist.all_gather_into_tensor(out, x)
+        wait()
+
     def from_rank0(value: float) -> float:
         mine = torch.tensor([value if rank == 0 else 0.0], dtype=torch.float32, device=device)
         dist.all_reduce(mine)
         return mine.item()
 
     return Collectives(rank=rank, size=dist.get_world_size(), device=str(device), buffer=buffer,
-                       all_reduce=all_reduce, from_rank0=from_rank0, finish=finish)
+                       all_reduce=all_reduce, from_rank0=from_rank0, finish=finish, all_gather=all_gather)

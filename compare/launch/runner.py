@@ -235,6 +235,8 @@ def summarize(cfg: RunConfig, run_dir: Path, argv: list[str], blas: str, wall_s:
     }
     if link is not None:  # the path the ranks talked over, and their own all-reduce on it (common/fabric.py)
         summary["link"] = {**link, "allreduce": rank0.get("allreduce")}
+        if rank0.get("allgather"):  # fsdp's own all-gather (common/fabric.py PROBES_ALL_GATHER)
+            summary["link"]["allgather"] = rank0["allgather"]
     if "pp_bubble_analytic" in rank0:  # pp (common/pipeline.py): each stage's idle fraction and what it held
         summary["pipeline"] = {
             "schedule": rank0.get("pp_schedule"), "microbatches": rank0.get("pp_microbatches"),

@@ -159,6 +159,11 @@ def test_link_records_old_runs_and_bad_input():
     assert link_from_record(None) is None and link_from_record({}) is None
     rec = link_record("200mbit", latency_s=4e-4, bandwidth_Bps=2.3e7)
     assert link_from_record(rec).all_reduce_s(1e6, 2) == pytest.approx(4e-4 + 1e6 / 2.3e7)
+    # An fsdp run's own all-gather, where recorded, times the all-gathers; reduce-scatters keep the all-reduce's.
+    gathered = link_from_record({**rec, "allgather": {"latency_s": 5e-4, "bandwidth_Bps": 1e7, "world_size": 2}})
+    assert gathered.all_gather_s(1e6, 2) == pytest.approx(5e-4 + 1e6 / 1e7)
+    assert gathered.reduce_scatter_s(1e6, 2) == pytest.approx(link_from_record(rec).all_gather_s(1e6, 2))
+    assert gathered.all_reduce_s(1e6, 2) == pytest.approx(4e-4 + 1e6 / 2.3e7)
     tcp_only = {**rec, "allreduce": None}
     assert link_from_record(tcp_only).bandwidth_Bps == rec["tcp_bandwidth_Bps"]
     no_breakdown = {**summary("mlx", 1), "breakdown": None}

@@ -22,8 +22,11 @@ class FakeLink:
             self.decisions.append(value)
             return value
 
+        def all_gather(x):  # x: the rank's part; a ring all-gather at N=2 sends it once
+            time.sleep(self.latency_s + x / self.bytes_per_s)
+
         return Collectives(rank=0, size=2, device="cpu", buffer=lambda n: n, all_reduce=all_reduce,
-                           from_rank0=from_rank0)
+                           from_rank0=from_rank0, all_gather=all_gather)
 
 
 def test_the_rank_measures_every_size_when_time_allows_and_skips_what_would_overrun_the_budget():
@@ -44,3 +47,15 @@ def test_the_sync_estimate_is_a_latency_per_bucket_plus_the_bytes_at_the_measure
     small = Workload("small", 128, 8)
     assert row.sync_s(small.grad_bytes, 32 * 2**20) == pytest.approx(4 * 1e-4 + small.grad_bytes / 1e9)
     assert 100 * 2**20 < small.grad_bytes < 120 * 2**20  # ~28M fp32 parameters
+
+
+def test_an_all_gather_probe_gives_each_rank_its_part_and_fits_the_gathered_size():
+    from common.fabric import fit
+    link = FakeLink(2e-3, 1e8)
+    gathered = measure(link.collectives(), [4096, 2**22], max_calls=3, op="all_gather")
+    reduced = measure(link.collectives(), [4096, 2**22], max_calls=3)
+    # Sizes are the gathered size; each rank's buffer is its 1/N part, so the same size gathers in about half
+    # the time the all-reduce takes here (sleep-based: a few ms of scheduling noise on top).
+    assert [r["size_bytes"] for r in gathered] == [4096, 2**22]
+    g, r = fit(gathered), fit(reduced)
+    assert g["bandwidth_Bps"] == pytest.approx(2 * r["bandwidth_Bps"], rel=0.25)
