@@ -27,32 +27,45 @@ def test_every_parameter_lives_on_exactly_one_stage_embedding_first_head_last():
 
 
 # ---- the schedules ------------------------------------------------------------------------------------------
-def _simulate(schedule: str, stages: int, micro: int) -> bool:
-    """Run every stage's operations with rendezvous sends (a send completes only together with its receive):
-    True when all stages finish, False on a deadlock."""
+def _simulate(schedule: str, stages: int, micro: int, forward_s: float = 1.0, backward_s: float = 2.0):
+    """Run every stage's operations with rendezvous sends (a send completes only together with its receive,
+    both at the later of the two stages' clocks; sends take no time): the step's length when all stages
+    finish, None on a deadlock."""
     ops = [stage_ops(schedule, s, stages, micro) for s in range(stages)]
-    pos = [0] * stages
+    pos, clock = [0] * stages, [0.0] * stages
     while any(pos[s] < len(ops[s]) for s in range(stages)):
         moved = False
         for s in range(stages):
             while pos[s] < len(ops[s]) and ops[s][pos[s]][0] in ("F", "B"):
+                clock[s] += forward_s if ops[s][pos[s]][0] == "F" else backward_s
                 pos[s], moved = pos[s] + 1, True
         for s in range(stages):
             if pos[s] < len(ops[s]) and ops[s][pos[s]][0].startswith("send"):
                 kind, i, dst = ops[s][pos[s]]
                 want = ("recv_" + kind[len("send_"):], i, s)
                 if pos[dst] < len(ops[dst]) and ops[dst][pos[dst]] == want:
+                    clock[s] = clock[dst] = max(clock[s], clock[dst])
                     pos[s], pos[dst], moved = pos[s] + 1, pos[dst] + 1, True
         if not moved:
-            return False
-    return True
+            return None
+    return max(clock)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_schedules_never_deadlock_even_when_every_send_waits_for_its_receive(schedule):
     for stages in range(2, 9):
         for micro in range(1, 17):
-            assert _simulate(schedule, stages, micro), (schedule, stages, micro)
+            assert _simulate(schedule, stages, micro) is not None, (schedule, stages, micro)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_each_schedule_idles_exactly_the_analytic_bubble_when_stages_are_even(schedule):
+    """Forward 1, backward 2 on every stage, sends free: the step lasts (M + p - 1) pieces, so a stage idles
+    (p - 1) / (M + p - 1). The gpipe schedule before this test idled 0.385 at p=2, M=8 (0.111 analytic)."""
+    for stages in range(2, 6):
+        for micro in (1, 2, 4, 8, 16):
+            window = _simulate(schedule, stages, micro)
+            assert 1 - micro * 3.0 / window == pytest.approx(bubble_fraction(stages, micro)), (stages, micro)
 
 
 def test_each_stage_runs_every_forward_and_backward_once_backward_after_forward():
