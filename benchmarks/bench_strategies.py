@@ -1,13 +1,16 @@
 """What each rank holds and how fast it trains, per parallelism strategy: `dpcompare run --strategy S`.
 
-    python benchmarks/bench_strategies.py [--strategies ddp,fsdp] [--out runs/bench/strategies.json]
+    python benchmarks/bench_strategies.py [--strategies ddp,fsdp,tp,pp] [--link 1gbit] [--out runs/bench/strategies.json]
 
 For every framework and strategy at N ranks, one run of the `base` preset (12 layers, dim 768, the
 preset's 50,000-token vocabulary kept with `model.vocab_size` so the embedding and head are the size
 they would be with a real tokenizer; the builtin corpus supplies the tokens). Reported per rank, from
 summary.json: the bytes of parameters, gradients and optimizer state the rank holds (Trainer.state_bytes,
 computed from its arrays), the peak RSS, and the median tokens/s; then each strategy's state bytes and
-tokens/s against the first strategy's (ddp). The target: FSDP at most 0.6x DDP's state bytes per rank.
+tokens/s against the first strategy's (ddp), and the bytes each rank sends per step: counted where the run
+counts them (ddp, tp: `comm_bytes_per_step`; pp: each stage's activations and gradients), else the estimate
+from the shapes (fsdp: `comm_bytes_per_step_estimate`, marked ~). `--link RATE` runs every rank in its own
+network namespace behind a link shaped to RATE (issue 24's emulated links: root and `ip` needed).
 
 `base` is large for a 2-core CPU (about 180M parameters, 2.9 GB of training state per DDP rank), so the
 defaults are few steps, short sequences and a small batch: enough for the memory figures, which do not
@@ -36,6 +39,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=1, help="runs per (framework, strategy), alternated")
+    parser.add_argument("--link", default="", help="a shaped link between the ranks, e.g. 1gbit (default: loopback)")
     parser.add_argument("--quick", action="store_true", help="accepted for run_all.py; one run is the default")
     a = parser.parse_args()
     strategies = a.strategies.split(",")
@@ -49,7 +53,8 @@ def main() -> None:
                     benchlib.wait_for_quiet()
                     runs[strategy].append(benchlib.dpcompare_run(
                         Path(work) / f"{framework}-{strategy}", framework, a.nproc, a.preset, a.steps, a.seq_len,
-                        a.batch, extra=["--strategy", strategy, "--set", f"model.vocab_size={a.vocab_size}"]))
+                        a.batch, extra=["--strategy", strategy, "--set", f"model.vocab_size={a.vocab_size}",
+                                        *(["--link", a.link] if a.link else [])]))
             base = None
             for strategy in strategies:
                 row = summarize(framework, strategy, runs[strategy])
@@ -62,9 +67,9 @@ def main() -> None:
         ("grads_MiB", "grads MiB", ".0f"), ("optimizer_MiB", "optim MiB", ".0f"), ("state_MiB", "state MiB", ".0f"),
         ("state_vs_first", f"vs {strategies[0]}", ".2f"), ("peak_rss_MiB", "peak RSS MiB/rank", ""),
         ("tokens_per_s", "tok/s", ".0f"), ("tokens_per_s_vs_first", f"vs {strategies[0]}", ".2f"),
-        ("reduce_scatter", "reduce-scatter", "")],
+        ("comm_MiB", "sent MiB/step", ""), ("reduce_scatter", "reduce-scatter", "")],
         title=f"strategies, {a.preset} (vocab {a.vocab_size}), N={a.nproc}, seq {a.seq_len}, global batch "
-              f"{a.batch}, {a.steps} steps; bytes per rank (the largest rank)")
+              f"{a.batch}, {a.steps} steps, {a.link or 'loopback'}; bytes per rank (the largest rank)")
     benchlib.write_result(a.out, "strategies", {**vars(a), "out": str(a.out)}, rows)
 
 
@@ -79,7 +84,20 @@ def summarize(framework: str, strategy: str, summaries: list[dict]) -> dict:
         "peak_rss_MiB": " / ".join(f"{v / 2**20:.0f}" for v in s["peak_rss_bytes"]),
         "tokens_per_s": benchlib.median(r["tokens_per_s"] for r in summaries),
         "tokens_per_s_runs": [r["tokens_per_s"] for r in summaries],
+        "comm_MiB": comm_mib(s),
     }
+
+
+def comm_mib(s: dict) -> str:
+    """Bytes a rank sends per step, as text: counted, or estimated from the shapes (~)."""
+    stages = [b for b in ((s.get("pipeline") or {}).get("comm_bytes_per_step") or []) if b is not None]
+    if stages:
+        return f"{max(stages) / 2**20:.1f}"
+    if s.get("comm_bytes_per_step") is not None and s.get("strategy") != "fsdp":  # MLX fsdp counts only its
+        # replicated gradients' all-reduce, torch fsdp nothing: its gathers run inside FSDP
+        return f"{s['comm_bytes_per_step'] / 2**20:.1f}"
+    estimate = s.get("comm_bytes_per_step_estimate")
+    return f"~{estimate / 2**20:.1f}" if estimate is not None else "-"
 
 
 if __name__ == "__main__":
