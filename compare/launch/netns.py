@@ -11,12 +11,18 @@ Needs Linux, root and iproute2's `ip` and `tc`; `check_can_emulate` says what is
 before anything starts. `EmulatedLink` is a context manager: the namespaces go (and with them every veth
 end and the bridge) however the job ends, a normal end, a failed rank or a stop signal to dpcompare, since
 the runner stops the job inside the `with`. Ranks enter their namespace through `ip netns exec`.
+
+A dpcompare killed outright (SIGKILL, a power cut of the VM) runs no cleanup, so every name carries its
+owner's pid (base 36, to fit interface names in 15 characters): the next link to start removes the
+namespaces of owners that no longer run (`sweep_orphans`). A live pid keeps its namespaces, even if the
+pid was reused by another program: leaving a stale namespace is safe, deleting a live one is not.
 """
 from __future__ import annotations
 
 import itertools
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -29,6 +35,42 @@ from ..machine.environment import child_env
 
 _links = itertools.count()
 TBF_LATENCY = "100ms"  # how long a packet may queue in the bucket before it is dropped
+TAG_PREFIX = "dpc"
+# dpc<owner pid, base 36>x<link number>, then r<rank> (a rank's namespace) or h (the hub's)
+NAMESPACE = re.compile(rf"^{TAG_PREFIX}([0-9a-z]+)x\d+(?:r\d+|h)$")
+
+
+def _base36(n: int) -> str:
+    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
+    out = ""
+    while True:
+        n, d = divmod(n, 36)
+        out = digits[d] + out
+        if n == 0:
+            return out
+
+
+def orphaned(names: list[str], alive=lambda pid: os.path.exists(f"/proc/{pid}")) -> list[str]:
+    """The names among `names` (an `ip netns list`) that an emulated link made and whose owner is gone."""
+    out = []
+    for name in names:
+        match = NAMESPACE.match(name)
+        if match and not alive(int(match.group(1), 36)):
+            out.append(name)
+    return out
+
+
+def netns_names() -> list[str]:
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in listed.splitlines() if line.strip()]
+
+
+def sweep_orphans() -> list[str]:
+    """Delete the namespaces of emulated links whose dpcompare no longer runs; returns their names."""
+    gone = orphaned(netns_names())
+    for name in gone:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return gone
 
 
 def check_can_emulate(rate: str) -> None:
@@ -69,12 +111,13 @@ class EmulatedLink:
     def __post_init__(self) -> None:
         # Names are fixed now (the launcher's command names them), the namespaces made on entering.
         n = next(_links)
-        self.tag = f"dpc{os.getpid() % 100000}{n}"
+        self.tag = f"{TAG_PREFIX}{_base36(os.getpid())}x{n}"
         self.namespaces = [f"{self.tag}r{r}" for r in range(self.ranks)]
         self.interfaces = [f"{self.tag}v{r}" for r in range(self.ranks)]
         self.addresses = [f"10.232.{(os.getpid() + n) % 250 + 1}.{r + 1}" for r in range(self.ranks)]
 
     def __enter__(self) -> "EmulatedLink":
+        sweep_orphans()
         try:
             self._build(self.tag)
         except BaseException:

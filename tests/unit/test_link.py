@@ -1,4 +1,6 @@
 """Emulated links refuse, before anything starts, what they cannot do here; rates parse as tc's units."""
+import os
+import shutil
 from unittest import mock
 
 import pytest
@@ -36,3 +38,35 @@ def test_without_ip_an_emulated_link_names_the_missing_tool(tmp_path, cache_dir)
     with mock.patch("os.geteuid", return_value=0), mock.patch("shutil.which", return_value=None):
         proc = dpcompare_here("doctor", "--fabric", "--link", "1gbit", cache_dir=cache_dir)
     assert proc.returncode == 2 and "`ip` not found (Debian: apt install iproute2)" in proc.stderr, proc.stderr
+
+
+def test_only_the_namespaces_of_a_dpcompare_that_no_longer_runs_are_orphans_and_names_fit_interfaces():
+    from compare.launch.netns import EmulatedLink, _base36, orphaned
+    dead, live = 4194303, 1234  # the kernel's largest pid: still a 15-character interface name
+    names = [f"dpc{_base36(dead)}x0r0", f"dpc{_base36(dead)}x3h", f"dpc{_base36(live)}x0r1", "dpcx0r0", "mine",
+             f"dpc{_base36(dead)}x0v0"]
+    assert orphaned(names, alive=lambda pid: pid == live) == names[:2]
+    with mock.patch("os.getpid", return_value=dead):
+        link = EmulatedLink("1gbit", 12)
+    assert all(len(name) <= 15 for name in link.interfaces + link.namespaces)
+    assert orphaned(link.namespaces, alive=lambda pid: pid != dead) == link.namespaces  # its pid, read back
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and ip (iproute2)")
+def test_a_killed_dpcompares_namespaces_are_swept_and_nobody_elses():
+    """SIGKILL runs no cleanup: the next link removes what a dead owner left, by the pid in its name."""
+    import subprocess
+
+    from compare.launch.netns import _base36, netns_names, sweep_orphans
+    dead = max(int(p) for p in os.listdir("/proc") if p.isdigit()) + 1  # no process has it right now
+    while os.path.exists(f"/proc/{dead}"):
+        dead += 1
+    stale, kept = f"dpc{_base36(dead)}x9r0", f"dpc{_base36(os.getpid())}x9r0"
+    for name in (stale, kept):
+        subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        assert stale in sweep_orphans()
+        assert stale not in netns_names() and kept in netns_names()
+    finally:
+        for name in (stale, kept):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
