@@ -29,7 +29,10 @@ def main() -> None:
     parser.add_argument("--frameworks", default="mlx,torch")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", type=Path, default=Path("runs/bench/pp_bubble.json"))
+    parser.add_argument("--quick", action="store_true", help="M = 8 only, the hardest case")
     a = parser.parse_args()
+    if a.quick:
+        a.microbatches = "8"
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_pp_") as work:
         for m in (int(x) for x in a.microbatches.split(",")):

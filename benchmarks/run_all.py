@@ -15,7 +15,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHMARKS = ["data", "overhead", "blas", "collectives", "startup", "mfu", "malloc", "precision", "strategies", "tp", "ops", "gap"]
+BENCHMARKS = ["data", "overhead", "blas", "collectives", "startup", "mfu", "malloc", "precision", "strategies", "tp", "ops", "gap",
+              "pp_bubble", "plan"]
 
 
 def main() -> int:
