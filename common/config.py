@@ -294,7 +294,9 @@ def folder_spec(directory: str) -> ModelSpec:
     if not path.is_file():
         raise UserError(f"--init-from {directory}: {path} not found: expected an HF-format Llama folder")
     try:
-        return ModelSpec.from_hf_config(json.loads(path.read_text()))
+        from .hfconfig import from_hf_config
+
+        return from_hf_config(json.loads(path.read_text()))
     except json.JSONDecodeError as err:
         raise UserError(f"{path} is not valid JSON: {err}") from None
 

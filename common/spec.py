@@ -75,18 +75,6 @@ class ModelSpec:
             raise UserError(f"unknown model field {unknown[0]!r}; allowed: {', '.join(sorted(known))}")
         return cls(**data)
 
-    # Hugging Face config.json (common/hfconfig.py), so checkpoints open in transformers and mlx-lm.
-    def to_hf_config(self) -> dict:
-        from .hfconfig import to_hf_config
-
-        return to_hf_config(self)
-
-    @classmethod
-    def from_hf_config(cls, cfg: dict) -> "ModelSpec":
-        from .hfconfig import from_hf_config
-
-        return from_hf_config(cfg)
-
 
 def _scaling_pairs(value) -> tuple:
     """rope_scaling as sorted (key, value) pairs, from a dict (config.json, TOML) or pairs (a frozen spec)."""

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import UserError
+from .hfconfig import from_hf_config, to_hf_config
 from .spec import ModelSpec
 
 INIT_STD = 0.02
@@ -81,7 +82,7 @@ def save_pretrained(directory: Path, spec: ModelSpec, weights: dict[str, np.ndar
         save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, str(tmp),
                   metadata={"format": "pt"})
     atomic_write_bytes(directory / "config.json",
-                       json.dumps(spec.to_hf_config(), indent=2).encode())
+                       json.dumps(to_hf_config(spec), indent=2).encode())
 
 
 def load_pretrained(directory: Path) -> tuple[ModelSpec, dict[str, np.ndarray]]:
@@ -95,7 +96,7 @@ def load_pretrained(directory: Path) -> tuple[ModelSpec, dict[str, np.ndarray]]:
         if not path.is_file():
             raise UserError(f"{path} not found: expected an HF-format Llama directory")
     try:
-        spec = ModelSpec.from_hf_config(json.loads(config_path.read_text()))
+        spec = from_hf_config(json.loads(config_path.read_text()))
     except json.JSONDecodeError as err:
         raise UserError(f"{config_path} is not valid JSON: {err}") from None
     try:
