@@ -173,3 +173,73 @@ def test_a_preset_or_model_field_that_contradicts_the_folder_exits_2_naming_the_
 
     cfg = RunConfig.from_dict({"init_from": str(folder), "model": {"n_layers": 2}, "seq_len": 32})
     assert cfg.model_spec().dim == 192 and cfg.model_spec().rope_theta == 100000.0
+
+
+# ---- the checkpoint's tokenizer -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer_folders(tmp_path_factory):
+    """The three checkpoints' special-token conventions on one small BPE: Llama 3.2 and TinyLlama put a BOS
+    before a text, SmolLM2 does not; and Llama 3.2's with add_bos_token stated false."""
+    root = tmp_path_factory.mktemp("tokenizers")
+    folders = {}
+    for name in ("llama-3.2-1b", "smollm2-135m", "tinyllama-1.1b"):
+        folders[name] = root / name
+        folders[name].mkdir()
+        pretrained_folder.write_tokenizer(folders[name], name, vocab_size=300)
+    folders["no-bos"] = root / "no-bos"
+    folders["no-bos"].mkdir()
+    pretrained_folder.write_tokenizer(folders["no-bos"], "llama-3.2-1b", vocab_size=300)
+    config = json.loads((folders["no-bos"] / "tokenizer_config.json").read_text())
+    (folders["no-bos"] / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": False}))
+    return folders
+
+
+def test_each_document_starts_with_bos_where_the_checkpoints_tokenizer_adds_one(tokenizer_folders, tmp_path):
+    from tokenizers import Tokenizer
+
+    from common.sequences import SequenceView
+    from common.tokencache import prepare_tokens
+
+    data = tmp_path / "docs.txt"
+    data.write_text("Tom saw a cat.\n\nThe cat ran away.\n\nTom was sad, then happy.\n")
+    caches = {name: prepare_tokens(str(data), str(folder), cache_dir=tmp_path / "cache", val_fraction=0,
+                                   progress=False) for name, folder in tokenizer_folders.items()}
+    for name, cache in caches.items():
+        split = cache.split("train")
+        bos_token = pretrained_folder.SPECIAL_TOKENS[name][0] if name != "no-bos" else None
+        adds_bos = name in ("llama-3.2-1b", "tinyllama-1.1b")
+        expected_bos = cache.meta["bos_id"] if adds_bos else None
+        assert (expected_bos is not None) == adds_bos, name
+        if adds_bos:
+            assert expected_bos == Tokenizer.from_file(str(cache.tokenizer_path)).token_to_id(bos_token)
+        for doc in range(split.num_documents):
+            start, stop = (int(x[0]) for x in split.document_spans(np.array([doc])))
+            tokens = split.read(start, stop).tolist()
+            assert tokens[-1] == cache.meta["eos_id"], name  # EOS between documents
+            assert (tokens[0] == expected_bos) if expected_bos is not None else (tokens[0] != cache.meta["eos_id"])
+            assert tokens.count(expected_bos) == (1 if expected_bos is not None else 0)
+        # padding: one sample per document, from its BOS, the targets past its EOS masked
+        inputs, _, mask = SequenceView(split, 16, "padding").batch([0])
+        starts, stops = split.document_spans(np.array([0]))
+        assert mask.sum() == min(int(stops[0] - starts[0]) - 1, 16) and mask[0, -1] == 0
+        assert expected_bos is None or inputs[0, 0] == expected_bos
+    # The same tokenizer.json with and without BOS handling: two caches, not one.
+    same = caches["llama-3.2-1b"].meta["tokenizer"]["fingerprint"] == caches["no-bos"].meta["tokenizer"]["fingerprint"]
+    assert same and caches["llama-3.2-1b"].path != caches["no-bos"].path
+
+
+def test_init_from_takes_the_tokenizer_from_the_folder_unless_one_is_named(tokenizer_folders, folders, tmp_path):
+    from common.config import RunConfig
+
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    for file in ("config.json", "model.safetensors"):
+        (folder / file).write_bytes((folders["llama-3.2-1b"] / file).read_bytes())
+    assert RunConfig.from_dict({"init_from": str(folder)}).resolved_tokenizer == "builtin"  # none in the folder
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / file).write_bytes((tokenizer_folders["llama-3.2-1b"] / file).read_bytes())
+    assert RunConfig.from_dict({"init_from": str(folder)}).resolved_tokenizer == str(folder)
+    named = str(tokenizer_folders["smollm2-135m"])
+    assert RunConfig.from_dict({"init_from": str(folder), "tokenizer": named}).resolved_tokenizer == named
