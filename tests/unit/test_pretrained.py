@@ -243,3 +243,22 @@ def test_init_from_takes_the_tokenizer_from_the_folder_unless_one_is_named(token
     assert RunConfig.from_dict({"init_from": str(folder)}).resolved_tokenizer == str(folder)
     named = str(tokenizer_folders["smollm2-135m"])
     assert RunConfig.from_dict({"init_from": str(folder), "tokenizer": named}).resolved_tokenizer == named
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "tp", "pp"])
+def test_sharded_strategies_refuse_a_checkpoint_with_biases(folders, strategy):
+    from common.config import RunConfig
+
+    with pytest.raises(UserError, match=f"--strategy {strategy} does not support biases .model.attention_bias"):
+        RunConfig.from_dict({"init_from": str(folders["head-dim-and-biases"]), "strategy": strategy, "nproc": 2,
+                             "seq_len": 32})
+    RunConfig.from_dict({"init_from": str(folders["head-dim-and-biases"]), "nproc": 2, "seq_len": 32})  # ddp runs
+
+
+def test_flops_count_an_explicit_head_dim(folders):
+    from common.flops import matmul_parameters
+
+    spec, weights = load_pretrained(folders["head-dim-and-biases"])
+    assert spec.n_heads * spec.head_dim != spec.dim
+    matmuls = sum(w.size for name, w in weights.items() if name.endswith("proj.weight")) + spec.vocab_size * spec.dim
+    assert matmul_parameters(spec) == matmuls
