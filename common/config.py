@@ -159,20 +159,39 @@ class RunConfig:
 
     # ---- derived values -----------------------------------------------------------------------
     def model_spec(self, vocab_size: int | None = None) -> ModelSpec:
-        """The preset with [model] overrides; the tokenizer's vocab size applies unless set explicitly."""
-        spec = preset(self.preset)
-        if vocab_size is not None and "vocab_size" not in self.model:
-            spec = spec.with_(vocab_size=vocab_size)
-        try:
-            spec = ModelSpec.from_dict({**spec.to_dict(), **self.model})
-        except TypeError as err:
-            raise UserError(f"invalid [model] table: {err}") from None
+        """The preset with [model] overrides; the tokenizer's vocab size applies unless set explicitly.
+        With init_from, the folder's config.json is the spec, and a [model] field may only restate it."""
+        if self.init_from:
+            spec = folder_spec(self.init_from)
+            for key, value in self.model.items():
+                try:
+                    restated = ModelSpec.from_dict({**spec.to_dict(), key: value})
+                except TypeError as err:
+                    raise UserError(f"invalid [model] table: {err}") from None
+                if restated != spec:
+                    raise UserError(f"model.{key}={value!r} contradicts {Path(self.init_from) / 'config.json'}, "
+                                    f"where it is {spec.to_dict()[key]!r}; drop it (--init-from sets the model)")
+        else:
+            spec = preset(self.preset)
+            if vocab_size is not None and "vocab_size" not in self.model:
+                spec = spec.with_(vocab_size=vocab_size)
+            try:
+                spec = ModelSpec.from_dict({**spec.to_dict(), **self.model})
+            except TypeError as err:
+                raise UserError(f"invalid [model] table: {err}") from None
         if vocab_size is not None and vocab_size > spec.vocab_size:
             raise UserError(f"the tokenizer has {vocab_size} tokens, more than the model's vocab_size "
                             f"{spec.vocab_size}")
         if self.seq_len > spec.max_seq_len:
             raise UserError(f"seq_len {self.seq_len} exceeds the model's max_seq_len {spec.max_seq_len}")
         return spec
+
+    @property
+    def resolved_tokenizer(self) -> str:
+        """--tokenizer, except that with --init-from and no tokenizer named, the folder's own tokenizer."""
+        if self.init_from and self.tokenizer == "builtin" and has_tokenizer(Path(self.init_from)):
+            return str(Path(self.init_from))
+        return self.tokenizer
 
     @property
     def world_size(self) -> int:
@@ -267,6 +286,33 @@ class RunConfig:
         # preset, [model] fields and seq_len checked now; and whether the strategy can split that model (the one
         # place this is checked: every RunConfig is validated when it is made, before anything is prepared)
         check_strategy(self.strategy, self.model_spec(vocab_size=None), self.world_size)
+
+
+def folder_spec(directory: str) -> ModelSpec:
+    """The model spec of an HF-format folder's config.json (its weights are checked when loaded)."""
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise UserError(f"--init-from {directory}: {path} not found: expected an HF-format Llama folder")
+    try:
+        from .hfconfig import from_hf_config
+
+        return from_hf_config(json.loads(path.read_text()))
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path} is not valid JSON: {err}") from None
+
+
+def has_tokenizer(directory: Path) -> bool:
+    return (directory / "tokenizer.json").is_file() or (directory / "tokenizer_config.json").is_file()
+
+
+def check_preset_matches_folder(preset_name: str, directory: str) -> None:
+    """A --preset given with --init-from may only name the folder's architecture (any vocab size)."""
+    named, folder = preset(preset_name), folder_spec(directory)
+    for key, value in named.to_dict().items():
+        if key != "vocab_size" and value != folder.to_dict()[key]:
+            raise UserError(f"--preset {preset_name} contradicts {Path(directory) / 'config.json'}: model.{key} "
+                            f"is {value!r} in the preset, {folder.to_dict()[key]!r} in the folder; drop --preset "
+                            "(--init-from sets the model)")
 
 
 def read_toml(path: str) -> dict:

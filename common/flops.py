@@ -71,13 +71,13 @@ _NVIDIA_PATTERNS = [
 
 def matmul_parameters(spec: ModelSpec) -> int:
     """N of the 6N term: weights a token is multiplied with (attention, MLP, output projection)."""
-    d, kv = spec.dim, spec.n_kv_heads * spec.head_dim
-    per_layer = d * d + 2 * kv * d + d * d + 3 * d * spec.ffn_dim  # q, k + v, o, gate + up + down
+    d, q, kv = spec.dim, spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim  # q == d but for an
+    per_layer = q * d + 2 * kv * d + d * q + 3 * d * spec.ffn_dim  # explicit head_dim; q, k + v, o, MLP
     return spec.n_layers * per_layer + spec.vocab_size * d  # lm_head or the tied embedding used as one
 
 
 def attention_flops_per_token(spec: ModelSpec, seq_len: int) -> float:
-    return 12.0 * spec.n_layers * seq_len * spec.dim
+    return 12.0 * spec.n_layers * seq_len * spec.n_heads * spec.head_dim  # d, but for an explicit head_dim
 
 
 def flops_per_token(spec: ModelSpec, seq_len: int) -> float:

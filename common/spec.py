@@ -1,13 +1,16 @@
 """The Llama architecture both backends build, and its presets.
 
 Parameter names follow Hugging Face `LlamaForCausalLM`, so one safetensors file loads into MLX, torch
-and transformers alike.
+and transformers alike. The fields beyond the presets' (an explicit head size, rope scaling, biases) exist for
+pretrained checkpoints (common/hfconfig.py reads and writes their config.json); their defaults are what the
+presets have always computed, so a preset's seed weights and numbers do not change.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
 
 from .errors import UserError
+from .rope import check_scaling
 
 
 @dataclass(frozen=True)
@@ -22,8 +25,20 @@ class ModelSpec:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    attention_head_dim: int = 0       # 0: dim / n_heads; else HF's head_dim where it differs from that
+    # HF's rope_scaling as sorted (key, value) pairs: frozen and hashable (common/rope.py); () = plain RoPE.
+    rope_scaling: tuple = ()
+    attention_bias: bool = False      # q, k, v and o projections with a bias (HF attention_bias)
+    mlp_bias: bool = False            # gate, up and down projections with a bias (HF mlp_bias)
 
     def __post_init__(self):
+        object.__setattr__(self, "rope_scaling", _scaling_pairs(self.rope_scaling))
+        if self.rope_scaling:
+            check_scaling(dict(self.rope_scaling))
+        if not isinstance(self.attention_head_dim, int) or isinstance(self.attention_head_dim, bool) \
+                or self.attention_head_dim < 0:
+            raise UserError(f"model.attention_head_dim must be 0 (dim / n_heads) or a positive integer, "
+                            f"got {self.attention_head_dim!r}")
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -32,23 +47,25 @@ class ModelSpec:
             raise UserError(f"model.rope_theta must be positive, got {self.rope_theta!r}")
         if not self.norm_eps > 0:
             raise UserError(f"model.norm_eps must be positive, got {self.norm_eps!r}")
-        if self.dim % self.n_heads:
+        if self.dim % self.n_heads and not self.attention_head_dim:
             raise UserError(f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads})")
         if self.n_heads % self.n_kv_heads:
             raise UserError(
                 f"model.n_heads ({self.n_heads}) must be divisible by model.n_kv_heads ({self.n_kv_heads})")
         if self.head_dim % 2:
-            raise UserError(f"model head_dim = dim / n_heads = {self.head_dim} must be even for RoPE")
+            raise UserError(f"model head_dim = {self.head_dim} must be even for RoPE")
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.attention_head_dim or self.dim // self.n_heads
 
     def with_(self, **changes) -> "ModelSpec":
         return replace(self, **changes)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        data = asdict(self)
+        data["rope_scaling"] = dict(self.rope_scaling)  # JSON and TOML write a table, not pairs
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> "ModelSpec":
@@ -58,52 +75,21 @@ class ModelSpec:
             raise UserError(f"unknown model field {unknown[0]!r}; allowed: {', '.join(sorted(known))}")
         return cls(**data)
 
-    # Hugging Face config.json, so checkpoints open in transformers.
-    def to_hf_config(self) -> dict:
-        return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.dim,
-            "intermediate_size": self.ffn_dim,
-            "num_hidden_layers": self.n_layers,
-            "num_attention_heads": self.n_heads,
-            "num_key_value_heads": self.n_kv_heads,
-            "head_dim": self.head_dim,
-            "max_position_embeddings": self.max_seq_len,
-            "rope_theta": self.rope_theta,
-            "rms_norm_eps": self.norm_eps,
-            "tie_word_embeddings": self.tie_embeddings,
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "mlp_bias": False,
-            "torch_dtype": "float32",
-        }
 
-    @classmethod
-    def from_hf_config(cls, cfg: dict) -> "ModelSpec":
-        try:
-            n_heads = cfg["num_attention_heads"]
-            rope_theta = cfg.get("rope_theta")
-            if rope_theta is None:  # transformers >= 5 nests it under rope_parameters
-                rope_theta = (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-            spec = cls(
-                vocab_size=cfg["vocab_size"],
-                dim=cfg["hidden_size"],
-                n_layers=cfg["num_hidden_layers"],
-                n_heads=n_heads,
-                n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
-                ffn_dim=cfg["intermediate_size"],
-                max_seq_len=cfg.get("max_position_embeddings", 2048),
-                rope_theta=float(rope_theta),
-                norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-                tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            )
-        except KeyError as missing:
-            raise UserError(f"config.json lacks {missing.args[0]!r}; is it a Llama config?") from None
-        if cfg.get("head_dim") not in (None, spec.head_dim):
-            raise UserError(f"config.json head_dim {cfg['head_dim']} != hidden_size/num_attention_heads")
-        return spec
+def _scaling_pairs(value) -> tuple:
+    """rope_scaling as sorted (key, value) pairs, from a dict (config.json, TOML) or pairs (a frozen spec)."""
+    if value is None:
+        return ()
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in value):
+        items = value
+    else:
+        raise UserError(f"model.rope_scaling must be a table such as {{rope_type = \"linear\", factor = 2.0}}, "
+                        f"got {value!r}")
+    # Numbers as floats, except the one length, so equal settings compare (and hash) equal however written.
+    return tuple(sorted((str(k), v if isinstance(v, (str, bool)) or k == "original_max_position_embeddings"
+                         else float(v) if isinstance(v, (int, float)) else v) for k, v in items))
 
 
 # `vocab_size` of a preset is a default: the run's tokenizer decides it unless the user sets it.

@@ -41,6 +41,12 @@ def data_parallel(strategy: str, rank: int, world_size: int) -> tuple[int, int]:
 
 def check_strategy(strategy: str, spec: ModelSpec, world_size: int) -> None:
     """Refuse, before anything is written, a run whose strategy cannot split this model over these ranks."""
+    if strategy != "ddp" and (spec.attention_bias or spec.mlp_bias):
+        # tp's sharding plans and pp's stages are written for bias-free Linears; fsdp's parity with biases is
+        # untested: refused rather than trusted.
+        field = "attention_bias" if spec.attention_bias else "mlp_bias"
+        raise UserError(f"--strategy {strategy} does not support biases (model.{field} = true, from the "
+                        "checkpoint's config); use --strategy ddp")
     if strategy == "fsdp":
         check_fsdp(spec, world_size)
     elif strategy == "tp":

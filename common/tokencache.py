@@ -1,8 +1,8 @@
 """Tokenize a dataset once, then let every rank memory-map the result.
 
 A cache folder `<cache_dir>/tokens/<fingerprint[:16]>/` holds, per split ("train", "valid"):
-    <split>.bin     all token ids, each document followed by one EOS (uint16, or uint32 for vocabularies
-                    above 65,536)
+    <split>.bin     all token ids, each document followed by one EOS, and preceded by one BOS where the
+                    tokenizer adds one (uint16, or uint32 for vocabularies above 65,536)
     <split>.idx     .npy int64 document offsets into <split>.bin, num_documents + 1 entries
 plus tokenizer.json (a copy of the tokenizer, for ranks and `compare` to decode with) and meta.json.
 The fingerprint covers the format version, the source's identity, the tokenizer's fingerprint, the
@@ -216,6 +216,8 @@ def prepare_tokens(dataset: str, tokenizer, *, cache_dir: Path, split: str = "tr
     else:
         info = load_tokenizer(tokenizer, cache_dir=cache_dir)
         tokenizer_key = info.fingerprint
+    if info is not None and info.bos_id is not None:  # BOS before each document: other tokens, another cache
+        tokenizer_key = {"fingerprint": info.fingerprint, "bos_id": info.bos_id}
     fingerprint = _fingerprint(identity, tokenizer_key, val_fraction, split, text_field)
     final = cache_dir / "tokens" / fingerprint[:16]
     if cached := _reusable(final, fingerprint):
@@ -347,6 +349,8 @@ def _write_splits(directory: Path, documents: Iterable[str], info, every: int, t
     started, first = time.perf_counter(), 0
     for chunk in _chunks(documents, CHUNK_DOCS):
         token_lists = info.encode_batch(chunk)
+        if info.bos_id is not None:
+            token_lists = [[info.bos_id, *ids] for ids in token_lists]
         for ids in token_lists:
             ids.append(info.eos_id)
         if every:
@@ -368,6 +372,7 @@ def _write_splits(directory: Path, documents: Iterable[str], info, every: int, t
         "dtype": dtype.name,
         "eos_id": info.eos_id,
         "pad_id": info.pad_id,
+        "bos_id": info.bos_id,
         "splits": splits,
         # Relative path: the cache folder can move.
         "tokenizer": {"name": info.name, "fingerprint": info.fingerprint, "path": "tokenizer.json"},

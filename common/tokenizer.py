@@ -1,5 +1,10 @@
-"""Tokenizers, reduced to what training needs: fast batch encoding, the vocabulary size, EOS and pad ids,
-and a fingerprint that changes whenever the tokenizer does.
+"""Tokenizers, reduced to what training needs: fast batch encoding, the vocabulary size, BOS, EOS and pad
+ids, and a fingerprint that changes whenever the tokenizer does.
+
+BOS: a pretrained tokenizer that adds one (its tokenizer_config.json says add_bos_token, or else its
+post-processor puts a token before the text, as Llama 2's and Llama 3's do) gets it at the start of every
+document (common/tokencache.py), as the checkpoint saw in pretraining; GPT-2's, SmolLM2's and the builtin
+one add none.
 
 `--tokenizer` takes one string:
   "builtin"                 a byte-level BPE trained on the run's documents, cached under cache_dir;
@@ -38,6 +43,7 @@ class TokenizerInfo:
     pad_id: int
     fingerprint: str  # sha256 of the serialized tokenizer
     backend: object = field(repr=False, compare=False)  # tokenizers.Tokenizer
+    bos_id: int | None = None  # put before every document; None: the tokenizer adds no BOS
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Token ids of each text, no special tokens added; parallel in Rust across the batch."""
@@ -104,7 +110,10 @@ def _from_folder(name: str, path: Path) -> TokenizerInfo:
         value = config.get(key)
         return value.get("content") if isinstance(value, dict) else value
 
-    return _info(name, backend, eos_token=token("eos_token"), pad_token=token("pad_token"))
+    add_bos = config.get("add_bos_token")  # stated: it decides; absent: the post-processor does
+    bos_id = backend.token_to_id(token("bos_token") or "") if add_bos else None
+    return _info(name, backend, eos_token=token("eos_token"), pad_token=token("pad_token"),
+                 bos=None if add_bos is None else bos_id if bos_id is not None else False)
 
 
 def _from_pretrained(name: str, location: str, *, hub: bool) -> TokenizerInfo:
@@ -127,14 +136,18 @@ def _from_pretrained(name: str, location: str, *, hub: bool) -> TokenizerInfo:
 
     # A private copy: padding or truncation configured for inference must not cut training documents.
     backend = Tokenizer.from_str(backend.to_str())
+    add_bos = getattr(pretrained, "add_bos_token", None)
     return _info(name, backend, eos_token=pretrained.eos_token, pad_token=pretrained.pad_token,
-                 vocab_size=len(pretrained))
+                 vocab_size=len(pretrained),
+                 bos=None if add_bos is None else pretrained.bos_token_id if add_bos else False)
 
 
 def _info(name: str, backend, *, eos_token: str | None, pad_token: str | None,
-          vocab_size: int = 0) -> TokenizerInfo:
+          vocab_size: int = 0, bos: int | None | bool = None) -> TokenizerInfo:
+    """`bos`: the BOS id a tokenizer config names (or False: it adds none); None: ask the post-processor."""
     backend.no_padding()
     backend.no_truncation()
+    bos_id = _added_bos(backend) if bos is None else bos if bos is not False else None
     eos_id = backend.token_to_id(eos_token) if eos_token else None
     if eos_id is None:
         eos_id = next((i for i in map(backend.token_to_id, EOS_CANDIDATES) if i is not None), None)
@@ -149,8 +162,18 @@ def _info(name: str, backend, *, eos_token: str | None, pad_token: str | None,
         eos_id=eos_id,
         pad_id=eos_id if pad_id is None else pad_id,
         fingerprint=hashlib.sha256(serialized.encode()).hexdigest(),
+        bos_id=bos_id,
         backend=backend,
     )
+
+
+def _added_bos(backend) -> int | None:
+    """The token the post-processor puts before a text, if it puts exactly one there."""
+    plain = backend.encode("a", add_special_tokens=False).ids
+    special = backend.encode("a", add_special_tokens=True).ids
+    if len(special) > len(plain) and special[1:1 + len(plain)] == plain:
+        return special[0]
+    return None
 
 
 def _builtin(corpus_docs: Sequence[str] | None, vocab_size: int, cache_dir: Path) -> TokenizerInfo:

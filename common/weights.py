@@ -5,7 +5,7 @@ Equal seeds in two frameworks' RNGs do not give equal weights; this file is how 
 Init scheme (GPT-2 / HF Llama style, all float32):
 - every Linear and the embedding: normal(0, 0.02);
 - the projections that write into the residual stream (o_proj, down_proj): normal(0, 0.02 / sqrt(2 * n_layers));
-- RMSNorm weights: ones.
+- RMSNorm weights: ones; biases (attention_bias, mlp_bias): zeros.
 Tensors are drawn in `parameter_shapes` order from one `numpy.random.Generator(PCG64(seed))`, so the
 same seed and spec always give the same bytes.
 """
@@ -18,28 +18,33 @@ from pathlib import Path
 import numpy as np
 
 from .errors import UserError
+from .hfconfig import from_hf_config, to_hf_config
 from .spec import ModelSpec
 
 INIT_STD = 0.02
 
 
 def parameter_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    """HF Llama parameter names and shapes, in a fixed order."""
-    d, kv = spec.dim, spec.n_kv_heads * spec.head_dim
+    """HF Llama parameter names and shapes, in a fixed order (a bias right after its weight, where the spec
+    has biases, so the order of the presets' tensors, and so their seed bytes, never change)."""
+    d, q, kv = spec.dim, spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (spec.vocab_size, d)}
+
+    def linear(name: str, out_features: int, in_features: int, bias: bool) -> None:
+        shapes[name + ".weight"] = (out_features, in_features)
+        if bias:
+            shapes[name + ".bias"] = (out_features,)
+
     for i in range(spec.n_layers):
         p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (d,),
-            p + "self_attn.q_proj.weight": (d, d),
-            p + "self_attn.k_proj.weight": (kv, d),
-            p + "self_attn.v_proj.weight": (kv, d),
-            p + "self_attn.o_proj.weight": (d, d),
-            p + "post_attention_layernorm.weight": (d,),
-            p + "mlp.gate_proj.weight": (spec.ffn_dim, d),
-            p + "mlp.up_proj.weight": (spec.ffn_dim, d),
-            p + "mlp.down_proj.weight": (d, spec.ffn_dim),
-        })
+        shapes[p + "input_layernorm.weight"] = (d,)
+        for name, out_features, in_features in (("q_proj", q, d), ("k_proj", kv, d), ("v_proj", kv, d),
+                                                ("o_proj", d, q)):
+            linear(p + "self_attn." + name, out_features, in_features, spec.attention_bias)
+        shapes[p + "post_attention_layernorm.weight"] = (d,)
+        for name, out_features, in_features in (("gate_proj", spec.ffn_dim, d), ("up_proj", spec.ffn_dim, d),
+                                                ("down_proj", d, spec.ffn_dim)):
+            linear(p + "mlp." + name, out_features, in_features, spec.mlp_bias)
     shapes["model.norm.weight"] = (d,)
     if not spec.tie_embeddings:
         shapes["lm_head.weight"] = (spec.vocab_size, d)
@@ -57,6 +62,8 @@ def init_weights(spec: ModelSpec, seed: int) -> dict[str, np.ndarray]:
     for name, shape in parameter_shapes(spec).items():
         if name.endswith("norm.weight"):
             weights[name] = np.ones(shape, dtype=np.float32)
+        elif name.endswith(".bias"):  # zeros, as transformers initialises a Linear's bias; draws nothing
+            weights[name] = np.zeros(shape, dtype=np.float32)
         else:
             std = residual_std if name.endswith(("o_proj.weight", "down_proj.weight")) else INIT_STD
             weights[name] = (rng.standard_normal(shape, dtype=np.float32) * np.float32(std))
@@ -75,7 +82,7 @@ def save_pretrained(directory: Path, spec: ModelSpec, weights: dict[str, np.ndar
         save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, str(tmp),
                   metadata={"format": "pt"})
     atomic_write_bytes(directory / "config.json",
-                       json.dumps(spec.to_hf_config(), indent=2).encode())
+                       json.dumps(to_hf_config(spec), indent=2).encode())
 
 
 def load_pretrained(directory: Path) -> tuple[ModelSpec, dict[str, np.ndarray]]:
@@ -89,7 +96,7 @@ def load_pretrained(directory: Path) -> tuple[ModelSpec, dict[str, np.ndarray]]:
         if not path.is_file():
             raise UserError(f"{path} not found: expected an HF-format Llama directory")
     try:
-        spec = ModelSpec.from_hf_config(json.loads(config_path.read_text()))
+        spec = from_hf_config(json.loads(config_path.read_text()))
     except json.JSONDecodeError as err:
         raise UserError(f"{config_path} is not valid JSON: {err}") from None
     try:
@@ -112,3 +119,25 @@ def check_weights(spec: ModelSpec, weights: dict[str, np.ndarray], where: str) -
     for name, shape in expected.items():
         if tuple(weights[name].shape) != shape:
             raise UserError(f"{where}: {name} has shape {tuple(weights[name].shape)}, the spec needs {shape}")
+
+
+def weights_digest(directory: Path, cache_dir: Path) -> str:
+    """sha256 of a folder's model.safetensors: what names the starting checkpoint in summary.json. Remembered
+    in cache_dir by path, size and mtime, since a real checkpoint takes seconds to hash and every run asks."""
+    import hashlib
+
+    from .fsutil import atomic_write_text
+
+    path = (Path(directory) / "model.safetensors").resolve()
+    stat = path.stat()
+    key = hashlib.sha256(f"{path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:24]
+    remembered = Path(cache_dir) / "digests" / key
+    if remembered.is_file():
+        return remembered.read_text().strip()
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    remembered.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(remembered, digest.hexdigest())
+    return digest.hexdigest()

@@ -3,6 +3,8 @@
 The folder holds the weights (config.json, model.safetensors), the run's tokenizer (tokenizer.json and
 tokenizer_config.json) and a generation_config.json (greedy by default, the tokenizer's EOS), so it
 opens with transformers' `pipeline("text-generation", model=DIR)` and `mlx_lm.generate --model DIR`.
+config.json is the checkpoint's own (common/hfconfig.py), so a run started with --init-from exports the
+folder's architecture, rope scaling included, and `--init-from` on the export reads back the same spec.
 """
 from __future__ import annotations
 
@@ -29,18 +31,20 @@ def export_run(run_dir: Path, out: Path) -> Path:
     tokenizer_file, meta = RunPlan.read(run_dir).tokenizer_file()
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
     eos_id, pad_id = int(meta["eos_id"]), int(meta["pad_id"])
-    eos, pad = tokenizer.id_to_token(eos_id), tokenizer.id_to_token(pad_id)
+    # Training put BOS before each document where the tokenizer adds one (a pretrained Llama's); otherwise
+    # the EOS that separates documents also stands for BOS, as in GPT-2.
+    bos_id = eos_id if meta.get("bos_id") is None else int(meta["bos_id"])
+    eos, pad, bos = (tokenizer.id_to_token(i) for i in (eos_id, pad_id, bos_id))
     config = json.loads((ckpt / "config.json").read_text())
     out.mkdir(parents=True, exist_ok=True)
     shutil.copy2(ckpt / "model.safetensors", out / "model.safetensors")
-    # Training adds no BOS; the EOS separates documents, so it also stands for BOS as in GPT-2.
-    ids = {"bos_token_id": eos_id, "eos_token_id": eos_id, "pad_token_id": pad_id}
+    ids = {"bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": pad_id}
     atomic_write_text(out / "config.json", json.dumps({**config, **ids}, indent=2))
     shutil.copy2(tokenizer_file, out / "tokenizer.json")
     atomic_write_text(out / "tokenizer_config.json", json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": eos, "eos_token": eos, "pad_token": pad,
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos, "pad_token": pad,
         "unk_token": None, "model_max_length": config.get("max_position_embeddings", 2048),
-        "clean_up_tokenization_spaces": False, "add_bos_token": False,
+        "clean_up_tokenization_spaces": False, "add_bos_token": meta.get("bos_id") is not None,
     }, indent=2))
     atomic_write_text(out / "generation_config.json", json.dumps({**ids, "do_sample": False}, indent=2))
     return ckpt

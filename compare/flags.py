@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from common.config import RunConfig, read_toml
+from common.config import RunConfig, check_preset_matches_folder, read_toml
 from common.errors import UserError
 
 # Flags shared by `run` and `compare`, each mapped onto the RunConfig field of the same name.
@@ -51,7 +51,8 @@ RUN_FLAGS = [
     ("--trace", None, "then trace 2 more steps per rank: RUN_DIR/trace/rank{R}.json for ui.perfetto.dev "
                       "(torch.profiler; MLX: phase spans, plus an Xcode .gputrace on Metal)"),
     ("--tune-malloc", None, "glibc malloc that keeps freed memory: faster CPU steps, higher peak RSS"),
-    ("--init-from", str, "start from this HF-format Llama dir instead of the seeded init"),
+    ("--init-from", str, "start from this HF-format Llama dir (its config.json sets the model, its tokenizer "
+                         "the tokenizer unless --tokenizer names one) instead of the seeded init"),
     ("--cache-dir", str, "where token caches and seed checkpoints live"),
     ("--report-to", str, "tensorboard, wandb, trackio (comma list): each run's metrics, written after the run"),
 ]
@@ -105,6 +106,12 @@ def config_from_args(args, base: dict | None = None, **fixed) -> RunConfig:
         else:
             overrides[key] = value
     overrides.update({k: v for k, v in fixed.items() if v is not None})
+    # --init-from takes the model from its folder: a preset named too (flag or TOML) must agree with it.
+    toml_values = read_toml(args.config) if getattr(args, "config", None) else {}
+    named_preset = overrides.get("preset") or toml_values.get("preset")
+    init_from = overrides.get("init_from") or toml_values.get("init_from") or (base or {}).get("init_from")
+    if named_preset and init_from:
+        check_preset_matches_folder(named_preset, init_from)
     if base is not None:
         toml = read_toml(args.config) if getattr(args, "config", None) else {}
         values = {**base, **toml, **overrides}

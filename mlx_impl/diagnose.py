@@ -15,7 +15,7 @@ from mlx.utils import tree_flatten
 from common.diagnosis import run_worker
 
 from .launch import start_world
-from .model import weights_of  # noqa: F401 - run_worker reads it (and Trainer) from this module
+from .model import RoPE, weights_of  # noqa: F401 - run_worker reads weights_of (and Trainer) from this module
 from .step import Trainer, token_loss_sum
 
 
@@ -66,7 +66,7 @@ def inject_bug(trainer: Trainer, bug: str) -> None:
                 m.eps = 1e-6
     elif bug == "rope_layout":
         for m in modules:
-            if isinstance(m, nn.RoPE):
+            if isinstance(m, RoPE):
                 m.traditional = True
     elif bug == "adamw_bias_correction":
         trainer.optimizer.bias_correction = False

@@ -14,6 +14,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from common.rope import spec_tables
 from common.spec import ModelSpec
 from common.weights import load_pretrained
 
@@ -68,10 +69,12 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.arra
 
 
 class Linear(nn.Linear):
-    """No bias; the float32 weight is cast to the input's dtype at use, so its gradient lands in float32."""
+    """The float32 weight (and bias, where the spec has one) is cast to the input's dtype at use, so its
+    gradient lands in float32."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        return x @ self.weight.astype(x.dtype).T
+        y = x @ self.weight.astype(x.dtype).T
+        return y + self.bias.astype(x.dtype) if "bias" in self else y
 
 
 class Embedding(nn.Embedding):
@@ -89,17 +92,50 @@ class RMSNorm(nn.RMSNorm):
         return normed * self.weight.astype(x.dtype)
 
 
+class RoPE(nn.Module):
+    """HF's rotate-half rotary embedding (pairs i and i + head_dim/2), from common/rope.py's float32 tables:
+    the same numbers torch_impl/model.py uses, whatever the rope scaling. traditional=True rotates pairs
+    (2i, 2i + 1) instead (MLX's and GPT-J's layout): only the planted bug of `diagnose` sets it."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.spec, self.traditional = spec, False
+
+    def __call__(self, x: mx.array) -> mx.array:
+        cos, sin = _rope_arrays(self.spec, x.shape[-2])
+        # In x's dtype, tables rounded to it, as HF's apply_rotary_pos_emb does.
+        cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
+        if self.traditional:
+            half = x.shape[-1] // 2
+            even, odd = x[..., 0::2], x[..., 1::2]
+            c, s = cos[:, :half], sin[:, :half]
+            return mx.stack([even * c - odd * s, even * s + odd * c], axis=-1).reshape(x.shape)
+        x1, x2 = mx.split(x, 2, axis=-1)
+        return x * cos + mx.concatenate([-x2, x1], axis=-1) * sin
+
+
+_ROPE_CACHE: dict = {}
+
+
+def _rope_arrays(spec: ModelSpec, T: int) -> tuple[mx.array, mx.array]:
+    """The (T, head_dim) tables as arrays, made once per spec and length (every layer shares them)."""
+    key = (spec, T)
+    if key not in _ROPE_CACHE:
+        _ROPE_CACHE[key] = tuple(mx.array(t) for t in spec_tables(spec, T))
+    return _ROPE_CACHE[key]
+
+
 class Attention(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
         self.n_heads, self.n_kv_heads = spec.n_heads, spec.n_kv_heads
         self.scale = spec.head_dim ** -0.5
-        self.q_proj = Linear(spec.dim, spec.n_heads * spec.head_dim, bias=False)
-        self.k_proj = Linear(spec.dim, spec.n_kv_heads * spec.head_dim, bias=False)
-        self.v_proj = Linear(spec.dim, spec.n_kv_heads * spec.head_dim, bias=False)
-        self.o_proj = Linear(spec.n_heads * spec.head_dim, spec.dim, bias=False)
-        # traditional=False is HF's rotate-half layout (pairs i and i + head_dim/2).
-        self.rope = nn.RoPE(spec.head_dim, traditional=False, base=spec.rope_theta)
+        bias = spec.attention_bias
+        self.q_proj = Linear(spec.dim, spec.n_heads * spec.head_dim, bias=bias)
+        self.k_proj = Linear(spec.dim, spec.n_kv_heads * spec.head_dim, bias=bias)
+        self.v_proj = Linear(spec.dim, spec.n_kv_heads * spec.head_dim, bias=bias)
+        self.o_proj = Linear(spec.n_heads * spec.head_dim, spec.dim, bias=bias)
+        self.rope = RoPE(spec)
 
     def __call__(self, x: mx.array, mask: mx.array | str) -> mx.array:
         B, T, _ = x.shape
@@ -116,9 +152,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
-        self.gate_proj = Linear(spec.dim, spec.ffn_dim, bias=False)
-        self.up_proj = Linear(spec.dim, spec.ffn_dim, bias=False)
-        self.down_proj = Linear(spec.ffn_dim, spec.dim, bias=False)
+        self.gate_proj = Linear(spec.dim, spec.ffn_dim, bias=spec.mlp_bias)
+        self.up_proj = Linear(spec.dim, spec.ffn_dim, bias=spec.mlp_bias)
+        self.down_proj = Linear(spec.ffn_dim, spec.dim, bias=spec.mlp_bias)
 
     def __call__(self, x: mx.array) -> mx.array:
         gate = self.gate_proj(x)

@@ -57,19 +57,11 @@ def inject_bug(trainer: Trainer, bug: str) -> None:
     elif bug == "rope_layout":
         for m in modules:
             if isinstance(m, RoPE):
-                m.forward = types.MethodType(_interleaved_rope, m)
+                m.traditional = True
     elif bug == "adamw_bias_correction":
         trainer.optimizer.step = types.MethodType(_adamw_without_bias_correction, trainer.optimizer)
     else:
         raise ValueError(f"no {bug!r} bug for torch")
-
-
-def _interleaved_rope(self, x: torch.Tensor) -> torch.Tensor:
-    """Rotates pairs (2i, 2i + 1), the GPT-J / MLX traditional layout, with HF's angles."""
-    T, half = x.shape[-2], x.shape[-1] // 2
-    cos, sin = self.cos[:T, :half], self.sin[:T, :half]
-    even, odd = x[..., 0::2], x[..., 1::2]
-    return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
 
 
 @torch.no_grad()

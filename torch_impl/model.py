@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from common.rope import spec_tables
 from common.spec import ModelSpec
 from common.weights import load_pretrained
 
@@ -30,30 +31,45 @@ def attention_mask(padding_mask: torch.Tensor | None, T: int) -> torch.Tensor | 
 
 
 class RoPE(nn.Module):
-    """HF's rotate-half rotary embedding (what MLX's nn.RoPE(traditional=False) computes)."""
+    """HF's rotate-half rotary embedding (pairs i and i + head_dim/2), from common/rope.py's float32 tables:
+    the same numbers mlx_impl/model.py uses, whatever the rope scaling. traditional=True rotates pairs
+    (2i, 2i + 1) instead (MLX's and GPT-J's layout): only the planted bug of `diagnose` sets it."""
 
-    def __init__(self, dims: int, base: float, max_seq_len: int):
+    def __init__(self, spec: ModelSpec):
         super().__init__()
-        # Same float32 arithmetic as transformers, so the angles agree bit for bit.
-        inv_freq = 1.0 / (base ** (torch.arange(0, dims, 2, dtype=torch.int64).float() / dims))
-        angles = torch.outer(torch.arange(max_seq_len).float(), inv_freq).repeat(1, 2)
-        # Non-persistent: derived from the spec, so not in state_dict or checkpoints.
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        self.spec, self.traditional = spec, False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        T = x.shape[-2]
+        cos, sin = _rope_tensors(self.spec, x.shape[-2], x.device)
+        # In x's dtype, tables rounded to it, as HF's apply_rotary_pos_emb does.
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        if self.traditional:
+            half = x.shape[-1] // 2
+            even, odd = x[..., 0::2], x[..., 1::2]
+            c, s = cos[:, :half], sin[:, :half]
+            return torch.stack((even * c - odd * s, even * s + odd * c), dim=-1).flatten(-2)
         x1, x2 = x.chunk(2, dim=-1)
-        # In x's dtype, tables rounded to it, as MLX's rope (CPU) and HF's apply_rotary_pos_emb do.
-        cos, sin = self.cos[:T].to(x.dtype), self.sin[:T].to(x.dtype)
         return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+_ROPE_CACHE: dict = {}
+
+
+def _rope_tensors(spec: ModelSpec, T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (T, head_dim) tables as tensors, made once per spec, length and device (every layer shares them;
+    not buffers, so never in a state_dict or checkpoint)."""
+    key = (spec, T, str(device))
+    if key not in _ROPE_CACHE:
+        _ROPE_CACHE[key] = tuple(torch.from_numpy(t.copy()).to(device) for t in spec_tables(spec, T))
+    return _ROPE_CACHE[key]
+
+
 class Linear(nn.Linear):
-    """No bias; the float32 weight is cast to the input's dtype at use, so its gradient lands in float32."""
+    """The float32 weight (and bias, where the spec has one) is cast to the input's dtype at use, so its
+    gradient lands in float32."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight.to(x.dtype))
+        return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
 
 class Embedding(nn.Embedding):
@@ -84,11 +100,12 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads = spec.n_heads, spec.n_kv_heads
         self.scale = spec.head_dim ** -0.5
-        self.q_proj = Linear(spec.dim, spec.n_heads * spec.head_dim, bias=False)
-        self.k_proj = Linear(spec.dim, spec.n_kv_heads * spec.head_dim, bias=False)
-        self.v_proj = Linear(spec.dim, spec.n_kv_heads * spec.head_dim, bias=False)
-        self.o_proj = Linear(spec.n_heads * spec.head_dim, spec.dim, bias=False)
-        self.rope = RoPE(spec.head_dim, base=spec.rope_theta, max_seq_len=spec.max_seq_len)
+        bias = spec.attention_bias
+        self.q_proj = Linear(spec.dim, spec.n_heads * spec.head_dim, bias=bias)
+        self.k_proj = Linear(spec.dim, spec.n_kv_heads * spec.head_dim, bias=bias)
+        self.v_proj = Linear(spec.dim, spec.n_kv_heads * spec.head_dim, bias=bias)
+        self.o_proj = Linear(spec.n_heads * spec.head_dim, spec.dim, bias=bias)
+        self.rope = RoPE(spec)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         B, T, _ = x.shape
@@ -105,9 +122,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
-        self.gate_proj = Linear(spec.dim, spec.ffn_dim, bias=False)
-        self.up_proj = Linear(spec.dim, spec.ffn_dim, bias=False)
-        self.down_proj = Linear(spec.ffn_dim, spec.dim, bias=False)
+        self.gate_proj = Linear(spec.dim, spec.ffn_dim, bias=spec.mlp_bias)
+        self.up_proj = Linear(spec.dim, spec.ffn_dim, bias=spec.mlp_bias)
+        self.down_proj = Linear(spec.ffn_dim, spec.dim, bias=spec.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate = self.gate_proj(x)

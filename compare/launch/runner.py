@@ -57,7 +57,7 @@ def prepare_inputs(cfg: RunConfig) -> Inputs:
     from common.sequences import SequenceView
     from common.tokencache import prepare_tokens
 
-    cache = prepare_tokens(cfg.dataset, cfg.tokenizer, cache_dir=cfg.cache_path, split=cfg.dataset_split,
+    cache = prepare_tokens(cfg.dataset, cfg.resolved_tokenizer, cache_dir=cfg.cache_path, split=cfg.dataset_split,
                            text_field=cfg.text_field, streaming=cfg.streaming, val_fraction=cfg.val_fraction,
                            builtin_vocab_size=cfg.builtin_vocab_size, builtin_bytes=cfg.builtin_corpus_bytes,
                            progress=not cfg.quiet)
@@ -65,13 +65,10 @@ def prepare_inputs(cfg: RunConfig) -> Inputs:
     view = SequenceView(cache.split("train"), cfg.seq_len, cfg.sequence)
     GlobalSampler(view.num_samples, cfg.global_batch_size, cfg.seed)  # fails early when data is too small
     seed_dir = Path(cfg.init_from) if cfg.init_from else seed_checkpoint(spec, cfg.seed, cfg.cache_path)
-    if cfg.init_from:
+    if cfg.init_from:  # the spec is the folder's (RunConfig.model_spec); its tensors must fit it
         from common.weights import load_pretrained
 
-        init_spec, _ = load_pretrained(seed_dir)
-        if init_spec != spec:
-            raise UserError(f"--init-from {seed_dir}: its config does not match the run's model spec "
-                            f"({init_spec} vs {spec})")
+        load_pretrained(seed_dir)
     return Inputs(token_cache=Path(cache.path), spec=spec, seed_checkpoint=seed_dir, cache_meta=cache.meta)
 
 
@@ -233,6 +230,11 @@ def summarize(cfg: RunConfig, run_dir: Path, argv: list[str], blas: str, wall_s:
         "tokens_per_step": train_rows[-1]["tokens"] if train_rows else None,
         "command": shlex.join(argv), "config": cfg.to_dict(),
     }
+    if cfg.init_from:  # the pretrained checkpoint the run started from, and which weights those were
+        from common.weights import weights_digest
+
+        summary["init_from"] = {"path": str(Path(cfg.init_from).resolve()),
+                                "weights_sha256": weights_digest(Path(cfg.init_from), cfg.cache_path)}
     if link is not None:  # the path the ranks talked over, and their own all-reduce on it (common/fabric.py)
         summary["link"] = {**link, "allreduce": rank0.get("allreduce")}
         if rank0.get("allgather"):  # fsdp's own all-gather (common/fabric.py PROBES_ALL_GATHER)

@@ -39,11 +39,13 @@ def continuation(run_dir: Path, prompt: str = PROMPT, max_new_tokens: int = MAX_
         raise UserError(f"{run_dir} holds no checkpoint to sample from")
     plan = RunPlan.read(run_dir)
     framework = plan.config.framework
-    tokenizer_file, _ = plan.tokenizer_file()
+    tokenizer_file, meta = plan.tokenizer_file()
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
     ids = tokenizer.encode(prompt, add_special_tokens=False).ids
     if not ids:
         raise UserError(f"the prompt {prompt!r} encodes to no tokens")
+    if meta.get("bos_id") is not None:  # a document starts with BOS in training (common/tokencache.py)
+        ids = [int(meta["bos_id"]), *ids]
     extra = env.thread_env(plan.config.threads_per_rank)
     if framework == "mlx":
         extra.update(env.mlx_blas(plan.config.mlx_blas)[1])

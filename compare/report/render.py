@@ -57,7 +57,9 @@ def report_blocks(s: dict) -> list[tuple]:
     """("h1"|"h2"|"p"|"ul"|"verdict"|"table"|"figs"|"pre", ...) blocks, rendered as markdown and HTML."""
     v = s["verdicts"]
     blocks = [("h1", "dpcompare: MLX vs PyTorch data parallelism"),
-              ("p", f"Report created {s['created']} from {len(s['runs'])} run(s)."),
+              ("p", f"Report created {s['created']} from {len(s['runs'])} run(s)."
+                    + "".join(f" Started from the checkpoint {c['path']} (model.safetensors sha256 "
+                              f"{c['weights_sha256'][:16]}...)." for c in s.get("init_from") or [])),
               ("verdict", v["parity"], v["headline"], v["lines"], v["warnings"])]
     blocks += [("h2", "Runs"), ("table", RUN_HEADERS, [run_cells(r) for r in s["runs"]])]
     blocks += parity_blocks(s["parity"])

@@ -13,6 +13,8 @@ on this machine when the context does not give them, see below.)
 """
 from __future__ import annotations
 
+import json
+
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -66,6 +68,9 @@ def write_report(run_dirs: list[Path], out_dir: Path, tol: Tolerances, context: 
         "tolerances": asdict(tol),
         "baseline": context.get("baseline"),
         "samples": context["samples"] if "samples" in context else samples_summary(runs),
+        # The pretrained checkpoints the runs started from (--init-from): folder and weights hash, once each.
+        "init_from": list({json.dumps(r.summary["init_from"], sort_keys=True): r.summary["init_from"]
+                           for r in runs if r.summary.get("init_from")}.values()),
         "fairness": fairness,
         "environment": environment_info(runs, rows, peaks),
         "commands": {"compare": context.get("command"),

@@ -65,8 +65,8 @@ def test_mlx_impl_and_torch_impl_mirror_file_for_file_and_name_for_name():
     for name in ("step.py", "launch.py", "fabric.py", "ddp.py", "fsdp.py", "pp.py", "comm.py", "trace.py"):
         only = NAME_ONLY.get(name, set())
         assert public_names(ROOT / "mlx_impl" / name) - only == public_names(ROOT / "torch_impl" / name) - only, name
-    # model.py: the same classes and functions, except torch's own RoPE table (MLX has nn.RoPE).
-    assert public_names(ROOT / "mlx_impl" / "model.py") == public_names(ROOT / "torch_impl" / "model.py") - {"RoPE"}
+    # model.py: the same classes and functions (both RoPEs read common/rope.py's tables).
+    assert public_names(ROOT / "mlx_impl" / "model.py") == public_names(ROOT / "torch_impl" / "model.py")
 
 
 # ---- the import graph of the four packages: no cycle, nothing imported from a layer above --------------

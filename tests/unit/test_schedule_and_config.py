@@ -5,8 +5,9 @@ import pytest
 
 from common.config import RunConfig
 from common.errors import UserError
+from common.hfconfig import from_hf_config, to_hf_config
 from common.schedule import lr_at
-from common.spec import PRESETS, ModelSpec, preset
+from common.spec import PRESETS, preset
 from common.weights import init_weights, num_parameters, parameter_shapes
 
 
@@ -40,7 +41,7 @@ def test_invalid_specs_name_the_field(changes, field):
 
 def test_hf_config_round_trips():
     spec = PRESETS["base"]
-    assert ModelSpec.from_hf_config(spec.to_hf_config()) == spec
+    assert from_hf_config(to_hf_config(spec)) == spec
 
 
 def test_seed_weights_are_deterministic_and_follow_the_documented_scheme():
