@@ -19,14 +19,16 @@ from __future__ import annotations
 
 import contextlib
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
+
+from common.strategy import fsdp_rows
 
 from .ddp import FixedCount, MicroSteps, sum_of_squares
+from .load import load_local
 
 
 def reduce_scatter_kind(backend: str) -> str:
@@ -53,13 +55,19 @@ class Sharding(MicroSteps):
     keeps_grads = False               # FSDP2 frees its sharded gradients
 
     def __init__(self, cfg, world, device: torch.device):
-        self.device, self.backend, self.rank = device, cfg.resolved_backend, dist.get_rank()
+        self.device, self.backend, self.rank, self.size = device, cfg.resolved_backend, dist.get_rank(), dist.get_world_size()
         self.reduce_scatter = reduce_scatter_kind(self.backend)
 
-    def wrap(self, model):
+    def wrap(self, model, source):
+        """Shard the model while it is on the meta device, then allocate and load only this rank's shards."""
         shard_model(model, self.device, self.backend)
+        load_local(model, self.device, source, self.local_index)
         self.model = model
         return model
+
+    def local_index(self, name: str, shape: tuple) -> tuple:
+        """Every parameter's rows as FSDP2 splits them (torch.chunk: the last shards run short)."""
+        return (fsdp_rows(shape[0], self.rank, self.size),)
 
     def param_groups(self, model) -> list[dict]:
         return [{"params": list(model.parameters())}]
@@ -88,9 +96,6 @@ class Sharding(MicroSteps):
     def export_state(self, params: dict, exp_avg: dict, exp_avg_sq: dict):
         return self.full(params), self.full(exp_avg), self.full(exp_avg_sq)
 
-    def import_state(self, full: dict, params: dict) -> dict:
-        return self.local(full, params)
-
     def full(self, flat: dict) -> dict:
         """Tensors (DTensor shards or plain) -> whole numpy arrays on rank 0 only (the checkpoint's writer);
         every rank must call it. One tensor at a time, so no rank holds the whole state twice."""
@@ -100,16 +105,4 @@ class Sharding(MicroSteps):
                 value = value.full_tensor()
             if self.rank == 0:
                 out[key] = value.detach().float().cpu().numpy().copy()
-        return out
-
-    @staticmethod
-    def local(flat: dict, params: dict) -> dict:
-        """Whole numpy arrays -> tensors sharded as the parameter of the same name (no communication)."""
-        out = {}
-        for name, param in params.items():
-            value = torch.from_numpy(np.array(flat[name], dtype=np.float32))
-            if isinstance(param, DTensor):
-                value = distribute_tensor(value.to(param.device), param.device_mesh, param.placements,
-                                          src_data_rank=None)  # every rank has the whole array: slice it
-            out[name] = value
         return out

@@ -34,6 +34,12 @@ class RoPE(nn.Module):
 
     def __init__(self, dims: int, base: float, max_seq_len: int):
         super().__init__()
+        self.dims, self.base, self.max_seq_len = dims, base, max_seq_len
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        """The tables; computed again after a model built on the meta device is allocated (torch_impl/load.py)."""
+        dims, base, max_seq_len = self.dims, self.base, self.max_seq_len
         # Same float32 arithmetic as transformers, so the angles agree bit for bit.
         inv_freq = 1.0 / (base ** (torch.arange(0, dims, 2, dtype=torch.int64).float() / dims))
         angles = torch.outer(torch.arange(max_seq_len).float(), inv_freq).repeat(1, 2)

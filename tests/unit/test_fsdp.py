@@ -10,7 +10,7 @@ from common.strategy import check_strategy
 
 def test_the_shape_check_names_the_parameter_and_passes_shardable_models():
     check_strategy("fsdp", preset("base"), 2)  # 50000-token vocabulary, every block dimension even
-    check_strategy("fsdp", preset("small"), 4)  # 50257 tokens do not divide: replicated, not refused
+    check_strategy("fsdp", preset("small"), 4)  # 50257 tokens do not divide: padded, not refused
     check_strategy("ddp", preset("tiny"), 1)
     with pytest.raises(UserError, match=r"model.layers.0.input_layernorm.weight of shape \(768,\) over 5 ranks"):
         check_strategy("fsdp", preset("base"), 5)
@@ -36,6 +36,8 @@ def test_mlx_fsdp_runs_every_collective_on_the_communication_stream(backend, mon
     import mlx.nn as nn
     from types import SimpleNamespace
 
+    from common.tensorsource import DictSource
+    from common.weights import init_weights
     from mlx_impl.fsdp import Sharding
     from mlx_impl.model import Llama
 
@@ -52,7 +54,7 @@ def test_mlx_fsdp_runs_every_collective_on_the_communication_stream(backend, mon
     fake("sum_scatter", lambda x: 2 * x[:x.shape[0] // 2])
     cfg = SimpleNamespace(resolved_backend=backend, all_reduce_size_mb=25)
     sharding = Sharding(cfg, SimpleNamespace(group=_TwoRanks()), comm=None, stream=mx.cpu)
-    model = sharding.wrap(Llama(preset("tiny")))
+    model = sharding.wrap(Llama(preset("tiny")), DictSource(init_weights(preset("tiny"), 0)))
     tokens = mx.zeros((1, 8), dtype=mx.int32)
     _, grads = nn.value_and_grad(model, lambda m, x: m(x).sum())(model, tokens)
     mx.eval(sharding.global_norm(grads))
