@@ -35,8 +35,9 @@ Collectives, ring algorithm over N ranks, link latency a per hop and bandwidth b
     fsdp  per micro-step each unit's fp32 parameters gathered twice (forward, backward: FSDP2 and
           nn.fully_shard re-gather), their gradients reduce-scattered (torch once per step, MLX once per
           micro-step, mlx_impl/fsdp.py); the all_sum + slice fallback (MLX ring and MPI) is an all-reduce,
-          twice the traffic. MLX's replicated gradient (the final norm) is all-reduced as under ddp;
-          FSDP2 shards the root unit (embedding, norm, head) too. Both pad the vocabulary to a multiple of N.
+          twice the traffic. Units: every block, the embedding and the head (each its own; torch's root
+          unit holds a tied embedding), the final norm: MLX all-reduces its gradient as under ddp, FSDP2
+          shards it as the root unit. Both pad the vocabulary to a multiple of N.
     tp    per layer and micro-step 4 all-reduces of the activations (B x T x dim) in the compute dtype
     pp    point to point, not a ring: per micro-step and piece (M pieces, --pp-microbatches) each stage
           boundary carries the piece's activations (rows x T x dim, compute dtype) down and their gradient
@@ -221,8 +222,10 @@ def _fsdp_collectives(w: Workload, n: int, reduce_scatter: str) -> list[Collecti
     if w.framework == "mlx":  # blocks, and the embedding and head each on its own
         units = [block] * w.spec.n_layers + vocab
         replicated = norm  # averaged after the backward, as ddp
-    else:  # FSDP2: the blocks, then the root unit (embedding, final norm, head)
+    elif w.spec.tie_embeddings:  # FSDP2: the blocks, then the root unit (embedding, final norm)
         units, replicated = [block] * w.spec.n_layers + [sum(vocab) + norm], 0
+    else:  # FSDP2: the blocks, the embedding and the head each on its own, the root (final norm)
+        units, replicated = [block] * w.spec.n_layers + vocab + [norm], 0
     unit = int(sum(units) / len(units))
     scatters = w.grad_accum if w.framework == "mlx" else 1  # MLX reduce-scatters in every micro-step's backward
     out = [Collective("all_gather", unit, 2 * w.grad_accum * len(units), "parameters gathered (forward and backward)")]

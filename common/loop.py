@@ -127,6 +127,8 @@ class Run:
     step_times: list[float] = field(default_factory=list)
     data_times: list[float] = field(default_factory=list)
     first_step_end: float | None = None
+    # Start-up and training alone: the peak RSS before the first checkpoint gathers the state to save it.
+    peak_rss_before_save_bytes: int | None = None
 
     def step_inputs(self, step: int):
         """(this rank's micro-batches, lr, global real-token count) of an optimizer step."""
@@ -234,6 +236,8 @@ def after_step(run: Run, done: int) -> None:
         run.metrics.write({"step": done, "eval_loss": evaluate(run.trainer, run.valid_view, cfg, run.dp_rank,
                                                                run.dp_size)})
     if done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
+        if run.peak_rss_before_save_bytes is None:
+            run.peak_rss_before_save_bytes = peak_rss_bytes()
         checkpoint(run.trainer, run.run_dir, run.spec, done, run.fingerprints, run.trainer.rank)
 
 
@@ -266,7 +270,7 @@ def final_figures(run: Run, median: float, world_size: int) -> dict:
         # What the first steps cost beyond a steady-state step: compilation, graph capture, warm caches.
         compile_s=max(0.0, sum(step_times[:cfg.timing_warmup_steps]) - median * min(len(step_times), cfg.timing_warmup_steps)),
         time_to_first_step_s=(run.first_step_end - run.launch_time) if run.first_step_end else None,
-        steps_run=len(step_times),
+        steps_run=len(step_times), peak_rss_before_save_bytes=run.peak_rss_before_save_bytes,
         comm_bytes_per_step=trainer.comm_bytes_per_step() if step_times else None,
         comm_bytes_per_step_estimate=comm_bytes_per_step_estimate(
             cfg.strategy, run.spec, world_size, cfg.micro_batch_size, cfg.seq_len, cfg.grad_accum, cfg.dtype),

@@ -1,10 +1,20 @@
-"""FSDP in PyTorch: FSDP2 `fully_shard` per transformer block, then the root, on a mesh over the job.
+"""FSDP in PyTorch: FSDP2 `fully_shard` per transformer block, the embedding and the head, then the root,
+on a mesh over the job.
 
 What each rank holds (mlx_impl/fsdp.py does the same with nn.fully_shard): every parameter is a DTensor
-sharded along axis 0. A block's parameters are all-gathered for its forward and backward, its gradient
-reduce-scattered in the backward. The root's own parameters (embedding, final norm, head) form one more
-FSDP unit; FSDP2 pads an axis that does not divide by N, so unlike MLX it shards a 50257-token vocabulary
-too. The mesh is a CPU mesh over gloo or a CUDA mesh over nccl, whichever process group the job runs.
+sharded along axis 0. A unit's parameters are all-gathered for its forward and backward, its gradient
+reduce-scattered in the backward. The embedding and the head are units of their own, as in MLX: in one
+root unit with the final norm (what FSDP2 does by default) both vocabulary matrices were gathered at once
+and stayed gathered from the forward to the end of the backward, with their unsharded gradients and the
+reduce-scatter's buffer beside them: on `base` (2 x 50,000 x 768) that took peak RSS from 0.77x ddp's to
+0.67x (benchmarks/bench_memory.py, docs/benchmarks.md). Tied embeddings stay in the root unit: the head is
+then the embedding's `as_linear`, which FSDP2's forward hooks would not see. FSDP2 pads an axis that does
+not divide by N (a 50257-token vocabulary over 2 ranks), as mlx_impl/fsdp.py does by hand.
+
+Nothing whole is ever allocated: the model is built on the meta device, sharded there, and `wrap` then
+allocates (to_empty) and loads only this rank's rows of each tensor (torch_impl/load.py, common/strategy.py's
+fsdp_rows, which is torch.chunk's split as FSDP2 uses it). The mesh is a CPU mesh over gloo or a CUDA mesh
+over nccl, whichever process group the job runs.
 
 Gradient averaging. Each rank scales its loss by N / global_tokens (step.py) and FSDP2 divides the
 reduce-scattered sum by N, as DDP does. FSDP2 asks the backend for ReduceOp.AVG, and gloo has silently
@@ -36,10 +46,14 @@ def reduce_scatter_kind(backend: str) -> str:
 
 
 def shard_model(model, device: torch.device, backend: str) -> None:
-    """Shard every block, then the root, in place: `model` becomes an FSDPModule."""
+    """Shard every block, the embedding and the head (untied), then the root, in place: `model` becomes an
+    FSDPModule."""
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for block in model.model.layers:
         fully_shard(block, mesh=mesh)
+    if not model.spec.tie_embeddings:  # the vocabulary matrices one at a time (module docstring)
+        fully_shard(model.model.embed_tokens, mesh=mesh)
+        fully_shard(model.lm_head, mesh=mesh)
     fully_shard(model, mesh=mesh)
     if backend == "gloo":  # see the module docstring: SUM, then FSDP's own division by N
         for module in model.modules():

@@ -108,10 +108,11 @@ def test_fsdp_gathers_twice_and_the_all_sum_slice_fallback_moves_double():
     assert scatter.calls == 2 * (2 + 2)  # MLX: every micro-step, per unit (2 blocks, embedding, head)
     assert next(c for c in native if c.what == "replicated gradients").nbytes == 4 * TINY.dim  # the final norm
     torch_fsdp = collectives("fsdp", Workload(TINY, 128, 32, grad_accum=2, framework="torch"), 4)
-    # FSDP2: once a step, per unit (2 blocks and the root: embedding, final norm and head), everything sharded
-    assert next(c for c in torch_fsdp if c.kind == "reduce_scatter").calls == 3
+    # FSDP2: once a step, per unit (2 blocks, the embedding, the head, the root: the final norm), all sharded
+    assert next(c for c in torch_fsdp if c.kind == "reduce_scatter").calls == 5
     gathered = next(c for c in torch_fsdp if c.kind == "all_gather")
-    assert gathered.nbytes * gathered.calls == pytest.approx(2 * 2 * 4 * num_parameters(TINY), abs=8)
+    # one collective of the units' mean size, rounded down to whole bytes: off by less than a byte per call
+    assert gathered.nbytes * gathered.calls == pytest.approx(2 * 2 * 4 * num_parameters(TINY), abs=gathered.calls)
 
 
 def test_state_per_rank_matches_what_the_runs_hold():
