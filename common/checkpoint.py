@@ -25,7 +25,8 @@ import numpy as np
 from .errors import UserError
 from .fsutil import atomic_write_text, fsync_dir
 from .spec import ModelSpec
-from .weights import check_weights, load_pretrained, save_pretrained
+from .tensorsource import SafetensorsSource, TensorSource, check_source, open_pretrained, read_all
+from .weights import save_pretrained
 
 if TYPE_CHECKING:
     from .config import RunConfig
@@ -96,11 +97,20 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return done[-1] if done else None
 
 
-def load_checkpoint(path: Path, spec: ModelSpec, expect: dict) -> TrainState:
-    """Load and validate; `expect` holds fingerprints that must match (tokenizer, data, batch)."""
-    from safetensors import SafetensorError
-    from safetensors.numpy import load_file
+@dataclass
+class CheckpointSources:
+    """A checkpoint opened for reading slice by slice (common/tensorsource.py): what a resuming rank reads
+    its part of the weights and moments from, without ever loading the whole."""
+    step: int
+    weights: TensorSource
+    exp_avg: TensorSource
+    exp_avg_sq: TensorSource
+    info: dict
 
+
+def open_checkpoint(path: Path, spec: ModelSpec, expect: dict) -> CheckpointSources:
+    """Validate (state.json, fingerprints in `expect`, the spec, every tensor's name and shape from the
+    files' headers) and open the tensors lazily; nothing is read yet."""
     path = Path(path)
     state_path = path / "state.json"
     try:
@@ -110,7 +120,7 @@ def load_checkpoint(path: Path, spec: ModelSpec, expect: dict) -> TrainState:
     if meta.get("format_version") != FORMAT_VERSION:
         raise UserError(f"checkpoint {path} has format version {meta.get('format_version')}, "
                         f"this dpcompare reads {FORMAT_VERSION}")
-    saved_spec, weights = load_pretrained(path)
+    saved_spec, weights = open_pretrained(path)
     if saved_spec != spec:
         diff = [k for k, v in spec.to_dict().items() if saved_spec.to_dict()[k] != v]
         raise UserError(f"checkpoint {path} was written for another model spec "
@@ -119,13 +129,18 @@ def load_checkpoint(path: Path, spec: ModelSpec, expect: dict) -> TrainState:
         if meta.get(key) != value:
             raise UserError(f"checkpoint {path}: {key} is {meta.get(key)!r}, this run has {value!r}; "
                             "refusing to resume")
-    try:
-        moments = load_file(str(path / "optimizer.safetensors"))
-    except (SafetensorError, OSError, ValueError) as err:
-        raise UserError(f"checkpoint {path}: optimizer.safetensors unreadable (truncated?): {err}") from None
-    exp_avg = {k[len("exp_avg."):]: v for k, v in moments.items() if k.startswith("exp_avg.")}
-    exp_avg_sq = {k[len("exp_avg_sq."):]: v for k, v in moments.items() if k.startswith("exp_avg_sq.")}
-    check_weights(spec, exp_avg, f"{path}/optimizer.safetensors (exp_avg)")
-    check_weights(spec, exp_avg_sq, f"{path}/optimizer.safetensors (exp_avg_sq)")
-    return TrainState(step=int(meta["step"]), weights=weights, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
-                      info=meta)
+    if not (path / "optimizer.safetensors").is_file():
+        raise UserError(f"checkpoint {path}: optimizer.safetensors not found")
+    moments = {}
+    for prefix in ("exp_avg.", "exp_avg_sq."):
+        moments[prefix] = SafetensorsSource(path / "optimizer.safetensors", prefix=prefix)
+        check_source(spec, moments[prefix], f"{path}/optimizer.safetensors ({prefix[:-1]})")
+    return CheckpointSources(step=int(meta["step"]), weights=weights, exp_avg=moments["exp_avg."],
+                             exp_avg_sq=moments["exp_avg_sq."], info=meta)
+
+
+def load_checkpoint(path: Path, spec: ModelSpec, expect: dict) -> TrainState:
+    """Load and validate; `expect` holds fingerprints that must match (tokenizer, data, batch)."""
+    opened = open_checkpoint(path, spec, expect)
+    return TrainState(step=opened.step, weights=read_all(opened.weights), exp_avg=read_all(opened.exp_avg),
+                      exp_avg_sq=read_all(opened.exp_avg_sq), info=opened.info)

@@ -35,8 +35,9 @@ Collectives, ring algorithm over N ranks, link latency a per hop and bandwidth b
     fsdp  per micro-step each unit's fp32 parameters gathered twice (forward, backward: FSDP2 and
           nn.fully_shard re-gather), their gradients reduce-scattered (torch once per step, MLX once per
           micro-step, mlx_impl/fsdp.py); the all_sum + slice fallback (MLX ring and MPI) is an all-reduce,
-          twice the traffic. MLX's replicated gradients (the final norm, and the vocabulary matrices when
-          V % N != 0) are all-reduced as under ddp; FSDP2 shards the root unit (embedding, norm, head) too.
+          twice the traffic. Units: every block, the embedding and the head (each its own; torch's root
+          unit holds a tied embedding), the final norm: MLX all-reduces its gradient as under ddp, FSDP2
+          shards it as the root unit. Both pad the vocabulary to a multiple of N.
     tp    per layer and micro-step 4 all-reduces of the activations (B x T x dim) in the compute dtype
     pp    point to point, not a ring: per micro-step and piece (M pieces, --pp-microbatches) each stage
           boundary carries the piece's activations (rows x T x dim, compute dtype) down and their gradient
@@ -178,11 +179,6 @@ class Workload:
         return self.global_batch_size / ((1 if strategy in ("tp", "pp") else n) * self.grad_accum)
 
 
-def _vocab_sharded(framework: str, spec: ModelSpec, n: int) -> bool:
-    """torch's FSDP2 pads an uneven vocabulary and shards it; MLX's fully_shard keeps it replicated."""
-    return framework != "mlx" or spec.vocab_size % n == 0
-
-
 def local_parameters(strategy: str, spec: ModelSpec, n: int, framework: str = "torch") -> float:
     """Parameters one rank holds (and updates) under a strategy at N ranks."""
     shapes = parameter_shapes(spec)
@@ -198,10 +194,8 @@ def local_parameters(strategy: str, spec: ModelSpec, n: int, framework: str = "t
     blocks = sum(math.prod(s) for k, s in shapes.items() if k.startswith("model.layers."))
     vocab = sum(math.prod(s) for k, s in shapes.items() if k in ("model.embed_tokens.weight", "lm_head.weight"))
     rest = total - blocks - vocab  # the final norm: MLX keeps it replicated, FSDP2 shards the root unit
-    if framework == "mlx":
-        return blocks / n + rest + (vocab / n if _vocab_sharded(framework, spec, n) else vocab)
-    matrices = 1 if spec.tie_embeddings else 2  # FSDP2 pads V up to a multiple of N
-    return blocks / n + rest / n + matrices * math.ceil(spec.vocab_size / n) * spec.dim
+    matrices = 1 if spec.tie_embeddings else 2  # both pad V up to a multiple of N (mlx_impl/fsdp.py, FSDP2)
+    return blocks / n + (rest if framework == "mlx" else rest / n) + matrices * math.ceil(spec.vocab_size / n) * spec.dim
 
 
 def work_fraction(strategy: str, w: Workload, n: int) -> float:
@@ -238,15 +232,17 @@ def _ddp_collectives(w: Workload, n: int, reduce_scatter: str) -> list[Collectiv
 def _fsdp_collectives(w: Workload, n: int, reduce_scatter: str) -> list[Collective]:
     shapes = parameter_shapes(w.spec)
     block = sum(math.prod(s) for k, s in shapes.items() if k.startswith("model.layers.0.")) * MASTER_BYTES
-    vocab = [math.prod(s) * MASTER_BYTES for k, s in shapes.items()
+    # the vocabulary matrices, padded to a multiple of N rows (mlx_impl/fsdp.py; FSDP2 pads the same)
+    vocab = [math.ceil(s[0] / n) * n * s[1] * MASTER_BYTES for k, s in shapes.items()
              if k in ("model.embed_tokens.weight", "lm_head.weight")]
     norm = w.spec.dim * MASTER_BYTES
-    if w.framework == "mlx":  # blocks, and the embedding and head each on its own where V divides by N
-        sharded_vocab = _vocab_sharded(w.framework, w.spec, n)
-        units = [block] * w.spec.n_layers + (vocab if sharded_vocab else [])
-        replicated = norm + (0 if sharded_vocab else sum(vocab))  # averaged after the backward, as ddp
-    else:  # FSDP2: the blocks, then the root unit (embedding, final norm, head)
+    if w.framework == "mlx":  # blocks, and the embedding and head each on its own
+        units = [block] * w.spec.n_layers + vocab
+        replicated = norm  # averaged after the backward, as ddp
+    elif w.spec.tie_embeddings:  # FSDP2: the blocks, then the root unit (embedding, final norm)
         units, replicated = [block] * w.spec.n_layers + [sum(vocab) + norm], 0
+    else:  # FSDP2: the blocks, the embedding and the head each on its own, the root (final norm)
+        units, replicated = [block] * w.spec.n_layers + vocab + [norm], 0
     unit = int(sum(units) / len(units))
     scatters = w.grad_accum if w.framework == "mlx" else 1  # MLX reduce-scatters in every micro-step's backward
     out = [Collective("all_gather", unit, 2 * w.grad_accum * len(units), "parameters gathered (forward and backward)")]

@@ -21,7 +21,7 @@ from typing import Callable
 import numpy as np
 
 from .breakdown import profile
-from .checkpoint import TrainState, latest_checkpoint, load_checkpoint, resume_fingerprints, save_checkpoint
+from .checkpoint import TrainState, latest_checkpoint, open_checkpoint, resume_fingerprints, save_checkpoint
 from .config import RunConfig
 from .errors import UserError
 from .fabric import PROBES_ALL_GATHER, Collectives, probe_allreduce
@@ -35,8 +35,8 @@ from .spec import ModelSpec
 from .strategy import comm_bytes_per_step_estimate, data_parallel
 from .supervisor import stop_reason, watch_supervisor
 from .tokencache import TokenCache
+from .tensorsource import SafetensorsSource, TensorSource, check_source, probe_checksum
 from .trace import trace
-from .weights import load_pretrained
 
 
 class TrainingError(Exception):
@@ -127,6 +127,8 @@ class Run:
     step_times: list[float] = field(default_factory=list)
     data_times: list[float] = field(default_factory=list)
     first_step_end: float | None = None
+    # Start-up and training alone: the peak RSS before the first checkpoint gathers the state to save it.
+    peak_rss_before_save_bytes: int | None = None
 
     def step_inputs(self, step: int):
         """(this rank's micro-batches, lr, global real-token count) of an optimizer step."""
@@ -157,7 +159,7 @@ def setup_run(run_dir: Path, world: World, trainer_cls) -> Run:
     train_view = SequenceView(cache.split("train"), cfg.seq_len, cfg.sequence)
     sampler = GlobalSampler(train_view.num_samples, cfg.global_batch_size, cfg.seed)
     fingerprints = resume_fingerprints(cfg, cache.meta, str(plan.token_cache))
-    trainer, start_step = start_trainer(plan, run_dir, world, trainer_cls, fingerprints)
+    trainer, start_step = start_trainer(plan, run_dir, world, trainer_cls, fingerprints, status)
 
     valid_view = None
     if "valid" in cache.meta.get("splits", {}) and cache.meta["splits"]["valid"]["num_documents"] > 0:
@@ -178,17 +180,25 @@ def setup_run(run_dir: Path, world: World, trainer_cls) -> Run:
                launch_time=float(os.environ.get("DPCOMPARE_LAUNCH_TIME", time.time())))
 
 
-def start_trainer(plan: RunPlan, run_dir: Path, world: World, trainer_cls, fingerprints: dict) -> tuple[Trainer, int]:
-    """(the Trainer, the step it starts after): the latest checkpoint's state with --resume, else the seed's."""
+def start_trainer(plan: RunPlan, run_dir: Path, world: World, trainer_cls, fingerprints: dict,
+                  status: RankStatus) -> tuple[Trainer, int]:
+    """(the Trainer, the step it starts after): the latest checkpoint's state with --resume, else the seed's.
+
+    The weights (and moments) are sources read slice by slice (common/tensorsource.py): each rank reads
+    only what its strategy keeps, and its status records how many bytes that was (`weights_bytes_read`)."""
     start_step, resume_from = 0, None
     if plan.config.resume and (resume_from := latest_checkpoint(run_dir)) is not None:
-        state = load_checkpoint(resume_from, plan.spec, fingerprints)
+        state = open_checkpoint(resume_from, plan.spec, fingerprints)
         weights, start_step = state.weights, state.step
     else:
-        _, weights = load_pretrained(plan.seed_checkpoint)
+        weights = SafetensorsSource(Path(plan.seed_checkpoint) / "model.safetensors")
+        check_source(plan.spec, weights, str(weights.path))
     trainer = trainer_cls(plan.config, plan.spec, weights, world)
+    read = {"weights_bytes_read": weights.bytes_read}
     if resume_from is not None:
         trainer.import_optimizer(state.exp_avg, state.exp_avg_sq, state.step)
+        read["moments_bytes_read"] = state.exp_avg.bytes_read + state.exp_avg_sq.bytes_read
+    status.update(force=True, **read)
     check_identical_weights(trainer, weights)
     return trainer, start_step
 
@@ -229,6 +239,8 @@ def after_step(run: Run, done: int) -> None:
         run.metrics.write({"step": done, "eval_loss": evaluate(run.trainer, run.valid_view, cfg, run.dp_rank,
                                                                run.dp_size)})
     if done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
+        if run.peak_rss_before_save_bytes is None:
+            run.peak_rss_before_save_bytes = peak_rss_bytes()
         checkpoint(run.trainer, run.run_dir, run.spec, done, run.fingerprints, run.trainer.rank)
 
 
@@ -261,7 +273,7 @@ def final_figures(run: Run, median: float, world_size: int) -> dict:
         # What the first steps cost beyond a steady-state step: compilation, graph capture, warm caches.
         compile_s=max(0.0, sum(step_times[:cfg.timing_warmup_steps]) - median * min(len(step_times), cfg.timing_warmup_steps)),
         time_to_first_step_s=(run.first_step_end - run.launch_time) if run.first_step_end else None,
-        steps_run=len(step_times),
+        steps_run=len(step_times), peak_rss_before_save_bytes=run.peak_rss_before_save_bytes,
         comm_bytes_per_step=trainer.comm_bytes_per_step() if step_times else None,
         comm_bytes_per_step_estimate=comm_bytes_per_step_estimate(
             cfg.strategy, run.spec, world_size, cfg.micro_batch_size, cfg.seq_len, cfg.grad_accum, cfg.dtype),
@@ -280,9 +292,11 @@ def injected_fault(framework: str) -> dict | None:
     return {k: int(v) for k, v in fields.items() if k in ("rank", "step")}
 
 
-def check_identical_weights(trainer, weights: dict[str, np.ndarray]) -> None:
-    """All ranks must start from the same weights: compare a checksum across ranks (sum and sum of squares)."""
-    checksum = float(sum(np.float64(np.abs(w).sum()) for w in weights.values()))
+def check_identical_weights(trainer, source: TensorSource) -> None:
+    """All ranks must start from the same weights: compare a checksum of the source across ranks. It probes
+    the first row of every tensor (common/tensorsource.py's probe_checksum), which every rank can read
+    whatever part of the model it keeps, so no sharded rank reads the whole model for it."""
+    checksum = probe_checksum(source)
     total, total_sq = trainer.all_sum(np.array([checksum, checksum * checksum], dtype=np.float64), over="world")
     # Equal checksums on every rank give total_sq == total**2 / N exactly up to rounding.
     spread = total_sq - total * total / trainer.world_size

@@ -12,6 +12,8 @@ from typing import Any, Callable, ContextManager, Protocol
 
 import numpy as np
 
+from .tensorsource import Index, TensorSource
+
 Phase = Callable[[str], ContextManager]  # phase("forward") wraps one phase of a step
 
 
@@ -46,8 +48,16 @@ class Strategy(Protocol):
     def figures(self) -> dict:
         """What the rank's status file records for this strategy beyond the common figures (pp: the bubble)."""
 
-    def wrap(self, model: Any) -> Any:
-        """Make a loaded full model this rank's part, in place; returns what the step runs."""
+    def wrap(self, model: Any, source: TensorSource) -> Any:
+        """Make a freshly built model this rank's part, in place, and load from `source` only the slices the
+        rank keeps (`local_index`); returns what the step runs. The model arrives unmaterialised (MLX: lazy
+        arrays never evaluated; torch: on the meta device), so a sharded rank never holds a whole tensor it
+        does not keep: it shards first, then reads its slices (mlx_impl/load.py, torch_impl/load.py)."""
+
+    def local_index(self, name: str, shape: tuple[int, ...]) -> Index | None:
+        """The slice (common/tensorsource.py's Index) of the whole HF-named tensor of `shape` this rank keeps:
+        () for all of it (ddp, replicated parts), None for nothing (pp: another stage's). The weights at
+        `wrap` and the AdamW moments at `import_optimizer` are read through it."""
 
     def global_norm(self, grads: Any, *args) -> Any:
         """The whole model's gradient norm: replicated gradients counted once, pieces summed over ranks."""
@@ -55,14 +65,13 @@ class Strategy(Protocol):
     def export_state(self, *state) -> tuple[dict, dict, dict]:
         """(weights, exp_avg, exp_avg_sq) as full numpy dicts under HF names; collectives, every rank calls."""
 
-    def import_state(self, full: dict, params: Any) -> dict:
-        """Full arrays under HF names -> what this rank holds of them, placed as `params` are."""
-
 
 class Trainer(Protocol):
     """What common/loop.py, breakdown.py and trace.py ask of a backend's step.py.
 
-    Trainer(cfg, spec, weights, world); arrays in and out are numpy."""
+    Trainer(cfg, spec, weights, world): `weights` is a TensorSource (common/tensorsource.py; a dict of whole
+    arrays is wrapped in a DictSource), of which the rank reads only what its strategy keeps; arrays out are
+    numpy."""
 
     framework: str                   # "mlx" | "torch"
     device: Any                      # str() of it names it, e.g. "cpu", "gpu", "cuda:0"
@@ -88,8 +97,9 @@ class Trainer(Protocol):
         """(weights, exp_avg, exp_avg_sq) as full numpy dicts: on every rank where
         strategy.full_state_on_every_rank, else on rank 0 only (the others get empty dicts)."""
 
-    def import_optimizer(self, exp_avg: dict, exp_avg_sq: dict, step: int) -> None:
-        """Full dicts, on every rank."""
+    def import_optimizer(self, exp_avg: TensorSource, exp_avg_sq: TensorSource, step: int) -> None:
+        """AdamW's moments under HF names (sources, or dicts of whole arrays), on every rank; each reads only
+        the slices it keeps (strategy.local_index), as for the weights."""
 
     def peak_memory_bytes(self) -> int:
         """The framework's own peak."""

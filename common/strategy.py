@@ -84,7 +84,8 @@ def check_fsdp(spec: ModelSpec, world_size: int) -> None:
     """FSDP shards every transformer-block parameter along axis 0, so that axis must divide by N.
 
     MLX's nn.fully_shard cannot split an uneven axis; torch's FSDP2 could (it pads), but both frameworks
-    run the same sharding. The embedding and the head need not divide: MLX keeps them replicated then.
+    run the same sharding. The embedding and the head need not divide: both frameworks pad the vocabulary
+    to a multiple of N with zero rows (FSDP2 inside, mlx_impl/fsdp.py by hand), `fsdp_rows` below.
     """
     if world_size < 2:
         raise UserError("strategy fsdp shards the model over the ranks and needs 2 or more: pass --nproc 2 "
@@ -95,6 +96,14 @@ def check_fsdp(spec: ModelSpec, world_size: int) -> None:
             raise UserError(f"strategy fsdp cannot shard {name} of shape {shape} over {world_size} ranks: "
                             f"axis 0 ({shape[0]}, set by {field}) must divide by {world_size}; change "
                             f"{field} or --nproc, or use --strategy ddp")
+
+
+def fsdp_rows(length: int, rank: int, world_size: int) -> slice:
+    """The rows of axis 0 (of `length`) a rank keeps under fsdp: torch.chunk's split, which FSDP2 uses.
+    Every rank holds ceil(length / N) rows; the last ranks' blocks run short (or empty) where N does not
+    divide, and the framework pads them with zero rows to the common size."""
+    rows = -(-length // world_size)
+    return slice(min(rank * rows, length), min((rank + 1) * rows, length))
 
 
 # ---- tensor parallelism: the split, shared by both frameworks and the checkpoint code -----------------
@@ -127,13 +136,17 @@ def tp_split_axis(name: str) -> int | None:
 
 def tp_shard(name: str, full, rank: int, world_size: int):
     """This rank's contiguous block of a full array (numpy or anything with the same slicing)."""
+    index = tp_index(name, full.shape, rank, world_size)
+    return full[index] if index else full
+
+
+def tp_index(name: str, shape: tuple, rank: int, world_size: int) -> tuple:
+    """The index (common/tensorsource.py's Index) of this rank's block of a whole tensor; () reads it all."""
     axis = tp_split_axis(name)
     if axis is None:
-        return full
-    size = full.shape[axis] // world_size
-    index = [slice(None)] * full.ndim
-    index[axis] = slice(rank * size, (rank + 1) * size)
-    return full[tuple(index)]
+        return ()
+    size = shape[axis] // world_size
+    return (slice(None),) * axis + (slice(rank * size, (rank + 1) * size),)
 
 
 def check_tp(spec: ModelSpec, world_size: int) -> None:

@@ -87,3 +87,48 @@ class SafetensorsSource:
 def read_all(source: TensorSource) -> dict[str, np.ndarray]:
     """Every tensor whole: what a replicated strategy keeps."""
     return {name: source.read(name) for name in source.names()}
+
+
+def as_source(weights) -> TensorSource:
+    """A TensorSource as is; a dict of whole arrays (tests, benchmarks, diagnose) wrapped in a DictSource."""
+    return DictSource(weights) if isinstance(weights, dict) else weights
+
+
+def check_source(spec, source: TensorSource, where: str) -> None:
+    """Every tensor the spec needs, under its name and shape, read from the header alone: the checks of
+    common/weights.py's check_weights on zero-byte stand-ins (np.broadcast_to allocates nothing)."""
+    from .weights import check_weights
+
+    check_weights(spec, {n: np.broadcast_to(np.float32(0), source.shape(n)) for n in source.names()}, where)
+
+
+def probe_checksum(source: TensorSource) -> float:
+    """A checksum of the source that any rank computes alike whatever it keeps: the first row of every
+    tensor and every shape. It tells two seed files apart (another seed, another spec, another file) for a
+    few KB read, where a checksum of the whole would make every rank read the whole model."""
+    total = 0.0
+    for name in source.names():
+        shape = source.shape(name)
+        total += float(np.abs(source.read(name, (slice(0, 1),))).sum(dtype=np.float64)) + sum(shape)
+    return total
+
+
+def open_pretrained(directory: Path):
+    """(spec, source) of an HF-format Llama directory, its tensors checked against the spec from the header
+    and left unread: load_pretrained (common/weights.py) without the reading."""
+    import json
+
+    from .spec import ModelSpec
+
+    directory = Path(directory)
+    config_path, weights_path = directory / "config.json", directory / "model.safetensors"
+    for path in (config_path, weights_path):
+        if not path.is_file():
+            raise UserError(f"{path} not found: expected an HF-format Llama directory")
+    try:
+        spec = ModelSpec.from_hf_config(json.loads(config_path.read_text()))
+    except json.JSONDecodeError as err:
+        raise UserError(f"{config_path} is not valid JSON: {err}") from None
+    source = SafetensorsSource(weights_path)
+    check_source(spec, source, str(weights_path))
+    return spec, source

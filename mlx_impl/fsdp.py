@@ -4,11 +4,16 @@ What each rank holds (torch_impl/fsdp.py does the same with FSDP2):
 - Every transformer block is wrapped by `nn.fully_shard`: each parameter is split along axis 0, the full
   parameters are all-gathered for the block's forward (and again in its backward), and the gradient is
   reduce-scattered in the backward, so a rank stores and updates only its 1/N of the block.
-- The embedding and the head are wrapped the same way, each on its own, when their first axis (the
-  vocabulary) divides by N. Otherwise (GPT-2's 50257 tokens over 2 ranks) they stay replicated and their
-  gradients are averaged as under DDP: `fully_shard` cannot split an uneven axis (torch's FSDP2 pads it).
-  The final norm stays replicated too: one vector is not worth a collective of its own.
+- The embedding and the head are wrapped the same way, each on its own. A vocabulary that does not divide
+  by N (GPT-2's 50257 tokens over 2 ranks) is padded first with zero rows to the next multiple of N, as
+  torch's FSDP2 pads it: `fully_shard` cannot split an uneven axis. The pad rows are never looked up (no
+  token has their id) and the head's logits lose their pad columns before the loss (`VocabShard`), so
+  their gradients are zero and AdamW keeps them zero; export_state drops them again, so checkpoints hold
+  the true vocabulary. The final norm stays replicated: one vector is not worth a collective of its own.
   common/strategy.py refuses, before the run starts, a block that does not divide.
+- Nothing whole is ever materialised: the model arrives unevaluated (MLX is lazy), the padding and
+  fully_shard's split slice the lazy init, and `wrap` then loads only this rank's rows from the source
+  (mlx_impl/load.py, common/strategy.py's fsdp_rows), so the rank never evaluates a tensor it does not keep.
 
 Reduce-scatter. `fully_shard`'s backward calls `mx.distributed.sum_scatter`, which the ring and MPI
 backends of mlx 0.32.4 do not implement ("[ring] sum_scatter not supported"; upstream reports a group that
@@ -35,38 +40,65 @@ from functools import reduce
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.nn.layers.distributed import FullyShardedModule
 from mlx.utils import tree_flatten, tree_unflatten
+
+from common.strategy import fsdp_rows
 
 from .comm import CommCounter, average_gradients
 from .ddp import MicroSteps, moments, sum_of_squares
+from .load import SHARD, hf_name, load_local
 
 NATIVE_REDUCE_SCATTER = ("nccl",)  # the mlx 0.32.4 backends that implement mx.distributed.sum_scatter
-SHARD = ".module."                 # fully_shard puts the wrapped module under `module`; HF names never hold it
 
 
 def reduce_scatter_kind(backend: str) -> str:
     return "native" if backend in NATIVE_REDUCE_SCATTER else "all_sum_slice"
 
 
-def shard_model(model, group, kind: str, compute_dtype=None, stream=None) -> None:
-    """Wrap the blocks (and the embedding and head when the vocabulary divides by N) in place; their
-    collectives run on `stream` (None: MLX's default)."""
+def shard_model(model, group, kind: str, compute_dtype=None, stream=None) -> dict[str, int]:
+    """Wrap the blocks, the embedding and the head in place (the vocabulary padded to a multiple of N);
+    their collectives run on `stream` (None: MLX's default). -> {HF name: true rows} of the padded."""
     size = group.size()
     reduce_scatter = _all_sum_slice(group, stream) if kind == "all_sum_slice" else _sum_scatter(group, stream)
+    vocab_rows = {}
 
-    def wrap(module):
-        if isinstance(module, (nn.Embedding, nn.Linear)) and module.weight.shape[0] % size:
-            return module  # an uneven vocabulary: replicated, averaged as under DDP
-        wrapped = nn.fully_shard(module, group=group, compute_dtype=compute_dtype)
+    def wrap(module, name=None):
+        rows = module.weight.shape[0] if name is not None else 0  # the embedding or the head: the vocabulary
+        padded = -(-rows // size) * size
+        if padded == rows:
+            wrapped = nn.fully_shard(module, group=group, compute_dtype=compute_dtype)
+        else:  # zero rows appended to the lazy init: nothing is evaluated yet
+            module.weight = mx.concatenate([module.weight, mx.zeros((padded - rows, *module.weight.shape[1:]),
+                                                                    dtype=module.weight.dtype)])
+            wrapped, vocab_rows[name] = VocabShard(module, rows, group=group, compute_dtype=compute_dtype), rows
         params = dict(tree_flatten(wrapped.module.parameters()))
         wrapped._gather_fn = _gather_fn(group, [params[p] for p in wrapped._paths], reduce_scatter, compute_dtype,
                                         stream)
         return wrapped
 
     model.model.layers = [wrap(layer) for layer in model.model.layers]
-    model.model.embed_tokens = wrap(model.model.embed_tokens)
+    model.model.embed_tokens = wrap(model.model.embed_tokens, "model.embed_tokens.weight")
     if "lm_head" in model:
-        model.lm_head = wrap(model.lm_head)
+        model.lm_head = wrap(model.lm_head, "lm_head.weight")
+    return vocab_rows
+
+
+class VocabShard(FullyShardedModule):
+    """fully_shard of an embedding or head whose vocabulary was padded to a multiple of N: the logits lose
+    their pad columns, so the pad rows never reach the softmax (the lookup never reads them: no token has
+    their id)."""
+
+    def __init__(self, module, vocab_size: int, **kwargs):
+        super().__init__(module, **kwargs)
+        self.vocab_size = vocab_size
+
+    def __call__(self, x: mx.array) -> mx.array:
+        out = super().__call__(x)
+        return out if isinstance(self.module, nn.Embedding) else out[..., :self.vocab_size]
+
+    def as_linear(self, x: mx.array) -> mx.array:  # the tied head
+        return super().as_linear(x)[..., :self.vocab_size]
 
 
 class Sharding(MicroSteps):
@@ -81,9 +113,16 @@ class Sharding(MicroSteps):
         self.reduce_scatter = reduce_scatter_kind(cfg.resolved_backend)
         self.reduce_bytes = int(cfg.all_reduce_size_mb * 2**20)
 
-    def wrap(self, model):
-        shard_model(model, self.group, self.reduce_scatter, stream=self.stream)
+    def wrap(self, model, source):
+        """Shard the unevaluated model, then load this rank's rows of each sharded tensor (padded where the
+        vocabulary runs short) and the replicated ones whole."""
+        self.vocab_rows = shard_model(model, self.group, self.reduce_scatter, stream=self.stream)
+        self.sharded = {hf_name(path) for path, _ in tree_flatten(model.parameters()) if self.is_sharded(path)}
+        load_local(model, source, self.local_index)
         return model
+
+    def local_index(self, name: str, shape: tuple) -> tuple:
+        return (fsdp_rows(shape[0], self.rank, self.size),) if name in self.sharded else ()
 
     @staticmethod
     def is_sharded(path: str) -> bool:
@@ -109,31 +148,22 @@ class Sharding(MicroSteps):
         weights = self.full(weights)
         return (weights, *moments(weights, self.full(optimizer)))
 
-    def import_state(self, full: dict, paths) -> dict:
-        return self.local(full, paths)
-
     def full(self, flat: dict) -> dict:
         """Flat arrays under this rank's paths -> whole numpy arrays under HF names, on rank 0 only (the
         checkpoint's writer); every rank must call it. One array at a time, so no rank holds the whole
-        state twice: the other ranks drop each gathered array at once."""
+        state twice: the other ranks drop each gathered array at once. The vocabulary's pad rows are
+        dropped: files hold the true vocabulary."""
         out = {}
         for key, value in flat.items():
+            name = hf_name(key)
             if self.is_sharded(key):
                 value = mx.distributed.all_gather(mx.array(value), group=self.group, stream=self.stream)
+                # the optimizer's keys are the parameter's with ".m" or ".v" appended
+                rows = self.vocab_rows.get(name) or self.vocab_rows.get(name.rsplit(".", 1)[0])
+                value = value[:rows] if rows else value
                 mx.eval(value)
             if self.rank == 0:
-                out[key.replace(SHARD, ".")] = np.array(value)
-        return out
-
-    def local(self, flat: dict, paths) -> dict:
-        """Whole arrays under HF names -> this rank's slices under its paths (`paths`: the model's)."""
-        out = {}
-        for path in paths:
-            value = flat[path.replace(SHARD, ".")]
-            if self.is_sharded(path):
-                rows = value.shape[0] // self.size
-                value = value[self.rank * rows:(self.rank + 1) * rows]
-            out[path] = value
+                out[name] = np.array(value)
         return out
 
 

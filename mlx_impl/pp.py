@@ -46,6 +46,7 @@ from common.protocols import no_phase
 
 from .comm import CommCounter
 from .ddp import moments, sum_of_squares, wait_for
+from .load import load_local
 from .model import cross_entropy
 
 
@@ -69,8 +70,9 @@ class Pipeline:
         self.defers_backward = self.last and self.schedule == "gpipe"
         self.idle: list[float] = []  # per training step: this stage's measured idle fraction
 
-    def wrap(self, model):
-        """Keep this stage's part of a loaded full model, in place; the names stay HF's."""
+    def wrap(self, model, source):
+        """Keep this stage's part of the unevaluated model, in place, and read only its tensors from the
+        source (mlx_impl/load.py); the names stay HF's."""
         spec, inner = model.spec, model.model
         self.n_layers, self.layers = spec.n_layers, stage_layers(spec.n_layers, self.n_stages, self.stage)
         inner.layers = [layer if i in self.layers else nn.Module() for i, layer in enumerate(inner.layers)]
@@ -85,8 +87,11 @@ class Pipeline:
         # Compiled like the Trainer's micro-step: the parameters are inputs (set into the model while tracing,
         # put back after each call), so one trace serves every call of the same shapes.
         self._compiled_vjp, self._compiled_forward = mx.compile(self._stage_vjp), mx.compile(self._stage_forward)
-        mx.eval(model.parameters())
+        load_local(model, source, self.local_index)
         return model
+
+    def local_index(self, name: str, shape: tuple) -> tuple | None:
+        return () if stage_of(name, self.n_layers, self.n_stages) == self.stage else None
 
     # ---- the schedule ---------------------------------------------------------------------------------------
     def forward_backward(self, trainer, batches, scale, phase=no_phase, wait=False, backward=True):
@@ -290,9 +295,6 @@ class Pipeline:
 
     def export_state(self, weights: dict, optimizer: dict):
         return tuple(self.gather(part) for part in (weights, *moments(weights, optimizer)))
-
-    def import_state(self, full: dict, paths) -> dict:
-        return {path: full[path] for path in paths}
 
     def gather(self, named: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The whole model's arrays on every rank from each stage's own: an all_sum per array, zeros from the

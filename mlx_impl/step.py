@@ -29,10 +29,12 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from common.protocols import no_phase
+from common.tensorsource import as_source
 
 from .comm import CommCounter, communication_stream
 from .ddp import Replicated, clip_by_norm, state_bytes
 from .fsdp import Sharding
+from .load import read_local
 from .model import Llama, cross_entropy, load_weights, token_loss_sum, weights_of  # noqa: F401 (benchmarks, tests)
 from .pp import Pipeline
 from .tp import TensorParallel
@@ -62,9 +64,10 @@ class Trainer:
         self.device = "gpu" if mx.default_device() == mx.gpu else "cpu"
         self.stream = communication_stream(cfg)  # the CPU stream on a Metal GPU (mlx_impl/comm.py)
         self.strategy = strategy = strategy_for(cfg, world, self.comm, self.stream)
+        # Built unevaluated (MLX is lazy): the strategy cuts it to this rank's part and loads only that
+        # from the source (mlx_impl/load.py), so the whole model is never materialised on a sharded rank.
         self.model = Llama(spec, compute_dtype=cfg.dtype)
-        load_weights(self.model, weights)
-        strategy.wrap(self.model)
+        strategy.wrap(self.model, as_source(weights))
         self.optimizer = optim.AdamW(learning_rate=cfg.lr, betas=[cfg.beta1, cfg.beta2], eps=cfg.adam_eps,
                                      weight_decay=cfg.weight_decay, bias_correction=True)
         self.optimizer.init(self.model.trainable_parameters())
@@ -149,10 +152,11 @@ class Trainer:
         return self.strategy.export_state(weights_of(self.model), dict(tree_flatten(self.optimizer.state)))
 
     def import_optimizer(self, exp_avg, exp_avg_sq, step):
-        paths = [k for k, _ in tree_flatten(self.model.parameters())]  # this rank's, under fsdp
-        exp_avg, exp_avg_sq = self.strategy.import_state(exp_avg, paths), self.strategy.import_state(exp_avg_sq, paths)
-        moments = [(f"{n}.m", mx.array(v)) for n, v in exp_avg.items()]
-        moments += [(f"{n}.v", mx.array(v)) for n, v in exp_avg_sq.items()]
+        """The moments' slices this rank keeps, read as its weights were (strategy.local_index)."""
+        shapes = {k: v.shape for k, v in tree_flatten(self.model.parameters())}  # this rank's paths and shapes
+        moments = [(f"{path}.{key}", mx.array(value))
+                   for key, source in (("m", exp_avg), ("v", exp_avg_sq))
+                   for path, value in read_local(as_source(source), shapes, self.strategy.local_index)]
         state = self.optimizer.state
         for key, value in tree_flatten(tree_unflatten(moments)):
             _set_path(state, key.split("."), value)

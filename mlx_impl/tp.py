@@ -20,10 +20,11 @@ import numpy as np
 from mlx.nn.layers.distributed import ShardedToAllLinear
 from mlx.utils import tree_flatten, tree_unflatten
 
-from common.strategy import tp_shard, tp_split_axis
+from common.strategy import tp_index, tp_split_axis
 
 from .comm import CommCounter
 from .ddp import MicroSteps, moments, sum_of_squares
+from .load import load_local
 from .model import RMSNorm
 
 
@@ -50,11 +51,14 @@ class TensorParallel(MicroSteps):
 
         self.grad_sum = grad_sum
 
-    def wrap(self, model):
-        """Shard a loaded full model in place."""
-        local = [(k, mx.array(tp_shard(k, np.array(v), self.rank, self.size)))
+    def wrap(self, model, source):
+        """Shard the unevaluated model in place: each split weight becomes this rank's block (the lazy init
+        sliced, then replaced by the block read from the source: mlx_impl/load.py), then the layers that
+        communicate take the place of the plain ones."""
+        local = [(k, v[tp_index(k, v.shape, self.rank, self.size)])
                  for k, v in tree_flatten(model.parameters()) if tp_split_axis(k) is not None]
         model.update(tree_unflatten(local))
+        load_local(model, source, self.local_index)
         for block in model.model.layers:
             attn, mlp = block.self_attn, block.mlp
             attn.n_heads, attn.n_kv_heads = attn.n_heads // self.size, attn.n_kv_heads // self.size
@@ -62,8 +66,10 @@ class TensorParallel(MicroSteps):
             mlp.down_proj = RowParallelLinear.from_sharded(mlp.down_proj, self)
             block.input_layernorm = GradSumRMSNorm.from_norm(block.input_layernorm, self)
             block.post_attention_layernorm = GradSumRMSNorm.from_norm(block.post_attention_layernorm, self)
-        mx.eval(model.parameters())
         return model
+
+    def local_index(self, name: str, shape: tuple) -> tuple:
+        return tp_index(name, shape, self.rank, self.size)
 
     def reduce_gradients(self, grads):
         return grads  # every rank holds the whole gradient of its pieces
@@ -79,9 +85,6 @@ class TensorParallel(MicroSteps):
     def export_state(self, weights: dict, optimizer: dict):
         return tuple(self.gather(part) for part in (weights, *moments(weights, optimizer)))
 
-    def import_state(self, full: dict, paths) -> dict:
-        return self.shard(full)
-
     def gather(self, named: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Full arrays from this rank's pieces (every rank calls it: collectives)."""
         full = {}
@@ -94,9 +97,6 @@ class TensorParallel(MicroSteps):
             gathered = mx.distributed.all_gather(mx.array(np.moveaxis(piece, axis, 0)), group=self.group)
             full[name] = np.moveaxis(np.array(gathered), 0, axis)
         return full
-
-    def shard(self, named: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return {name: tp_shard(name, value, self.rank, self.size) for name, value in named.items()}
 
 
 class RowParallelLinear(ShardedToAllLinear):

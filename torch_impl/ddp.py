@@ -13,6 +13,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.protocols import no_phase
 
+from .load import local as _local
+from .load import load_local
 from .model import token_loss_sum, weights_of
 
 
@@ -62,7 +64,8 @@ class Replicated(MicroSteps):
         # DDP's bucket views must stay allocated between steps.
         self.keeps_grads = self.dp_size > 1
 
-    def wrap(self, model):
+    def wrap(self, model, source):
+        load_local(model, self.device, source, self.local_index)  # every tensor whole
         self.model = self.wrapped = model
         if self.dp_size > 1:
             self.wrapped = DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
@@ -70,6 +73,9 @@ class Replicated(MicroSteps):
                                # no_sync() and a static graph do not mix; accumulation needs the former.
                                static_graph=self.static_graph)
         return self.wrapped
+
+    def local_index(self, name: str, shape: tuple) -> tuple:
+        return ()
 
     def no_sync(self):
         """Accumulate without communicating (every micro-step but the last)."""
@@ -89,8 +95,6 @@ class Replicated(MicroSteps):
     def export_state(self, params: dict, exp_avg: dict, exp_avg_sq: dict):
         return weights_of(self.model), _numpy(exp_avg), _numpy(exp_avg_sq)
 
-    def import_state(self, full: dict, params: dict) -> dict:
-        return full
 
 
 class FixedCount(contextlib.nullcontext):
@@ -128,11 +132,6 @@ def state_bytes(model, optimizer) -> dict:
     states = (t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor))
     params = sum(_local(p).nbytes for p in model.parameters() if p.requires_grad)
     return {"params": params, "grads": params, "optimizer": sum(_local(t).nbytes for t in states)}
-
-
-def _local(tensor):
-    """What this rank holds of a tensor: its shard of a DTensor."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def _numpy(flat):

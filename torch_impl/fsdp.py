@@ -1,10 +1,20 @@
-"""FSDP in PyTorch: FSDP2 `fully_shard` per transformer block, then the root, on a mesh over the job.
+"""FSDP in PyTorch: FSDP2 `fully_shard` per transformer block, the embedding and the head, then the root,
+on a mesh over the job.
 
 What each rank holds (mlx_impl/fsdp.py does the same with nn.fully_shard): every parameter is a DTensor
-sharded along axis 0. A block's parameters are all-gathered for its forward and backward, its gradient
-reduce-scattered in the backward. The root's own parameters (embedding, final norm, head) form one more
-FSDP unit; FSDP2 pads an axis that does not divide by N, so unlike MLX it shards a 50257-token vocabulary
-too. The mesh is a CPU mesh over gloo or a CUDA mesh over nccl, whichever process group the job runs.
+sharded along axis 0. A unit's parameters are all-gathered for its forward and backward, its gradient
+reduce-scattered in the backward. The embedding and the head are units of their own, as in MLX: in one
+root unit with the final norm (what FSDP2 does by default) both vocabulary matrices were gathered at once
+and stayed gathered from the forward to the end of the backward, with their unsharded gradients and the
+reduce-scatter's buffer beside them: on `base` (2 x 50,000 x 768) that took peak RSS from 0.77x ddp's to
+0.67x (benchmarks/bench_memory.py, docs/benchmarks.md). Tied embeddings stay in the root unit: the head is
+then the embedding's `as_linear`, which FSDP2's forward hooks would not see. FSDP2 pads an axis that does
+not divide by N (a 50257-token vocabulary over 2 ranks), as mlx_impl/fsdp.py does by hand.
+
+Nothing whole is ever allocated: the model is built on the meta device, sharded there, and `wrap` then
+allocates (to_empty) and loads only this rank's rows of each tensor (torch_impl/load.py, common/strategy.py's
+fsdp_rows, which is torch.chunk's split as FSDP2 uses it). The mesh is a CPU mesh over gloo or a CUDA mesh
+over nccl, whichever process group the job runs.
 
 Gradient averaging. Each rank scales its loss by N / global_tokens (step.py) and FSDP2 divides the
 reduce-scattered sum by N, as DDP does. FSDP2 asks the backend for ReduceOp.AVG, and gloo has silently
@@ -19,14 +29,16 @@ from __future__ import annotations
 
 import contextlib
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
+
+from common.strategy import fsdp_rows
 
 from .ddp import FixedCount, MicroSteps, sum_of_squares
+from .load import load_local
 
 
 def reduce_scatter_kind(backend: str) -> str:
@@ -34,10 +46,14 @@ def reduce_scatter_kind(backend: str) -> str:
 
 
 def shard_model(model, device: torch.device, backend: str) -> None:
-    """Shard every block, then the root, in place: `model` becomes an FSDPModule."""
+    """Shard every block, the embedding and the head (untied), then the root, in place: `model` becomes an
+    FSDPModule."""
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for block in model.model.layers:
         fully_shard(block, mesh=mesh)
+    if not model.spec.tie_embeddings:  # the vocabulary matrices one at a time (module docstring)
+        fully_shard(model.model.embed_tokens, mesh=mesh)
+        fully_shard(model.lm_head, mesh=mesh)
     fully_shard(model, mesh=mesh)
     if backend == "gloo":  # see the module docstring: SUM, then FSDP's own division by N
         for module in model.modules():
@@ -53,13 +69,19 @@ class Sharding(MicroSteps):
     keeps_grads = False               # FSDP2 frees its sharded gradients
 
     def __init__(self, cfg, world, device: torch.device):
-        self.device, self.backend, self.rank = device, cfg.resolved_backend, dist.get_rank()
+        self.device, self.backend, self.rank, self.size = device, cfg.resolved_backend, dist.get_rank(), dist.get_world_size()
         self.reduce_scatter = reduce_scatter_kind(self.backend)
 
-    def wrap(self, model):
+    def wrap(self, model, source):
+        """Shard the model while it is on the meta device, then allocate and load only this rank's shards."""
         shard_model(model, self.device, self.backend)
+        load_local(model, self.device, source, self.local_index)
         self.model = model
         return model
+
+    def local_index(self, name: str, shape: tuple) -> tuple:
+        """Every parameter's rows as FSDP2 splits them (torch.chunk: the last shards run short)."""
+        return (fsdp_rows(shape[0], self.rank, self.size),)
 
     def param_groups(self, model) -> list[dict]:
         return [{"params": list(model.parameters())}]
@@ -88,9 +110,6 @@ class Sharding(MicroSteps):
     def export_state(self, params: dict, exp_avg: dict, exp_avg_sq: dict):
         return self.full(params), self.full(exp_avg), self.full(exp_avg_sq)
 
-    def import_state(self, full: dict, params: dict) -> dict:
-        return self.local(full, params)
-
     def full(self, flat: dict) -> dict:
         """Tensors (DTensor shards or plain) -> whole numpy arrays on rank 0 only (the checkpoint's writer);
         every rank must call it. One tensor at a time, so no rank holds the whole state twice."""
@@ -100,16 +119,4 @@ class Sharding(MicroSteps):
                 value = value.full_tensor()
             if self.rank == 0:
                 out[key] = value.detach().float().cpu().numpy().copy()
-        return out
-
-    @staticmethod
-    def local(flat: dict, params: dict) -> dict:
-        """Whole numpy arrays -> tensors sharded as the parameter of the same name (no communication)."""
-        out = {}
-        for name, param in params.items():
-            value = torch.from_numpy(np.array(flat[name], dtype=np.float32))
-            if isinstance(param, DTensor):
-                value = distribute_tensor(value.to(param.device), param.device_mesh, param.placements,
-                                          src_data_rank=None)  # every rank has the whole array: slice it
-            out[name] = value
         return out

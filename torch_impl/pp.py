@@ -36,6 +36,7 @@ from common.pipeline import bubble_fraction, stage_layers, stage_of
 from common.protocols import no_phase
 
 from .ddp import _numpy
+from .load import load_local
 from .model import cross_entropy
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -59,8 +60,9 @@ class Pipeline:
         self.phase = no_phase
         self.pipe = None             # the schedule, built at the first step (it needs a micro-batch's shape)
 
-    def wrap(self, model):
-        """Keep this stage's part of a loaded full model, in place; the names stay HF's."""
+    def wrap(self, model, source):
+        """Keep this stage's part of the model while it is on the meta device, then allocate and load only that
+        (torch_impl/load.py); the names stay HF's."""
         spec, inner = model.spec, model.model
         self.n_layers, self.layers = spec.n_layers, stage_layers(spec.n_layers, self.n_stages, self.stage)
         inner.layers = nn.ModuleList(layer if i in self.layers else nn.Module() for i, layer in enumerate(inner.layers))
@@ -70,9 +72,13 @@ class Pipeline:
             del inner.norm
             if hasattr(model, "lm_head"):
                 del model.lm_head
+        load_local(model, self.device, source, self.local_index)
         self.model, self.dtype, self.dim = model, inner.compute_dtype, spec.dim
         self.module = Stage(self)
         return model
+
+    def local_index(self, name: str, shape: tuple) -> tuple | None:
+        return () if stage_of(name, self.n_layers, self.n_stages) == self.stage else None
 
     def param_groups(self, model) -> list[dict]:
         return [{"params": list(model.parameters())}]
@@ -167,10 +173,6 @@ class Pipeline:
 
     def export_state(self, params: dict, exp_avg: dict, exp_avg_sq: dict):
         return self.gather(params), self.gather(exp_avg), self.gather(exp_avg_sq)
-
-    def import_state(self, full: dict, params: dict) -> dict:
-        return {name: torch.from_numpy(np.array(full[name], dtype=np.float32)).to(p.device)
-                for name, p in params.items()}
 
     def gather(self, named: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
         """The whole model's arrays on every rank from each stage's own: an all_reduce per array, zeros from

@@ -23,10 +23,12 @@ import torch
 import torch.distributed as dist
 
 from common.protocols import no_phase
+from common.tensorsource import as_source
 
 from .comm import communication_stream
 from .ddp import Replicated, clip_by_norm, state_bytes
 from .fsdp import Sharding
+from .load import filled_like, read_local
 from .model import Llama, cross_entropy, load_weights, token_loss_sum  # noqa: F401 (diagnose, tests)
 from .pp import Pipeline
 from .tp import TensorParallel
@@ -50,12 +52,13 @@ class Trainer:
         self.dp_size = cfg.data_parallel_size
         self.device = torch.device(world.device)
         self.strategy = strategy_for(cfg, world, self.device)
-        self.model = Llama(spec, compute_dtype=cfg.dtype)
-        load_weights(self.model, weights)
-        self.model.to(self.device)
+        # Built on the meta device: the strategy shards it there, then allocates and loads only this rank's
+        # part from the source (torch_impl/load.py), so a sharded rank never holds the whole model.
+        with torch.device("meta"):
+            self.model = Llama(spec, compute_dtype=cfg.dtype)
         self.grad_accum, self.grad_clip = cfg.grad_accum, cfg.grad_clip
         self.stream = communication_stream(cfg)  # None: gloo and NCCL choose their own (torch_impl/comm.py)
-        self.wrapped = self.strategy.wrap(self.model)
+        self.wrapped = self.strategy.wrap(self.model, as_source(weights))
         if cfg.torch_compile:
             self.wrapped = torch.compile(self.wrapped)
         self.optimizer = torch.optim.AdamW(self.strategy.param_groups(self.model), lr=cfg.lr,
@@ -132,13 +135,15 @@ class Trainer:
         return self.strategy.export_state(params, exp_avg, exp_avg_sq)
 
     def import_optimizer(self, exp_avg, exp_avg_sq, step):
-        params = {n: p for p, n in self.names.items()}  # this rank's shards, placed as the parameters are
-        exp_avg, exp_avg_sq = self.strategy.import_state(exp_avg, params), self.strategy.import_state(exp_avg_sq, params)
+        """The moments' slices this rank keeps, read as its weights were (strategy.local_index) and placed as
+        the parameters are (DTensor shards or plain tensors)."""
+        exp_avg, exp_avg_sq = as_source(exp_avg), as_source(exp_avg_sq)
+        index = self.strategy.local_index
         for param, name in self.names.items():
             self.optimizer.state[param] = {
                 "step": torch.tensor(float(step)),
-                "exp_avg": _tensor(exp_avg[name]).to(self.device),
-                "exp_avg_sq": _tensor(exp_avg_sq[name]).to(self.device),
+                "exp_avg": filled_like(param, read_local(exp_avg, name, param, index)),
+                "exp_avg_sq": filled_like(param, read_local(exp_avg_sq, name, param, index)),
             }
 
     def peak_memory_bytes(self):
@@ -157,7 +162,3 @@ class Trainer:
     def to_device(self, inputs, targets, mask):
         return (torch.from_numpy(inputs).long().to(self.device), torch.from_numpy(targets).long().to(self.device),
                 torch.from_numpy(mask).to(self.device))
-
-
-def _tensor(value):
-    return value if isinstance(value, torch.Tensor) else torch.from_numpy(np.array(value))

@@ -21,12 +21,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                parallelize_module)
 
+from common.strategy import tp_index
+
 from .comm import CommCounter
 from .ddp import MicroSteps, sum_of_squares
+from .load import load_local
 
 
 class TensorParallel(MicroSteps):
@@ -40,10 +43,11 @@ class TensorParallel(MicroSteps):
 
     def __init__(self, cfg, world, device: torch.device):
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
-        self.mesh = init_device_mesh(device.type, (self.size,))
+        self.mesh, self.device = init_device_mesh(device.type, (self.size,)), device
 
-    def wrap(self, model):
-        """Shard a loaded full model in place (the sharded weights become DTensors, under the same names)."""
+    def wrap(self, model, source):
+        """Shard the model while it is on the meta device (the sharded weights become DTensors, under the same
+        names), then allocate and load only this rank's blocks (torch_impl/load.py)."""
         for block in model.model.layers:
             parallelize_module(block, self.mesh, {
                 "self_attn": PrepareModuleInput(input_layouts=(Replicate(), None),
@@ -56,8 +60,11 @@ class TensorParallel(MicroSteps):
             })
             attn = block.self_attn
             attn.n_heads, attn.n_kv_heads = attn.n_heads // self.size, attn.n_kv_heads // self.size
-        self.params = dict(model.named_parameters())
+        load_local(model, self.device, source, self.local_index)
         return model
+
+    def local_index(self, name: str, shape: tuple) -> tuple:
+        return tp_index(name, shape, self.rank, self.size)
 
     def no_sync(self):
         return contextlib.nullcontext()  # nothing to defer: no gradient is averaged
@@ -89,22 +96,7 @@ class TensorParallel(MicroSteps):
     def export_state(self, params: dict, exp_avg: dict, exp_avg_sq: dict):
         return self.gather(params), self.gather(exp_avg), self.gather(exp_avg_sq)
 
-    def import_state(self, full: dict, params: dict) -> dict:
-        return self.shard(full)
-
     def gather(self, named: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
         """Full arrays from this rank's pieces (every rank calls it: collectives)."""
         return {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().float().cpu().numpy().copy()
                 for name, t in named.items()}
-
-    def shard(self, named: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-        """Full arrays as the parameters of the same names are held: DTensors of this rank's block for the
-        sharded ones (every rank holds the whole array, so each keeps its block and nothing is sent)."""
-        out = {}
-        for name, full in named.items():
-            like = self.params[name]
-            full = torch.from_numpy(np.array(full)).to(like.device)
-            out[name] = (distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
-                         if isinstance(like, DTensor) else full)
-        return out
-

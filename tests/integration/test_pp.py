@@ -78,6 +78,7 @@ def test_pp_two_stages_equal_one_ddp_rank_and_record_their_figures(framework, sc
     held = [4 * sum(int(np.prod(shape)) for name, shape in parameter_shapes(spec).items()
                     if stage_of(name, spec.n_layers, 2) == stage) for stage in range(2)]
     assert s["state_bytes"]["params"] == s["state_bytes"]["grads"] == held
+    assert s["weights_bytes_read"] == held  # each stage read its own tensors of the seed, and no other
     for params, optimizer in zip(held, s["state_bytes"]["optimizer"]):
         assert 2 * params <= optimizer <= 2 * params + 1024
     # Bytes sent per step, counted at the sends: each stage sends the activations (or their gradients) of the

@@ -65,6 +65,8 @@ def test_tp_holds_a_share_of_the_layers_and_measures_the_estimated_communication
     for params, grads, optimizer in zip(state["params"], state["grads"], state["optimizer"]):
         assert params == grads == 4 * (replicated + sharded // 2)
         assert 2 * params <= optimizer <= 2 * params + 1024
+    # Each rank read its blocks of the seed and the replicated tensors, never a whole split tensor.
+    assert s["weights_bytes_read"] == state["params"]
     assert s["comm_bytes_per_step"] == s["comm_bytes_per_step_estimate"] == 4 * spec.n_layers * 8 * 32 * spec.dim * 2
 
 

@@ -1,6 +1,8 @@
 """FSDP (--strategy fsdp) computes what DDP computes, in both frameworks, while each rank holds 1/N of
 the state: losses and gradients equal DDP's step by step, MLX and torch agree, and checkpoints stay full
 so a run switches strategy (and framework) at a checkpoint. The runs are in tests/integration/test_fsdp.py."""
+import math
+
 import pytest
 
 from common.errors import UserError
@@ -10,7 +12,7 @@ from common.strategy import check_strategy
 
 def test_the_shape_check_names_the_parameter_and_passes_shardable_models():
     check_strategy("fsdp", preset("base"), 2)  # 50000-token vocabulary, every block dimension even
-    check_strategy("fsdp", preset("small"), 4)  # 50257 tokens do not divide: replicated, not refused
+    check_strategy("fsdp", preset("small"), 4)  # 50257 tokens do not divide: padded, not refused
     check_strategy("ddp", preset("tiny"), 1)
     with pytest.raises(UserError, match=r"model.layers.0.input_layernorm.weight of shape \(768,\) over 5 ranks"):
         check_strategy("fsdp", preset("base"), 5)
@@ -36,6 +38,8 @@ def test_mlx_fsdp_runs_every_collective_on_the_communication_stream(backend, mon
     import mlx.nn as nn
     from types import SimpleNamespace
 
+    from common.tensorsource import DictSource
+    from common.weights import init_weights
     from mlx_impl.fsdp import Sharding
     from mlx_impl.model import Llama
 
@@ -52,10 +56,70 @@ def test_mlx_fsdp_runs_every_collective_on_the_communication_stream(backend, mon
     fake("sum_scatter", lambda x: 2 * x[:x.shape[0] // 2])
     cfg = SimpleNamespace(resolved_backend=backend, all_reduce_size_mb=25)
     sharding = Sharding(cfg, SimpleNamespace(group=_TwoRanks()), comm=None, stream=mx.cpu)
-    model = sharding.wrap(Llama(preset("tiny")))
+    model = sharding.wrap(Llama(preset("tiny")), DictSource(init_weights(preset("tiny"), 0)))
     tokens = mx.zeros((1, 8), dtype=mx.int32)
     _, grads = nn.value_and_grad(model, lambda m, x: m(x).sum())(model, tokens)
     mx.eval(sharding.global_norm(grads))
     names = {name for name, _ in streams}
     assert {"all_gather", "all_sum" if backend == "ring" else "sum_scatter"} <= names, names
     assert all(stream == mx.cpu for _, stream in streams), streams
+
+
+class _SyntheticSource:
+    """A TensorSource of any size that stores nothing: each read makes just the slice asked for (ones)."""
+
+    def __init__(self, shapes: dict):
+        self.shapes, self.bytes_read = shapes, 0
+
+    def names(self):
+        return list(self.shapes)
+
+    def shape(self, name):
+        return self.shapes[name]
+
+    def read(self, name, index=()):
+        import numpy as np
+
+        out = np.ascontiguousarray(np.broadcast_to(np.float32(1), self.shapes[name])[index])
+        self.bytes_read += out.nbytes
+        return out
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "tp"])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_an_mlx_sharded_rank_evaluates_only_what_it_keeps(strategy, rank):
+    """A vocabulary of 2**18 + 1 tokens (67 MB per matrix, padded to 2**18 + 2 rows under fsdp) and an FFN
+    of 2**15: had the rank evaluated one whole sharded tensor (the model's lazy init, or the source's), MLX's
+    peak would exceed what the rank keeps by 16-67 MB. It reads what it keeps, less fsdp's pad rows."""
+    import mlx.core as mx
+    from types import SimpleNamespace
+
+    from mlx.utils import tree_flatten
+
+    from common.spec import ModelSpec
+    from common.strategy import tp_split_axis
+    from common.weights import num_parameters, parameter_shapes
+    from mlx_impl.fsdp import Sharding
+    from mlx_impl.model import Llama
+    from mlx_impl.tp import TensorParallel
+
+    class Group(_TwoRanks):
+        def rank(self):
+            return rank
+
+    spec = ModelSpec(vocab_size=2**18 + 1, dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=2**15, max_seq_len=32)
+    source = _SyntheticSource(parameter_shapes(spec))
+    cfg = SimpleNamespace(resolved_backend="ring", all_reduce_size_mb=25)
+    world = SimpleNamespace(group=Group())
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    strategy_cls = {"fsdp": Sharding, "tp": TensorParallel}[strategy]
+    model = strategy_cls(cfg, world, comm=None).wrap(Llama(spec), source)
+    held = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
+    pad = 64 * 4 * 2 if strategy == "fsdp" and rank == 1 else 0  # one zero row each in the embedding and head
+    assert source.bytes_read == held - pad
+    split = sum(math.prod(s) for n, s in source.shapes.items() if tp_split_axis(n) is not None)
+    keeps = {"fsdp": 4 * (num_parameters(spec) + 2 * 64) // 2 + 4 * 64 // 2,  # the final norm stays whole
+             "tp": 4 * (num_parameters(spec) - split // 2)}[strategy]
+    assert held == keeps
+    assert mx.get_peak_memory() - before <= held + 4 * 2**20, (mx.get_peak_memory() - before, held)

@@ -52,9 +52,13 @@ FRAMEWORK_ONLY = {"mlx_impl": set(), "torch_impl": set()}
 # torch's the fixed byte count of DDP's buckets (fsdp.py reuses it); MLX's `wait_for` ends a phase in mx.eval
 # (torch's Trainer.wait does it there). pp.py: torch hands torch.distributed.pipelining a stage module
 # (`Stage`), times its backward with autograd marks (`BackwardMark`) and counts point-to-point sends in a
-# dispatch mode (`SendCounter`, `NoCount`); MLX writes the schedule out and needs none of them.
+# dispatch mode (`SendCounter`, `NoCount`); MLX writes the schedule out and needs none of them. fsdp.py: MLX
+# pads an uneven vocabulary itself and slices the pad logits off (`VocabShard`); FSDP2 pads inside. load.py:
+# MLX maps fsdp's wrapped paths to HF names (`hf_name`); torch reads a DTensor's shard (`local`) and places
+# AdamW's moments as the parameters are (`filled_like`).
 NAME_ONLY = {"comm.py": {"average_gradients"}, "ddp.py": {"sum_of_squares", "moments", "FixedCount", "wait_for"},
-             "pp.py": {"Stage", "BackwardMark", "SendCounter", "NoCount"}}
+             "pp.py": {"Stage", "BackwardMark", "SendCounter", "NoCount"}, "fsdp.py": {"VocabShard"},
+             "load.py": {"hf_name", "local", "filled_like"}}
 
 
 def test_mlx_impl_and_torch_impl_mirror_file_for_file_and_name_for_name():
@@ -62,7 +66,7 @@ def test_mlx_impl_and_torch_impl_mirror_file_for_file_and_name_for_name():
     torch_files = sorted(p.name for p in (ROOT / "torch_impl").glob("*.py")
                          if p.name not in FRAMEWORK_ONLY["torch_impl"])
     assert mlx_files == torch_files
-    for name in ("step.py", "launch.py", "fabric.py", "ddp.py", "fsdp.py", "pp.py", "comm.py", "trace.py"):
+    for name in ("step.py", "launch.py", "fabric.py", "ddp.py", "fsdp.py", "pp.py", "comm.py", "trace.py", "load.py"):
         only = NAME_ONLY.get(name, set())
         assert public_names(ROOT / "mlx_impl" / name) - only == public_names(ROOT / "torch_impl" / name) - only, name
     # model.py: the same classes and functions (both RoPEs read common/rope.py's tables).
