@@ -121,6 +121,8 @@ def _rope_arrays(spec: ModelSpec, T: int) -> tuple[mx.array, mx.array]:
     """The (T, head_dim) tables as arrays, made once per spec and length (every layer shares them)."""
     key = (spec, T)
     if key not in _ROPE_CACHE:
+        if len(_ROPE_CACHE) >= 32:  # sampling grows T token by token: keep a bound
+            _ROPE_CACHE.clear()
         _ROPE_CACHE[key] = tuple(mx.array(t) for t in spec_tables(spec, T))
     return _ROPE_CACHE[key]
 

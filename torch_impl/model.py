@@ -60,6 +60,8 @@ def _rope_tensors(spec: ModelSpec, T: int, device: torch.device) -> tuple[torch.
     not buffers, so never in a state_dict or checkpoint)."""
     key = (spec, T, str(device))
     if key not in _ROPE_CACHE:
+        if len(_ROPE_CACHE) >= 32:  # sampling grows T token by token: keep a bound
+            _ROPE_CACHE.clear()
         _ROPE_CACHE[key] = tuple(torch.from_numpy(t.copy()).to(device) for t in spec_tables(spec, T))
     return _ROPE_CACHE[key]
 
