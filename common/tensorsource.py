@@ -118,7 +118,7 @@ def open_pretrained(directory: Path):
     and left unread: load_pretrained (common/weights.py) without the reading."""
     import json
 
-    from .spec import ModelSpec
+    from .hfconfig import from_hf_config
 
     directory = Path(directory)
     config_path, weights_path = directory / "config.json", directory / "model.safetensors"
@@ -126,7 +126,7 @@ def open_pretrained(directory: Path):
         if not path.is_file():
             raise UserError(f"{path} not found: expected an HF-format Llama directory")
     try:
-        spec = ModelSpec.from_hf_config(json.loads(config_path.read_text()))
+        spec = from_hf_config(json.loads(config_path.read_text()))
     except json.JSONDecodeError as err:
         raise UserError(f"{config_path} is not valid JSON: {err}") from None
     source = SafetensorsSource(weights_path)
