@@ -24,8 +24,10 @@ import numpy as np
 
 from .errors import UserError
 from .fsutil import atomic_write_text, fsync_dir
+from .shardedcheckpoint import INDEX, is_sharded, shapes_only, sharded_sources
 from .spec import ModelSpec
-from .weights import check_weights, load_pretrained, save_pretrained
+from .tensorsource import SafetensorsSource, TensorSource, read_all
+from .weights import check_weights, save_pretrained
 
 if TYPE_CHECKING:
     from .config import RunConfig
@@ -41,6 +43,7 @@ class TrainState:
     exp_avg: dict[str, np.ndarray]
     exp_avg_sq: dict[str, np.ndarray]
     info: dict                       # sampler, fingerprints, framework
+    sources: dict | None = None      # {"weights", "exp_avg", "exp_avg_sq"}: TensorSources of the checkpoint read
 
 
 def resume_fingerprints(cfg: RunConfig, cache_meta: dict, token_cache: str) -> dict:
@@ -51,11 +54,11 @@ def resume_fingerprints(cfg: RunConfig, cache_meta: dict, token_cache: str) -> d
 
 
 def save_checkpoint(run_dir: Path, spec: ModelSpec, state: TrainState) -> Path:
+    """The hf format: rank 0 writes the whole state it gathered."""
     from safetensors.numpy import save_file
 
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{state.step:06d}"
     tmp = root / f".tmp_step_{state.step:06d}_{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     save_pretrained(tmp, spec, state.weights)
@@ -63,24 +66,35 @@ def save_checkpoint(run_dir: Path, spec: ModelSpec, state: TrainState) -> Path:
     moments.update({f"exp_avg_sq.{k}": v for k, v in state.exp_avg_sq.items()})
     save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in moments.items()},
               str(tmp / "optimizer.safetensors"))
-    meta = {"format_version": FORMAT_VERSION, "step": state.step, **state.info}
-    (tmp / "state.json").write_text(json.dumps(meta, indent=2))
+    write_state_json(tmp, state.step, state.info)
+    return commit_checkpoint(root, tmp, state.step)
+
+
+def write_state_json(directory: Path, step: int, info: dict) -> None:
+    meta = {"format_version": FORMAT_VERSION, "step": step, **info}
+    (Path(directory) / "state.json").write_text(json.dumps(meta, indent=2))
+
+
+def commit_checkpoint(root: Path, tmp: Path, step: int, keep_last: int = KEEP_LAST) -> Path:
+    """fsync the files of a complete temporary checkpoint, rename it into place, then move `latest`."""
+    final = root / f"step_{step:06d}"
     for f in tmp.iterdir():
-        with open(f, "rb") as handle:
-            os.fsync(handle.fileno())
+        if f.is_file():
+            with open(f, "rb") as handle:
+                os.fsync(handle.fileno())
     fsync_dir(tmp)
     if final.exists():  # re-saving the same step (e.g. after a resume): replace it whole
         shutil.rmtree(final)
     os.replace(tmp, final)
     fsync_dir(root)
     atomic_write_text(root / "latest", final.name + "\n")
-    _prune(root, keep=final.name)
+    _prune(root, keep=final.name, keep_last=keep_last)
     return final
 
 
-def _prune(root: Path, keep: str) -> None:
+def _prune(root: Path, keep: str, keep_last: int = KEEP_LAST) -> None:
     done = sorted(p for p in root.glob("step_*") if p.is_dir())
-    for old in done[:-KEEP_LAST]:
+    for old in done[:-keep_last]:
         if old.name != keep:
             shutil.rmtree(old, ignore_errors=True)
 
@@ -96,21 +110,32 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return done[-1] if done else None
 
 
-def load_checkpoint(path: Path, spec: ModelSpec, expect: dict) -> TrainState:
-    """Load and validate; `expect` holds fingerprints that must match (tokenizer, data, batch)."""
-    from safetensors import SafetensorError
-    from safetensors.numpy import load_file
-
+def checkpoint_sources(path: Path) -> dict[str, TensorSource]:
+    """{"weights", "exp_avg", "exp_avg_sq"} of a checkpoint of either format, as TensorSources that read one
+    slice at a time (the format is the directory's: shards/index.json or the whole HF files)."""
     path = Path(path)
-    state_path = path / "state.json"
+    if is_sharded(path):
+        return sharded_sources(path)
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        if not (path / name).is_file():
+            raise UserError(f"checkpoint {path} has no {name} (nor shards/{INDEX}); refusing to resume")
+    return {"weights": SafetensorsSource(path / "model.safetensors"),
+            "exp_avg": SafetensorsSource(path / "optimizer.safetensors", "exp_avg."),
+            "exp_avg_sq": SafetensorsSource(path / "optimizer.safetensors", "exp_avg_sq.")}
+
+
+def load_checkpoint_sources(path: Path, spec: ModelSpec, expect: dict) -> tuple[dict, dict[str, TensorSource]]:
+    """(state.json's contents, the sources) of a validated checkpoint, nothing read but headers: what a
+    sharded rank starts from (it reads only its slices). `expect` holds fingerprints that must match."""
+    path = Path(path)
     try:
-        meta = json.loads(state_path.read_text())
+        meta = json.loads((path / "state.json").read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise UserError(f"checkpoint {path} has no readable state.json ({err}); refusing to resume") from None
     if meta.get("format_version") != FORMAT_VERSION:
         raise UserError(f"checkpoint {path} has format version {meta.get('format_version')}, "
                         f"this dpcompare reads {FORMAT_VERSION}")
-    saved_spec, weights = load_pretrained(path)
+    saved_spec = read_spec(path)
     if saved_spec != spec:
         diff = [k for k, v in spec.to_dict().items() if saved_spec.to_dict()[k] != v]
         raise UserError(f"checkpoint {path} was written for another model spec "
@@ -119,13 +144,23 @@ def load_checkpoint(path: Path, spec: ModelSpec, expect: dict) -> TrainState:
         if meta.get(key) != value:
             raise UserError(f"checkpoint {path}: {key} is {meta.get(key)!r}, this run has {value!r}; "
                             "refusing to resume")
-    try:
-        moments = load_file(str(path / "optimizer.safetensors"))
-    except (SafetensorError, OSError, ValueError) as err:
-        raise UserError(f"checkpoint {path}: optimizer.safetensors unreadable (truncated?): {err}") from None
-    exp_avg = {k[len("exp_avg."):]: v for k, v in moments.items() if k.startswith("exp_avg.")}
-    exp_avg_sq = {k[len("exp_avg_sq."):]: v for k, v in moments.items() if k.startswith("exp_avg_sq.")}
-    check_weights(spec, exp_avg, f"{path}/optimizer.safetensors (exp_avg)")
-    check_weights(spec, exp_avg_sq, f"{path}/optimizer.safetensors (exp_avg_sq)")
+    sources = checkpoint_sources(path)
+    for kind, source in sources.items():
+        check_weights(spec, shapes_only(source), f"{path} ({kind})")
+    return meta, sources
+
+
+def load_checkpoint(path: Path, spec: ModelSpec, expect: dict) -> TrainState:
+    """Load and validate, whole dicts assembled one tensor at a time; `sources` keeps the lazy readers."""
+    meta, sources = load_checkpoint_sources(path, spec, expect)
+    weights, exp_avg, exp_avg_sq = (read_all(sources[kind]) for kind in ("weights", "exp_avg", "exp_avg_sq"))
     return TrainState(step=int(meta["step"]), weights=weights, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
-                      info=meta)
+                      info=meta, sources=sources)
+
+
+def read_spec(path: Path) -> ModelSpec:
+    config = Path(path) / "config.json"
+    try:
+        return ModelSpec.from_hf_config(json.loads(config.read_text()))
+    except (OSError, json.JSONDecodeError) as err:
+        raise UserError(f"checkpoint {path}: config.json is unreadable ({err})") from None

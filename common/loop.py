@@ -8,6 +8,7 @@ Trainer interface: common/protocols.py's `Trainer` (mlx_impl/step.py and torch_i
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -21,7 +22,8 @@ from typing import Callable
 import numpy as np
 
 from .breakdown import profile
-from .checkpoint import TrainState, latest_checkpoint, load_checkpoint, resume_fingerprints, save_checkpoint
+from .checkpoint import (TrainState, latest_checkpoint, load_checkpoint, resume_fingerprints, save_checkpoint,
+                         write_state_json)
 from .config import RunConfig
 from .errors import UserError
 from .fabric import Collectives, probe_allreduce
@@ -31,12 +33,13 @@ from .protocols import Trainer
 from .sampler import GlobalSampler, micro_batches, rank_slice
 from .schedule import lr_for
 from .sequences import SequenceView
+from .shardedcheckpoint import save_sharded
 from .spec import ModelSpec
 from .strategy import comm_bytes_per_step_estimate, data_parallel
 from .supervisor import stop_reason, watch_supervisor
 from .tokencache import TokenCache
 from .trace import trace
-from .weights import load_pretrained
+from .weights import load_pretrained, parameter_shapes
 
 
 class TrainingError(Exception):
@@ -226,7 +229,8 @@ def after_step(run: Run, done: int) -> None:
         run.metrics.write({"step": done, "eval_loss": evaluate(run.trainer, run.valid_view, cfg, run.dp_rank,
                                                                run.dp_size)})
     if done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
-        checkpoint(run.trainer, run.run_dir, run.spec, done, run.fingerprints, run.trainer.rank)
+        CHECKPOINT_WRITERS[cfg.checkpoint_format](run.trainer, run.run_dir, run.spec, done, run.fingerprints,
+                                                  run.trainer.rank)
 
 
 def finish_run(run: Run, world_size: int) -> None:
@@ -336,3 +340,22 @@ def checkpoint(trainer, run_dir: Path, spec: ModelSpec, step: int, fingerprints:
         save_checkpoint(run_dir, spec, TrainState(step=step, weights=weights, exp_avg=exp_avg,
                                                   exp_avg_sq=exp_avg_sq,
                                                   info={**fingerprints, "framework": trainer.framework}))
+
+
+def checkpoint_sharded(trainer, run_dir: Path, spec: ModelSpec, step: int, fingerprints: dict, rank: int) -> None:
+    """--checkpoint-format sharded: every rank writes its own pieces (common/shardedcheckpoint.py), nothing is
+    gathered. Replicas are not compared (ddp's are written once, by rank 0)."""
+    local = trainer.local_state()
+    finite = all(np.isfinite(w).all() for w in local[0].values())
+    if trainer.all_sum(np.array([float(not finite)]), over="world")[0] > 0:  # every rank stops, or none
+        raise TrainingError(f"weights are not finite after step {step}; not saving (the last checkpoint is kept)")
+
+    def finish(tmp: Path) -> None:  # rank 0, once every rank wrote its file
+        (tmp / "config.json").write_text(json.dumps(spec.to_hf_config(), indent=2))
+        write_state_json(tmp, step, {**fingerprints, "framework": trainer.framework, "checkpoint_format": "sharded"})
+
+    save_sharded(run_dir, step, rank, trainer.world_size, lambda: trainer.all_sum(np.zeros(1), over="world"), local,
+                 parameter_shapes(spec), finish)
+
+
+CHECKPOINT_WRITERS = {"hf": checkpoint, "sharded": checkpoint_sharded}  # RunConfig.checkpoint_format

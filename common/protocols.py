@@ -58,6 +58,11 @@ class Strategy(Protocol):
     def import_state(self, full: dict, params: Any) -> dict:
         """Full arrays under HF names -> what this rank holds of them, placed as `params` are."""
 
+    def local_state(self, shapes: dict, *state) -> tuple[dict, dict, dict, dict]:
+        """(weights, exp_avg, exp_avg_sq, where) of what this rank writes into a sharded checkpoint, numpy under
+        HF names, and where each piece lies in the global tensor (common/shardedcheckpoint.py): its own shards
+        and slices, a replicated tensor on rank 0 only; `shapes` the global shapes. No collectives."""
+
 
 class Trainer(Protocol):
     """What common/loop.py, breakdown.py and trace.py ask of a backend's step.py.
@@ -87,6 +92,9 @@ class Trainer(Protocol):
     def export_state(self) -> tuple[dict, dict, dict]:
         """(weights, exp_avg, exp_avg_sq) as full numpy dicts: on every rank where
         strategy.full_state_on_every_rank, else on rank 0 only (the others get empty dicts)."""
+
+    def local_state(self) -> tuple[dict, dict, dict, dict]:
+        """strategy.local_state of this rank's parameters and moments: what it writes of a sharded checkpoint."""
 
     def import_optimizer(self, exp_avg: dict, exp_avg_sq: dict, step: int) -> None:
         """Full dicts, on every rank."""

@@ -85,15 +85,20 @@ def load_pretrained(directory: Path) -> tuple[ModelSpec, dict[str, np.ndarray]]:
 
     directory = Path(directory)
     config_path, weights_path = directory / "config.json", directory / "model.safetensors"
+    from .shardedcheckpoint import ShardedSource, is_sharded
+    from .tensorsource import read_all
+
+    if is_sharded(directory) and not weights_path.exists():  # a --checkpoint-format sharded checkpoint
+        weights_path = directory / "shards"
     for path in (config_path, weights_path):
-        if not path.is_file():
+        if not path.exists():
             raise UserError(f"{path} not found: expected an HF-format Llama directory")
     try:
         spec = ModelSpec.from_hf_config(json.loads(config_path.read_text()))
     except json.JSONDecodeError as err:
         raise UserError(f"{config_path} is not valid JSON: {err}") from None
     try:
-        weights = load_file(str(weights_path))
+        weights = (read_all(ShardedSource(directory)) if weights_path.is_dir() else load_file(str(weights_path)))
     except (SafetensorError, OSError, ValueError) as err:
         raise UserError(f"{weights_path} cannot be read (truncated or corrupt?): {err}") from None
     check_weights(spec, weights, str(weights_path))

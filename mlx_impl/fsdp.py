@@ -37,6 +37,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
+from common.shardedcheckpoint import local_pieces
+
 from .comm import CommCounter, average_gradients
 from .ddp import MicroSteps, moments, sum_of_squares
 
@@ -111,6 +113,15 @@ class Sharding(MicroSteps):
 
     def import_state(self, full: dict, paths) -> dict:
         return self.local(full, paths)
+
+    def local_state(self, shapes: dict, weights: dict, optimizer: dict):
+        """--checkpoint-format sharded (common/shardedcheckpoint.py): (weights, exp_avg, exp_avg_sq, where) of
+        what this rank writes, under HF names; no collectives."""
+        def hf(flat):
+            return {key.replace(SHARD, "."): value for key, value in flat.items()}
+
+        axes = {key.replace(SHARD, "."): 0 if self.is_sharded(key) else None for key in weights}
+        return local_pieces(self.rank, tuple(map(hf, (weights, *moments(weights, optimizer)))), axes, shapes)
 
     def full(self, flat: dict) -> dict:
         """Flat arrays under this rank's paths -> whole numpy arrays under HF names, on rank 0 only (the

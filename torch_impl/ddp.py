@@ -12,6 +12,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.protocols import no_phase
+from common.shardedcheckpoint import local_pieces
 
 from .model import token_loss_sum, weights_of
 
@@ -57,7 +58,7 @@ class Replicated(MicroSteps):
     communicates = False  # inside the backward (DDP's hooks), not a phase of its own
 
     def __init__(self, cfg, world, device: torch.device):
-        self.device, self.dp_size = device, cfg.data_parallel_size
+        self.device, self.dp_size, self.rank = device, cfg.data_parallel_size, world.rank
         self.bucket_cap_mb, self.static_graph = cfg.bucket_cap_mb, cfg.grad_accum == 1
         # DDP's bucket views must stay allocated between steps.
         self.keeps_grads = self.dp_size > 1
@@ -91,6 +92,12 @@ class Replicated(MicroSteps):
 
     def import_state(self, full: dict, params: dict) -> dict:
         return full
+
+    def local_state(self, shapes: dict, params: dict, exp_avg: dict, exp_avg_sq: dict):
+        """--checkpoint-format sharded (common/shardedcheckpoint.py): (weights, exp_avg, exp_avg_sq, where) of
+        what this rank writes (every tensor whole, from rank 0 alone), under HF names; no collectives."""
+        return local_pieces(self.rank, tuple(map(local_numpy, (params, exp_avg, exp_avg_sq))), dict.fromkeys(params),
+                            shapes)
 
 
 class FixedCount(contextlib.nullcontext):
@@ -133,6 +140,11 @@ def state_bytes(model, optimizer) -> dict:
 def _local(tensor):
     """What this rank holds of a tensor: its shard of a DTensor."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def local_numpy(flat: dict) -> dict:
+    """What this rank holds of each tensor (a DTensor's local shard) as float32 numpy, a view on CPU."""
+    return {k: _local(v).detach().float().cpu().numpy() for k, v in flat.items()}
 
 
 def _numpy(flat):

@@ -26,7 +26,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from .ddp import FixedCount, MicroSteps, sum_of_squares
+from common.shardedcheckpoint import local_pieces
+
+from .ddp import FixedCount, MicroSteps, local_numpy, sum_of_squares
 
 
 def reduce_scatter_kind(backend: str) -> str:
@@ -90,6 +92,16 @@ class Sharding(MicroSteps):
 
     def import_state(self, full: dict, params: dict) -> dict:
         return self.local(full, params)
+
+    def local_state(self, shapes: dict, params: dict, exp_avg: dict, exp_avg_sq: dict):
+        """--checkpoint-format sharded (common/shardedcheckpoint.py): (weights, exp_avg, exp_avg_sq, where) of
+        what this rank writes, under HF names; no collectives."""
+        axes = {name: 0 if isinstance(p, DTensor) else None for name, p in params.items()}
+        # FSDP2 splits axis 0 as torch.chunk does: ceil(rows / N) per rank, the last ones shorter or empty.
+        size = dist.get_world_size()
+        offsets = {name: min(self.rank * -(-shapes[name][0] // size), shapes[name][0])
+                   for name, axis in axes.items() if axis == 0}
+        return local_pieces(self.rank, tuple(map(local_numpy, (params, exp_avg, exp_avg_sq))), axes, shapes, offsets)
 
     def full(self, flat: dict) -> dict:
         """Tensors (DTensor shards or plain) -> whole numpy arrays on rank 0 only (the checkpoint's writer);
