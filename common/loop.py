@@ -22,8 +22,8 @@ from typing import Callable
 import numpy as np
 
 from .breakdown import profile
-from .checkpoint import (TrainState, latest_checkpoint, load_checkpoint, resume_fingerprints, save_checkpoint,
-                         write_state_json)
+from .checkpoint import (TrainState, commit_checkpoint, latest_checkpoint, load_checkpoint, resume_fingerprints,
+                         save_checkpoint, write_state_json)
 from .config import RunConfig
 from .errors import UserError
 from .fabric import Collectives, probe_allreduce
@@ -350,9 +350,10 @@ def checkpoint_sharded(trainer, run_dir: Path, spec: ModelSpec, step: int, finge
     if trainer.all_sum(np.array([float(not finite)]), over="world")[0] > 0:  # every rank stops, or none
         raise TrainingError(f"weights are not finite after step {step}; not saving (the last checkpoint is kept)")
 
-    def finish(tmp: Path) -> None:  # rank 0, once every rank wrote its file
+    def finish(tmp: Path) -> Path:  # rank 0, once every rank wrote its file
         (tmp / "config.json").write_text(json.dumps(spec.to_hf_config(), indent=2))
         write_state_json(tmp, step, {**fingerprints, "framework": trainer.framework, "checkpoint_format": "sharded"})
+        return commit_checkpoint(tmp.parent, tmp, step)
 
     save_sharded(run_dir, step, rank, trainer.world_size, lambda: trainer.all_sum(np.zeros(1), over="world"), local,
                  parameter_shapes(spec), finish)

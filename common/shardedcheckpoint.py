@@ -113,11 +113,10 @@ def write_index(directory: Path, shapes: dict[str, tuple], world_size: int, extr
 
 def save_sharded(run_dir: Path, step: int, rank: int, world_size: int, barrier: Callable[[], None],
                  local_state: tuple[dict, dict, dict, dict], shapes: dict[str, tuple],
-                 finish: Callable[[Path], None]) -> Path | None:
+                 finish: Callable[[Path], Path]) -> Path | None:
     """Every rank calls it. local_state: (weights, exp_avg, exp_avg_sq, where) of this rank; `finish(tmp)`
-    (rank 0) writes config.json and state.json. Returns the checkpoint directory on rank 0."""
-    from .checkpoint import commit_checkpoint
-
+    (rank 0) writes config.json and state.json and commits the directory (common/checkpoint.py's
+    commit_checkpoint). Returns the checkpoint directory on rank 0."""
     root = Path(run_dir) / "checkpoints"
     tmp = root / f".tmp_step_{step:06d}_sharded"  # one name every rank knows, without communicating
     if rank == 0:
@@ -131,8 +130,7 @@ def save_sharded(run_dir: Path, step: int, rank: int, world_size: int, barrier: 
         return None
     write_index(tmp / SHARDS, shapes, world_size, {"step": step})
     fsync_dir(tmp / SHARDS)
-    finish(tmp)
-    return commit_checkpoint(root, tmp, step)
+    return finish(tmp)
 
 
 def pieces_of(rank: int, named: dict, axes: dict[str, int | None], shapes: dict[str, tuple],

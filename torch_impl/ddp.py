@@ -96,7 +96,7 @@ class Replicated(MicroSteps):
     def local_state(self, shapes: dict, params: dict, exp_avg: dict, exp_avg_sq: dict):
         """--checkpoint-format sharded (common/shardedcheckpoint.py): (weights, exp_avg, exp_avg_sq, where) of
         what this rank writes (every tensor whole, from rank 0 alone), under HF names; no collectives."""
-        return local_pieces(self.rank, tuple(map(local_numpy, (params, exp_avg, exp_avg_sq))), dict.fromkeys(params),
+        return local_pieces(self.rank, tuple(map(_local_numpy, (params, exp_avg, exp_avg_sq))), dict.fromkeys(params),
                             shapes)
 
 
@@ -142,7 +142,7 @@ def _local(tensor):
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
-def local_numpy(flat: dict) -> dict:
+def _local_numpy(flat: dict) -> dict:
     """What this rank holds of each tensor (a DTensor's local shard) as float32 numpy, a view on CPU."""
     return {k: _local(v).detach().float().cpu().numpy() for k, v in flat.items()}
 

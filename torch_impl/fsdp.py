@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from common.shardedcheckpoint import local_pieces
 
-from .ddp import FixedCount, MicroSteps, local_numpy, sum_of_squares
+from .ddp import FixedCount, MicroSteps, _local_numpy, sum_of_squares
 
 
 def reduce_scatter_kind(backend: str) -> str:
@@ -101,7 +101,7 @@ class Sharding(MicroSteps):
         size = dist.get_world_size()
         offsets = {name: min(self.rank * -(-shapes[name][0] // size), shapes[name][0])
                    for name, axis in axes.items() if axis == 0}
-        return local_pieces(self.rank, tuple(map(local_numpy, (params, exp_avg, exp_avg_sq))), axes, shapes, offsets)
+        return local_pieces(self.rank, tuple(map(_local_numpy, (params, exp_avg, exp_avg_sq))), axes, shapes, offsets)
 
     def full(self, flat: dict) -> dict:
         """Tensors (DTensor shards or plain) -> whole numpy arrays on rank 0 only (the checkpoint's writer);

@@ -36,7 +36,7 @@ from common.pipeline import bubble_fraction, stage_layers, stage_of
 from common.protocols import no_phase
 from common.shardedcheckpoint import local_pieces
 
-from .ddp import _numpy, local_numpy
+from .ddp import _numpy, _local_numpy
 from .model import cross_entropy
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -172,7 +172,7 @@ class Pipeline:
     def local_state(self, shapes: dict, params: dict, exp_avg: dict, exp_avg_sq: dict):
         """--checkpoint-format sharded (common/shardedcheckpoint.py): (weights, exp_avg, exp_avg_sq, where) of
         this stage's own tensors, whole, under HF names; no collectives."""
-        return local_pieces(self.stage, tuple(map(local_numpy, (params, exp_avg, exp_avg_sq))), {}, shapes)
+        return local_pieces(self.stage, tuple(map(_local_numpy, (params, exp_avg, exp_avg_sq))), {}, shapes)
 
     def import_state(self, full: dict, params: dict) -> dict:
         return {name: torch.from_numpy(np.array(full[name], dtype=np.float32)).to(p.device)

@@ -28,7 +28,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from common.shardedcheckpoint import local_pieces
 
 from .comm import CommCounter
-from .ddp import MicroSteps, local_numpy, sum_of_squares
+from .ddp import MicroSteps, _local_numpy, sum_of_squares
 
 
 class TensorParallel(MicroSteps):
@@ -98,7 +98,7 @@ class TensorParallel(MicroSteps):
         """--checkpoint-format sharded (common/shardedcheckpoint.py): (weights, exp_avg, exp_avg_sq, where) of
         what this rank writes, under HF names; no collectives."""
         axes = {name: p.placements[0].dim if isinstance(p, DTensor) else None for name, p in params.items()}
-        return local_pieces(self.rank, tuple(map(local_numpy, (params, exp_avg, exp_avg_sq))), axes, shapes)
+        return local_pieces(self.rank, tuple(map(_local_numpy, (params, exp_avg, exp_avg_sq))), axes, shapes)
 
     def gather(self, named: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
         """Full arrays from this rank's pieces (every rank calls it: collectives)."""
