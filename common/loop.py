@@ -27,7 +27,7 @@ from .checkpoint import (TrainState, commit_checkpoint, latest_checkpoint, load_
 from .config import RunConfig
 from .errors import UserError
 from .fabric import Collectives, probe_allreduce
-from .metrics import MetricsWriter, RankStatus, peak_rss_bytes, truncate_metrics
+from .metrics import MetricsWriter, RankStatus, peak_rss_bytes, rss_bytes, truncate_metrics
 from .plan import RunPlan
 from .protocols import Trainer
 from .sampler import GlobalSampler, micro_batches, rank_slice
@@ -156,6 +156,9 @@ def setup_run(run_dir: Path, world: World, trainer_cls) -> Run:
     dp_rank, dp_size = data_parallel(cfg.strategy, rank, world.size)
     global _live_status
     status = _live_status = RankStatus(run_dir, rank)
+    # The framework's fixed footprint: the interpreter, the framework and its distributed state, before any
+    # model exists (the memory table of the report, common/costmodel.py's predicted peak).
+    status.update(force=True, fixed_rss_bytes=rss_bytes())
     cache = TokenCache.open(plan.token_cache)
     train_view = SequenceView(cache.split("train"), cfg.seq_len, cfg.sequence)
     sampler = GlobalSampler(train_view.num_samples, cfg.global_batch_size, cfg.seed)
