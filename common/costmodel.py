@@ -301,10 +301,44 @@ def activation_bytes(strategy: str, w: Workload, n: int) -> float:
     return layers + logits + gathered
 
 
+def gathered_bytes(strategy: str, w: Workload, n: int) -> float:
+    """fsdp: the vocabulary matrices whole while they are used, and their whole gradient before its
+    reduce-scatter. torch's FSDP2 root unit (embedding, final norm, head) stays gathered from its forward
+    through its backward; MLX gathers its embedding and head units only when they are sharded (an uneven
+    vocabulary stays replicated, counted in params). The blocks' two gathered copies are in activation_bytes."""
+    if strategy != "fsdp" or n == 1 or not _vocab_sharded(w.framework, w.spec, n):
+        return 0.0
+    matrices = 1 if w.spec.tie_embeddings else 2
+    return 2 * matrices * w.spec.vocab_size * w.spec.dim * MASTER_BYTES
+
+
 def memory_bytes(strategy: str, w: Workload, n: int, overhead_bytes: float = 0.0) -> dict:
+    """Bytes per rank at the step's peak: the state the rank holds, one micro-batch's activations, fsdp's
+    gathered vocabulary, AdamW's update (it writes new parameters before the old ones are freed: one more
+    copy of the rank's parameters, measured below), and a fixed overhead (the caller's)."""
     params = local_parameters(strategy, w.spec, n, w.framework) * MASTER_BYTES
     parts = {"params": params, "grads": params, "optimizer": 2 * params,
-             "activations": activation_bytes(strategy, w, n), "overhead": overhead_bytes}
+             "activations": activation_bytes(strategy, w, n), "gathered": gathered_bytes(strategy, w, n),
+             "update": params, "overhead": overhead_bytes}
+    return {**parts, "total": sum(parts.values())}
+
+
+# What a CPU rank's peak RSS holds beyond its fixed footprint (the RSS at its start, before the model exists,
+# summary.json's fixed_rss_bytes) and memory_bytes' terms: the allocator's and the compiled graph's
+# workspace, the token cache's mapped pages, the checkpoint being written. Measured on the reference machine
+# (AMD EPYC Zen 5, 2 cores), 4 steps at seq 128, global batch 8, ddp at N=1 and 2, tp at 2: peak RSS minus
+# fixed minus the terms above was 53-74 MB (MLX) and 57-74 MB (torch) on `small` with a 512-token
+# vocabulary, and the same within 50 MB with GPT-2's (docs/benchmarks.md, "Memory per rank").
+WORKSPACE_BYTES = {"mlx": 60e6, "torch": 60e6}
+
+
+def predicted_peak(strategy: str, w: Workload, n: int, fixed_bytes: float) -> dict:
+    """A rank's peak RSS from the shapes and its measured fixed footprint alone (nothing calibrated on the
+    run's own peak): memory_bytes with the fixed footprint plus the framework's workspace as the overhead.
+    It predicts what the rank holds once sharded strategies build only their own part of the model."""
+    parts = memory_bytes(strategy, w, n)
+    parts.update(fixed=fixed_bytes, workspace=WORKSPACE_BYTES.get(w.framework, 60e6))
+    del parts["overhead"], parts["total"]
     return {**parts, "total": sum(parts.values())}
 
 
@@ -363,20 +397,26 @@ def loopback_link(backend: str) -> Link:
                                "docs/benchmarks.md's loopback all-reduce at N=2 (no link record in the run)")
 
 
+def workload_of(summary: dict, spec: ModelSpec) -> Workload:
+    """The Workload a run's summary.json describes."""
+    cfg = summary.get("config") or {}
+    framework = summary.get("framework", cfg.get("framework", "torch"))
+    bucket_mb = cfg.get("all_reduce_size_mb" if framework == "mlx" else "bucket_cap_mb")
+    return Workload(spec, int(cfg.get("seq_len", 128)), int(cfg.get("global_batch_size", 8)),
+                    int(cfg.get("grad_accum", 1)), summary.get("dtype", cfg.get("dtype", "float32")), framework,
+                    int(bucket_mb * 2**20) if bucket_mb else None, summary.get("tokens_per_step"),
+                    int(cfg.get("pp_microbatches", 4)))
+
+
 def calibrate(summary: dict, spec: ModelSpec, source: str = "") -> Calibration:
     """A run's summary.json (with its `breakdown`) and model spec -> Calibration."""
     bd = summary.get("breakdown") or {}
     if not all(isinstance(bd.get(k), (int, float)) for k in ("forward", "backward", "optimizer")):
         raise UserError(f"{source or 'the run'} has no time breakdown in summary.json (a finished run writes one; "
                         "--profile-steps 0 turns it off)")
-    cfg = summary.get("config") or {}
-    framework, strategy = summary.get("framework", cfg.get("framework", "torch")), summary.get("strategy", "ddp")
+    w = workload_of(summary, spec)
+    framework, strategy = w.framework, summary.get("strategy", "ddp")
     n, backend = int(summary.get("world_size") or 1), summary.get("backend") or "none"
-    bucket_mb = cfg.get("all_reduce_size_mb" if framework == "mlx" else "bucket_cap_mb")
-    w = Workload(spec, int(cfg.get("seq_len", 128)), int(cfg.get("global_batch_size", 8)),
-                 int(cfg.get("grad_accum", 1)), summary.get("dtype", cfg.get("dtype", "float32")), framework,
-                 int(bucket_mb * 2**20) if bucket_mb else None, summary.get("tokens_per_step"),
-                 int(cfg.get("pp_microbatches", 4)))
     step_s = bd.get("step_s") or summary.get("step_time_s")
     if not step_s:
         raise UserError(f"{source or 'the run'} has no measured step time in summary.json")

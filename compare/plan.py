@@ -14,9 +14,11 @@ import sys
 import time
 from pathlib import Path
 
-from common.costmodel import Calibration, Link, calibrate, link_from_record, loopback_link, predict
+from common.costmodel import (Calibration, Link, calibrate, link_from_record, loopback_link, predict, predicted_peak,
+                              workload_of)
 from common.errors import UserError
 from common.metrics import read_json, write_json
+from common.plan import RunPlan
 from common.spec import ModelSpec, preset
 from common.strategy import STRATEGIES
 
@@ -302,3 +304,38 @@ def predicted_record(source: Path, s: dict, strategy: str) -> dict:
             "exposed_comm_s": p.exposed_comm_s, "memory_bytes_per_rank": p.memory_bytes["total"], "link": link.name,
             "link_source": f"{link_note} ({link.source})",
             "step_error": (p.step_s / measured - 1) if measured else None}
+
+
+# ---- compare: the predicted peak memory of every run ------------------------------------------------
+def add_memory_predictions(run_dirs: list[Path]) -> None:
+    """Every finished run's summary.json (N=1 too) gets `memory_prediction`: the cost model's peak per rank
+    from the shapes and the rank's measured fixed footprint (common/costmodel.py's predicted_peak), beside
+    the measured one, so the report can show what each rank's memory is made of."""
+    for run_dir in map(Path, run_dirs):
+        s = read_json(run_dir / "summary.json")
+        if not isinstance(s, dict) or s.get("status") != "ok":
+            continue
+        try:
+            s["memory_prediction"] = memory_record(run_dir, s)
+        except Exception as err:  # noqa: BLE001 - a run the model cannot read must not cost the report
+            s["memory_prediction"] = {"note": f"no prediction: {err}"}
+        write_json(run_dir / "summary.json", s)
+
+
+def memory_record(run_dir: Path, s: dict) -> dict:
+    """{"basis", "parts" (rank 0's terms), "peak_bytes" and "measured_bytes" per rank, "error" per rank}. On a
+    CPU the peak is the process's RSS, fixed footprint included; on a GPU the framework's allocator peak,
+    which holds neither the runtime nor the workspace the CPU figure was measured with (both taken as 0)."""
+    spec = RunPlan.read(Path(run_dir)).spec
+    n, strategy = int(s.get("world_size") or 1), s.get("strategy", "ddp")
+    on_gpu = str(s.get("device", "")).startswith(("cuda", "gpu", "mps"))
+    measured = s.get("peak_mem_bytes" if on_gpu else "peak_rss_bytes") or [None] * n
+    fixed = [0.0] * n if on_gpu else [f or 0.0 for f in (s.get("fixed_rss_bytes") or [None] * n)]
+    per_rank = [predicted_peak(strategy, workload_of(s, spec), n, f) for f in fixed]
+    if on_gpu:
+        for parts in per_rank:
+            parts["total"] -= parts["workspace"]
+            parts["workspace"] = 0.0
+    peaks = [p["total"] for p in per_rank]
+    return {"basis": "framework peak" if on_gpu else "peak RSS", "parts": per_rank[0], "peak_bytes": peaks,
+            "measured_bytes": measured, "error": [p / m - 1 if m else None for p, m in zip(peaks, measured)]}
