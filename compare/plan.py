@@ -18,7 +18,6 @@ from common.costmodel import (Calibration, Link, calibrate, link_from_record, lo
                               workload_of)
 from common.errors import UserError
 from common.metrics import read_json, write_json
-from common.plan import RunPlan
 from common.spec import ModelSpec, preset
 from common.strategy import STRATEGIES
 
@@ -43,12 +42,17 @@ def read_run(run_dir: Path) -> tuple[dict, ModelSpec]:
     if not summary.get("breakdown"):
         raise UserError(f"{run_dir}'s summary.json has no time breakdown to calibrate on (a run with "
                         "--profile-steps 0, or one that did not finish)")
+    return summary, run_spec(run_dir, summary)
+
+
+def run_spec(run_dir: Path, summary: dict) -> ModelSpec:
+    """The model spec a run trained (run_config.json), or a one-line UserError."""
     spec = (read_json(run_dir / "run_config.json") or {}).get("spec")
     try:
         if spec is None:  # older runs: the preset with its overrides (the tokenizer's vocabulary unknown)
             cfg = summary.get("config") or {}
             spec = {**preset(cfg.get("preset", "small")).to_dict(), **(cfg.get("model") or {})}
-        return summary, ModelSpec.from_dict(spec)
+        return ModelSpec.from_dict(spec)
     except (TypeError, ValueError) as err:
         raise UserError(f"{run_dir}: cannot read the model spec: {err}") from None
 
@@ -326,7 +330,7 @@ def memory_record(run_dir: Path, s: dict) -> dict:
     """{"basis", "parts" (rank 0's terms), "peak_bytes" and "measured_bytes" per rank, "error" per rank}. On a
     CPU the peak is the process's RSS, fixed footprint included; on a GPU the framework's allocator peak,
     which holds neither the runtime nor the workspace the CPU figure was measured with (both taken as 0)."""
-    spec = RunPlan.read(Path(run_dir)).spec
+    spec = run_spec(Path(run_dir), s)
     n, strategy = int(s.get("world_size") or 1), s.get("strategy", "ddp")
     on_gpu = str(s.get("device", "")).startswith(("cuda", "gpu", "mps"))
     measured = s.get("peak_mem_bytes" if on_gpu else "peak_rss_bytes") or [None] * n

@@ -1,5 +1,6 @@
 """The cost model (common/costmodel.py): it reproduces its calibration run, its ring factors and byte counts
 are the formulas and match what the runs count, and its memory per rank matches state_bytes."""
+import json
 import math
 
 import pytest
@@ -204,3 +205,46 @@ def test_pp_over_a_slow_link_is_paced_by_its_sends_and_over_a_fast_one_by_its_sl
                                         + cal.optimizer_s * state_fraction("pp", cal.workload, 2) + cal.other_s,
                                         rel=1e-9)
     assert "the link" in slow.bottleneck
+
+
+# ---- the predicted peak per rank (summary.json's memory_prediction, the report's memory table) ----------
+def test_the_predicted_peak_adds_the_fixed_footprint_to_what_the_rank_holds():
+    from common.costmodel import WORKSPACE_BYTES, predicted_peak
+
+    small = preset("small")  # GPT-2's 50257 tokens: FSDP2 pads and shards them, MLX keeps them whole
+    vocab_bytes = 2 * small.vocab_size * small.dim * 4  # embedding and head, fp32
+    fixed = 300e6
+    torch_ddp, torch_fsdp = (predicted_peak(s, Workload(small, 128, 8), 2, fixed) for s in ("ddp", "fsdp"))
+    mlx_fsdp = predicted_peak("fsdp", Workload(small, 128, 8, framework="mlx"), 2, fixed)
+    for p in (torch_ddp, torch_fsdp, mlx_fsdp):
+        assert p["total"] == pytest.approx(sum(v for k, v in p.items() if k != "total"))
+        assert p["fixed"] == fixed and p["workspace"] == WORKSPACE_BYTES["torch"]
+        assert p["update"] == p["params"] and p["optimizer"] == 2 * p["params"]
+    # torch fsdp holds half the state, and gathers the whole vocabulary (params and gradient) while it is used
+    assert torch_fsdp["params"] == pytest.approx(torch_ddp["params"] / 2, rel=1e-3)
+    assert torch_fsdp["gathered"] == 2 * vocab_bytes and torch_ddp["gathered"] == 0
+    # MLX keeps the uneven vocabulary replicated: counted in its params, nothing gathered
+    assert mlx_fsdp["gathered"] == 0 and mlx_fsdp["params"] > torch_ddp["params"] / 2 + vocab_bytes / 2
+    tp = predicted_peak("tp", Workload(small, 128, 8), 2, fixed)  # every tp rank reads the whole batch
+    assert tp["activations"] > torch_ddp["activations"]
+
+
+def test_the_memory_record_compares_each_rank_with_its_measured_peak(tmp_path):
+    from compare.plan import add_memory_predictions
+    from costmodel_fixtures import write_run
+
+    s = summary("torch", 2)
+    s["fixed_rss_bytes"] = [370e6, 371e6]
+    run = write_run(tmp_path / "torch-n2", s)
+    add_memory_predictions([run])
+    record = json.loads((run / "summary.json").read_text())["memory_prediction"]
+    assert record["basis"] == "peak RSS" and record["measured_bytes"] == s["peak_rss_bytes"]
+    assert record["peak_bytes"][1] - record["peak_bytes"][0] == pytest.approx(1e6)  # each rank's own fixed
+    assert record["error"] == [pytest.approx(p / m - 1) for p, m in zip(record["peak_bytes"], s["peak_rss_bytes"])]
+    # the fixture run peaked at 474 MB; 370 MB is torch's fixed footprint measured at a rank's start on that machine
+    assert all(abs(e) < 0.15 for e in record["error"])
+    s.update(device="cuda:0", status="ok")
+    write_run(tmp_path / "gpu", s)
+    add_memory_predictions([tmp_path / "gpu"])
+    gpu = json.loads((tmp_path / "gpu" / "summary.json").read_text())["memory_prediction"]
+    assert gpu["basis"] == "framework peak" and gpu["parts"]["fixed"] == gpu["parts"]["workspace"] == 0
