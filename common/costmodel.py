@@ -56,7 +56,9 @@ Memory per rank (bytes): params + grads + optimizer + activations + overhead
                optimizer 2 x params (AdamW's two moments) -- as summary.json's state_bytes counts them
     activations one micro-batch's saved tensors, per token: per layer 7 d in the activation dtype, plus the
                head- and ffn-split ones (3 d + 3 kv + 2 h T + 4 ffn) / N_tp, plus 2 V fp32 logits (logits
-               and their exponentials); fsdp adds two gathered blocks (the current one and the prefetch)
+               and their exponentials)
+    gathered   fsdp: the whole parameters held beside the shards at the peak (gathered_bytes: torch two blocks
+               and the root unit, MLX every block, kept for the backward)
     overhead   the calibration run's peak (RSS on a CPU, the framework's allocator peak on a GPU) minus
                the above at the calibration point: the runtime, libraries, buffers, and the error of the
                activation count, taken as fixed.
@@ -294,22 +296,31 @@ def activation_bytes(strategy: str, w: Workload, n: int) -> float:
     stage_blocks = len(stage_layers(s.n_layers, n, 0)) if strategy == "pp" else s.n_layers
     layers = tokens * stage_blocks * per_token_layer * DTYPE_BYTES[w.dtype]  # pp: every piece's, as gpipe keeps
     logits = tokens * 2 * s.vocab_size * 4
-    gathered = 0.0
-    if strategy == "fsdp" and n > 1:
-        block = sum(math.prod(v) for k, v in parameter_shapes(s).items() if k.startswith("model.layers.0."))
-        gathered = 2 * block * MASTER_BYTES
-    return layers + logits + gathered
+    return layers + logits
 
 
 def gathered_bytes(strategy: str, w: Workload, n: int) -> float:
-    """fsdp: the vocabulary matrices whole while they are used, and their whole gradient before its
-    reduce-scatter. torch's FSDP2 root unit (embedding, final norm, head) stays gathered from its forward
-    through its backward; MLX gathers its embedding and head units only when they are sharded (an uneven
-    vocabulary stays replicated, counted in params). The blocks' two gathered copies are in activation_bytes."""
-    if strategy != "fsdp" or n == 1 or not _vocab_sharded(w.framework, w.spec, n):
+    """fsdp: the whole parameters (and gradients) a rank holds beyond its shards at the step's peak.
+
+    torch (FSDP2): a block is gathered for its forward and freed after it (reshard_after_forward), gathered
+    again for its backward, its whole gradient reduce-scattered: two blocks at a time (the one computing and
+    the prefetch). The root unit (embedding, final norm, head) stays gathered from its forward through its
+    backward, and its whole gradient exists before the reduce-scatter: 2 x the vocabulary matrices.
+    MLX (nn.fully_shard): the gather is a node of the step's graph, and its output is what the backward
+    multiplies by, so every sharded unit's whole parameters stay alive from its forward to its backward: the
+    whole blocks, and the embedding and head when their vocabulary divides by N (else they are replicated,
+    counted in params). Measured on `base` at N=2 (docs/benchmarks.md): MLX fsdp's peak RSS is that of
+    holding every block whole."""
+    if strategy != "fsdp" or n == 1:
         return 0.0
-    matrices = 1 if w.spec.tie_embeddings else 2
-    return 2 * matrices * w.spec.vocab_size * w.spec.dim * MASTER_BYTES
+    shapes = parameter_shapes(w.spec)
+    blocks = [sum(math.prod(v) for k, v in shapes.items() if k.startswith(f"model.layers.{i}."))
+              for i in range(w.spec.n_layers)]
+    vocab = (1 if w.spec.tie_embeddings else 2) * w.spec.vocab_size * w.spec.dim
+    vocab_sharded = _vocab_sharded(w.framework, w.spec, n)
+    if w.framework == "mlx":
+        return (sum(blocks) + (vocab if vocab_sharded else 0)) * DTYPE_BYTES[w.dtype]
+    return (2 * max(blocks) + (2 * vocab if vocab_sharded else 0)) * MASTER_BYTES
 
 
 def memory_bytes(strategy: str, w: Workload, n: int, overhead_bytes: float = 0.0) -> dict:
@@ -323,13 +334,19 @@ def memory_bytes(strategy: str, w: Workload, n: int, overhead_bytes: float = 0.0
     return {**parts, "total": sum(parts.values())}
 
 
-# What a CPU rank's peak RSS holds beyond its fixed footprint (the RSS at its start, before the model exists,
-# summary.json's fixed_rss_bytes) and memory_bytes' terms: the allocator's and the compiled graph's
-# workspace, the token cache's mapped pages, the checkpoint being written. Measured on the reference machine
-# (AMD EPYC Zen 5, 2 cores), 4 steps at seq 128, global batch 8, ddp at N=1 and 2, tp at 2: peak RSS minus
-# fixed minus the terms above was 53-74 MB (MLX) and 57-74 MB (torch) on `small` with a 512-token
-# vocabulary, and the same within 50 MB with GPT-2's (docs/benchmarks.md, "Memory per rank").
-WORKSPACE_BYTES = {"mlx": 60e6, "torch": 60e6}
+# The predicted peak's framework terms, fitted (relative least squares) to the peak RSS of 21 runs on the
+# reference machine (AMD EPYC Zen 5, 2 cores, shared: docs/benchmarks.md "Memory per rank, predicted and
+# measured"): `small` with a 512-token and with GPT-2's vocabulary and `base`, 4 steps at seq 128 and global
+# batch 8, ddp at N=1 and 2, fsdp and tp at 2, both frameworks. Fitted: MLX activations x0.80, update x1.46,
+# 60 MB; torch x0.97, x0.15, 73 MB; rounded below. Every run's prediction is then within 11% of its peak.
+#   activations  the share of activation_bytes' count a framework keeps: MLX's compiled step fuses some of it
+#   update       copies of the rank's parameters alive in the update: MLX's AdamW writes new parameters and
+#                moments before the old ones are freed (and at N > 1 the reduced gradients beside the local
+#                ones); torch's foreach AdamW updates in place
+#   workspace    the allocator's and the compiled graph's buffers, the token cache's mapped pages
+ACTIVATION_FACTOR = {"mlx": 0.8, "torch": 1.0}
+UPDATE_FACTOR = {"mlx": 1.5, "torch": 0.0}
+WORKSPACE_BYTES = {"mlx": 60e6, "torch": 70e6}
 
 
 def predicted_peak(strategy: str, w: Workload, n: int, fixed_bytes: float) -> dict:
@@ -337,7 +354,10 @@ def predicted_peak(strategy: str, w: Workload, n: int, fixed_bytes: float) -> di
     run's own peak): memory_bytes with the fixed footprint plus the framework's workspace as the overhead.
     It predicts what the rank holds once sharded strategies build only their own part of the model."""
     parts = memory_bytes(strategy, w, n)
-    parts.update(fixed=fixed_bytes, workspace=WORKSPACE_BYTES.get(w.framework, 60e6))
+    framework = w.framework if w.framework in WORKSPACE_BYTES else "torch"
+    parts.update(fixed=fixed_bytes, workspace=WORKSPACE_BYTES[framework],
+                 activations=parts["activations"] * ACTIVATION_FACTOR[framework],
+                 update=parts["params"] * UPDATE_FACTOR[framework])
     del parts["overhead"], parts["total"]
     return {**parts, "total": sum(parts.values())}
 

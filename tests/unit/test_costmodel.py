@@ -209,22 +209,25 @@ def test_pp_over_a_slow_link_is_paced_by_its_sends_and_over_a_fast_one_by_its_sl
 
 # ---- the predicted peak per rank (summary.json's memory_prediction, the report's memory table) ----------
 def test_the_predicted_peak_adds_the_fixed_footprint_to_what_the_rank_holds():
-    from common.costmodel import WORKSPACE_BYTES, predicted_peak
+    from common.costmodel import UPDATE_FACTOR, WORKSPACE_BYTES, predicted_peak
 
     small = preset("small")  # GPT-2's 50257 tokens: FSDP2 pads and shards them, MLX keeps them whole
     vocab_bytes = 2 * small.vocab_size * small.dim * 4  # embedding and head, fp32
+    block_bytes = 4 * sum(math.prod(v) for k, v in parameter_shapes(small).items() if k.startswith("model.layers.0."))
     fixed = 300e6
     torch_ddp, torch_fsdp = (predicted_peak(s, Workload(small, 128, 8), 2, fixed) for s in ("ddp", "fsdp"))
-    mlx_fsdp = predicted_peak("fsdp", Workload(small, 128, 8, framework="mlx"), 2, fixed)
-    for p in (torch_ddp, torch_fsdp, mlx_fsdp):
+    mlx_ddp, mlx_fsdp = (predicted_peak(s, Workload(small, 128, 8, framework="mlx"), 2, fixed) for s in ("ddp", "fsdp"))
+    for framework, p in (("torch", torch_ddp), ("torch", torch_fsdp), ("mlx", mlx_ddp), ("mlx", mlx_fsdp)):
         assert p["total"] == pytest.approx(sum(v for k, v in p.items() if k != "total"))
-        assert p["fixed"] == fixed and p["workspace"] == WORKSPACE_BYTES["torch"]
-        assert p["update"] == p["params"] and p["optimizer"] == 2 * p["params"]
-    # torch fsdp holds half the state, and gathers the whole vocabulary (params and gradient) while it is used
+        assert p["fixed"] == fixed and p["workspace"] == WORKSPACE_BYTES[framework]
+        assert p["update"] == UPDATE_FACTOR[framework] * p["params"] and p["optimizer"] == 2 * p["params"]
+    # torch fsdp holds half the state; it gathers two blocks at a time and keeps the root unit (the padded
+    # vocabulary) whole, with its whole gradient, through the backward
     assert torch_fsdp["params"] == pytest.approx(torch_ddp["params"] / 2, rel=1e-3)
-    assert torch_fsdp["gathered"] == 2 * vocab_bytes and torch_ddp["gathered"] == 0
-    # MLX keeps the uneven vocabulary replicated: counted in its params, nothing gathered
-    assert mlx_fsdp["gathered"] == 0 and mlx_fsdp["params"] > torch_ddp["params"] / 2 + vocab_bytes / 2
+    assert torch_fsdp["gathered"] == 2 * block_bytes + 2 * vocab_bytes and torch_ddp["gathered"] == 0
+    # MLX keeps the uneven vocabulary replicated (in params), and every gathered block alive for the backward
+    assert mlx_fsdp["params"] > torch_ddp["params"] / 2 + vocab_bytes / 2
+    assert mlx_fsdp["gathered"] == small.n_layers * block_bytes and mlx_ddp["gathered"] == 0
     tp = predicted_peak("tp", Workload(small, 128, 8), 2, fixed)  # every tp rank reads the whole batch
     assert tp["activations"] > torch_ddp["activations"]
 
