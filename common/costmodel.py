@@ -349,17 +349,42 @@ UPDATE_FACTOR = {"mlx": 1.5, "torch": 0.0}
 WORKSPACE_BYTES = {"mlx": 60e6, "torch": 70e6}
 
 
-def predicted_peak(strategy: str, w: Workload, n: int, fixed_bytes: float) -> dict:
+def checkpoint_bytes(strategy: str, w: Workload, n: int, rank: int = 0, checkpoint_format: str = "hf") -> float:
+    """What saving a checkpoint holds beside the rank's state (after a step: its activations are freed).
+
+    hf: fsdp gathers the weights and both moments whole on rank 0; tp and pp gather them whole on every rank;
+    ddp copies its weights. sharded: every rank writes its own arrays, at most a copy of its weights.
+    Measured on `base` at N=2 (torch fsdp, hf): rank 0 peaked 540 MB above rank 1, the peak being the
+    gathered state (docs/benchmarks.md)."""
+    full = local_parameters("ddp", w.spec, 1) * MASTER_BYTES
+    if checkpoint_format == "sharded":
+        return local_parameters(strategy, w.spec, n, w.framework) * MASTER_BYTES
+    if strategy == "fsdp" and n > 1:
+        return 3 * full if rank == 0 else 0.0
+    if strategy in ("tp", "pp") and n > 1:
+        return 3 * full
+    return full
+
+
+def predicted_peak(strategy: str, w: Workload, n: int, fixed_bytes: float, rank: int = 0,
+                   checkpoint_format: str = "hf") -> dict:
     """A rank's peak RSS from the shapes and its measured fixed footprint alone (nothing calibrated on the
-    run's own peak): memory_bytes with the fixed footprint plus the framework's workspace as the overhead.
-    It predicts what the rank holds once sharded strategies build only their own part of the model."""
+    run's own peak): the larger of the step's (memory_bytes with the framework's factors, the fixed footprint
+    and the workspace) and the checkpoint's (the state, the fixed footprint, the workspace and what saving
+    holds; `peak_at` says which). It predicts what the rank holds once sharded strategies build only their own
+    part of the model; the start-up, where every rank still builds the whole model, is not counted."""
     parts = memory_bytes(strategy, w, n)
     framework = w.framework if w.framework in WORKSPACE_BYTES else "torch"
     parts.update(fixed=fixed_bytes, workspace=WORKSPACE_BYTES[framework],
                  activations=parts["activations"] * ACTIVATION_FACTOR[framework],
                  update=parts["params"] * UPDATE_FACTOR[framework])
     del parts["overhead"], parts["total"]
-    return {**parts, "total": sum(parts.values())}
+    step = sum(parts.values())
+    parts["checkpoint"] = checkpoint_bytes(strategy, w, n, rank, checkpoint_format)
+    saving = (fixed_bytes + parts["workspace"] + parts["params"] + parts["grads"] + parts["optimizer"]
+              + parts["checkpoint"])
+    return {**parts, "step": step, "saving": saving, "peak_at": "step" if step >= saving else "checkpoint",
+            "total": max(step, saving)}
 
 
 # ---- calibration and prediction -----------------------------------------------------------------

@@ -14,8 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from common.costmodel import (Calibration, Link, calibrate, link_from_record, loopback_link, predict, predicted_peak,
-                              workload_of)
+from common.costmodel import (WORKSPACE_BYTES, Calibration, Link, calibrate, link_from_record, loopback_link, predict,
+                              predicted_peak, workload_of)
 from common.errors import UserError
 from common.metrics import read_json, write_json
 from common.spec import ModelSpec, preset
@@ -327,7 +327,8 @@ def add_memory_predictions(run_dirs: list[Path]) -> None:
 
 
 def memory_record(run_dir: Path, s: dict) -> dict:
-    """{"basis", "parts" (rank 0's terms), "peak_bytes" and "measured_bytes" per rank, "error" per rank}. On a
+    """{"basis", "parts" (rank 0's terms), "peak_bytes", "peak_at" (step or checkpoint), "measured_bytes" and
+    "error" per rank}. On a
     CPU the peak is the process's RSS, fixed footprint included; on a GPU the framework's allocator peak,
     which holds neither the runtime nor the workspace the CPU figure was measured with (both taken as 0)."""
     spec = run_spec(Path(run_dir), s)
@@ -335,11 +336,13 @@ def memory_record(run_dir: Path, s: dict) -> dict:
     on_gpu = str(s.get("device", "")).startswith(("cuda", "gpu", "mps"))
     measured = s.get("peak_mem_bytes" if on_gpu else "peak_rss_bytes") or [None] * n
     fixed = [0.0] * n if on_gpu else [f or 0.0 for f in (s.get("fixed_rss_bytes") or [None] * n)]
-    per_rank = [predicted_peak(strategy, workload_of(s, spec), n, f) for f in fixed]
-    if on_gpu:
+    fmt = (s.get("config") or {}).get("checkpoint_format", "hf")
+    per_rank = [predicted_peak(strategy, workload_of(s, spec), n, f, rank, fmt) for rank, f in enumerate(fixed)]
+    if on_gpu:  # a GPU allocator's peak: no host workspace (the checkpoint's copies are host memory too)
         for parts in per_rank:
-            parts["total"] -= parts["workspace"]
-            parts["workspace"] = 0.0
+            parts.update(workspace=0.0, checkpoint=0.0, saving=0.0, peak_at="step")
+            parts["total"] = parts["step"] = parts["step"] - WORKSPACE_BYTES.get(s.get("framework"), 0.0)
     peaks = [p["total"] for p in per_rank]
     return {"basis": "framework peak" if on_gpu else "peak RSS", "parts": per_rank[0], "peak_bytes": peaks,
+            "peak_at": [p["peak_at"] for p in per_rank],
             "measured_bytes": measured, "error": [p / m - 1 if m else None for p, m in zip(peaks, measured)]}

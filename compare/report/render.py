@@ -297,10 +297,12 @@ def memory_blocks(rows: list[dict]) -> list[tuple]:
             values = [_at(state.get(k), rank) for k in ("params", "grads", "optimizer")]
             total = sum(values) if all(v is not None for v in values) else None
             predicted, error = _at(pred.get("peak_bytes"), rank), _at(pred.get("error"), rank)
+            saving = " (saving)" if _at(pred.get("peak_at"), rank) == "checkpoint" else ""
             table.append((r["label"], rank, *(fmt(v, ",.1f") for v in values), fmt(total, ",.1f"),
                           fmt((pred.get("parts") or {}).get("activations", 0) / MB or None, ",.0f"),
                           fmt(_at(r.get("fixed_rss_mb"), rank), ",.0f"),
-                          fmt(predicted / MB if predicted else None, ",.0f"), fmt(_at(r.get("peak_mem_mb"), rank), ",.0f"),
+                          fmt(predicted / MB if predicted else None, ",.0f") + saving,
+                          fmt(_at(r.get("peak_mem_mb"), rank), ",.0f"),
                           fmt(_at(r.get("peak_rss_mb"), rank), ",.0f"),
                           f"{100 * error:+.0f}%" if error is not None else "–"))
     blocks = [("h2", "Memory per rank"),
@@ -310,10 +312,12 @@ def memory_blocks(rows: list[dict]) -> list[tuple]:
                     "one micro-batch's saved tensors estimated from the shapes and dtype; fixed is the process's "
                     "RSS at its start, before the model exists (the interpreter, the framework, its distributed "
                     "state). The predicted peak (common/costmodel.py's predicted_peak, docs/scaling.md) adds "
-                    "these, fsdp's gathered vocabulary, AdamW's update copy and a measured workspace; the last "
-                    "column is its difference from the measured peak (peak RSS on a CPU, the framework peak on a "
-                    "GPU). It predicts what a rank holds: where every rank still builds the whole model first "
-                    "(fsdp, tp), the measured peak can be higher."),
+                    "these, fsdp's gathered parameters, AdamW's update copies and a measured workspace, or, where "
+                    "it is larger, what saving a checkpoint holds (marked \"saving\": the hf format gathers the "
+                    "whole state on rank 0 under fsdp, on every rank under tp and pp; --checkpoint-format sharded "
+                    "does not); the last column is its difference from the measured peak (peak RSS on a CPU, the "
+                    "framework peak on a GPU). It predicts what a rank holds: where every rank still builds the "
+                    "whole model first (fsdp, tp), the measured peak can be higher."),
               ("table", ("run", "rank", "params MB", "grads MB", "optimizer MB", "state MB", "activations MB (est.)",
                          "fixed MB", "predicted peak MB", "framework peak MB", "peak RSS MB", "predicted vs peak"),
                table)]

@@ -218,7 +218,8 @@ def test_the_predicted_peak_adds_the_fixed_footprint_to_what_the_rank_holds():
     torch_ddp, torch_fsdp = (predicted_peak(s, Workload(small, 128, 8), 2, fixed) for s in ("ddp", "fsdp"))
     mlx_ddp, mlx_fsdp = (predicted_peak(s, Workload(small, 128, 8, framework="mlx"), 2, fixed) for s in ("ddp", "fsdp"))
     for framework, p in (("torch", torch_ddp), ("torch", torch_fsdp), ("mlx", mlx_ddp), ("mlx", mlx_fsdp)):
-        assert p["total"] == pytest.approx(sum(v for k, v in p.items() if k != "total"))
+        step = sum(v for k, v in p.items() if k not in ("total", "step", "saving", "peak_at", "checkpoint"))
+        assert p["step"] == pytest.approx(step) and p["total"] == max(p["step"], p["saving"])
         assert p["fixed"] == fixed and p["workspace"] == WORKSPACE_BYTES[framework]
         assert p["update"] == UPDATE_FACTOR[framework] * p["params"] and p["optimizer"] == 2 * p["params"]
     # torch fsdp holds half the state; it gathers two blocks at a time and keeps the root unit (the padded
@@ -230,6 +231,13 @@ def test_the_predicted_peak_adds_the_fixed_footprint_to_what_the_rank_holds():
     assert mlx_fsdp["gathered"] == small.n_layers * block_bytes and mlx_ddp["gathered"] == 0
     tp = predicted_peak("tp", Workload(small, 128, 8), 2, fixed)  # every tp rank reads the whole batch
     assert tp["activations"] > torch_ddp["activations"]
+    # saving an hf checkpoint gathers the whole state (weights and both moments) on fsdp's rank 0 only;
+    # the sharded format writes each rank's own arrays
+    full = 4 * num_parameters(small)
+    assert [predicted_peak("fsdp", Workload(small, 128, 8), 2, fixed, rank)["checkpoint"] for rank in (0, 1)] == \
+        [3 * full, 0.0]
+    sharded = predicted_peak("fsdp", Workload(small, 128, 8), 2, fixed, 0, "sharded")
+    assert sharded["checkpoint"] == sharded["params"] and sharded["total"] <= torch_fsdp["total"]
 
 
 def test_the_memory_record_compares_each_rank_with_its_measured_peak(tmp_path):
