@@ -352,15 +352,22 @@ WORKSPACE_BYTES = {"mlx": 60e6, "torch": 70e6}
 def checkpoint_bytes(strategy: str, w: Workload, n: int, rank: int = 0, checkpoint_format: str = "hf") -> float:
     """What saving a checkpoint holds beside the rank's state (after a step: its activations are freed).
 
-    hf: fsdp gathers the weights and both moments whole on rank 0; tp and pp gather them whole on every rank;
-    ddp copies its weights. sharded: every rank writes its own arrays, at most a copy of its weights.
-    Measured on `base` at N=2 (torch fsdp, hf): rank 0 peaked 540 MB above rank 1, the peak being the
-    gathered state (docs/benchmarks.md)."""
-    full = local_parameters("ddp", w.spec, 1) * MASTER_BYTES
+    hf: fsdp gathers the weights and both moments whole on rank 0; tp and pp gather them whole on every rank
+    (MLX's tp keeps its replicated tensors as views, but first copies its own weights out); ddp copies its
+    weights. sharded: every rank writes its own arrays, MLX from a copy of its weights, torch from views.
+    Measured on `base` at N=2 (fsdp, hf): rank 0 peaked 0.9-1.0 GB above rank 1, the gathered state
+    (docs/benchmarks.md)."""
+    shapes = parameter_shapes(w.spec)
+    full = sum(math.prod(s) for s in shapes.values()) * MASTER_BYTES
+    local = local_parameters(strategy, w.spec, n, w.framework) * MASTER_BYTES
+    mlx = w.framework == "mlx"
     if checkpoint_format == "sharded":
-        return local_parameters(strategy, w.spec, n, w.framework) * MASTER_BYTES
+        return local if mlx else 0.0
     if strategy == "fsdp" and n > 1:
         return 3 * full if rank == 0 else 0.0
+    if strategy == "tp" and n > 1 and mlx:
+        split = sum(math.prod(s) for k, s in shapes.items() if tp_split_axis(k) is not None) * MASTER_BYTES
+        return local + 3 * split
     if strategy in ("tp", "pp") and n > 1:
         return 3 * full
     return full

@@ -237,7 +237,7 @@ def test_the_predicted_peak_adds_the_fixed_footprint_to_what_the_rank_holds():
     assert [predicted_peak("fsdp", Workload(small, 128, 8), 2, fixed, rank)["checkpoint"] for rank in (0, 1)] == \
         [3 * full, 0.0]
     sharded = predicted_peak("fsdp", Workload(small, 128, 8), 2, fixed, 0, "sharded")
-    assert sharded["checkpoint"] == sharded["params"] and sharded["total"] <= torch_fsdp["total"]
+    assert sharded["checkpoint"] == 0 and sharded["total"] <= torch_fsdp["total"]  # torch writes from views
 
 
 def test_the_memory_record_compares_each_rank_with_its_measured_peak(tmp_path):
