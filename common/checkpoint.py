@@ -24,8 +24,9 @@ import numpy as np
 
 from .errors import UserError
 from .fsutil import atomic_write_text, fsync_dir
+from .shardedcheckpoint import INDEX, is_sharded, sharded_sources
 from .spec import ModelSpec
-from .tensorsource import SafetensorsSource, TensorSource, check_source, open_pretrained, read_all
+from .tensorsource import SafetensorsSource, TensorSource, check_source, read_all
 from .weights import save_pretrained
 
 if TYPE_CHECKING:
@@ -42,6 +43,7 @@ class TrainState:
     exp_avg: dict[str, np.ndarray]
     exp_avg_sq: dict[str, np.ndarray]
     info: dict                       # sampler, fingerprints, framework
+    sources: dict | None = None      # {"weights", "exp_avg", "exp_avg_sq"}: TensorSources of the checkpoint read
 
 
 def resume_fingerprints(cfg: RunConfig, cache_meta: dict, token_cache: str) -> dict:
@@ -52,11 +54,11 @@ def resume_fingerprints(cfg: RunConfig, cache_meta: dict, token_cache: str) -> d
 
 
 def save_checkpoint(run_dir: Path, spec: ModelSpec, state: TrainState) -> Path:
+    """The hf format: rank 0 writes the whole state it gathered."""
     from safetensors.numpy import save_file
 
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{state.step:06d}"
     tmp = root / f".tmp_step_{state.step:06d}_{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     save_pretrained(tmp, spec, state.weights)
@@ -64,24 +66,35 @@ def save_checkpoint(run_dir: Path, spec: ModelSpec, state: TrainState) -> Path:
     moments.update({f"exp_avg_sq.{k}": v for k, v in state.exp_avg_sq.items()})
     save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in moments.items()},
               str(tmp / "optimizer.safetensors"))
-    meta = {"format_version": FORMAT_VERSION, "step": state.step, **state.info}
-    (tmp / "state.json").write_text(json.dumps(meta, indent=2))
+    write_state_json(tmp, state.step, state.info)
+    return commit_checkpoint(root, tmp, state.step)
+
+
+def write_state_json(directory: Path, step: int, info: dict) -> None:
+    meta = {"format_version": FORMAT_VERSION, "step": step, **info}
+    (Path(directory) / "state.json").write_text(json.dumps(meta, indent=2))
+
+
+def commit_checkpoint(root: Path, tmp: Path, step: int, keep_last: int = KEEP_LAST) -> Path:
+    """fsync the files of a complete temporary checkpoint, rename it into place, then move `latest`."""
+    final = root / f"step_{step:06d}"
     for f in tmp.iterdir():
-        with open(f, "rb") as handle:
-            os.fsync(handle.fileno())
+        if f.is_file():
+            with open(f, "rb") as handle:
+                os.fsync(handle.fileno())
     fsync_dir(tmp)
     if final.exists():  # re-saving the same step (e.g. after a resume): replace it whole
         shutil.rmtree(final)
     os.replace(tmp, final)
     fsync_dir(root)
     atomic_write_text(root / "latest", final.name + "\n")
-    _prune(root, keep=final.name)
+    _prune(root, keep=final.name, keep_last=keep_last)
     return final
 
 
-def _prune(root: Path, keep: str) -> None:
+def _prune(root: Path, keep: str, keep_last: int = KEEP_LAST) -> None:
     done = sorted(p for p in root.glob("step_*") if p.is_dir())
-    for old in done[:-KEEP_LAST]:
+    for old in done[:-keep_last]:
         if old.name != keep:
             shutil.rmtree(old, ignore_errors=True)
 
@@ -100,27 +113,44 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 @dataclass
 class CheckpointSources:
     """A checkpoint opened for reading slice by slice (common/tensorsource.py): what a resuming rank reads
-    its part of the weights and moments from, without ever loading the whole."""
+    its part of the weights and moments from, without ever loading the whole. Either format: whole HF files
+    or the sharded one (shards/index.json, common/shardedcheckpoint.py)."""
     step: int
     weights: TensorSource
     exp_avg: TensorSource
     exp_avg_sq: TensorSource
     info: dict
 
+    def as_dict(self) -> dict[str, TensorSource]:
+        return {"weights": self.weights, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+
+
+def checkpoint_sources(path: Path) -> dict[str, TensorSource]:
+    """{"weights", "exp_avg", "exp_avg_sq"} of a checkpoint of either format, as TensorSources that read one
+    slice at a time (the format is the directory's: shards/index.json or the whole HF files)."""
+    path = Path(path)
+    if is_sharded(path):
+        return sharded_sources(path)
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        if not (path / name).is_file():
+            raise UserError(f"checkpoint {path} has no {name} (nor shards/{INDEX}); refusing to resume")
+    return {"weights": SafetensorsSource(path / "model.safetensors"),
+            "exp_avg": SafetensorsSource(path / "optimizer.safetensors", "exp_avg."),
+            "exp_avg_sq": SafetensorsSource(path / "optimizer.safetensors", "exp_avg_sq.")}
+
 
 def open_checkpoint(path: Path, spec: ModelSpec, expect: dict) -> CheckpointSources:
     """Validate (state.json, fingerprints in `expect`, the spec, every tensor's name and shape from the
-    files' headers) and open the tensors lazily; nothing is read yet."""
+    files' headers) and open the tensors lazily, whatever the format; nothing is read yet."""
     path = Path(path)
-    state_path = path / "state.json"
     try:
-        meta = json.loads(state_path.read_text())
+        meta = json.loads((path / "state.json").read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise UserError(f"checkpoint {path} has no readable state.json ({err}); refusing to resume") from None
     if meta.get("format_version") != FORMAT_VERSION:
         raise UserError(f"checkpoint {path} has format version {meta.get('format_version')}, "
                         f"this dpcompare reads {FORMAT_VERSION}")
-    saved_spec, weights = open_pretrained(path)
+    saved_spec = read_spec(path)
     if saved_spec != spec:
         diff = [k for k, v in spec.to_dict().items() if saved_spec.to_dict()[k] != v]
         raise UserError(f"checkpoint {path} was written for another model spec "
@@ -129,18 +159,26 @@ def open_checkpoint(path: Path, spec: ModelSpec, expect: dict) -> CheckpointSour
         if meta.get(key) != value:
             raise UserError(f"checkpoint {path}: {key} is {meta.get(key)!r}, this run has {value!r}; "
                             "refusing to resume")
-    if not (path / "optimizer.safetensors").is_file():
-        raise UserError(f"checkpoint {path}: optimizer.safetensors not found")
-    moments = {}
-    for prefix in ("exp_avg.", "exp_avg_sq."):
-        moments[prefix] = SafetensorsSource(path / "optimizer.safetensors", prefix=prefix)
-        check_source(spec, moments[prefix], f"{path}/optimizer.safetensors ({prefix[:-1]})")
-    return CheckpointSources(step=int(meta["step"]), weights=weights, exp_avg=moments["exp_avg."],
-                             exp_avg_sq=moments["exp_avg_sq."], info=meta)
+    sources = checkpoint_sources(path)
+    for kind, source in sources.items():
+        check_source(spec, source, f"{path} ({kind})")
+    return CheckpointSources(step=int(meta["step"]), info=meta, **sources)
 
 
 def load_checkpoint(path: Path, spec: ModelSpec, expect: dict) -> TrainState:
-    """Load and validate; `expect` holds fingerprints that must match (tokenizer, data, batch)."""
+    """Load and validate, whole dicts assembled one tensor at a time; `sources` keeps the lazy readers."""
     opened = open_checkpoint(path, spec, expect)
-    return TrainState(step=opened.step, weights=read_all(opened.weights), exp_avg=read_all(opened.exp_avg),
-                      exp_avg_sq=read_all(opened.exp_avg_sq), info=opened.info)
+    sources = opened.as_dict()
+    weights, exp_avg, exp_avg_sq = (read_all(sources[kind]) for kind in ("weights", "exp_avg", "exp_avg_sq"))
+    return TrainState(step=opened.step, weights=weights, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
+                      info=opened.info, sources=sources)
+
+
+def read_spec(path: Path) -> ModelSpec:
+    from .hfconfig import from_hf_config
+
+    config = Path(path) / "config.json"
+    try:
+        return from_hf_config(json.loads(config.read_text()))
+    except (OSError, json.JSONDecodeError) as err:
+        raise UserError(f"checkpoint {path}: config.json is unreadable ({err})") from None

@@ -37,6 +37,7 @@ DEVICES = ("auto", "cpu", "cuda", "mps", "gpu")
 MLX_BLAS = ("auto", "system", "bundled")
 MLX_CPU_JIT = ("auto", "native", "baseline")
 DTYPES = ("float32", "bfloat16")
+CHECKPOINT_FORMATS = ("hf", "sharded")  # common/checkpoint.py, common/shardedcheckpoint.py
 TRACKERS = ("tensorboard", "wandb", "trackio")  # --report-to (compare/report/tracking.py)
 
 
@@ -83,6 +84,7 @@ class RunConfig:
     eval_every: int = 50
     eval_batches: int = 2
     checkpoint_every: int = 0
+    checkpoint_format: str = "hf"    # hf: whole HF files (rank 0 writes); sharded: each rank its own (common/shardedcheckpoint.py)
     # Where and how it runs.
     framework: str = "mlx"
     nproc: int = 1
@@ -230,6 +232,7 @@ class RunConfig:
         _choice("dtype", self.dtype, DTYPES)
         _choice("strategy", self.strategy, STRATEGIES)
         _choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
+        _choice("checkpoint_format", self.checkpoint_format, CHECKPOINT_FORMATS)
         _choice("communication_stream", self.communication_stream, COMMUNICATION_STREAMS)
         for tracker in filter(None, (t.strip() for t in self.report_to.split(","))):
             _choice("report_to", tracker, ("none",) + TRACKERS)

@@ -61,7 +61,9 @@ Memory per rank (bytes): params + grads + optimizer + activations + overhead
                optimizer 2 x params (AdamW's two moments) -- as summary.json's state_bytes counts them
     activations one micro-batch's saved tensors, per token: per layer 7 d in the activation dtype, plus the
                head- and ffn-split ones (3 d + 3 kv + 2 h T + 4 ffn) / N_tp, plus 2 V fp32 logits (logits
-               and their exponentials); fsdp adds two gathered blocks (the current one and the prefetch)
+               and their exponentials)
+    gathered   fsdp: the whole parameters held beside the shards at the peak (gathered_bytes: torch two blocks
+               and the root unit, MLX every block, kept for the backward)
     overhead   the calibration run's peak (RSS on a CPU, the framework's allocator peak on a GPU) minus
                the above at the calibration point: the runtime, libraries, buffers, and the error of the
                activation count, taken as fixed.
@@ -307,18 +309,100 @@ def activation_bytes(strategy: str, w: Workload, n: int) -> float:
     stage_blocks = len(stage_layers(s.n_layers, n, 0)) if strategy == "pp" else s.n_layers
     layers = tokens * stage_blocks * per_token_layer * DTYPE_BYTES[w.dtype]  # pp: every piece's, as gpipe keeps
     logits = tokens * 2 * s.vocab_size * 4
-    gathered = 0.0
-    if strategy == "fsdp" and n > 1:
-        block = sum(math.prod(v) for k, v in parameter_shapes(s).items() if k.startswith("model.layers.0."))
-        gathered = 2 * block * MASTER_BYTES
-    return layers + logits + gathered
+    return layers + logits
+
+
+def gathered_bytes(strategy: str, w: Workload, n: int) -> float:
+    """fsdp: the whole parameters (and gradients) a rank holds beyond its shards at the step's peak.
+
+    torch (FSDP2): a block is gathered for its forward and freed after it (reshard_after_forward), gathered
+    again for its backward, its whole gradient reduce-scattered: two blocks at a time (the one computing and
+    the prefetch). The embedding and the head are units of their own (torch_impl/fsdp.py), padded to a
+    multiple of N: at the head's backward its whole parameter and its whole gradient, 2 x one vocabulary
+    matrix. MLX (nn.fully_shard): the gather is a node of the step's graph, and its output is what the
+    backward multiplies by, so every sharded unit's whole parameters stay alive from its forward to its
+    backward: the whole blocks and the vocabulary matrices (padded and sharded too, mlx_impl/fsdp.py).
+    Measured on `base` at N=2 (docs/benchmarks.md): MLX fsdp's peak RSS is that of holding every block whole."""
+    if strategy != "fsdp" or n == 1:
+        return 0.0
+    shapes = parameter_shapes(w.spec)
+    blocks = [sum(math.prod(v) for k, v in shapes.items() if k.startswith(f"model.layers.{i}."))
+              for i in range(w.spec.n_layers)]
+    matrix = math.ceil(w.spec.vocab_size / n) * n * w.spec.dim
+    if w.framework == "mlx":
+        return (sum(blocks) + (1 if w.spec.tie_embeddings else 2) * matrix) * DTYPE_BYTES[w.dtype]
+    return (2 * max(blocks) + 2 * matrix) * MASTER_BYTES
 
 
 def memory_bytes(strategy: str, w: Workload, n: int, overhead_bytes: float = 0.0) -> dict:
+    """Bytes per rank at the step's peak: the state the rank holds, one micro-batch's activations, fsdp's
+    gathered vocabulary, AdamW's update (it writes new parameters before the old ones are freed: one more
+    copy of the rank's parameters, measured below), and a fixed overhead (the caller's)."""
     params = local_parameters(strategy, w.spec, n, w.framework) * MASTER_BYTES
     parts = {"params": params, "grads": params, "optimizer": 2 * params,
-             "activations": activation_bytes(strategy, w, n), "overhead": overhead_bytes}
+             "activations": activation_bytes(strategy, w, n), "gathered": gathered_bytes(strategy, w, n),
+             "update": params, "overhead": overhead_bytes}
     return {**parts, "total": sum(parts.values())}
+
+
+# The predicted peak's framework terms, fitted (relative least squares) to the peak RSS of 21 runs on the
+# reference machine (AMD EPYC Zen 5, 2 cores, shared: docs/benchmarks.md "Memory per rank, predicted and
+# measured"): `small` with a 512-token and with GPT-2's vocabulary and `base`, 4 steps at seq 128 and global
+# batch 8, ddp at N=1 and 2, fsdp and tp at 2, both frameworks. Fitted: MLX activations x0.80, update x1.46,
+# 60 MB; torch x0.97, x0.15, 73 MB; rounded below. Every run's prediction is then within 11% of its peak.
+#   activations  the share of activation_bytes' count a framework keeps: MLX's compiled step fuses some of it
+#   update       copies of the rank's parameters alive in the update: MLX's AdamW writes new parameters and
+#                moments before the old ones are freed (and at N > 1 the reduced gradients beside the local
+#                ones); torch's foreach AdamW updates in place
+#   workspace    the allocator's and the compiled graph's buffers, the token cache's mapped pages
+ACTIVATION_FACTOR = {"mlx": 0.8, "torch": 1.0}
+UPDATE_FACTOR = {"mlx": 1.5, "torch": 0.0}
+WORKSPACE_BYTES = {"mlx": 60e6, "torch": 70e6}
+
+
+def checkpoint_bytes(strategy: str, w: Workload, n: int, rank: int = 0, checkpoint_format: str = "hf") -> float:
+    """What saving a checkpoint holds beside the rank's state (after a step: its activations are freed).
+
+    hf: fsdp gathers the weights and both moments whole on rank 0; tp and pp gather them whole on every rank
+    (MLX's tp keeps its replicated tensors as views, but first copies its own weights out); ddp copies its
+    weights. sharded: every rank writes its own arrays, MLX from a copy of its weights, torch from views.
+    Measured on `base` at N=2 (fsdp, hf): rank 0 peaked 0.9-1.0 GB above rank 1, the gathered state
+    (docs/benchmarks.md)."""
+    shapes = parameter_shapes(w.spec)
+    full = sum(math.prod(s) for s in shapes.values()) * MASTER_BYTES
+    local = local_parameters(strategy, w.spec, n, w.framework) * MASTER_BYTES
+    mlx = w.framework == "mlx"
+    if checkpoint_format == "sharded":
+        return local if mlx else 0.0
+    if strategy == "fsdp" and n > 1:
+        return 3 * full if rank == 0 else 0.0
+    if strategy == "tp" and n > 1 and mlx:
+        split = sum(math.prod(s) for k, s in shapes.items() if tp_split_axis(k) is not None) * MASTER_BYTES
+        return local + 3 * split
+    if strategy in ("tp", "pp") and n > 1:
+        return 3 * full
+    return full
+
+
+def predicted_peak(strategy: str, w: Workload, n: int, fixed_bytes: float, rank: int = 0,
+                   checkpoint_format: str = "hf") -> dict:
+    """A rank's peak RSS from the shapes and its measured fixed footprint alone (nothing calibrated on the
+    run's own peak): the larger of the step's (memory_bytes with the framework's factors, the fixed footprint
+    and the workspace) and the checkpoint's (the state, the fixed footprint, the workspace and what saving
+    holds; `peak_at` says which). It predicts what the rank holds once sharded strategies build only their own
+    part of the model; the start-up, where every rank still builds the whole model, is not counted."""
+    parts = memory_bytes(strategy, w, n)
+    framework = w.framework if w.framework in WORKSPACE_BYTES else "torch"
+    parts.update(fixed=fixed_bytes, workspace=WORKSPACE_BYTES[framework],
+                 activations=parts["activations"] * ACTIVATION_FACTOR[framework],
+                 update=parts["params"] * UPDATE_FACTOR[framework])
+    del parts["overhead"], parts["total"]
+    step = sum(parts.values())
+    parts["checkpoint"] = checkpoint_bytes(strategy, w, n, rank, checkpoint_format)
+    saving = (fixed_bytes + parts["workspace"] + parts["params"] + parts["grads"] + parts["optimizer"]
+              + parts["checkpoint"])
+    return {**parts, "step": step, "saving": saving, "peak_at": "step" if step >= saving else "checkpoint",
+            "total": max(step, saving)}
 
 
 # ---- calibration and prediction -----------------------------------------------------------------
@@ -379,20 +463,26 @@ def loopback_link(backend: str) -> Link:
                                "docs/benchmarks.md's loopback all-reduce at N=2 (no link record in the run)")
 
 
+def workload_of(summary: dict, spec: ModelSpec) -> Workload:
+    """The Workload a run's summary.json describes."""
+    cfg = summary.get("config") or {}
+    framework = summary.get("framework", cfg.get("framework", "torch"))
+    bucket_mb = cfg.get("all_reduce_size_mb" if framework == "mlx" else "bucket_cap_mb")
+    return Workload(spec, int(cfg.get("seq_len", 128)), int(cfg.get("global_batch_size", 8)),
+                    int(cfg.get("grad_accum", 1)), summary.get("dtype", cfg.get("dtype", "float32")), framework,
+                    int(bucket_mb * 2**20) if bucket_mb else None, summary.get("tokens_per_step"),
+                    int(cfg.get("pp_microbatches", 4)))
+
+
 def calibrate(summary: dict, spec: ModelSpec, source: str = "") -> Calibration:
     """A run's summary.json (with its `breakdown`) and model spec -> Calibration."""
     bd = summary.get("breakdown") or {}
     if not all(isinstance(bd.get(k), (int, float)) for k in ("forward", "backward", "optimizer")):
         raise UserError(f"{source or 'the run'} has no time breakdown in summary.json (a finished run writes one; "
                         "--profile-steps 0 turns it off)")
-    cfg = summary.get("config") or {}
-    framework, strategy = summary.get("framework", cfg.get("framework", "torch")), summary.get("strategy", "ddp")
+    w = workload_of(summary, spec)
+    framework, strategy = w.framework, summary.get("strategy", "ddp")
     n, backend = int(summary.get("world_size") or 1), summary.get("backend") or "none"
-    bucket_mb = cfg.get("all_reduce_size_mb" if framework == "mlx" else "bucket_cap_mb")
-    w = Workload(spec, int(cfg.get("seq_len", 128)), int(cfg.get("global_batch_size", 8)),
-                 int(cfg.get("grad_accum", 1)), summary.get("dtype", cfg.get("dtype", "float32")), framework,
-                 int(bucket_mb * 2**20) if bucket_mb else None, summary.get("tokens_per_step"),
-                 int(cfg.get("pp_microbatches", 4)))
     step_s = bd.get("step_s") or summary.get("step_time_s")
     if not step_s:
         raise UserError(f"{source or 'the run'} has no measured step time in summary.json")

@@ -8,6 +8,7 @@ Trainer interface: common/protocols.py's `Trainer` (mlx_impl/step.py and torch_i
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -21,22 +22,26 @@ from typing import Callable
 import numpy as np
 
 from .breakdown import profile
-from .checkpoint import TrainState, latest_checkpoint, open_checkpoint, resume_fingerprints, save_checkpoint
+from .checkpoint import (TrainState, commit_checkpoint, latest_checkpoint, open_checkpoint, resume_fingerprints,
+                         save_checkpoint, write_state_json)
 from .config import RunConfig
 from .errors import UserError
 from .fabric import PROBES_ALL_GATHER, Collectives, probe_allreduce
-from .metrics import MetricsWriter, RankStatus, peak_rss_bytes, truncate_metrics
+from .hfconfig import to_hf_config
+from .metrics import MetricsWriter, RankStatus, peak_rss_bytes, rss_bytes, truncate_metrics
 from .plan import RunPlan
 from .protocols import Trainer
 from .sampler import GlobalSampler, micro_batches, rank_slice
 from .schedule import lr_for
 from .sequences import SequenceView
+from .shardedcheckpoint import save_sharded
 from .spec import ModelSpec
 from .strategy import comm_bytes_per_step_estimate, data_parallel
 from .supervisor import stop_reason, watch_supervisor
 from .tokencache import TokenCache
 from .tensorsource import SafetensorsSource, TensorSource, check_source, probe_checksum
 from .trace import trace
+from .weights import parameter_shapes
 
 
 class TrainingError(Exception):
@@ -155,6 +160,9 @@ def setup_run(run_dir: Path, world: World, trainer_cls) -> Run:
     dp_rank, dp_size = data_parallel(cfg.strategy, rank, world.size)
     global _live_status
     status = _live_status = RankStatus(run_dir, rank)
+    # The framework's fixed footprint: the interpreter, the framework and its distributed state, before any
+    # model exists (the memory table of the report, common/costmodel.py's predicted peak).
+    status.update(force=True, fixed_rss_bytes=rss_bytes())
     cache = TokenCache.open(plan.token_cache)
     train_view = SequenceView(cache.split("train"), cfg.seq_len, cfg.sequence)
     sampler = GlobalSampler(train_view.num_samples, cfg.global_batch_size, cfg.seed)
@@ -241,7 +249,8 @@ def after_step(run: Run, done: int) -> None:
     if done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
         if run.peak_rss_before_save_bytes is None:
             run.peak_rss_before_save_bytes = peak_rss_bytes()
-        checkpoint(run.trainer, run.run_dir, run.spec, done, run.fingerprints, run.trainer.rank)
+        CHECKPOINT_WRITERS[cfg.checkpoint_format](run.trainer, run.run_dir, run.spec, done, run.fingerprints,
+                                                  run.trainer.rank)
 
 
 def finish_run(run: Run, world_size: int) -> None:
@@ -353,3 +362,23 @@ def checkpoint(trainer, run_dir: Path, spec: ModelSpec, step: int, fingerprints:
         save_checkpoint(run_dir, spec, TrainState(step=step, weights=weights, exp_avg=exp_avg,
                                                   exp_avg_sq=exp_avg_sq,
                                                   info={**fingerprints, "framework": trainer.framework}))
+
+
+def checkpoint_sharded(trainer, run_dir: Path, spec: ModelSpec, step: int, fingerprints: dict, rank: int) -> None:
+    """--checkpoint-format sharded: every rank writes its own pieces (common/shardedcheckpoint.py), nothing is
+    gathered. Replicas are not compared (ddp's are written once, by rank 0)."""
+    local = trainer.local_state()
+    finite = all(np.isfinite(w).all() for w in local[0].values())
+    if trainer.all_sum(np.array([float(not finite)]), over="world")[0] > 0:  # every rank stops, or none
+        raise TrainingError(f"weights are not finite after step {step}; not saving (the last checkpoint is kept)")
+
+    def finish(tmp: Path) -> Path:  # rank 0, once every rank wrote its file
+        (tmp / "config.json").write_text(json.dumps(to_hf_config(spec), indent=2))
+        write_state_json(tmp, step, {**fingerprints, "framework": trainer.framework, "checkpoint_format": "sharded"})
+        return commit_checkpoint(tmp.parent, tmp, step)
+
+    save_sharded(run_dir, step, rank, trainer.world_size, lambda: trainer.all_sum(np.zeros(1), over="world"), local,
+                 parameter_shapes(spec), finish)
+
+
+CHECKPOINT_WRITERS = {"hf": checkpoint, "sharded": checkpoint_sharded}  # RunConfig.checkpoint_format

@@ -27,7 +27,7 @@ TRAIN_FIELDS = ("step", "loss", "lr", "grad_norm", "tokens", "step_time_s", "tok
 EVAL_FIELDS = ("step", "eval_loss")
 SUMMARY_FIELDS = (
     "framework", "world_size", "backend", "device", "status", "steps", "tokens_per_s", "warmup_steps",
-    "compile_s", "wall_s", "peak_mem_bytes", "peak_rss_bytes", "blas", "threads_per_rank", "versions",
+    "compile_s", "wall_s", "peak_mem_bytes", "peak_rss_bytes", "fixed_rss_bytes", "blas", "threads_per_rank", "versions",
     "config",
 )
 
@@ -108,6 +108,18 @@ def peak_rss_bytes() -> int:
         pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)  # Linux reports KiB
+
+
+def rss_bytes() -> int:
+    """This process's resident set size now (VmRSS); where /proc is missing (macOS) the peak so far, which at
+    a rank's start, where it is read (common/loop.py: the fixed footprint), is about the same."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return peak_rss_bytes()
 
 
 def read_json(path: Path, default=None):

@@ -65,6 +65,11 @@ class Strategy(Protocol):
     def export_state(self, *state) -> tuple[dict, dict, dict]:
         """(weights, exp_avg, exp_avg_sq) as full numpy dicts under HF names; collectives, every rank calls."""
 
+    def local_state(self, shapes: dict, *state) -> tuple[dict, dict, dict, dict]:
+        """(weights, exp_avg, exp_avg_sq, where) of what this rank writes into a sharded checkpoint, numpy under
+        HF names, and where each piece lies in the global tensor (common/shardedcheckpoint.py): its own shards
+        and slices, a replicated tensor on rank 0 only; `shapes` the global shapes. No collectives."""
+
 
 class Trainer(Protocol):
     """What common/loop.py, breakdown.py and trace.py ask of a backend's step.py.
@@ -96,6 +101,9 @@ class Trainer(Protocol):
     def export_state(self) -> tuple[dict, dict, dict]:
         """(weights, exp_avg, exp_avg_sq) as full numpy dicts: on every rank where
         strategy.full_state_on_every_rank, else on rank 0 only (the others get empty dicts)."""
+
+    def local_state(self) -> tuple[dict, dict, dict, dict]:
+        """strategy.local_state of this rank's parameters and moments: what it writes of a sharded checkpoint."""
 
     def import_optimizer(self, exp_avg: TensorSource, exp_avg_sq: TensorSource, step: int) -> None:
         """AdamW's moments under HF names (sources, or dicts of whole arrays), on every rank; each reads only

@@ -92,15 +92,23 @@ def load_pretrained(directory: Path) -> tuple[ModelSpec, dict[str, np.ndarray]]:
 
     directory = Path(directory)
     config_path, weights_path = directory / "config.json", directory / "model.safetensors"
+    from .shardedcheckpoint import ShardedSource, is_sharded
+
+    if is_sharded(directory) and not weights_path.exists():  # a --checkpoint-format sharded checkpoint
+        weights_path = directory / "shards"
     for path in (config_path, weights_path):
-        if not path.is_file():
+        if not path.exists():
             raise UserError(f"{path} not found: expected an HF-format Llama directory")
     try:
         spec = from_hf_config(json.loads(config_path.read_text()))
     except json.JSONDecodeError as err:
         raise UserError(f"{config_path} is not valid JSON: {err}") from None
     try:
-        weights = load_file(str(weights_path))
+        if weights_path.is_dir():
+            shards = ShardedSource(directory)
+            weights = {name: shards.read(name) for name in shards.names()}
+        else:
+            weights = load_file(str(weights_path))
     except (SafetensorError, OSError, ValueError) as err:
         raise UserError(f"{weights_path} cannot be read (truncated or corrupt?): {err}") from None
     check_weights(spec, weights, str(weights_path))

@@ -212,6 +212,10 @@ def cmd_run(args) -> int:
         check_can_emulate(cfg.link)
     inputs = prepare_inputs(cfg)
     summary = launch(cfg, inputs, run_dir)
+    if summary["status"] == "ok":
+        from .plan import add_memory_predictions
+
+        add_memory_predictions([run_dir])  # the predicted peak per rank beside the measured one (summary.json)
     return print_run_result(summary, run_dir)
 
 

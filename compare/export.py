@@ -14,8 +14,21 @@ from pathlib import Path
 
 from common.checkpoint import latest_checkpoint
 from common.errors import UserError
-from common.fsutil import atomic_write_text
+from common.fsutil import atomic_path, atomic_write_text
+from common.shardedcheckpoint import ShardedSource, is_sharded, write_safetensors
 from common.plan import RunPlan
+
+
+def write_weights(ckpt: Path, dest: Path) -> None:
+    """model.safetensors from either checkpoint format: copied from an hf one, assembled from a sharded one
+    one tensor at a time (common/shardedcheckpoint.py), never the whole model in memory."""
+    if not is_sharded(ckpt):
+        shutil.copy2(ckpt / "model.safetensors", dest)
+        return
+    source = ShardedSource(ckpt, "weights")
+    with atomic_path(dest) as tmp:
+        write_safetensors(tmp, {name: source.shape(name) for name in source.names()}, source.read,
+                          metadata={"format": "pt"})
 
 
 def export_run(run_dir: Path, out: Path) -> Path:
@@ -37,7 +50,7 @@ def export_run(run_dir: Path, out: Path) -> Path:
     eos, pad, bos = (tokenizer.id_to_token(i) for i in (eos_id, pad_id, bos_id))
     config = json.loads((ckpt / "config.json").read_text())
     out.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(ckpt / "model.safetensors", out / "model.safetensors")
+    write_weights(ckpt, out / "model.safetensors")
     ids = {"bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": pad_id}
     atomic_write_text(out / "config.json", json.dumps({**config, **ids}, indent=2))
     shutil.copy2(tokenizer_file, out / "tokenizer.json")

@@ -47,6 +47,8 @@ RUN_FLAGS = [
     ("--collective-timeout-s", float, "seconds without progress before a job is declared hung"),
     ("--eval-every", int, "steps between eval losses (0: only at the end)"),
     ("--checkpoint-every", int, "steps between checkpoints (0: only at the end)"),
+    ("--checkpoint-format", str, "hf (default: whole HF files, written by rank 0) or sharded (every rank writes "
+                                 "its own shards plus an index; resume and export read both)"),
     ("--profile-steps", int, "rounds of extra steps after the run for the time breakdown (0: none)"),
     ("--trace", None, "then trace 2 more steps per rank: RUN_DIR/trace/rank{R}.json for ui.perfetto.dev "
                       "(torch.profiler; MLX: phase spans, plus an Xcode .gputrace on Metal)"),

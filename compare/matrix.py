@@ -16,7 +16,7 @@ from common.errors import ParityError, UserError
 from common.strategy import STRATEGIES
 
 from .flags import config_from_args
-from .plan import add_predictions
+from .plan import add_memory_predictions, add_predictions
 from .report.labels import run_dirname, run_label
 from .launch.hosts import check_hostfile
 from .launch.runner import check_run_dir, launch, prepare_inputs
@@ -78,6 +78,7 @@ def run_matrix(args) -> int:
     diagnose_failures(run_dirs, out, tolerances_from_args(args))
     write_samples(run_dirs)
     add_predictions(run_dirs)  # the cost model's step for every N > 1 run, from its N=1 run (compare/plan.py)
+    add_memory_predictions(run_dirs)  # and every run's peak memory per rank from the shapes
     return finish(run_dirs, out, args, {"command": command}, failed)
 
 

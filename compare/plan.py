@@ -14,7 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from common.costmodel import Calibration, Link, calibrate, link_from_record, loopback_link, predict
+from common.costmodel import (WORKSPACE_BYTES, Calibration, Link, calibrate, link_from_record, loopback_link, predict,
+                              predicted_peak, workload_of)
 from common.errors import UserError
 from common.metrics import read_json, write_json
 from common.spec import ModelSpec, preset
@@ -41,12 +42,17 @@ def read_run(run_dir: Path) -> tuple[dict, ModelSpec]:
     if not summary.get("breakdown"):
         raise UserError(f"{run_dir}'s summary.json has no time breakdown to calibrate on (a run with "
                         "--profile-steps 0, or one that did not finish)")
+    return summary, run_spec(run_dir, summary)
+
+
+def run_spec(run_dir: Path, summary: dict) -> ModelSpec:
+    """The model spec a run trained (run_config.json), or a one-line UserError."""
     spec = (read_json(run_dir / "run_config.json") or {}).get("spec")
     try:
         if spec is None:  # older runs: the preset with its overrides (the tokenizer's vocabulary unknown)
             cfg = summary.get("config") or {}
             spec = {**preset(cfg.get("preset", "small")).to_dict(), **(cfg.get("model") or {})}
-        return summary, ModelSpec.from_dict(spec)
+        return ModelSpec.from_dict(spec)
     except (TypeError, ValueError) as err:
         raise UserError(f"{run_dir}: cannot read the model spec: {err}") from None
 
@@ -302,3 +308,41 @@ def predicted_record(source: Path, s: dict, strategy: str) -> dict:
             "exposed_comm_s": p.exposed_comm_s, "memory_bytes_per_rank": p.memory_bytes["total"], "link": link.name,
             "link_source": f"{link_note} ({link.source})",
             "step_error": (p.step_s / measured - 1) if measured else None}
+
+
+# ---- compare: the predicted peak memory of every run ------------------------------------------------
+def add_memory_predictions(run_dirs: list[Path]) -> None:
+    """Every finished run's summary.json (N=1 too) gets `memory_prediction`: the cost model's peak per rank
+    from the shapes and the rank's measured fixed footprint (common/costmodel.py's predicted_peak), beside
+    the measured one, so the report can show what each rank's memory is made of."""
+    for run_dir in map(Path, run_dirs):
+        s = read_json(run_dir / "summary.json")
+        if not isinstance(s, dict) or s.get("status") != "ok":
+            continue
+        try:
+            s["memory_prediction"] = memory_record(run_dir, s)
+        except Exception as err:  # noqa: BLE001 - a run the model cannot read must not cost the report
+            s["memory_prediction"] = {"note": f"no prediction: {err}"}
+        write_json(run_dir / "summary.json", s)
+
+
+def memory_record(run_dir: Path, s: dict) -> dict:
+    """{"basis", "parts" (rank 0's terms), "peak_bytes", "peak_at" (step or checkpoint), "measured_bytes" and
+    "error" per rank}. On a
+    CPU the peak is the process's RSS, fixed footprint included; on a GPU the framework's allocator peak,
+    which holds neither the runtime nor the workspace the CPU figure was measured with (both taken as 0)."""
+    spec = run_spec(Path(run_dir), s)
+    n, strategy = int(s.get("world_size") or 1), s.get("strategy", "ddp")
+    on_gpu = str(s.get("device", "")).startswith(("cuda", "gpu", "mps"))
+    measured = s.get("peak_mem_bytes" if on_gpu else "peak_rss_bytes") or [None] * n
+    fixed = [0.0] * n if on_gpu else [f or 0.0 for f in (s.get("fixed_rss_bytes") or [None] * n)]
+    fmt = (s.get("config") or {}).get("checkpoint_format", "hf")
+    per_rank = [predicted_peak(strategy, workload_of(s, spec), n, f, rank, fmt) for rank, f in enumerate(fixed)]
+    if on_gpu:  # a GPU allocator's peak: no host workspace (the checkpoint's copies are host memory too)
+        for parts in per_rank:
+            parts.update(workspace=0.0, checkpoint=0.0, saving=0.0, peak_at="step")
+            parts["total"] = parts["step"] = parts["step"] - WORKSPACE_BYTES.get(s.get("framework"), 0.0)
+    peaks = [p["total"] for p in per_rank]
+    return {"basis": "framework peak" if on_gpu else "peak RSS", "parts": per_rank[0], "peak_bytes": peaks,
+            "peak_at": [p["peak_at"] for p in per_rank],
+            "measured_bytes": measured, "error": [p / m - 1 if m else None for p, m in zip(peaks, measured)]}

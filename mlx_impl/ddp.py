@@ -10,6 +10,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
 from common.protocols import no_phase
+from common.shardedcheckpoint import local_pieces
 
 from .comm import CommCounter, average_gradients
 from .load import load_local
@@ -53,7 +54,7 @@ class Replicated(MicroSteps):
     full_state_on_every_rank = True
 
     def __init__(self, cfg, world, comm: CommCounter, stream=None):
-        self.group, self.comm, self.stream = world.group, comm, stream
+        self.group, self.comm, self.stream, self.rank = world.group, comm, stream, world.rank
         self.dp_size, self.reduce_bytes = cfg.data_parallel_size, int(cfg.all_reduce_size_mb * 2**20)
         self.communicates = self.dp_size > 1
 
@@ -77,6 +78,11 @@ class Replicated(MicroSteps):
     def export_state(self, weights: dict, optimizer: dict):
         return (weights, *moments(weights, optimizer))
 
+
+    def local_state(self, shapes: dict, weights: dict, optimizer: dict):
+        """--checkpoint-format sharded (common/shardedcheckpoint.py): (weights, exp_avg, exp_avg_sq, where) of
+        what this rank writes (every tensor whole, from rank 0 alone), under HF names; no collectives."""
+        return local_pieces(self.rank, (weights, *moments(weights, optimizer)), dict.fromkeys(weights), shapes)
 
 
 def sum_of_squares(x: mx.array, width: int = 4) -> mx.array:

@@ -43,6 +43,7 @@ import numpy as np
 from mlx.nn.layers.distributed import FullyShardedModule
 from mlx.utils import tree_flatten, tree_unflatten
 
+from common.shardedcheckpoint import local_pieces
 from common.strategy import fsdp_rows
 
 from .comm import CommCounter, average_gradients
@@ -147,6 +148,16 @@ class Sharding(MicroSteps):
     def export_state(self, weights: dict, optimizer: dict):
         weights = self.full(weights)
         return (weights, *moments(weights, self.full(optimizer)))
+
+    def local_state(self, shapes: dict, weights: dict, optimizer: dict):
+        """--checkpoint-format sharded (common/shardedcheckpoint.py): (weights, exp_avg, exp_avg_sq, where) of
+        what this rank writes, under HF names; no collectives. A padded vocabulary's last shard is cut to
+        the true vocabulary there (shardedcheckpoint.trim)."""
+        def hf(flat):
+            return {key.replace(SHARD, "."): value for key, value in flat.items()}
+
+        axes = {key.replace(SHARD, "."): 0 if self.is_sharded(key) else None for key in weights}
+        return local_pieces(self.rank, tuple(map(hf, (weights, *moments(weights, optimizer)))), axes, shapes)
 
     def full(self, flat: dict) -> dict:
         """Flat arrays under this rank's paths -> whole numpy arrays under HF names, on rank 0 only (the

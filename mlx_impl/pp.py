@@ -43,6 +43,7 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from common.pipeline import bubble_fraction, stage_layers, stage_of, stage_ops
 from common.protocols import no_phase
+from common.shardedcheckpoint import local_pieces
 
 from .comm import CommCounter
 from .ddp import moments, sum_of_squares, wait_for
@@ -295,6 +296,11 @@ class Pipeline:
 
     def export_state(self, weights: dict, optimizer: dict):
         return tuple(self.gather(part) for part in (weights, *moments(weights, optimizer)))
+
+    def local_state(self, shapes: dict, weights: dict, optimizer: dict):
+        """--checkpoint-format sharded (common/shardedcheckpoint.py): (weights, exp_avg, exp_avg_sq, where) of
+        this stage's own tensors, whole, under HF names; no collectives."""
+        return local_pieces(self.stage, (weights, *moments(weights, optimizer)), {}, shapes)
 
     def gather(self, named: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The whole model's arrays on every rank from each stage's own: an all_sum per array, zeros from the

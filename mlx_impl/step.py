@@ -30,6 +30,7 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from common.protocols import no_phase
 from common.tensorsource import as_source
+from common.weights import parameter_shapes
 
 from .comm import CommCounter, communication_stream
 from .ddp import Replicated, clip_by_norm, state_bytes
@@ -150,6 +151,11 @@ class Trainer:
         """HF-named weights and AdamW moments, full (strategy.full_state_on_every_rank says on which ranks).
         Every rank calls it: collectives."""
         return self.strategy.export_state(weights_of(self.model), dict(tree_flatten(self.optimizer.state)))
+
+    def local_state(self):
+        """This rank's own pieces of the state, for a sharded checkpoint (strategy.local_state): no collectives."""
+        return self.strategy.local_state(parameter_shapes(self.model.spec), weights_of(self.model),
+                                         dict(tree_flatten(self.optimizer.state)))
 
     def import_optimizer(self, exp_avg, exp_avg_sq, step):
         """The moments' slices this rank keeps, read as its weights were (strategy.local_index)."""

@@ -20,6 +20,7 @@ import numpy as np
 from mlx.nn.layers.distributed import ShardedToAllLinear
 from mlx.utils import tree_flatten, tree_unflatten
 
+from common.shardedcheckpoint import local_pieces
 from common.strategy import tp_index, tp_split_axis
 
 from .comm import CommCounter
@@ -84,6 +85,12 @@ class TensorParallel(MicroSteps):
 
     def export_state(self, weights: dict, optimizer: dict):
         return tuple(self.gather(part) for part in (weights, *moments(weights, optimizer)))
+
+    def local_state(self, shapes: dict, weights: dict, optimizer: dict):
+        """--checkpoint-format sharded (common/shardedcheckpoint.py): (weights, exp_avg, exp_avg_sq, where) of
+        what this rank writes, under HF names; no collectives."""
+        axes = {name: tp_split_axis(name) for name in weights}
+        return local_pieces(self.rank, (weights, *moments(weights, optimizer)), axes, shapes)
 
     def gather(self, named: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Full arrays from this rank's pieces (every rank calls it: collectives)."""

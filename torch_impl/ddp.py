@@ -12,6 +12,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.protocols import no_phase
+from common.shardedcheckpoint import local_pieces
 
 from .load import local as _local
 from .load import load_local
@@ -59,7 +60,7 @@ class Replicated(MicroSteps):
     communicates = False  # inside the backward (DDP's hooks), not a phase of its own
 
     def __init__(self, cfg, world, device: torch.device):
-        self.device, self.dp_size = device, cfg.data_parallel_size
+        self.device, self.dp_size, self.rank = device, cfg.data_parallel_size, world.rank
         self.bucket_cap_mb, self.static_graph = cfg.bucket_cap_mb, cfg.grad_accum == 1
         # DDP's bucket views must stay allocated between steps.
         self.keeps_grads = self.dp_size > 1
@@ -95,6 +96,12 @@ class Replicated(MicroSteps):
     def export_state(self, params: dict, exp_avg: dict, exp_avg_sq: dict):
         return weights_of(self.model), _numpy(exp_avg), _numpy(exp_avg_sq)
 
+
+    def local_state(self, shapes: dict, params: dict, exp_avg: dict, exp_avg_sq: dict):
+        """--checkpoint-format sharded (common/shardedcheckpoint.py): (weights, exp_avg, exp_avg_sq, where) of
+        what this rank writes (every tensor whole, from rank 0 alone), under HF names; no collectives."""
+        return local_pieces(self.rank, tuple(map(_local_numpy, (params, exp_avg, exp_avg_sq))), dict.fromkeys(params),
+                            shapes)
 
 
 class FixedCount(contextlib.nullcontext):
@@ -132,6 +139,11 @@ def state_bytes(model, optimizer) -> dict:
     states = (t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor))
     params = sum(_local(p).nbytes for p in model.parameters() if p.requires_grad)
     return {"params": params, "grads": params, "optimizer": sum(_local(t).nbytes for t in states)}
+
+
+def _local_numpy(flat: dict) -> dict:
+    """What this rank holds of each tensor (a DTensor's local shard) as float32 numpy, a view on CPU."""
+    return {k: _local(v).detach().float().cpu().numpy() for k, v in flat.items()}
 
 
 def _numpy(flat):

@@ -37,7 +37,9 @@ from torch.distributed.tensor import DTensor
 
 from common.strategy import fsdp_rows
 
-from .ddp import FixedCount, MicroSteps, sum_of_squares
+from common.shardedcheckpoint import local_pieces
+
+from .ddp import FixedCount, MicroSteps, _local_numpy, sum_of_squares
 from .load import load_local
 
 
@@ -109,6 +111,16 @@ class Sharding(MicroSteps):
 
     def export_state(self, params: dict, exp_avg: dict, exp_avg_sq: dict):
         return self.full(params), self.full(exp_avg), self.full(exp_avg_sq)
+
+    def local_state(self, shapes: dict, params: dict, exp_avg: dict, exp_avg_sq: dict):
+        """--checkpoint-format sharded (common/shardedcheckpoint.py): (weights, exp_avg, exp_avg_sq, where) of
+        what this rank writes, under HF names; no collectives."""
+        axes = {name: 0 if isinstance(p, DTensor) else None for name, p in params.items()}
+        # FSDP2 splits axis 0 as torch.chunk does: ceil(rows / N) per rank, the last ones shorter or empty.
+        size = dist.get_world_size()
+        offsets = {name: min(self.rank * -(-shapes[name][0] // size), shapes[name][0])
+                   for name, axis in axes.items() if axis == 0}
+        return local_pieces(self.rank, tuple(map(_local_numpy, (params, exp_avg, exp_avg_sq))), axes, shapes, offsets)
 
     def full(self, flat: dict) -> dict:
         """Tensors (DTensor shards or plain) -> whole numpy arrays on rank 0 only (the checkpoint's writer);

@@ -34,8 +34,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from common.pipeline import bubble_fraction, stage_layers, stage_of
 from common.protocols import no_phase
+from common.shardedcheckpoint import local_pieces
 
-from .ddp import _numpy
+from .ddp import _local_numpy, _numpy
 from .load import load_local
 from .model import cross_entropy
 
@@ -173,6 +174,11 @@ class Pipeline:
 
     def export_state(self, params: dict, exp_avg: dict, exp_avg_sq: dict):
         return self.gather(params), self.gather(exp_avg), self.gather(exp_avg_sq)
+
+    def local_state(self, shapes: dict, params: dict, exp_avg: dict, exp_avg_sq: dict):
+        """--checkpoint-format sharded (common/shardedcheckpoint.py): (weights, exp_avg, exp_avg_sq, where) of
+        this stage's own tensors, whole, under HF names; no collectives."""
+        return local_pieces(self.stage, tuple(map(_local_numpy, (params, exp_avg, exp_avg_sq))), {}, shapes)
 
     def gather(self, named: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
         """The whole model's arrays on every rank from each stage's own: an all_reduce per array, zeros from

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from common.protocols import no_phase
 from common.tensorsource import as_source
+from common.weights import parameter_shapes
 
 from .comm import communication_stream
 from .ddp import Replicated, clip_by_norm, state_bytes
@@ -126,13 +127,20 @@ class Trainer:
     def export_state(self):
         """HF-named weights and AdamW moments, full (strategy.full_state_on_every_rank says on which ranks).
         Every rank calls it: collectives."""
+        return self.strategy.export_state(*self._named_state())
+
+    def local_state(self):
+        """This rank's own pieces of the state, for a sharded checkpoint (strategy.local_state): no collectives."""
+        return self.strategy.local_state(parameter_shapes(self.model.spec), *self._named_state())
+
+    def _named_state(self):
+        """(parameters, exp_avg, exp_avg_sq) as this rank holds them, under HF names."""
         exp_avg, exp_avg_sq = {}, {}
         for param, name in self.names.items():
             state = self.optimizer.state.get(param) or {"exp_avg": torch.zeros_like(param),
                                                         "exp_avg_sq": torch.zeros_like(param)}
             exp_avg[name], exp_avg_sq[name] = state["exp_avg"], state["exp_avg_sq"]
-        params = {name: param for param, name in self.names.items()}
-        return self.strategy.export_state(params, exp_avg, exp_avg_sq)
+        return {name: param for param, name in self.names.items()}, exp_avg, exp_avg_sq
 
     def import_optimizer(self, exp_avg, exp_avg_sq, step):
         """The moments' slices this rank keeps, read as its weights were (strategy.local_index) and placed as

@@ -25,10 +25,11 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                parallelize_module)
 
+from common.shardedcheckpoint import local_pieces
 from common.strategy import tp_index
 
 from .comm import CommCounter
-from .ddp import MicroSteps, sum_of_squares
+from .ddp import MicroSteps, _local_numpy, sum_of_squares
 from .load import load_local
 
 
@@ -95,6 +96,12 @@ class TensorParallel(MicroSteps):
 
     def export_state(self, params: dict, exp_avg: dict, exp_avg_sq: dict):
         return self.gather(params), self.gather(exp_avg), self.gather(exp_avg_sq)
+
+    def local_state(self, shapes: dict, params: dict, exp_avg: dict, exp_avg_sq: dict):
+        """--checkpoint-format sharded (common/shardedcheckpoint.py): (weights, exp_avg, exp_avg_sq, where) of
+        what this rank writes, under HF names; no collectives."""
+        axes = {name: p.placements[0].dim if isinstance(p, DTensor) else None for name, p in params.items()}
+        return local_pieces(self.rank, tuple(map(_local_numpy, (params, exp_avg, exp_avg_sq))), axes, shapes)
 
     def gather(self, named: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
         """Full arrays from this rank's pieces (every rank calls it: collectives)."""

@@ -40,6 +40,9 @@ def run_row(run: RunData, parity: dict, peaks: "PeakFinder") -> dict:
         "time_to_first_step_s": s.get("time_to_first_step_s"), "wall_s": s.get("wall_s"),
         "peak_mem_mb": [None if b is None else b / MB for b in s.get("peak_mem_bytes") or []],
         "peak_rss_mb": [None if b is None else b / MB for b in s.get("peak_rss_bytes") or []],
+        "fixed_rss_mb": [None if b is None else b / MB for b in s.get("fixed_rss_bytes") or []],
+        # The cost model's peak per rank from the shapes and the fixed footprint (compare/plan.py)
+        "memory_prediction": s.get("memory_prediction"),
         "threads_per_rank": s.get("threads_per_rank", cfg.get("threads_per_rank")),
         "blas": s.get("blas"), "tokens_per_step": s.get("tokens_per_step"),
         "dtype": cfg.get("dtype", "float32"), "seq_len": cfg.get("seq_len"), "strategy": run.strategy,

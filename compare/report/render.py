@@ -3,7 +3,7 @@
 """
 from __future__ import annotations
 
-from .findings import BREAKDOWN_PHASES, rel_pct
+from .findings import BREAKDOWN_PHASES, MB, rel_pct
 from .parity import all_pairs
 
 PAIR_NAMES = {"cross_framework": "MLX vs torch", "dp_invariance": "N ranks vs 1", "strategy": "strategy vs ddp",
@@ -281,29 +281,52 @@ def sample_blocks(samples: dict) -> list[tuple]:
                                                 for label, s in by_run.items()])]
 
 
+def _at(values, rank: int):
+    values = values or []
+    return values[rank] if rank < len(values) else None
+
+
 def memory_blocks(rows: list[dict]) -> list[tuple]:
-    """Per rank: the training state the rank holds (what FSDP shards), then the measured peaks."""
+    """Per rank: the training state the rank holds (what FSDP shards), the activations estimated from the
+    shapes, the fixed footprint measured at its start, the predicted peak and the measured peaks."""
     have = [r for r in rows if r.get("state_mb")]
     if not have:
         return []
     table = []
     for r in have:
-        state = r["state_mb"]
+        state, pred = r["state_mb"], r.get("memory_prediction") or {}
         for rank in range(r["world_size"]):
-            cell = lambda k: fmt((state.get(k) or [None] * (rank + 1))[rank], ",.1f")  # noqa: E731
-            values = [(state.get(k) or [None] * (rank + 1))[rank] for k in ("params", "grads", "optimizer")]
+            values = [_at(state.get(k), rank) for k in ("params", "grads", "optimizer")]
             total = sum(values) if all(v is not None for v in values) else None
-            mem = (r.get("peak_mem_mb") or [None] * (rank + 1))[rank] if rank < len(r.get("peak_mem_mb") or []) else None
-            rss = (r.get("peak_rss_mb") or [None] * (rank + 1))[rank] if rank < len(r.get("peak_rss_mb") or []) else None
-            table.append((r["label"], rank, cell("params"), cell("grads"), cell("optimizer"), fmt(total, ",.1f"),
-                          fmt(mem, ",.0f"), fmt(rss, ",.0f")))
+            predicted, error = _at(pred.get("peak_bytes"), rank), _at(pred.get("error"), rank)
+            saving = " (saving)" if _at(pred.get("peak_at"), rank) == "checkpoint" else ""
+            table.append((r["label"], rank, *(fmt(v, ",.1f") for v in values), fmt(total, ",.1f"),
+                          fmt((pred.get("parts") or {}).get("activations", 0) / MB or None, ",.0f"),
+                          fmt(_at(r.get("fixed_rss_mb"), rank), ",.0f"),
+                          fmt(predicted / MB if predicted else None, ",.0f") + saving,
+                          fmt(_at(r.get("peak_mem_mb"), rank), ",.0f"),
+                          fmt(_at(r.get("peak_rss_mb"), rank), ",.0f"),
+                          f"{100 * error:+.0f}%" if error is not None else "–"))
     blocks = [("h2", "Memory per rank"),
               ("p", "Parameters, gradients and optimizer state are the bytes of the arrays each rank holds after "
                     "its last step (counted from the arrays themselves); ddp replicates all three, fsdp keeps "
-                    "1/N of the sharded ones, tp 1/N of the split layers, pp its stage's layers. The framework peak and the process "
-                    "peak RSS add activations, buffers and the runtime."),
-              ("table", ("run", "rank", "params MB", "grads MB", "optimizer MB", "state MB", "framework peak MB",
-                         "peak RSS MB"), table)]
+                    "1/N of the sharded ones, tp 1/N of the split layers, pp its stage's layers. Activations are "
+                    "one micro-batch's saved tensors estimated from the shapes and dtype; fixed is the process's "
+                    "RSS at its start, before the model exists (the interpreter, the framework, its distributed "
+                    "state). The predicted peak (common/costmodel.py's predicted_peak, docs/scaling.md) adds "
+                    "these, fsdp's gathered parameters, AdamW's update copies and a measured workspace, or, where "
+                    "it is larger, what saving a checkpoint holds (marked \"saving\": the hf format gathers the "
+                    "whole state on rank 0 under fsdp, on every rank under tp and pp; --checkpoint-format sharded "
+                    "does not); the last column is its difference from the measured peak (peak RSS on a CPU, the "
+                    "framework peak on a GPU). It predicts what a rank holds: where every rank still builds the "
+                    "whole model first (fsdp, tp), the measured peak can be higher."),
+              ("table", ("run", "rank", "params MB", "grads MB", "optimizer MB", "state MB", "activations MB (est.)",
+                         "fixed MB", "predicted peak MB", "framework peak MB", "peak RSS MB", "predicted vs peak"),
+               table)]
+    notes = [f"{r['label']}: {r['memory_prediction']['note']}" for r in have
+             if (r.get("memory_prediction") or {}).get("note")]
+    if notes:
+        blocks.append(("ul", notes))
     comm = [r for r in rows if r.get("comm_bytes_per_step")]
     if comm:
         blocks.append(("ul", [f"{r['label']}: {fmt(r['comm_bytes_per_step'] / 1e6, ',.2f')} MB "

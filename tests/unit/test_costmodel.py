@@ -1,5 +1,6 @@
 """The cost model (common/costmodel.py): it reproduces its calibration run, its ring factors and byte counts
 are the formulas and match what the runs count, and its memory per rank matches state_bytes."""
+import json
 import math
 
 import pytest
@@ -211,3 +212,57 @@ def test_pp_over_a_slow_link_is_paced_by_its_sends_and_over_a_fast_one_by_its_sl
                                         + cal.optimizer_s * state_fraction("pp", cal.workload, 2) + cal.other_s,
                                         rel=1e-9)
     assert "the link" in slow.bottleneck
+
+
+# ---- the predicted peak per rank (summary.json's memory_prediction, the report's memory table) ----------
+def test_the_predicted_peak_adds_the_fixed_footprint_to_what_the_rank_holds():
+    from common.costmodel import UPDATE_FACTOR, WORKSPACE_BYTES, predicted_peak
+
+    small = preset("small")  # GPT-2's 50257 tokens: both frameworks pad them to 50258 and shard them
+    matrix_bytes = 50258 * small.dim * 4  # one padded vocabulary matrix, fp32
+    block_bytes = 4 * sum(math.prod(v) for k, v in parameter_shapes(small).items() if k.startswith("model.layers.0."))
+    fixed = 300e6
+    torch_ddp, torch_fsdp = (predicted_peak(s, Workload(small, 128, 8), 2, fixed) for s in ("ddp", "fsdp"))
+    mlx_ddp, mlx_fsdp = (predicted_peak(s, Workload(small, 128, 8, framework="mlx"), 2, fixed) for s in ("ddp", "fsdp"))
+    for framework, p in (("torch", torch_ddp), ("torch", torch_fsdp), ("mlx", mlx_ddp), ("mlx", mlx_fsdp)):
+        step = sum(v for k, v in p.items() if k not in ("total", "step", "saving", "peak_at", "checkpoint"))
+        assert p["step"] == pytest.approx(step) and p["total"] == max(p["step"], p["saving"])
+        assert p["fixed"] == fixed and p["workspace"] == WORKSPACE_BYTES[framework]
+        assert p["update"] == UPDATE_FACTOR[framework] * p["params"] and p["optimizer"] == 2 * p["params"]
+    # both hold half the state; torch gathers two blocks at a time and, at the head's backward, its whole
+    # parameter and gradient (the embedding and the head are FSDP units of their own)
+    assert torch_fsdp["params"] == pytest.approx(torch_ddp["params"] / 2, rel=1e-3)
+    assert mlx_fsdp["params"] == pytest.approx(torch_ddp["params"] / 2, rel=1e-3)
+    assert torch_fsdp["gathered"] == 2 * block_bytes + 2 * matrix_bytes and torch_ddp["gathered"] == 0
+    # MLX keeps every gathered unit alive from its forward to its backward: the blocks and both matrices
+    assert mlx_fsdp["gathered"] == small.n_layers * block_bytes + 2 * matrix_bytes and mlx_ddp["gathered"] == 0
+    tp = predicted_peak("tp", Workload(small, 128, 8), 2, fixed)  # every tp rank reads the whole batch
+    assert tp["activations"] > torch_ddp["activations"]
+    # saving an hf checkpoint gathers the whole state (weights and both moments) on fsdp's rank 0 only;
+    # the sharded format writes each rank's own arrays
+    full = 4 * num_parameters(small)
+    assert [predicted_peak("fsdp", Workload(small, 128, 8), 2, fixed, rank)["checkpoint"] for rank in (0, 1)] == \
+        [3 * full, 0.0]
+    sharded = predicted_peak("fsdp", Workload(small, 128, 8), 2, fixed, 0, "sharded")
+    assert sharded["checkpoint"] == 0 and sharded["total"] <= torch_fsdp["total"]  # torch writes from views
+
+
+def test_the_memory_record_compares_each_rank_with_its_measured_peak(tmp_path):
+    from compare.plan import add_memory_predictions
+    from costmodel_fixtures import write_run
+
+    s = summary("torch", 2)
+    s["fixed_rss_bytes"] = [370e6, 371e6]
+    run = write_run(tmp_path / "torch-n2", s)
+    add_memory_predictions([run])
+    record = json.loads((run / "summary.json").read_text())["memory_prediction"]
+    assert record["basis"] == "peak RSS" and record["measured_bytes"] == s["peak_rss_bytes"]
+    assert record["peak_bytes"][1] - record["peak_bytes"][0] == pytest.approx(1e6)  # each rank's own fixed
+    assert record["error"] == [pytest.approx(p / m - 1) for p, m in zip(record["peak_bytes"], s["peak_rss_bytes"])]
+    # the fixture run peaked at 474 MB; 370 MB is torch's fixed footprint measured at a rank's start on that machine
+    assert all(abs(e) < 0.15 for e in record["error"])
+    s.update(device="cuda:0", status="ok")
+    write_run(tmp_path / "gpu", s)
+    add_memory_predictions([tmp_path / "gpu"])
+    gpu = json.loads((tmp_path / "gpu" / "summary.json").read_text())["memory_prediction"]
+    assert gpu["basis"] == "framework peak" and gpu["parts"]["fixed"] == gpu["parts"]["workspace"] == 0

@@ -152,3 +152,22 @@ def test_mfu_and_known_peaks():
     assert known_peak_flops("Apple M2 Max (38-core GPU)") == ("Apple M2 Max (38-core GPU)", 13.6e12)
     assert known_peak_flops("Tesla T4", "bfloat16") is None  # no bf16 on T4
     assert known_peak_flops("Some Unknown GPU") is None
+
+
+def test_the_memory_table_puts_the_predicted_peak_beside_the_measured_one(tmp_path):
+    from compare.plan import add_memory_predictions
+
+    run = make_run(tmp_path, "torch", 2, tokens_per_s=12_000)
+    summary = json.loads((run / "summary.json").read_text())
+    summary.update(fixed_rss_bytes=[360e6, 362e6], state_bytes={"params": [1e6] * 2, "grads": [1e6] * 2,
+                                                                "optimizer": [2e6] * 2})
+    (run / "summary.json").write_text(json.dumps(summary))
+    add_memory_predictions([run])
+    predicted = json.loads((run / "summary.json").read_text())["memory_prediction"]
+    write_report([run], tmp_path / "report", Tolerances(), CONTEXT)
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "| run | rank | params MB | grads MB | optimizer MB | state MB | activations MB (est.) | fixed MB | " \
+           "predicted peak MB | framework peak MB | peak RSS MB | predicted vs peak |" in md
+    for rank, (fixed, peak) in enumerate(zip((360, 362), (400, 402))):  # make_run: 400 MB + 2 MB per rank
+        error = f"{100 * (predicted['peak_bytes'][rank] / (peak * 1e6) - 1):+.0f}%"
+        assert f"| {fixed} | {predicted['peak_bytes'][rank] / 1e6:,.0f} | {150 + rank} | {peak} | {error} |" in md
