@@ -219,6 +219,8 @@ def summarize(cfg: RunConfig, run_dir: Path, argv: list[str], blas: str, wall_s:
         "peak_rss_before_save_bytes": [ranks.get(r, {}).get("peak_rss_before_save_bytes") for r in range(world)],
         # Bytes of the starting weights each rank read (common/tensorsource.py): its part, not the model.
         "weights_bytes_read": [ranks.get(r, {}).get("weights_bytes_read") for r in range(world)],
+        # and of AdamW's two moments, when it resumed from a checkpoint (None otherwise)
+        "moments_bytes_read": [ranks.get(r, {}).get("moments_bytes_read") for r in range(world)],
         # RSS at each rank's start, before the model is built: the framework's fixed footprint (common/loop.py)
         "fixed_rss_bytes": [ranks.get(r, {}).get("fixed_rss_bytes") for r in range(world)],
         # What each rank holds of the training state (Trainer.state_bytes), and how FSDP reduce-scattered.

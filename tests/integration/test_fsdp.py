@@ -99,3 +99,7 @@ def test_a_checkpoint_resumes_under_another_strategy_as_the_uninterrupted_run(fi
     resumed = run(cache_dir, switched, *common, "--framework", fw2, "--strategy", s2, "--steps", 20, "--resume")
     assert len(resumed) == 20
     np.testing.assert_allclose(resumed, straight, rtol=0, atol=atol)
+    # The resumed ranks read their own part of the checkpoint's weights and of both moments, nothing more.
+    s = summary(switched)
+    assert s["weights_bytes_read"] == s["state_bytes"]["params"]
+    assert s["moments_bytes_read"] == [2 * held for held in s["state_bytes"]["params"]]
