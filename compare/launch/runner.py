@@ -21,6 +21,7 @@ from common import supervisor
 from common.config import RunConfig
 from common.errors import UserError
 from common.metrics import read_metrics, throughput_stats, write_json
+from common.pipeline import split_idle
 from common.plan import PLAN_FILE, RunPlan
 from common.precision import describe as describe_precision
 from common.spec import ModelSpec
@@ -251,6 +252,7 @@ def summarize(cfg: RunConfig, run_dir: Path, argv: list[str], blas: str, wall_s:
         summary["pipeline"] = {
             "schedule": rank0.get("pp_schedule"), "microbatches": rank0.get("pp_microbatches"),
             "bubble": [ranks.get(r, {}).get("pp_bubble") for r in range(world)],
+            "idle": split_idle([ranks.get(r, {}).get("pp_bubble") for r in range(world)]),
             "bubble_analytic": rank0.get("pp_bubble_analytic"),
             "layers": [ranks.get(r, {}).get("pp_layers") for r in range(world)],
             "comm_bytes_per_step": [ranks.get(r, {}).get("comm_bytes_per_step") for r in range(world)]}

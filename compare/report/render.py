@@ -344,6 +344,7 @@ def memory_blocks(rows: list[dict]) -> list[tuple]:
                         else f"stage {s} -" for s, (b, lay) in enumerate(zip(r["pipeline"]["bubble"],
                                                                              r["pipeline"]["layers"])))
             + f" measured; {fmt(100 * r['pipeline']['bubble_analytic'], '.0f')}% analytic, (p - 1) / (M + p - 1)"
+            + _idle_split(r["pipeline"].get("idle"))
             for r in pipes]))
     notes = [f"{r['label']}: reduce-scatter {r['reduce_scatter']}" for r in rows if r.get("reduce_scatter")]
     if notes:
@@ -373,3 +374,13 @@ def link_line(r: dict) -> str:
                 f"its all-reduce {allreduce['bandwidth_Bps'] / 1e6:,.1f} MB/s" if allreduce.get("bandwidth_Bps")
                 else None]
     return f"{r['label']}: {link['note']}; measured {', '.join(m for m in measured if m) or 'nothing'}"
+
+
+def _idle_split(idle: dict | None) -> str:
+    """The bubble is the busiest stage's idle time; the others' extra idle is waiting on it (common/pipeline.py)."""
+    if not idle:
+        return ""
+    others = [f"stage {s} {100 * x:.0f} points" for s, x in enumerate(idle["imbalance"])
+              if x is not None and s != idle["busiest_stage"]]
+    return (f". The busiest stage ({idle['busiest_stage']}) sets the pace: its {100 * idle['bubble']:.0f}% is the "
+            "bubble; the others idle longer waiting for it" + (f" ({', '.join(others)})" if others else ""))

@@ -92,6 +92,7 @@ def test_pp_two_stages_equal_one_ddp_rank_and_record_their_figures(framework, sc
     # cores dominate: measured 0.27-0.83 here against 0.11-0.33, so only its presence and range are judged.
     assert pipe["bubble_analytic"] == pytest.approx(bubble_fraction(2, micro))
     assert all(0 <= b < 1 for b in pipe["bubble"]), pipe
+    assert pipe["idle"]["bubble"] == min(pipe["bubble"]) and min(pipe["idle"]["imbalance"]) == 0.0
     assert s["breakdown"]["forward"] > 0 and s["breakdown"]["backward"] > 0
 
 

@@ -4,7 +4,7 @@ import pytest
 
 from common.config import RunConfig
 from common.errors import UserError
-from common.pipeline import (bubble_fraction, compute_order, stage_layers, stage_of, stage_ops)
+from common.pipeline import bubble_fraction, compute_order, split_idle, stage_layers, stage_of, stage_ops
 from common.spec import preset
 from common.strategy import check_strategy, comm_bytes_per_step_estimate, data_parallel
 from common.weights import parameter_shapes
@@ -86,6 +86,11 @@ def test_1f1b_keeps_at_most_p_minus_s_micro_batches_in_flight_gpipe_all():
 
     assert [in_flight(compute_order("1f1b", s, 4, 8)) for s in range(4)] == [4, 3, 2, 1]
     assert [in_flight(compute_order("gpipe", s, 4, 8)) for s in range(3)] == [8, 8, 8]
+
+
+def test_the_busiest_stage_idles_the_bubble_and_the_others_wait_on_it_beyond_that():
+    assert split_idle([0.25, 0.12]) == {"busiest_stage": 1, "bubble": 0.12, "imbalance": [pytest.approx(0.13), 0.0]}
+    assert split_idle([0.3, None, 0.2])["busiest_stage"] == 2 and split_idle([None, None]) is None
 
 
 def test_the_analytic_bubble_is_p_minus_1_over_m_plus_p_minus_1():
