@@ -39,6 +39,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=1, help="runs per (framework, strategy), alternated")
+    parser.add_argument("--kv-heads", type=int, default=6, help="model.n_kv_heads: base's 3 do not split over 2 tp "
+                        "ranks, so every strategy gets the same 6 and trains the same model")
+    parser.add_argument("--profile-steps", type=int, default=0, help="breakdown rounds (not needed for this table)")
     parser.add_argument("--link", default="", help="a shaped link between the ranks, e.g. 1gbit (default: loopback)")
     parser.add_argument("--quick", action="store_true", help="accepted for run_all.py; one run is the default")
     a = parser.parse_args()
@@ -54,6 +57,8 @@ def main() -> None:
                     runs[strategy].append(benchlib.dpcompare_run(
                         Path(work) / f"{framework}-{strategy}", framework, a.nproc, a.preset, a.steps, a.seq_len,
                         a.batch, extra=["--strategy", strategy, "--set", f"model.vocab_size={a.vocab_size}",
+                                        "--set", f"model.n_kv_heads={a.kv_heads}",
+                                        "--profile-steps", str(a.profile_steps),
                                         *(["--link", a.link] if a.link else [])]))
             base = None
             for strategy in strategies:

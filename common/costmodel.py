@@ -32,9 +32,10 @@ Collectives, ring algorithm over N ranks, link latency a per hop and bandwidth b
     all-gather / reduce-scatter  (N-1) a + (N-1)/N x S / b       (S: the full, gathered size)
 
     ddp   the fp32 gradients, one all-reduce per bucket (torch bucket_cap_mb, MLX all_reduce_size_mb)
-    fsdp  per micro-step each unit's fp32 parameters gathered twice (forward, backward: FSDP2 and
-          nn.fully_shard re-gather), their gradients reduce-scattered (torch once per step, MLX once per
-          micro-step, mlx_impl/fsdp.py); the all_sum + slice fallback (MLX ring and MPI) is an all-reduce,
+    fsdp  per micro-step each unit's fp32 parameters gathered: twice in torch (FSDP2 frees a block after its
+          forward and gathers it again for the backward), once in MLX (the backward reuses the gathered
+          output); their gradients reduce-scattered (torch once per step, MLX once per micro-step,
+          mlx_impl/fsdp.py); the all_sum + slice fallback (MLX ring and MPI) is an all-reduce,
           twice the traffic. Units: every block, the embedding and the head (each its own; torch's root
           unit holds a tied embedding), the final norm: MLX all-reduces its gradient as under ddp, FSDP2
           shards it as the root unit. Both pad the vocabulary to a multiple of N.
@@ -247,7 +248,13 @@ def _fsdp_collectives(w: Workload, n: int, reduce_scatter: str) -> list[Collecti
         units, replicated = [block] * w.spec.n_layers + vocab + [norm], 0
     unit = int(sum(units) / len(units))
     scatters = w.grad_accum if w.framework == "mlx" else 1  # MLX reduce-scatters in every micro-step's backward
-    out = [Collective("all_gather", unit, 2 * w.grad_accum * len(units), "parameters gathered (forward and backward)")]
+    # FSDP2 frees a block after its forward and gathers it again for the backward; MLX's gather is a node of the
+    # step's graph whose output the backward reuses (mlx_impl/fsdp.py: the gathered blocks stay alive, as
+    # costmodel.gathered_bytes counts), so it gathers once per micro-step. Measured on `small` at N=2 before
+    # this was counted: MLX fsdp predicted +29 % over 1gbit and 200mbit, +33 % on loopback (docs/scaling.md).
+    gathers = 1 if w.framework == "mlx" else 2
+    out = [Collective("all_gather", unit, gathers * w.grad_accum * len(units),
+                      "parameters gathered (forward" + (")" if gathers == 1 else " and backward)"))]
     if reduce_scatter == "all_sum_slice":  # an all-reduce then the rank's slice: twice a reduce-scatter
         out.append(Collective("all_reduce", unit, scatters * len(units), "gradients (all_sum + slice)"))
     else:

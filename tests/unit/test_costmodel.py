@@ -97,12 +97,12 @@ def test_bytes_per_step_match_the_formulas_and_the_runs_counts(framework):
     assert collectives("ddp", w, 1) == []
 
 
-def test_fsdp_gathers_twice_and_the_all_sum_slice_fallback_moves_double():
+def test_fsdp_gathers_once_in_mlx_twice_in_torch_and_the_all_sum_slice_fallback_moves_double():
     w = Workload(TINY, 128, 32, grad_accum=2, framework="mlx")
     native, fallback = collectives("fsdp", w, 4, "native"), collectives("fsdp", w, 4, "all_sum_slice")
     params = 4 * num_parameters(TINY) - 4 * TINY.dim  # the final norm stays replicated in MLX
     gathers = next(c for c in native if c.kind == "all_gather")
-    assert gathers.nbytes * gathers.calls == 2 * 2 * params  # forward and backward, per micro-step
+    assert gathers.nbytes * gathers.calls == 2 * params  # the forward's gather, reused by the backward, per micro-step
     scatter = next(c for c in native if c.kind == "reduce_scatter")
     summed = next(c for c in fallback if c.kind == "all_reduce")
     assert summed.wire_bytes(4) == 2 * scatter.wire_bytes(4)
@@ -112,7 +112,8 @@ def test_fsdp_gathers_twice_and_the_all_sum_slice_fallback_moves_double():
     # FSDP2: once a step, per unit (2 blocks, the embedding, the head, the root: the final norm), all sharded
     assert next(c for c in torch_fsdp if c.kind == "reduce_scatter").calls == 5
     gathered = next(c for c in torch_fsdp if c.kind == "all_gather")
-    # one collective of the units' mean size, rounded down to whole bytes: off by less than a byte per call
+    # forward and backward (FSDP2 frees a block after its forward); one collective of the units' mean size,
+    # rounded down to whole bytes: off by less than a byte per call
     assert gathered.nbytes * gathered.calls == pytest.approx(2 * 2 * 4 * num_parameters(TINY), abs=gathered.calls)
 
 
