@@ -41,6 +41,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="runs per (framework, strategy), alternated")
     parser.add_argument("--kv-heads", type=int, default=6, help="model.n_kv_heads: base's 3 do not split over 2 tp "
                         "ranks, so every strategy gets the same 6 and trains the same model")
+    parser.add_argument("--checkpoint-format", default="sharded", help="hf gathers the whole state on one rank "
+                        "at the end, which would set fsdp's and tp's peak RSS; sharded writes each rank's own")
     parser.add_argument("--profile-steps", type=int, default=0, help="breakdown rounds (not needed for this table)")
     parser.add_argument("--link", default="", help="a shaped link between the ranks, e.g. 1gbit (default: loopback)")
     parser.add_argument("--quick", action="store_true", help="accepted for run_all.py; one run is the default")
@@ -59,10 +61,11 @@ def main() -> None:
                         a.batch, extra=["--strategy", strategy, "--set", f"model.vocab_size={a.vocab_size}",
                                         "--set", f"model.n_kv_heads={a.kv_heads}",
                                         "--profile-steps", str(a.profile_steps),
+                                        "--checkpoint-format", a.checkpoint_format,
                                         *(["--link", a.link] if a.link else [])]))
             base = None
             for strategy in strategies:
-                row = summarize(framework, strategy, runs[strategy])
+                row = summarize(framework, strategy, runs[strategy], spec_of(a))
                 base = base or row
                 row["state_vs_first"] = row["state_MiB"] / base["state_MiB"]
                 row["tokens_per_s_vs_first"] = row["tokens_per_s"] / base["tokens_per_s"]
@@ -78,7 +81,12 @@ def main() -> None:
     benchlib.write_result(a.out, "strategies", {**vars(a), "out": str(a.out)}, rows)
 
 
-def summarize(framework: str, strategy: str, summaries: list[dict]) -> dict:
+def spec_of(a):
+    from common.spec import preset
+    return preset(a.preset).with_(vocab_size=a.vocab_size, n_kv_heads=a.kv_heads)
+
+
+def summarize(framework: str, strategy: str, summaries: list[dict], spec) -> dict:
     """Memory from the last run (it does not vary between runs), tokens/s as the median over runs."""
     s = summaries[-1]
     per_rank = {part: max(s["state_bytes"][part]) for part in PARTS}
@@ -89,12 +97,13 @@ def summarize(framework: str, strategy: str, summaries: list[dict]) -> dict:
         "peak_rss_MiB": " / ".join(f"{v / 2**20:.0f}" for v in s["peak_rss_bytes"]),
         "tokens_per_s": benchlib.median(r["tokens_per_s"] for r in summaries),
         "tokens_per_s_runs": [r["tokens_per_s"] for r in summaries],
-        "comm_MiB": comm_mib(s),
+        "comm_MiB": comm_mib(s, spec),
     }
 
 
-def comm_mib(s: dict) -> str:
-    """Bytes a rank sends per step, as text: counted, or estimated from the shapes (~)."""
+def comm_mib(s: dict, spec) -> str:
+    """Bytes a rank sends per step, as text: counted, or estimated from the shapes (~; fsdp: the cost model's
+    collectives, common/costmodel.py)."""
     stages = [b for b in ((s.get("pipeline") or {}).get("comm_bytes_per_step") or []) if b is not None]
     if stages:
         return f"{max(stages) / 2**20:.1f}"
@@ -102,6 +111,13 @@ def comm_mib(s: dict) -> str:
         # replicated gradients' all-reduce, torch fsdp nothing: its gathers run inside FSDP
         return f"{s['comm_bytes_per_step'] / 2**20:.1f}"
     estimate = s.get("comm_bytes_per_step_estimate")
+    if estimate is None and s.get("strategy") == "fsdp":
+        from common.costmodel import Workload, collectives, reduce_scatter_kind
+        cfg = s.get("config") or {}
+        w = Workload(spec, int(cfg["seq_len"]), int(cfg["global_batch_size"]), int(cfg.get("grad_accum", 1)),
+                     s.get("dtype", "float32"), s["framework"])
+        n = int(s["world_size"])
+        estimate = sum(c.wire_bytes(n) for c in collectives("fsdp", w, n, reduce_scatter_kind(s["framework"], s["backend"])))
     return f"~{estimate / 2**20:.1f}" if estimate is not None else "-"
 
 
