@@ -39,6 +39,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=1, help="runs per (framework, strategy), alternated")
+    parser.add_argument("--layers", type=int, default=0, help="model.n_layers (0: the preset's)")
     parser.add_argument("--kv-heads", type=int, default=6, help="model.n_kv_heads: base's 3 do not split over 2 tp "
                         "ranks, so every strategy gets the same 6 and trains the same model")
     parser.add_argument("--checkpoint-format", default="sharded", help="hf gathers the whole state on one rank "
@@ -60,6 +61,7 @@ def main() -> None:
                         Path(work) / f"{framework}-{strategy}", framework, a.nproc, a.preset, a.steps, a.seq_len,
                         a.batch, extra=["--strategy", strategy, "--set", f"model.vocab_size={a.vocab_size}",
                                         "--set", f"model.n_kv_heads={a.kv_heads}",
+                                        *(["--set", f"model.n_layers={a.layers}"] if a.layers else []),
                                         "--profile-steps", str(a.profile_steps),
                                         "--checkpoint-format", a.checkpoint_format,
                                         *(["--link", a.link] if a.link else [])]))
@@ -75,7 +77,7 @@ def main() -> None:
         ("grads_MiB", "grads MiB", ".0f"), ("optimizer_MiB", "optim MiB", ".0f"), ("state_MiB", "state MiB", ".0f"),
         ("state_vs_first", f"vs {strategies[0]}", ".2f"), ("peak_rss_MiB", "peak RSS MiB/rank", ""),
         ("tokens_per_s", "tok/s", ".0f"), ("tokens_per_s_vs_first", f"vs {strategies[0]}", ".2f"),
-        ("comm_MiB", "sent MiB/step", ""), ("reduce_scatter", "reduce-scatter", "")],
+        ("comm_MiB", "sent MiB/step", ""), ("peak_predicted", "predicted peak err", ""), ("reduce_scatter", "reduce-scatter", "")],
         title=f"strategies, {a.preset} (vocab {a.vocab_size}), N={a.nproc}, seq {a.seq_len}, global batch "
               f"{a.batch}, {a.steps} steps, {a.link or 'loopback'}; bytes per rank (the largest rank)")
     benchlib.write_result(a.out, "strategies", {**vars(a), "out": str(a.out)}, rows)
@@ -83,7 +85,8 @@ def main() -> None:
 
 def spec_of(a):
     from common.spec import preset
-    return preset(a.preset).with_(vocab_size=a.vocab_size, n_kv_heads=a.kv_heads)
+    spec = preset(a.preset).with_(vocab_size=a.vocab_size, n_kv_heads=a.kv_heads)
+    return spec.with_(n_layers=a.layers) if getattr(a, "layers", 0) else spec
 
 
 def summarize(framework: str, strategy: str, summaries: list[dict], spec) -> dict:
@@ -98,6 +101,9 @@ def summarize(framework: str, strategy: str, summaries: list[dict], spec) -> dic
         "tokens_per_s": benchlib.median(r["tokens_per_s"] for r in summaries),
         "tokens_per_s_runs": [r["tokens_per_s"] for r in summaries],
         "comm_MiB": comm_mib(s, spec),
+        # the cost model's predicted peak per rank against the measured one (compare/plan.py memory_record)
+        "peak_predicted": " / ".join("-" if e is None else f"{e:+.0%}"
+                                     for e in ((s.get("memory_prediction") or {}).get("error") or [])) or "-",
     }
 
 
