@@ -111,24 +111,3 @@ def probe_checksum(source: TensorSource) -> float:
         shape = source.shape(name)
         total += float(np.abs(source.read(name, (slice(0, 1),))).sum(dtype=np.float64)) + sum(shape)
     return total
-
-
-def open_pretrained(directory: Path):
-    """(spec, source) of an HF-format Llama directory, its tensors checked against the spec from the header
-    and left unread: load_pretrained (common/weights.py) without the reading."""
-    import json
-
-    from .hfconfig import from_hf_config
-
-    directory = Path(directory)
-    config_path, weights_path = directory / "config.json", directory / "model.safetensors"
-    for path in (config_path, weights_path):
-        if not path.is_file():
-            raise UserError(f"{path} not found: expected an HF-format Llama directory")
-    try:
-        spec = from_hf_config(json.loads(config_path.read_text()))
-    except json.JSONDecodeError as err:
-        raise UserError(f"{config_path} is not valid JSON: {err}") from None
-    source = SafetensorsSource(weights_path)
-    check_source(spec, source, str(weights_path))
-    return spec, source

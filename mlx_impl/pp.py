@@ -156,7 +156,7 @@ class Pipeline:
                         losses[i] = self._losses(self._forward(x), mx.array(ys[i]), mx.array(ms[i]))
                         mx.eval(losses[i])
                     elif self.defers_backward:  # the loss now, the backward's graph kept for B
-                        losses[i], vjps = self._lazy_loss_vjp(x, mx.array(ys[i]), mx.array(ms[i]))
+                        losses[i], vjps = self._lazy_vjp(x, targets=mx.array(ys[i]), mask=mx.array(ms[i]))
                         cots[i] = (None, vjps)
                         mx.eval(losses[i])
                     else:  # the last stage: the loss and every gradient at once
@@ -226,36 +226,28 @@ class Pipeline:
         outputs, vjps = mx.vjp(stage, primals, cotangents)
         return ([outputs[1]] if self.last else []) + list(vjps)
 
-    def _lazy_vjp(self, x, cot):
-        """(this stage's output, the vjps of its parameters and input) for the cotangent `cot`, a receive that
-        has not run yet. Not compiled: a compiled graph may fuse forward and backward operations into one
-        kernel, and evaluating the output would then run the receive out of its place in the schedule."""
+    def _lazy_vjp(self, x, cot=None, targets=None, mask=None):
+        """(this stage's output, or on the last stage its token losses; the vjps of its parameters and input),
+        built lazily: evaluating the first runs the forward alone and keeps its intermediates for the backward.
+        The cotangent is `cot`, a receive that has not run yet, or on the last stage 1 for the loss sum (gpipe).
+        Not compiled: a compiled graph may fuse forward and backward operations into one kernel, and evaluating
+        the output would then run the receive out of its place in the schedule."""
         params = [v for _, v in tree_flatten(self.model.trainable_parameters())]
         n = len(params)
 
         def stage(*primals):
             self.model.update(tree_unflatten(list(zip(self.keys, primals[:n]))))
-            return [self._forward(x if self.first else primals[n])]
-
-        outs, vjps = mx.vjp(stage, params + ([] if self.first else [x]), [cot])
-        self.model.update(tree_unflatten(list(zip(self.keys, params))))
-        return outs[0], vjps
-
-    def _lazy_loss_vjp(self, x, targets, mask):
-        """The last stage's (token losses, the vjps of its parameters and input) for the loss sum, built lazily:
-        evaluating the losses runs the forward alone and keeps its intermediates for the backward (gpipe)."""
-        params = [v for _, v in tree_flatten(self.model.trainable_parameters())]
-        n = len(params)
-
-        def stage(*primals):
-            self.model.update(tree_unflatten(list(zip(self.keys, primals[:n]))))
-            losses = self._losses(self._forward(primals[n]), targets, mask)
+            out = self._forward(x if self.first else primals[n])
+            if not self.last:
+                return [out]
+            losses = self._losses(out, targets, mask)
             return [losses.sum(), losses]
 
-        cotangents = [mx.array(1.0, dtype=mx.float32), mx.zeros(targets.shape, dtype=mx.float32)]
-        outs, vjps = mx.vjp(stage, params + [x], cotangents)
+        cotangents = ([mx.array(1.0, dtype=mx.float32), mx.zeros(targets.shape, dtype=mx.float32)] if self.last
+                      else [cot])
+        outs, vjps = mx.vjp(stage, params + ([] if self.first else [x]), cotangents)
         self.model.update(tree_unflatten(list(zip(self.keys, params))))
-        return outs[1], vjps
+        return outs[-1], vjps
 
     def _run_forward(self, x):
         """This stage's forward alone, compiled: eval on the stages but the last (whose losses come from `_forward`)."""
