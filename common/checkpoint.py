@@ -24,10 +24,12 @@ import numpy as np
 
 from .errors import UserError
 from .fsutil import atomic_write_text, fsync_dir
+from .hfconfig import to_hf_config
+from .safetensorswriter import SafetensorsWriter
 from .shardedcheckpoint import INDEX, is_sharded, sharded_sources
 from .spec import ModelSpec
 from .tensorsource import SafetensorsSource, TensorSource, check_source, read_all
-from .weights import save_pretrained
+from .weights import parameter_shapes
 
 if TYPE_CHECKING:
     from .config import RunConfig
@@ -54,20 +56,53 @@ def resume_fingerprints(cfg: RunConfig, cache_meta: dict, token_cache: str) -> d
 
 
 def save_checkpoint(run_dir: Path, spec: ModelSpec, state: TrainState) -> Path:
-    """The hf format: rank 0 writes the whole state it gathered."""
-    from safetensors.numpy import save_file
+    """The hf format from whole dicts (tests, tools); the loop streams instead (HFCheckpointWriter)."""
+    out = HFCheckpointWriter(run_dir, spec, state.step)
+    for kind, part in zip(STATE_KINDS, (state.weights, state.exp_avg, state.exp_avg_sq)):
+        for name, array in part.items():
+            out.write(kind, name, array)
+    return out.commit(state.info)
 
-    root = Path(run_dir) / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".tmp_step_{state.step:06d}_{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_pretrained(tmp, spec, state.weights)
-    moments = {f"exp_avg.{k}": v for k, v in state.exp_avg.items()}
-    moments.update({f"exp_avg_sq.{k}": v for k, v in state.exp_avg_sq.items()})
-    save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in moments.items()},
-              str(tmp / "optimizer.safetensors"))
-    write_state_json(tmp, state.step, state.info)
-    return commit_checkpoint(root, tmp, state.step)
+
+STATE_KINDS = ("weights", "exp_avg", "exp_avg_sq")
+
+
+class HFCheckpointWriter:
+    """The hf format written as the state arrives, one tensor at a time (common/safetensorswriter.py): the
+    files' headers come from the spec, so the writer (rank 0) never holds more than the tensor in hand, where
+    safetensors' save_file would want the whole state (weights and both moments) at once. Everything goes
+    into a temporary directory that `commit` renames into place; `abort` removes it."""
+
+    def __init__(self, run_dir: Path, spec: ModelSpec, step: int):
+        self.spec, self.step = spec, step
+        self.root = Path(run_dir) / "checkpoints"
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.tmp = self.root / f".tmp_step_{step:06d}_{os.getpid()}"
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        self.tmp.mkdir()
+        shapes = parameter_shapes(spec)
+        moments = {f"{kind}.{name}": shape for kind in STATE_KINDS[1:] for name, shape in shapes.items()}
+        self.files = {"weights": SafetensorsWriter(self.tmp / "model.safetensors", shapes, metadata={"format": "pt"}),
+                      "optimizer": SafetensorsWriter(self.tmp / "optimizer.safetensors", moments)}
+
+    def write(self, kind: str, name: str, array: np.ndarray) -> None:
+        """kind: "weights", "exp_avg" or "exp_avg_sq"; name: the HF parameter name."""
+        if kind == "weights":
+            self.files["weights"].write(name, array)
+        else:
+            self.files["optimizer"].write(f"{kind}.{name}", array)
+
+    def commit(self, info: dict) -> Path:
+        for handle in self.files.values():
+            handle.close()
+        (self.tmp / "config.json").write_text(json.dumps(to_hf_config(self.spec), indent=2))
+        write_state_json(self.tmp, self.step, info)
+        return commit_checkpoint(self.root, self.tmp, self.step)
+
+    def abort(self) -> None:
+        for handle in self.files.values():
+            handle.file.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def write_state_json(directory: Path, step: int, info: dict) -> None:

@@ -22,8 +22,8 @@ from typing import Callable
 import numpy as np
 
 from .breakdown import profile
-from .checkpoint import (TrainState, commit_checkpoint, latest_checkpoint, open_checkpoint, resume_fingerprints,
-                         save_checkpoint, write_state_json)
+from .checkpoint import (STATE_KINDS, HFCheckpointWriter, commit_checkpoint, latest_checkpoint, open_checkpoint,
+                         resume_fingerprints, write_state_json)
 from .config import RunConfig
 from .errors import UserError
 from .fabric import PROBES_ALL_GATHER, Collectives, probe_allreduce
@@ -324,10 +324,15 @@ def check_same_step(trainer, step: int) -> None:
                             f"{count:.0f} ranks {total / count:g}; check that every node runs the same --steps")
 
 
-def check_replicas_agree(trainer, weights: dict[str, np.ndarray], step: int) -> None:
+def replica_checksum(array: np.ndarray) -> float:
+    """One tensor's part of check_replicas_agree's checksum (summed over the tensors as they stream by)."""
+    return float(np.float64(np.abs(array).sum()))
+
+
+def check_replicas_agree(trainer, checksum: float, step: int) -> None:
     """Every rank exports the same full weights (ddp replicas; tp's replicated embedding, norms and head, whose
-    gradients are the same on every rank by construction): this rank's checksum against the mean over ranks."""
-    checksum = float(sum(np.float64(np.abs(w).sum()) for w in weights.values()))
+    gradients are the same on every rank by construction): this rank's checksum (replica_checksum summed
+    over its weights) against the mean over ranks."""
     total = trainer.all_sum(np.array([checksum], dtype=np.float64), over="world")[0]
     if abs(total - trainer.world_size * checksum) > 1e-6 * abs(total):
         raise TrainingError(f"rank {trainer.rank} holds other weights than the mean of the ranks after step {step}: "
@@ -353,15 +358,33 @@ def evaluate(trainer, view: SequenceView, cfg: RunConfig, rank: int, world_size:
 
 
 def checkpoint(trainer, run_dir: Path, spec: ModelSpec, step: int, fingerprints: dict, rank: int) -> None:
-    weights, exp_avg, exp_avg_sq = trainer.export_state()
-    if not all(np.isfinite(w).all() for w in weights.values()):
-        raise TrainingError(f"weights are not finite after step {step}; not saving (the last checkpoint is kept)")
-    if trainer.strategy.full_state_on_every_rank:  # fsdp: only rank 0 holds the gathered weights
-        check_replicas_agree(trainer, weights, step)
-    if rank == 0:  # rank 0 holds the whole state (FSDP gathers it there); one writer
-        save_checkpoint(run_dir, spec, TrainState(step=step, weights=weights, exp_avg=exp_avg,
-                                                  exp_avg_sq=exp_avg_sq,
-                                                  info={**fingerprints, "framework": trainer.framework}))
+    """The hf format: the strategy's export streams the whole state one tensor at a time (gathered by
+    collectives every rank takes part in, in one order) and rank 0, the one writer, writes each tensor as it
+    arrives, so no rank holds more than one whole tensor beyond its own state. Non-finite weights or drifted
+    replicas stop every rank before the checkpoint is committed; the last one is kept."""
+    out = HFCheckpointWriter(run_dir, spec, step) if rank == 0 else None
+    try:
+        finite, checksum = True, 0.0
+        for kind, stream in zip(STATE_KINDS, trainer.export_state()):
+            for name, array in stream:
+                if array is None:  # fsdp: the gathered tensor lands on rank 0 only
+                    continue
+                if kind == "weights":
+                    finite = finite and bool(np.isfinite(array).all())
+                    checksum += replica_checksum(array)
+                if out is not None:
+                    out.write(kind, name, array)
+                del array  # before the next gather
+        if trainer.all_sum(np.array([float(not finite)]), over="world")[0] > 0:  # every rank stops, or none
+            raise TrainingError(f"weights are not finite after step {step}; not saving (the last checkpoint is kept)")
+        if trainer.strategy.full_state_on_every_rank:  # fsdp: only rank 0 holds the gathered weights
+            check_replicas_agree(trainer, checksum, step)
+    except BaseException:
+        if out is not None:
+            out.abort()
+        raise
+    if out is not None:
+        out.commit({**fingerprints, "framework": trainer.framework})
 
 
 def checkpoint_sharded(trainer, run_dir: Path, spec: ModelSpec, step: int, fingerprints: dict, rank: int) -> None:

@@ -8,12 +8,14 @@ Arrays are the framework's own (mx.array trees, torch tensors); common/ imports 
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Any, Callable, ContextManager, Protocol
+from typing import Any, Callable, ContextManager, Iterator, Protocol
 
 import numpy as np
 
 from .tensorsource import Index, TensorSource
 
+# export_state's result: (HF name, whole float32 tensor) pairs, the tensor None on a rank that does not receive it
+StateStream = Iterator[tuple[str, "np.ndarray | None"]]
 Phase = Callable[[str], ContextManager]  # phase("forward") wraps one phase of a step
 
 
@@ -32,7 +34,7 @@ class Strategy(Protocol):
     `comm_counter()` (the first step's bytes) and `keeps_grads` (DDP's bucket views stay allocated)."""
 
     reduce_scatter: str | None       # fsdp: "native" | "all_sum_slice" (summary.json); None otherwise
-    full_state_on_every_rank: bool   # export_state's result is whole on every rank (fsdp: on rank 0 only)
+    full_state_on_every_rank: bool   # export_state's tensors are whole on every rank (fsdp: on rank 0 only)
     communicates: bool               # the step reduces gradients apart from the backward (a phase of its own)
     loss_over: str                   # the ranks whose loss sums add up to the step's: "data" (the data-parallel
                                      # ranks; under tp each holds the whole sum) or "world" (pp: the last stage
@@ -62,8 +64,9 @@ class Strategy(Protocol):
     def global_norm(self, grads: Any, *args) -> Any:
         """The whole model's gradient norm: replicated gradients counted once, pieces summed over ranks."""
 
-    def export_state(self, *state) -> tuple[dict, dict, dict]:
-        """(weights, exp_avg, exp_avg_sq) as full numpy dicts under HF names; collectives, every rank calls."""
+    def export_state(self, *state) -> tuple[StateStream, StateStream, StateStream]:
+        """(weights, exp_avg, exp_avg_sq) as streams of whole tensors under HF names, gathered one at a time
+        as they are iterated (collectives: every rank iterates all three, in order)."""
 
     def local_state(self, shapes: dict, *state) -> tuple[dict, dict, dict, dict]:
         """(weights, exp_avg, exp_avg_sq, where) of what this rank writes into a sharded checkpoint, numpy under
@@ -98,9 +101,11 @@ class Trainer(Protocol):
     def all_sum(self, values: np.ndarray, over: str = "data") -> np.ndarray:
         """Summed over the data-parallel ranks (under tp that is the rank itself), or over="world": all."""
 
-    def export_state(self) -> tuple[dict, dict, dict]:
-        """(weights, exp_avg, exp_avg_sq) as full numpy dicts: on every rank where
-        strategy.full_state_on_every_rank, else on rank 0 only (the others get empty dicts)."""
+    def export_state(self) -> tuple[StateStream, StateStream, StateStream]:
+        """(weights, exp_avg, exp_avg_sq) as streams of whole numpy tensors: on every rank where
+        strategy.full_state_on_every_rank, else on rank 0 only (the others get None for each tensor).
+        Every rank iterates all three, in order: each tensor is gathered by collectives when its turn comes,
+        so a rank holds one whole tensor at a time (common/loop.py's checkpoint writes it and lets it go)."""
 
     def local_state(self) -> tuple[dict, dict, dict, dict]:
         """strategy.local_state of this rank's parameters and moments: what it writes of a sharded checkpoint."""

@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
-import struct
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -37,6 +35,7 @@ import numpy as np
 
 from .errors import UserError
 from .fsutil import fsync_dir
+from .safetensorswriter import SafetensorsWriter
 
 SHARDS, INDEX = "shards", "index.json"
 KINDS = ("weights", "exp_avg", "exp_avg_sq")
@@ -57,27 +56,10 @@ def is_sharded(checkpoint: Path) -> bool:
 # ---- writing ------------------------------------------------------------------------------------
 def write_safetensors(path: Path, shapes: dict[str, tuple], read: Callable[[str], np.ndarray],
                       metadata: dict[str, str] | None = None) -> None:
-    """A float32 safetensors file written one tensor at a time (safetensors' own save_file takes every tensor
-    at once and copies them all into one buffer): the header from the shapes, then each tensor's bytes."""
-    header, offset = {}, 0
-    for name, shape in shapes.items():
-        nbytes = 4 * math.prod(shape)
-        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    if metadata:
-        header["__metadata__"] = metadata
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-    with open(path, "wb") as out:
-        out.write(struct.pack("<Q", len(raw)))
-        out.write(raw)
-        for name, shape in shapes.items():
-            array = np.ascontiguousarray(read(name), dtype="<f4")
-            if array.shape != tuple(shape):
-                raise ValueError(f"{name}: got shape {array.shape}, the header says {tuple(shape)}")
-            out.write(array.data)
-        out.flush()
-        os.fsync(out.fileno())
+    """A float32 safetensors file written one tensor at a time, `read(name)` in the order of `shapes`."""
+    with SafetensorsWriter(path, shapes, metadata=metadata) as out:
+        for name in shapes:
+            out.write(name, read(name))
 
 
 def write_rank_file(directory: Path, rank: int, state: tuple[dict, dict, dict], where: dict[str, Where]) -> Path:

@@ -5,6 +5,8 @@ precise norm, the clip and the moments' layout in the optimizer state. Mirrors t
 """
 from __future__ import annotations
 
+from typing import Iterator
+
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
@@ -76,7 +78,7 @@ class Replicated(MicroSteps):
         return mx.sqrt(sum(sum_of_squares(g) for _, g in tree_flatten(grads)))
 
     def export_state(self, weights: dict, optimizer: dict):
-        return (weights, *moments(weights, optimizer))
+        return tuple(map(numpy_stream, (weights, *moments(weights, optimizer))))
 
 
     def local_state(self, shapes: dict, weights: dict, optimizer: dict):
@@ -107,6 +109,19 @@ def moments(weights: dict, optimizer: dict) -> tuple[dict, dict]:
     arrays are immutable, and a copy of the optimizer state costs its size again."""
     return ({n: np.asarray(optimizer[f"{n}.m"]) for n in weights},
             {n: np.asarray(optimizer[f"{n}.v"]) for n in weights})
+
+
+def numpy_stream(named: dict) -> Iterator[tuple[str, np.ndarray]]:
+    """export_state's stream of a rank's whole tensors: float32 numpy one at a time (a view of the MLX
+    array where it is float32 already), so the checkpoint's writer never holds two."""
+    for name, value in named.items():
+        yield name, as_float32(value)
+
+
+def as_float32(value) -> np.ndarray:
+    if isinstance(value, mx.array) and value.dtype != mx.float32:
+        value = value.astype(mx.float32)
+    return np.asarray(value, dtype=np.float32)
 
 
 def state_bytes(model, optimizer) -> dict:

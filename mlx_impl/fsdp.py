@@ -36,6 +36,7 @@ gradients accumulate locally and are averaged once per step, as under DDP.
 from __future__ import annotations
 
 from functools import reduce
+from typing import Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -47,7 +48,7 @@ from common.shardedcheckpoint import local_pieces
 from common.strategy import fsdp_rows
 
 from .comm import CommCounter, average_gradients
-from .ddp import MicroSteps, moments, sum_of_squares
+from .ddp import MicroSteps, as_float32, moments, sum_of_squares
 from .load import SHARD, hf_name, load_local
 
 NATIVE_REDUCE_SCATTER = ("nccl",)  # the mlx 0.32.4 backends that implement mx.distributed.sum_scatter
@@ -146,8 +147,8 @@ class Sharding(MicroSteps):
         return mx.sqrt(replicated_sq + mx.distributed.all_sum(sharded_sq, group=self.group, stream=self.stream))
 
     def export_state(self, weights: dict, optimizer: dict):
-        weights = self.full(weights)
-        return (weights, *moments(weights, self.full(optimizer)))
+        return (self.full(weights), *(self.full({key: optimizer[f"{key}.{moment}"] for key in weights})
+                                      for moment in ("m", "v")))
 
     def local_state(self, shapes: dict, weights: dict, optimizer: dict):
         """--checkpoint-format sharded (common/shardedcheckpoint.py): (weights, exp_avg, exp_avg_sq, where) of
@@ -159,23 +160,19 @@ class Sharding(MicroSteps):
         axes = {key.replace(SHARD, "."): 0 if self.is_sharded(key) else None for key in weights}
         return local_pieces(self.rank, tuple(map(hf, (weights, *moments(weights, optimizer)))), axes, shapes)
 
-    def full(self, flat: dict) -> dict:
-        """Flat arrays under this rank's paths -> whole numpy arrays under HF names, on rank 0 only (the
-        checkpoint's writer); every rank must call it. One array at a time, so no rank holds the whole
-        state twice: the other ranks drop each gathered array at once. The vocabulary's pad rows are
-        dropped: files hold the true vocabulary."""
-        out = {}
+    def full(self, flat: dict) -> Iterator[tuple[str, np.ndarray | None]]:
+        """Arrays under this rank's parameter paths -> (HF name, whole numpy array) one at a time, the array on
+        rank 0 only (the checkpoint's writer), None elsewhere; every rank iterates it (collectives). The
+        other ranks drop each gathered array at once. The vocabulary's pad rows are dropped: files hold the
+        true vocabulary."""
         for key, value in flat.items():
             name = hf_name(key)
             if self.is_sharded(key):
-                value = mx.distributed.all_gather(mx.array(value), group=self.group, stream=self.stream)
-                # the optimizer's keys are the parameter's with ".m" or ".v" appended
-                rows = self.vocab_rows.get(name) or self.vocab_rows.get(name.rsplit(".", 1)[0])
+                value = mx.distributed.all_gather(value, group=self.group, stream=self.stream)
+                rows = self.vocab_rows.get(name)
                 value = value[:rows] if rows else value
                 mx.eval(value)
-            if self.rank == 0:
-                out[name] = np.array(value)
-        return out
+            yield name, as_float32(value) if self.rank == 0 else None
 
 
 def _all_sum_slice(group, stream=None):

@@ -35,6 +35,7 @@ the window, is its measured idle fraction, reported beside (p - 1) / (M + p - 1)
 from __future__ import annotations
 
 import time
+from typing import Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -46,7 +47,7 @@ from common.protocols import no_phase
 from common.shardedcheckpoint import local_pieces
 
 from .comm import CommCounter
-from .ddp import moments, sum_of_squares, wait_for
+from .ddp import as_float32, moments, sum_of_squares, wait_for
 from .load import load_local
 from .model import cross_entropy
 
@@ -294,20 +295,16 @@ class Pipeline:
         this stage's own tensors, whole, under HF names; no collectives."""
         return local_pieces(self.stage, (weights, *moments(weights, optimizer)), {}, shapes)
 
-    def gather(self, named: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def gather(self, named: dict) -> Iterator[tuple[str, np.ndarray]]:
         """The whole model's arrays on every rank from each stage's own: an all_sum per array, zeros from the
         stages that do not hold it (x + 0 is exact). Every rank calls it: collectives, in one order."""
         from common.weights import parameter_shapes
 
-        full = {}
         for name, shape in parameter_shapes(self.model.spec).items():
-            if name == "lm_head.weight" and self.model.spec.tie_embeddings:
-                continue
             mine = stage_of(name, self.n_layers, self.n_stages) == self.stage
-            value = mx.array(named[name]) if mine else mx.zeros(shape, dtype=mx.float32)
+            value = mx.array(as_float32(named[name])) if mine else mx.zeros(shape, dtype=mx.float32)
             summed = mx.distributed.all_sum(value, group=self.group)
-            full[name] = np.array(summed)
-        return full
+            yield name, np.array(summed)
 
     def figures(self) -> dict:
         """The bubble: this stage's median idle fraction over the steps after the first (compilation and warm

@@ -150,7 +150,8 @@ class Trainer:
     def export_state(self):
         """HF-named weights and AdamW moments, full (strategy.full_state_on_every_rank says on which ranks).
         Every rank calls it: collectives."""
-        return self.strategy.export_state(weights_of(self.model), dict(tree_flatten(self.optimizer.state)))
+        return self.strategy.export_state(dict(tree_flatten(self.model.parameters())),
+                                          dict(tree_flatten(self.optimizer.state)))
 
     def local_state(self):
         """This rank's own pieces of the state, for a sharded checkpoint (strategy.local_state): no collectives."""

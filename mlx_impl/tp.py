@@ -14,6 +14,8 @@ Mirrors torch_impl/tp.py.
 """
 from __future__ import annotations
 
+from typing import Iterator
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -24,7 +26,7 @@ from common.shardedcheckpoint import local_pieces
 from common.strategy import tp_index, tp_split_axis
 
 from .comm import CommCounter
-from .ddp import MicroSteps, moments, sum_of_squares
+from .ddp import MicroSteps, as_float32, moments, sum_of_squares
 from .load import load_local
 from .model import RMSNorm
 
@@ -92,18 +94,16 @@ class TensorParallel(MicroSteps):
         axes = {name: tp_split_axis(name) for name in weights}
         return local_pieces(self.rank, (weights, *moments(weights, optimizer)), axes, shapes)
 
-    def gather(self, named: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Full arrays from this rank's pieces (every rank calls it: collectives)."""
-        full = {}
+    def gather(self, named: dict) -> Iterator[tuple[str, np.ndarray]]:
+        """Whole arrays from this rank's pieces, one at a time (every rank iterates it: collectives)."""
         for name, piece in named.items():
             axis = tp_split_axis(name)
             if axis is None:
-                full[name] = piece
+                yield name, as_float32(piece)
                 continue
             # all_gather stacks along axis 0: move the split axis there and back.
-            gathered = mx.distributed.all_gather(mx.array(np.moveaxis(piece, axis, 0)), group=self.group)
-            full[name] = np.moveaxis(np.array(gathered), 0, axis)
-        return full
+            gathered = mx.distributed.all_gather(mx.array(np.moveaxis(as_float32(piece), axis, 0)), group=self.group)
+            yield name, np.moveaxis(np.array(gathered), 0, axis)
 
 
 class RowParallelLinear(ShardedToAllLinear):

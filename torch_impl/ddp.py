@@ -7,6 +7,9 @@ Mirrors mlx_impl/ddp.py.
 from __future__ import annotations
 
 import contextlib
+from typing import Iterator
+
+import numpy as np
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -16,7 +19,7 @@ from common.shardedcheckpoint import local_pieces
 
 from .load import local as _local
 from .load import load_local
-from .model import token_loss_sum, weights_of
+from .model import token_loss_sum
 
 
 class MicroSteps:
@@ -94,7 +97,7 @@ class Replicated(MicroSteps):
         return torch.stack(squares).sum().sqrt()
 
     def export_state(self, params: dict, exp_avg: dict, exp_avg_sq: dict):
-        return weights_of(self.model), _numpy(exp_avg), _numpy(exp_avg_sq)
+        return tuple(map(numpy_stream, (params, exp_avg, exp_avg_sq)))
 
 
     def local_state(self, shapes: dict, params: dict, exp_avg: dict, exp_avg_sq: dict):
@@ -146,5 +149,12 @@ def _local_numpy(flat: dict) -> dict:
     return {k: _local(v).detach().float().cpu().numpy() for k, v in flat.items()}
 
 
-def _numpy(flat):
-    return {k: v.detach().cpu().numpy() for k, v in flat.items()}
+def numpy_stream(named: dict) -> Iterator[tuple[str, np.ndarray]]:
+    """export_state's stream of a rank's whole tensors: float32 numpy one at a time (a view of a float32
+    CPU tensor), so the checkpoint's writer never holds two."""
+    for name, value in named.items():
+        yield name, as_float32(value)
+
+
+def as_float32(tensor: torch.Tensor) -> np.ndarray:
+    return tensor.detach().float().cpu().numpy()

@@ -28,6 +28,9 @@ gradients accumulate locally and are reduce-scattered once per step (the same as
 from __future__ import annotations
 
 import contextlib
+from typing import Iterator
+
+import numpy as np
 
 import torch
 import torch.distributed as dist
@@ -39,7 +42,7 @@ from common.strategy import fsdp_rows
 
 from common.shardedcheckpoint import local_pieces
 
-from .ddp import FixedCount, MicroSteps, _local_numpy, sum_of_squares
+from .ddp import FixedCount, MicroSteps, _local_numpy, as_float32, sum_of_squares
 from .load import load_local
 
 
@@ -122,13 +125,10 @@ class Sharding(MicroSteps):
                    for name, axis in axes.items() if axis == 0}
         return local_pieces(self.rank, tuple(map(_local_numpy, (params, exp_avg, exp_avg_sq))), axes, shapes, offsets)
 
-    def full(self, flat: dict) -> dict:
-        """Tensors (DTensor shards or plain) -> whole numpy arrays on rank 0 only (the checkpoint's writer);
-        every rank must call it. One tensor at a time, so no rank holds the whole state twice."""
-        out = {}
+    def full(self, flat: dict) -> Iterator[tuple[str, np.ndarray | None]]:
+        """Tensors (DTensor shards or plain) -> (name, whole numpy array) one at a time, the array on rank 0
+        only (the checkpoint's writer), None elsewhere; every rank iterates it (collectives)."""
         for key, value in flat.items():
             if isinstance(value, DTensor):
                 value = value.full_tensor()
-            if self.rank == 0:
-                out[key] = value.detach().float().cpu().numpy().copy()
-        return out
+            yield key, as_float32(value) if self.rank == 0 else None

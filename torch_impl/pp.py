@@ -24,6 +24,7 @@ first step's point-to-point sends (`comm_counter`). Mirrors mlx_impl/pp.py.
 from __future__ import annotations
 
 import time
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -36,7 +37,7 @@ from common.pipeline import bubble_fraction, stage_layers, stage_of
 from common.protocols import no_phase
 from common.shardedcheckpoint import local_pieces
 
-from .ddp import _local_numpy, _numpy
+from .ddp import _local_numpy, as_float32
 from .load import load_local
 from .model import cross_entropy
 
@@ -180,21 +181,17 @@ class Pipeline:
         this stage's own tensors, whole, under HF names; no collectives."""
         return local_pieces(self.stage, tuple(map(_local_numpy, (params, exp_avg, exp_avg_sq))), {}, shapes)
 
-    def gather(self, named: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    def gather(self, named: dict[str, torch.Tensor]) -> Iterator[tuple[str, np.ndarray]]:
         """The whole model's arrays on every rank from each stage's own: an all_reduce per array, zeros from
         the stages that do not hold it (x + 0 is exact). Every rank calls it: collectives, in one order."""
         from common.weights import parameter_shapes
 
-        full = {}
         for name, shape in parameter_shapes(self.model.spec).items():
-            if name == "lm_head.weight" and self.model.spec.tie_embeddings:
-                continue
             mine = stage_of(name, self.n_layers, self.n_stages) == self.stage
             value = (named[name].detach().float().clone() if mine else
                      torch.zeros(shape, dtype=torch.float32, device=self.device))
             dist.all_reduce(value)
-            full[name] = _numpy({name: value})[name]
-        return full
+            yield name, as_float32(value)
 
     def figures(self) -> dict:
         """The bubble: this stage's median idle fraction over the steps after the first (warm caches, the

@@ -16,6 +16,7 @@ the step's shapes are those of every step). Mirrors mlx_impl/tp.py.
 from __future__ import annotations
 
 import contextlib
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -29,7 +30,7 @@ from common.shardedcheckpoint import local_pieces
 from common.strategy import tp_index
 
 from .comm import CommCounter
-from .ddp import MicroSteps, _local_numpy, sum_of_squares
+from .ddp import MicroSteps, _local_numpy, as_float32, sum_of_squares
 from .load import load_local
 
 
@@ -103,7 +104,7 @@ class TensorParallel(MicroSteps):
         axes = {name: p.placements[0].dim if isinstance(p, DTensor) else None for name, p in params.items()}
         return local_pieces(self.rank, tuple(map(_local_numpy, (params, exp_avg, exp_avg_sq))), axes, shapes)
 
-    def gather(self, named: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
-        """Full arrays from this rank's pieces (every rank calls it: collectives)."""
-        return {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().float().cpu().numpy().copy()
-                for name, t in named.items()}
+    def gather(self, named: dict[str, torch.Tensor]) -> Iterator[tuple[str, np.ndarray]]:
+        """Whole arrays from this rank's pieces, one at a time (every rank iterates it: collectives)."""
+        for name, t in named.items():
+            yield name, as_float32(t.full_tensor() if isinstance(t, DTensor) else t)

@@ -16,7 +16,7 @@ from common.config import DTYPES, RunConfig
 from common.loop import World
 from common.precision import DEFAULT_TOLERANCES, POLICIES, describe
 from common.spec import ModelSpec
-from common.weights import init_weights
+from common.weights import init_weights, num_parameters, parameter_shapes
 
 BF16 = DEFAULT_TOLERANCES["bfloat16"]
 FRAMEWORKS = ["mlx", "torch"]
@@ -37,8 +37,10 @@ def train_losses(framework: str, dtype: str, steps: int = 4) -> list[float]:
     for step in range(steps):
         inputs, targets, mask = batch(step)
         out.append(trainer.train_step([(inputs, targets, mask)], 3e-3, int(mask.sum()))[0])
-    weights, exp_avg, exp_avg_sq = trainer.export_state()
-    assert all(v.dtype == np.float32 for d in (weights, exp_avg, exp_avg_sq) for v in d.values())
+    weights, exp_avg, exp_avg_sq = (dict(stream) for stream in trainer.export_state())
+    assert weights.keys() == exp_avg.keys() == exp_avg_sq.keys() == parameter_shapes(SPEC).keys()
+    held = trainer.state_bytes()  # master weights and moments stay float32 under bf16 (common/precision.py)
+    assert held["params"] == 4 * num_parameters(SPEC) and held["optimizer"] >= 8 * num_parameters(SPEC)
     return out
 
 

@@ -2,6 +2,7 @@
 pieces assemble into any slice, read only the rank files that hold it, and load as the same state as the hf
 format; a broken index is refused in one line. Runs that write them: tests/integration/test_checkpoint_formats.py."""
 import json
+import weakref
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from common.errors import UserError
 from common.hfconfig import to_hf_config
 from common.shardedcheckpoint import (SHARDS, ShardedSource, local_pieces, rank_file, read_index, write_index,
                                       write_rank_file, write_safetensors)
+from common.safetensorswriter import SafetensorsWriter
 from common.spec import preset
 from common.tensorsource import read_all
 from common.weights import init_weights, parameter_shapes
@@ -92,6 +94,74 @@ def test_the_streamed_safetensors_file_reads_back_in_safetensors(tmp_path):
     write_safetensors(tmp_path / "x.safetensors", SHAPES, FULL.__getitem__, {"format": "pt"})
     back = load_file(str(tmp_path / "x.safetensors"))
     assert back.keys() == FULL.keys() and all(np.array_equal(back[k], FULL[k]) for k in FULL)
+
+
+def test_tensors_written_in_any_order_read_back_and_a_missing_one_is_refused(tmp_path):
+    from safetensors.numpy import load_file
+
+    with SafetensorsWriter(tmp_path / "x.safetensors", SHAPES) as out:
+        for name in reversed(list(FULL)):  # the order the ranks' gathers produce, not the header's
+            out.write(name, FULL[name])
+    back = load_file(str(tmp_path / "x.safetensors"))
+    assert back.keys() == FULL.keys() and all(np.array_equal(back[k], FULL[k]) for k in FULL)
+    with pytest.raises(ValueError, match="1 tensors never written"):
+        with SafetensorsWriter(tmp_path / "y.safetensors", SHAPES) as out:
+            for name in list(FULL)[1:]:
+                out.write(name, FULL[name])
+
+
+class _Streaming:
+    """A one-rank Trainer whose export streams tensors that it forgets: weakrefs tell whether the checkpoint
+    writer still holds the previous tensor when the next one is gathered."""
+    framework, rank, world_size = "mlx", 0, 1
+
+    class strategy:
+        full_state_on_every_rank = True
+
+    def __init__(self, state):
+        self.state, self.alive_at_once = state, 0
+
+    def export_state(self):
+        def stream(part):
+            previous = None
+            for name, array in part.items():
+                alive = 1 + (previous is not None and previous() is not None)
+                self.alive_at_once = max(self.alive_at_once, alive)
+                fresh = array.copy()  # what a gather returns: a new array the writer must let go of
+                previous = weakref.ref(fresh)
+                yield name, fresh
+                del fresh
+        return tuple(stream(part) for part in self.state)
+
+    def all_sum(self, values, over="data"):
+        return np.asarray(values, dtype=np.float64)
+
+
+def test_the_hf_checkpoint_holds_one_gathered_tensor_at_a_time(tmp_path):
+    """The loop writes each tensor as its gather delivers it (common/checkpoint.py HFCheckpointWriter), so
+    the writer holds one whole tensor, not the whole state; the checkpoint loads as the state it was given."""
+    from common.loop import checkpoint
+
+    spec = preset("tiny")
+    weights = init_weights(spec, 0)
+    state = (weights, {k: v * 0.5 for k, v in weights.items()}, {k: v * v for k, v in weights.items()})
+    trainer = _Streaming(state)
+    checkpoint(trainer, tmp_path, spec, 3, {"seed": 0}, rank=0)
+    assert trainer.alive_at_once == 1
+    loaded = load_checkpoint(tmp_path / "checkpoints" / "step_000003", spec, {"seed": 0})
+    for part, kind in zip(state, ("weights", "exp_avg", "exp_avg_sq")):
+        assert all(np.array_equal(getattr(loaded, kind)[k], v) for k, v in part.items())
+
+
+def test_non_finite_weights_leave_no_checkpoint_behind(tmp_path):
+    from common.loop import TrainingError, checkpoint
+
+    spec = preset("tiny")
+    weights = init_weights(spec, 0)
+    weights["model.norm.weight"] = np.full_like(weights["model.norm.weight"], np.nan)
+    with pytest.raises(TrainingError, match="not finite after step 3"):
+        checkpoint(_Streaming((weights, weights, weights)), tmp_path, spec, 3, {"seed": 0}, rank=0)
+    assert list((tmp_path / "checkpoints").iterdir()) == []
 
 
 def test_both_formats_load_as_the_same_state(tmp_path):
