@@ -326,10 +326,10 @@ def gathered_bytes(strategy: str, w: Workload, n: int) -> float:
     again for its backward, its whole gradient reduce-scattered: two blocks at a time (the one computing and
     the prefetch). The embedding and the head are units of their own (torch_impl/fsdp.py), padded to a
     multiple of N: at the head's backward its whole parameter and its whole gradient, 2 x one vocabulary
-    matrix. MLX (nn.fully_shard): the gather is a node of the step's graph, and its output is what the
-    backward multiplies by, so every sharded unit's whole parameters stay alive from its forward to its
-    backward: the whole blocks and the vocabulary matrices (padded and sharded too, mlx_impl/fsdp.py).
-    Measured on `base` at N=2 (docs/benchmarks.md): MLX fsdp's peak RSS is that of holding every block whole."""
+    matrix. MLX (nn.fully_shard, mlx_impl/fsdp.py) holds as much, measured: its step peak on `base` at N=2
+    does not grow with the depth beyond the shards' state (12 and 24 layers, docs/benchmarks.md "Memory per
+    rank"), so it does not keep every gathered block from its forward to its backward, as this model once
+    assumed (+21 % at 24 layers); what stays is about two blocks and the vocabulary matrices."""
     if strategy != "fsdp" or n == 1:
         return 0.0
     shapes = parameter_shapes(w.spec)
@@ -337,7 +337,7 @@ def gathered_bytes(strategy: str, w: Workload, n: int) -> float:
               for i in range(w.spec.n_layers)]
     matrix = math.ceil(w.spec.vocab_size / n) * n * w.spec.dim
     if w.framework == "mlx":
-        return (sum(blocks) + (1 if w.spec.tie_embeddings else 2) * matrix) * DTYPE_BYTES[w.dtype]
+        return (2 * max(blocks) + (1 if w.spec.tie_embeddings else 2) * matrix) * DTYPE_BYTES[w.dtype]
     return (2 * max(blocks) + 2 * matrix) * MASTER_BYTES
 
 
@@ -370,25 +370,19 @@ WORKSPACE_BYTES = {"mlx": 60e6, "torch": 70e6}
 def checkpoint_bytes(strategy: str, w: Workload, n: int, rank: int = 0, checkpoint_format: str = "hf") -> float:
     """What saving a checkpoint holds beside the rank's state (after a step: its activations are freed).
 
-    hf: fsdp gathers the weights and both moments whole on rank 0; tp and pp gather them whole on every rank
-    (MLX's tp keeps its replicated tensors as views, but first copies its own weights out); ddp copies its
-    weights. sharded: every rank writes its own arrays, MLX from a copy of its weights, torch from views.
-    Measured on `base` at N=2 (fsdp, hf): rank 0 peaked 0.9-1.0 GB above rank 1, the gathered state
-    (docs/benchmarks.md)."""
+    hf: the state streams into the files one tensor at a time (common/checkpoint.py HFCheckpointWriter):
+    fsdp's rank 0 and every tp and pp rank hold one gathered tensor at a time (the largest sets the peak;
+    pp's ranks also hold the zeros they add for a tensor of another stage), ddp writes views of its own.
+    Before the stream, fsdp's rank 0 held the whole gathered state (3x the parameters), 0.9-1.0 GB above
+    rank 1 on `base` (docs/benchmarks.md). sharded: every rank writes its own arrays, MLX from a copy of its
+    weights, torch from views."""
     shapes = parameter_shapes(w.spec)
-    full = sum(math.prod(s) for s in shapes.values()) * MASTER_BYTES
-    local = local_parameters(strategy, w.spec, n, w.framework) * MASTER_BYTES
-    mlx = w.framework == "mlx"
+    largest = max(math.prod(s) for s in shapes.values()) * MASTER_BYTES
     if checkpoint_format == "sharded":
-        return local if mlx else 0.0
-    if strategy == "fsdp" and n > 1:
-        return 3 * full if rank == 0 else 0.0
-    if strategy == "tp" and n > 1 and mlx:
-        split = sum(math.prod(s) for k, s in shapes.items() if tp_split_axis(k) is not None) * MASTER_BYTES
-        return local + 3 * split
-    if strategy in ("tp", "pp") and n > 1:
-        return 3 * full
-    return full
+        return local_parameters(strategy, w.spec, n, w.framework) * MASTER_BYTES if w.framework == "mlx" else 0.0
+    if n == 1 or strategy == "ddp" or (strategy == "fsdp" and rank > 0):
+        return 0.0
+    return 2 * largest if strategy == "pp" else largest
 
 
 def predicted_peak(strategy: str, w: Workload, n: int, fixed_bytes: float, rank: int = 0,

@@ -235,15 +235,15 @@ def test_the_predicted_peak_adds_the_fixed_footprint_to_what_the_rank_holds():
     assert torch_fsdp["params"] == pytest.approx(torch_ddp["params"] / 2, rel=1e-3)
     assert mlx_fsdp["params"] == pytest.approx(torch_ddp["params"] / 2, rel=1e-3)
     assert torch_fsdp["gathered"] == 2 * block_bytes + 2 * matrix_bytes and torch_ddp["gathered"] == 0
-    # MLX keeps every gathered unit alive from its forward to its backward: the blocks and both matrices
-    assert mlx_fsdp["gathered"] == small.n_layers * block_bytes + 2 * matrix_bytes and mlx_ddp["gathered"] == 0
+    # MLX holds as much (measured: its fsdp peak does not grow with the depth beyond the shards)
+    assert mlx_fsdp["gathered"] == 2 * block_bytes + 2 * matrix_bytes and mlx_ddp["gathered"] == 0
     tp = predicted_peak("tp", Workload(small, 128, 8), 2, fixed)  # every tp rank reads the whole batch
     assert tp["activations"] > torch_ddp["activations"]
-    # saving an hf checkpoint gathers the whole state (weights and both moments) on fsdp's rank 0 only;
-    # the sharded format writes each rank's own arrays
-    full = 4 * num_parameters(small)
+    # saving an hf checkpoint streams the state: fsdp's rank 0 holds one gathered tensor at a time (the
+    # largest: a vocabulary matrix), the other ranks nothing; the sharded format writes each rank's own arrays
+    largest = 4 * max(math.prod(s) for s in parameter_shapes(small).values())
     assert [predicted_peak("fsdp", Workload(small, 128, 8), 2, fixed, rank)["checkpoint"] for rank in (0, 1)] == \
-        [3 * full, 0.0]
+        [largest, 0.0]
     sharded = predicted_peak("fsdp", Workload(small, 128, 8), 2, fixed, 0, "sharded")
     assert sharded["checkpoint"] == 0 and sharded["total"] <= torch_fsdp["total"]  # torch writes from views
 
