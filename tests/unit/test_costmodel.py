@@ -217,7 +217,7 @@ def test_pp_over_a_slow_link_is_paced_by_its_sends_and_over_a_fast_one_by_its_sl
 
 # ---- the predicted peak per rank (summary.json's memory_prediction, the report's memory table) ----------
 def test_the_predicted_peak_adds_the_fixed_footprint_to_what_the_rank_holds():
-    from common.costmodel import UPDATE_FACTOR, WORKSPACE_BYTES, predicted_peak
+    from common.costmodel import REDUCE_FACTOR, UPDATE_FACTOR, WORKSPACE_BYTES, predicted_peak
 
     small = preset("small")  # GPT-2's 50257 tokens: both frameworks pad them to 50258 and shard them
     matrix_bytes = 50258 * small.dim * 4  # one padded vocabulary matrix, fp32
@@ -235,6 +235,8 @@ def test_the_predicted_peak_adds_the_fixed_footprint_to_what_the_rank_holds():
     assert torch_fsdp["params"] == pytest.approx(torch_ddp["params"] / 2, rel=1e-3)
     assert mlx_fsdp["params"] == pytest.approx(torch_ddp["params"] / 2, rel=1e-3)
     assert torch_fsdp["gathered"] == 2 * block_bytes + 2 * matrix_bytes and torch_ddp["gathered"] == 0
+    # MLX's ddp all-reduce concatenates the gradients (a partial second copy); torch's buckets are the gradients
+    assert mlx_ddp["reduce"] == REDUCE_FACTOR["mlx"] * mlx_ddp["grads"] > 0 == torch_ddp["reduce"] == mlx_fsdp["reduce"]
     # MLX holds as much (measured: its fsdp peak does not grow with the depth beyond the shards)
     assert mlx_fsdp["gathered"] == 2 * block_bytes + 2 * matrix_bytes and mlx_ddp["gathered"] == 0
     tp = predicted_peak("tp", Workload(small, 128, 8), 2, fixed)  # every tp rank reads the whole batch
