@@ -326,10 +326,12 @@ def gathered_bytes(strategy: str, w: Workload, n: int) -> float:
     again for its backward, its whole gradient reduce-scattered: two blocks at a time (the one computing and
     the prefetch). The embedding and the head are units of their own (torch_impl/fsdp.py), padded to a
     multiple of N: at the head's backward its whole parameter and its whole gradient, 2 x one vocabulary
-    matrix. MLX (nn.fully_shard, mlx_impl/fsdp.py) holds as much, measured: its step peak on `base` at N=2
-    does not grow with the depth beyond the shards' state (12 and 24 layers, docs/benchmarks.md "Memory per
-    rank"), so it does not keep every gathered block from its forward to its backward, as this model once
-    assumed (+21 % at 24 layers); what stays is about two blocks and the vocabulary matrices."""
+    matrix. MLX (nn.fully_shard, mlx_impl/fsdp.py) holds about as much, measured with its own allocator's
+    peak (mx.get_peak_memory) on `base` at N=2: from 12 to 24 layers it grows by 953 MiB, 792 of them the
+    shards' state and most of the rest activations, where keeping every gathered block from its forward to
+    its backward, as this model once assumed (+21 % at 24 layers), would add 396 more (docs/benchmarks.md
+    "Memory per rank"). Its peak RSS grows by 1.2 GiB: freed memory the process keeps, which the fitted
+    factors absorb."""
     if strategy != "fsdp" or n == 1:
         return 0.0
     shapes = parameter_shapes(w.spec)
