@@ -83,6 +83,15 @@ from .weights import parameter_shapes
 
 MASTER_BYTES = 4          # master weights, gradients, AdamW state and the gradient reduction stay fp32
 DEFAULT_OVERLAP = 0.0     # see the module docstring: measured here, nothing overlaps on 2 busy cores
+# fsdp's framework terms where the calibration ran on a CPU, fitted on `small` at N=2 on the reference machine
+# (docs/scaling.md "How well it predicts here": loopback, 1gbit and 200mbit in one sitting, then checked in
+# another); unmeasured on GPUs, where they are 0:
+#   FSDP_HOST_S_PER_CALL  torch: FSDP2's host work per collective call on 2 busy cores (its hooks, DTensor
+#                         dispatch, copies into and out of its flat buffers), beyond the link's time
+#   FSDP_HIDDEN_SHARE     MLX: the share of the forward and backward during which fsdp's collectives, nodes of
+#                         the step's graph on their own stream (mlx_impl/fsdp.py), run hidden
+FSDP_HOST_S_PER_CALL = {"torch": 7e-3}
+FSDP_HIDDEN_SHARE = {"mlx": 0.2}
 DEFAULT_BUCKET_BYTES = {"mlx": 32 * 2**20, "torch": 25 * 2**20}  # RunConfig's all_reduce_size_mb, bucket_cap_mb
 # All-reduce at N=2 over loopback on the reference machine (docs/benchmarks.md, "All-reduce against message
 # size": the 4 KB median and the 108 MB bandwidth), for runs whose summary.json has no `link` record.
@@ -287,6 +296,12 @@ def pipeline_exposed_s(w: Workload, n: int, link: Link, compute_fwd_bwd_s: float
     return w.grad_accum * ((m + n - 1) * max(0.0, 2 * send_s - slot_s) + 2 * (n - 1) * send_s)
 
 
+def fsdp_host_s(colls: list[Collective], framework: str) -> float:
+    """FSDP2's host time per step beyond the link's (FSDP_HOST_S_PER_CALL): per gather and reduce-scatter call."""
+    return FSDP_HOST_S_PER_CALL.get(framework, 0.0) * sum(c.calls for c in colls if c.kind != "all_reduce"
+                                                          or c.what.startswith("gradients"))
+
+
 def collectives(strategy: str, w: Workload, n: int, reduce_scatter: str = "native") -> list[Collective]:
     """The step's collectives (none at N=1); `reduce_scatter`: "native" or MLX's "all_sum_slice"."""
     if strategy not in COLLECTIVES:
@@ -435,6 +450,7 @@ class Calibration:
     source: str = ""
     notes: list = field(default_factory=list)
     sync_overhead_s: float = 0.0    # what a measured ddp sync costs beyond its collectives, per step
+    on_cpu: bool = False            # measured on a CPU (fsdp's FSDP_HOST_S_PER_CALL, FSDP_HIDDEN_SHARE apply)
 
 
 def calibration_from_flops(w: Workload, achieved_flops_per_s: float, source: str) -> Calibration:
@@ -503,7 +519,9 @@ def calibrate(summary: dict, spec: ModelSpec, source: str = "") -> Calibration:
         # Their collectives (pp: its sends) run inside forward and backward, where the breakdown cannot tell them from
         # compute: the model's own estimate of all of them (not overlapped) is taken off the step instead.
         used = link or loopback_link(backend)
-        exposed = sum(c.seconds(used, n) for c in collectives(strategy, w, n, reduce_scatter_kind(framework, backend)))
+        colls = collectives(strategy, w, n, reduce_scatter_kind(framework, backend))
+        on_host = strategy == "fsdp" and not str(summary.get("device", "")).startswith(("cuda", "gpu", "mps"))
+        exposed = sum(c.seconds(used, n) for c in colls) + (fsdp_host_s(colls, framework) if on_host else 0.0)
     compute = step_s - exposed
     if compute < 0.2 * step_s:  # the link estimate exceeds what was measured: keep a floor, and say so
         notes.append(f"modelled communication {exposed:.3g} s leaves under 20% of the measured step "
@@ -532,7 +550,8 @@ def calibrate(summary: dict, spec: ModelSpec, source: str = "") -> Calibration:
         notes.append("no peak memory in summary.json: the fixed overhead is taken as 0")
     return Calibration(w, strategy, n, backend, phases["forward"] * scale / work, phases["backward"] * scale / work,
                        phases["optimizer"] * scale / state, phases["other"] * scale, float(step_s), overlap,
-                       overhead, "framework peak" if on_gpu else "peak RSS", link, source, notes, sync_overhead_s)
+                       overhead, "framework peak" if on_gpu else "peak RSS", link, source, notes, sync_overhead_s,
+                       on_cpu=not on_gpu)
 
 
 @dataclass
@@ -578,6 +597,10 @@ def predict(cal: Calibration, strategy: str, n: int, link: Link | None, device_m
     comm = sum(c.seconds(link, n) for c in colls)
     overlap = 0.0 if strategy == "tp" else (cal.overlap if cal.overlap is not None else DEFAULT_OVERLAP)
     exposed = (1.0 - overlap) * comm + (cal.sync_overhead_s if colls and strategy == "ddp" else 0.0)
+    if strategy == "fsdp" and colls and cal.on_cpu:
+        compute += fsdp_host_s(colls, w.framework)
+        exposed = max(0.0, exposed - FSDP_HIDDEN_SHARE.get(w.framework, 0.0) * (cal.forward_s + cal.backward_s)
+                      * work_fraction(strategy, w, n))
     if strategy == "pp" and colls:  # its sends overlap other pieces' compute: only the critical path counts
         exposed = pipeline_exposed_s(w, n, link, (cal.forward_s + cal.backward_s) * work_fraction(strategy, w, n))
     step = compute + exposed

@@ -269,3 +269,25 @@ def test_the_memory_record_compares_each_rank_with_its_measured_peak(tmp_path):
     add_memory_predictions([tmp_path / "gpu"])
     gpu = json.loads((tmp_path / "gpu" / "summary.json").read_text())["memory_prediction"]
     assert gpu["basis"] == "framework peak" and gpu["parts"]["fixed"] == gpu["parts"]["workspace"] == 0
+
+
+def test_fsdp_on_a_cpu_adds_fsdp2_host_work_in_torch_and_hides_part_of_mlx_collectives():
+    """FSDP_HOST_S_PER_CALL per gather and reduce-scatter call (torch) and FSDP_HIDDEN_SHARE of the forward and
+    backward (MLX), fitted on the reference machine (docs/scaling.md); a calibration on paper (a GPU nobody
+    measured) gets neither."""
+    from dataclasses import replace
+
+    from common.costmodel import FSDP_HIDDEN_SHARE, FSDP_HOST_S_PER_CALL, collectives
+
+    link = Link.wire(1, 100)
+    torch_cal = calibrate(summary("torch", 1), TINY)
+    assert torch_cal.on_cpu
+    on_cpu, on_paper = (predict(c, "fsdp", 2, link) for c in (torch_cal, replace(torch_cal, on_cpu=False)))
+    calls = sum(c.calls for c in collectives("fsdp", torch_cal.workload, 2))  # gathers and reduce-scatters only
+    assert on_cpu.compute_s - on_paper.compute_s == pytest.approx(FSDP_HOST_S_PER_CALL["torch"] * calls)
+    assert on_cpu.exposed_comm_s == on_paper.exposed_comm_s
+    mlx_cal = calibrate(summary("mlx", 1), TINY)
+    on_cpu, on_paper = (predict(c, "fsdp", 2, link) for c in (mlx_cal, replace(mlx_cal, on_cpu=False)))
+    hidden = FSDP_HIDDEN_SHARE["mlx"] * (mlx_cal.forward_s + mlx_cal.backward_s) / 2
+    assert on_paper.exposed_comm_s - on_cpu.exposed_comm_s == pytest.approx(min(hidden, on_paper.exposed_comm_s))
+    assert on_cpu.compute_s == on_paper.compute_s
