@@ -1,5 +1,7 @@
-"""The session's one shared training run. A new slow test reads `matrix` (or extends its flags) before it
-starts a run of its own: each `dpcompare compare` costs a minute on the slow CI machine."""
+"""The session's shared training runs. A new slow test reads `matrix` (or extends its flags), or one of the
+`uninterrupted` and `ddp_one` runs, before it starts a run of its own: each `dpcompare compare` costs a minute
+on the slow CI machine. Each is trained once per session, under pytest-xdist too (the matrix by the xdist
+controller before the workers start, the others by whichever worker asks first: train_once)."""
 import json
 import os
 from dataclasses import dataclass
@@ -65,27 +67,69 @@ def matrix(cache_dir, tmp_path_factory) -> Matrix:
     return build_matrix(tmp_path_factory.mktemp("matrix"), cache_dir)
 
 
+def shared_root(tmp_path_factory) -> Path:
+    """Where the session's shared runs live: under pytest-xdist one folder for every worker (a worker's
+    basetemp is popen-gwN), so a run one worker trained is read, not trained again, by the other."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared-runs"
+    root.mkdir(exist_ok=True)
+    return root
+
+
+def train_once(root: Path, name: str, args: tuple, cache_dir: Path) -> Path:
+    """`dpcompare run ARGS --out root/name`, once for the whole session whichever worker asks first: the
+    others wait on its lock and read the finished run (a run that failed is trained again by the next)."""
+    import fcntl
+    import shutil
+
+    out = root / name
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / ".trained").exists():
+            shutil.rmtree(out, ignore_errors=True)
+            dpcompare("run", *args, "--out", out, cache_dir=cache_dir)
+            (out / ".trained").write_text("")
+    return out
+
+
 # The uninterrupted curve a switch at a checkpoint must continue, and what the cross-framework agreement
 # tests of tp and fsdp compare: 20 steps at lr 1e-3 on a 20-step cosine, one run per (framework, strategy,
-# world size) for the whole session.
+# world size) for the whole session (ddp's also give test_faults.py's resume its reference, and fsdp's
+# test_fsdp.py its packing case).
 HORIZON = ("--lr-decay-steps", 20, "--lr", "1e-3")
 
 
 @pytest.fixture(scope="session")
 def uninterrupted(cache_dir, tmp_path_factory):
     """uninterrupted(framework, strategy, nproc) -> the run directory, trained on first use."""
-    root = tmp_path_factory.mktemp("uninterrupted")
-    runs = {}
+    root = shared_root(tmp_path_factory)
 
     def run(framework: str, strategy: str, nproc: int) -> Path:
-        if (framework, strategy, nproc) not in runs:
-            out = root / f"{framework}-{strategy}-n{nproc}"
-            dpcompare("run", *FAST, *HORIZON, "--steps", 20, "--framework", framework, "--strategy", strategy,
-                      "--nproc", nproc, "--out", out, cache_dir=cache_dir)
-            runs[framework, strategy, nproc] = out
-        return runs[framework, strategy, nproc]
+        return train_once(root, f"uninterrupted-{framework}-{strategy}-n{nproc}",
+                          (*FAST, *HORIZON, "--steps", 20, "--framework", framework, "--strategy", strategy,
+                           "--nproc", nproc), cache_dir)
 
     return run
+
+
+def reference_flags(framework: str, sequence: str) -> tuple:
+    """The 10-step run a tp or pp job must equal at one ddp rank. grad_clip below the norms (~0.9): the
+    clipped update depends on the global norm summed over the ranks' shares (stages, or split layers)."""
+    return ("--framework", framework, "--steps", 10, "--sequence", sequence, "--eval-every", 10,
+            "--set", "grad_clip=0.5")
+
+
+@pytest.fixture(scope="session")
+def ddp_one(cache_dir, tmp_path_factory):
+    """ddp_one(framework, sequence) -> the ddp x1 run of reference_flags, the reference of test_tp.py's and
+    test_pp.py's equality tests, trained on first use (once for both files)."""
+    root = shared_root(tmp_path_factory)
+
+    def get(framework: str, sequence: str) -> Path:
+        return train_once(root, f"ddp1-{framework}-{sequence}",
+                          (*FAST, *reference_flags(framework, sequence), "--nproc", 1), cache_dir)
+
+    return get
 
 
 def switched_at_a_checkpoint(first: str, second: str, flags: dict, uninterrupted, cache_dir, tmp_path) -> tuple:
@@ -98,8 +142,9 @@ def switched_at_a_checkpoint(first: str, second: str, flags: dict, uninterrupted
 
     framework, strategy = second.split()
     world = dict(zip(flags[strategy][::2], flags[strategy][1::2])).get("--nproc", 1)
-    straight = losses(uninterrupted(framework, strategy, world))  # 20 steps on the same horizon
     switched = tmp_path / "switched"
     dpcompare("run", *FAST, "--out", switched, *args(first), "--steps", 10, cache_dir=cache_dir)
     dpcompare("run", *FAST, "--out", switched, *args(second), "--steps", 20, "--resume", cache_dir=cache_dir)
+    # asked for last: another xdist worker may be training it meanwhile (train_once)
+    straight = losses(uninterrupted(framework, strategy, world))  # 20 steps on the same horizon
     return losses(switched), straight
