@@ -132,6 +132,22 @@ def ddp_one(cache_dir, tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def padded(cache_dir, tmp_path_factory):
+    """padded(framework, nproc, grad_accum, strategy="ddp") -> a 10-step run of padded sequences, trained on
+    first use: test_training.py's accumulation and data-parallel invariance and test_fsdp.py's padding case
+    judge the same runs (ddp x1 accumulating 2 is the reference of both invariances; ddp x2 accumulating 2
+    is both the data-parallel side and fsdp's reference)."""
+    root = shared_root(tmp_path_factory)
+
+    def get(framework: str, nproc: int, grad_accum: int, strategy: str = "ddp") -> Path:
+        return train_once(root, f"padded-{framework}-{strategy}-n{nproc}-accum{grad_accum}",
+                          (*FAST, "--framework", framework, "--steps", 10, "--sequence", "padding", "--nproc", nproc,
+                           "--grad-accum", grad_accum, "--strategy", strategy), cache_dir)
+
+    return get
+
+
 def switched_at_a_checkpoint(first: str, second: str, flags: dict, uninterrupted, cache_dir, tmp_path) -> tuple:
     """(losses of a run trained 10 steps as `first` then resumed to 20 as `second`, losses of the uninterrupted
     20-step `second` run). `first`/`second` are "FRAMEWORK STRATEGY"; flags[strategy] are its run flags

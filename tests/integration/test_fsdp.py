@@ -19,15 +19,12 @@ def run(cache_dir, out, *extra):
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 @pytest.mark.parametrize("sequence, grad_accum", [("packing", 1), ("padding", 2)])
 def test_fsdp_matches_ddp_step_by_step_with_half_the_state_per_rank(framework, sequence, grad_accum, uninterrupted,
-                                                                     cache_dir, tmp_path):
-    if sequence == "packing":  # the session's 20-step ddp and fsdp runs at 2 ranks (integration/conftest.py)
+                                                                     padded):
+    # The session's runs at 2 ranks (integration/conftest.py): 20 steps packed, or 10 steps padded.
+    if sequence == "packing":
         ddp_dir, fsdp_dir = uninterrupted(framework, "ddp", 2), uninterrupted(framework, "fsdp", 2)
     else:
-        common = ("--framework", framework, "--nproc", 2, "--steps", 10, "--sequence", sequence,
-                  "--grad-accum", grad_accum)
-        ddp_dir, fsdp_dir = tmp_path / "ddp", tmp_path / "fsdp"
-        run(cache_dir, ddp_dir, *common, "--strategy", "ddp")
-        run(cache_dir, fsdp_dir, *common, "--strategy", "fsdp")
+        ddp_dir, fsdp_dir = padded(framework, 2, grad_accum), padded(framework, 2, grad_accum, "fsdp")
     np.testing.assert_allclose(losses(fsdp_dir), losses(ddp_dir), rtol=0, atol=1e-5)
 
     a, b = summary(ddp_dir), summary(fsdp_dir)
