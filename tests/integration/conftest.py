@@ -95,8 +95,9 @@ def train_once(root: Path, name: str, args: tuple, cache_dir: Path) -> Path:
 # The uninterrupted curve a switch at a checkpoint must continue, and what the cross-framework agreement
 # tests of tp and fsdp compare: 20 steps at lr 1e-3 on a 20-step cosine, one run per (framework, strategy,
 # world size) for the whole session (ddp's also give test_faults.py's resume its reference, and fsdp's
-# test_fsdp.py its packing case).
+# test_fsdp.py its packing case). Each keeps its step-10 checkpoint: the first half of a switch (rewound).
 HORIZON = ("--lr-decay-steps", 20, "--lr", "1e-3")
+HALF = 10
 
 
 @pytest.fixture(scope="session")
@@ -107,9 +108,26 @@ def uninterrupted(cache_dir, tmp_path_factory):
     def run(framework: str, strategy: str, nproc: int) -> Path:
         return train_once(root, f"uninterrupted-{framework}-{strategy}-n{nproc}",
                           (*FAST, *HORIZON, "--steps", 20, "--framework", framework, "--strategy", strategy,
-                           "--nproc", nproc), cache_dir)
+                           "--nproc", nproc, "--checkpoint-every", HALF), cache_dir)
 
     return run
+
+
+def rewound(run_dir: Path, to: Path, step: int = HALF) -> Path:
+    """A copy of a session run at `to` with its checkpoints after `step` removed: what a run stopped at
+    `step` leaves (the step-`step` checkpoint is the one it wrote on its way; --resume truncates the metrics
+    after it). A test resumes it, in another framework or strategy or the same, instead of training the
+    first `step` steps again."""
+    import shutil
+
+    from common.checkpoint import latest_checkpoint
+
+    shutil.copytree(run_dir, to, ignore=shutil.ignore_patterns(".trained"))
+    for checkpoint in (to / "checkpoints").glob("step_*"):
+        if int(checkpoint.name.split("_")[1]) > step:
+            shutil.rmtree(checkpoint)
+    assert latest_checkpoint(to).name == f"step_{step:06d}", sorted((to / "checkpoints").iterdir())
+    return to
 
 
 def reference_flags(framework: str, sequence: str) -> tuple:
@@ -148,19 +166,35 @@ def padded(cache_dir, tmp_path_factory):
     return get
 
 
+def resumed_from(run_dir: Path) -> int:
+    """The step the last run in `run_dir` started after (its rank 0's status)."""
+    return json.loads((run_dir / "ranks" / "rank0.json").read_text())["start_step"]
+
+
 def switched_at_a_checkpoint(first: str, second: str, flags: dict, uninterrupted, cache_dir, tmp_path) -> tuple:
     """(losses of a run trained 10 steps as `first` then resumed to 20 as `second`, losses of the uninterrupted
     20-step `second` run). `first`/`second` are "FRAMEWORK STRATEGY"; flags[strategy] are its run flags
-    (e.g. ("--strategy", "tp", "--nproc", 2)), on the uninterrupted runs' LR horizon."""
+    (e.g. ("--strategy", "tp", "--nproc", 2)), on the uninterrupted runs' LR horizon. Where `first`'s flags
+    are only its strategy and ranks, its 10 steps are the session's uninterrupted run rewound to step 10."""
     def args(which):
         framework, strategy = which.split()
         return ("--framework", framework, *flags[strategy], *HORIZON)
 
+    def world(strategy):
+        return dict(zip(flags[strategy][::2], flags[strategy][1::2])).get("--nproc", 1)
+
+    def plain(strategy):
+        pairs = zip(flags[strategy][::2], flags[strategy][1::2])
+        return all(k in ("--strategy", "--nproc") or (k == "--set" and str(v).startswith("strategy="))
+                   for k, v in pairs)
+
     framework, strategy = second.split()
-    world = dict(zip(flags[strategy][::2], flags[strategy][1::2])).get("--nproc", 1)
     switched = tmp_path / "switched"
-    dpcompare("run", *FAST, "--out", switched, *args(first), "--steps", 10, cache_dir=cache_dir)
+    if plain(first.split()[1]):
+        rewound(uninterrupted(first.split()[0], first.split()[1], world(first.split()[1])), switched)
+    else:
+        dpcompare("run", *FAST, "--out", switched, *args(first), "--steps", HALF, cache_dir=cache_dir)
     dpcompare("run", *FAST, "--out", switched, *args(second), "--steps", 20, "--resume", cache_dir=cache_dir)
-    # asked for last: another xdist worker may be training it meanwhile (train_once)
-    straight = losses(uninterrupted(framework, strategy, world))  # 20 steps on the same horizon
+    assert resumed_from(switched) == HALF
+    straight = losses(uninterrupted(framework, strategy, world(strategy)))  # 20 steps on the same horizon
     return losses(switched), straight

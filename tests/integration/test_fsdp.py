@@ -6,6 +6,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from helpers import FAST, dpcompare, losses, summary
+from integration.conftest import resumed_from, rewound
 
 FRAMEWORKS = ["mlx", "torch"]
 
@@ -94,10 +95,9 @@ def test_a_checkpoint_resumes_under_another_strategy_as_the_uninterrupted_run(fi
     common = ("--nproc", 2, "--lr-decay-steps", 20, "--lr", "1e-3")
     (fw1, s1), (fw2, s2) = first, second
     straight = losses(uninterrupted(fw2, s2, 2))  # 20 steps on the same horizon
-    switched = tmp_path / "switched"
-    run(cache_dir, switched, *common, "--framework", fw1, "--strategy", s1, "--steps", 10)
+    switched = rewound(uninterrupted(fw1, s1, 2), tmp_path / "switched")  # fw1 s1's first 10 steps
     resumed = run(cache_dir, switched, *common, "--framework", fw2, "--strategy", s2, "--steps", 20, "--resume")
-    assert len(resumed) == 20
+    assert len(resumed) == 20 and resumed_from(switched) == 10
     np.testing.assert_allclose(resumed, straight, rtol=0, atol=atol)
     # The resumed ranks read their own part of the checkpoint's weights and of both moments, nothing more.
     s = summary(switched)

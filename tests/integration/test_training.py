@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from helpers import FAST, dpcompare, losses, summary
+from integration.conftest import resumed_from, rewound
 from compare.machine import environment
 
 pytestmark = pytest.mark.slow
@@ -66,8 +67,7 @@ def test_switching_framework_at_a_checkpoint_continues_the_same_curve(first, sec
                                                                     tmp_path):
     horizon = ("--lr-decay-steps", 20, "--lr", "1e-3")
     straight = losses(uninterrupted(second, "ddp", 1))  # 20 steps on the same horizon
-    switched = tmp_path / "switched"
-    run(cache_dir, switched, "--framework", first, "--steps", 10, *horizon)
+    switched = rewound(uninterrupted(first, "ddp", 1), tmp_path / "switched")  # `first`'s first 10 steps
     resumed = run(cache_dir, switched, "--framework", second, "--steps", 20, "--resume", *horizon)
-    assert len(resumed) == 20
+    assert len(resumed) == 20 and resumed_from(switched) == 10
     np.testing.assert_allclose(resumed, straight, rtol=0, atol=1e-4)
