@@ -36,31 +36,31 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.slow)
 
 
-# Under pytest-xdist (`make test` runs the integration lane on 2 workers) a session or module fixture is
-# built once per worker that asks for it. So the unit of scheduling is a test file, except that the tests
-# reading one of the session's shared runs (tests/integration/conftest.py) form one unit wherever they live:
-# each shared run is trained once. (xdist's own --dist loadgroup would do this with markers, but xdist 3.8
-# sets `item._nodeid`, which pytest 9 no longer reads, so its groups are silently ignored.)
-SHARED_RUNS = ("matrix", "uninterrupted")
+# Under pytest-xdist (`make test` runs the integration lane on 2 workers) a module fixture is built once per
+# worker that asks for it, so a file with one is a unit of scheduling (all its tests on one worker); every
+# other test is a unit of its own, so that the two workers stay busy to the end. The session's shared runs
+# are trained once whatever the worker (tests/integration/conftest.py: the matrix before the workers start,
+# the others under a lock). (xdist's own --dist loadgroup would do this with markers, but xdist 3.8 sets
+# `item._nodeid`, which pytest 9 no longer reads, so its groups are silently ignored.)
 
 
 @functools.lru_cache(maxsize=None)
-def _shared_run_users(path: str) -> dict[str, str]:
-    """{test function name: the shared run it takes as an argument} for one test file."""
+def _has_module_fixture(path: str) -> bool:
+    """Whether a test file defines a fixture of module scope."""
     import ast
 
-    users = {}
     for node in ast.walk(ast.parse((HERE.parent / path).read_text())):
-        if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
-            shared = [a.arg for a in node.args.args if a.arg in SHARED_RUNS]
-            if shared:
-                users[node.name] = shared[0]
-    return users
+        if isinstance(node, ast.FunctionDef):
+            for dec in node.decorator_list:
+                if isinstance(dec, ast.Call) and any(k.arg == "scope" and getattr(k.value, "value", None) == "module"
+                                                     for k in dec.keywords):
+                    return True
+    return False
 
 
 def scheduling_unit(nodeid: str) -> str:
-    path, _, rest = nodeid.partition("::")
-    return _shared_run_users(path).get(rest.split("[")[0], path) if path.endswith(".py") else path
+    path = nodeid.partition("::")[0]
+    return path if not path.endswith(".py") or _has_module_fixture(path) else nodeid
 
 
 def pytest_xdist_make_scheduler(config, log):

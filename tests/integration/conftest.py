@@ -1,5 +1,7 @@
-"""The session's one shared training run. A new slow test reads `matrix` (or extends its flags) before it
-starts a run of its own: each `dpcompare compare` costs a minute on the slow CI machine."""
+"""The session's shared training runs. A new slow test reads `matrix` (or extends its flags), or one of the
+`uninterrupted` and `ddp_one` runs, before it starts a run of its own: each `dpcompare compare` costs a minute
+on the slow CI machine. Each is trained once per session, under pytest-xdist too (the matrix by the xdist
+controller before the workers start, the others by whichever worker asks first: train_once)."""
 import json
 import os
 from dataclasses import dataclass
@@ -65,41 +67,134 @@ def matrix(cache_dir, tmp_path_factory) -> Matrix:
     return build_matrix(tmp_path_factory.mktemp("matrix"), cache_dir)
 
 
+def shared_root(tmp_path_factory) -> Path:
+    """Where the session's shared runs live: under pytest-xdist one folder for every worker (a worker's
+    basetemp is popen-gwN), so a run one worker trained is read, not trained again, by the other."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared-runs"
+    root.mkdir(exist_ok=True)
+    return root
+
+
+def train_once(root: Path, name: str, args: tuple, cache_dir: Path) -> Path:
+    """`dpcompare run ARGS --out root/name`, once for the whole session whichever worker asks first: the
+    others wait on its lock and read the finished run (a run that failed is trained again by the next)."""
+    import fcntl
+    import shutil
+
+    out = root / name
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / ".trained").exists():
+            shutil.rmtree(out, ignore_errors=True)
+            dpcompare("run", *args, "--out", out, cache_dir=cache_dir)
+            (out / ".trained").write_text("")
+    return out
+
+
 # The uninterrupted curve a switch at a checkpoint must continue, and what the cross-framework agreement
 # tests of tp and fsdp compare: 20 steps at lr 1e-3 on a 20-step cosine, one run per (framework, strategy,
-# world size) for the whole session.
+# world size) for the whole session (ddp's also give test_faults.py's resume its reference, and fsdp's
+# test_fsdp.py its packing case). Each keeps its step-10 checkpoint: the first half of a switch (rewound).
 HORIZON = ("--lr-decay-steps", 20, "--lr", "1e-3")
+HALF = 10
 
 
 @pytest.fixture(scope="session")
 def uninterrupted(cache_dir, tmp_path_factory):
     """uninterrupted(framework, strategy, nproc) -> the run directory, trained on first use."""
-    root = tmp_path_factory.mktemp("uninterrupted")
-    runs = {}
+    root = shared_root(tmp_path_factory)
 
     def run(framework: str, strategy: str, nproc: int) -> Path:
-        if (framework, strategy, nproc) not in runs:
-            out = root / f"{framework}-{strategy}-n{nproc}"
-            dpcompare("run", *FAST, *HORIZON, "--steps", 20, "--framework", framework, "--strategy", strategy,
-                      "--nproc", nproc, "--out", out, cache_dir=cache_dir)
-            runs[framework, strategy, nproc] = out
-        return runs[framework, strategy, nproc]
+        return train_once(root, f"uninterrupted-{framework}-{strategy}-n{nproc}",
+                          (*FAST, *HORIZON, "--steps", 20, "--framework", framework, "--strategy", strategy,
+                           "--nproc", nproc, "--checkpoint-every", HALF), cache_dir)
 
     return run
+
+
+def rewound(run_dir: Path, to: Path, step: int = HALF) -> Path:
+    """A copy of a session run at `to` with its checkpoints after `step` removed: what a run stopped at
+    `step` leaves (the step-`step` checkpoint is the one it wrote on its way; --resume truncates the metrics
+    after it). A test resumes it, in another framework or strategy or the same, instead of training the
+    first `step` steps again."""
+    import shutil
+
+    from common.checkpoint import latest_checkpoint
+
+    shutil.copytree(run_dir, to, ignore=shutil.ignore_patterns(".trained"))
+    for checkpoint in (to / "checkpoints").glob("step_*"):
+        if int(checkpoint.name.split("_")[1]) > step:
+            shutil.rmtree(checkpoint)
+    assert latest_checkpoint(to).name == f"step_{step:06d}", sorted((to / "checkpoints").iterdir())
+    return to
+
+
+def reference_flags(framework: str, sequence: str) -> tuple:
+    """The 10-step run a tp or pp job must equal at one ddp rank. grad_clip below the norms (~0.9): the
+    clipped update depends on the global norm summed over the ranks' shares (stages, or split layers)."""
+    return ("--framework", framework, "--steps", 10, "--sequence", sequence, "--eval-every", 10,
+            "--set", "grad_clip=0.5")
+
+
+@pytest.fixture(scope="session")
+def ddp_one(cache_dir, tmp_path_factory):
+    """ddp_one(framework, sequence) -> the ddp x1 run of reference_flags, the reference of test_tp.py's and
+    test_pp.py's equality tests, trained on first use (once for both files)."""
+    root = shared_root(tmp_path_factory)
+
+    def get(framework: str, sequence: str) -> Path:
+        return train_once(root, f"ddp1-{framework}-{sequence}",
+                          (*FAST, *reference_flags(framework, sequence), "--nproc", 1), cache_dir)
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def padded(cache_dir, tmp_path_factory):
+    """padded(framework, nproc, grad_accum, strategy="ddp") -> a 10-step run of padded sequences, trained on
+    first use: test_training.py's accumulation and data-parallel invariance and test_fsdp.py's padding case
+    judge the same runs (ddp x1 accumulating 2 is the reference of both invariances; ddp x2 accumulating 2
+    is both the data-parallel side and fsdp's reference)."""
+    root = shared_root(tmp_path_factory)
+
+    def get(framework: str, nproc: int, grad_accum: int, strategy: str = "ddp") -> Path:
+        return train_once(root, f"padded-{framework}-{strategy}-n{nproc}-accum{grad_accum}",
+                          (*FAST, "--framework", framework, "--steps", 10, "--sequence", "padding", "--nproc", nproc,
+                           "--grad-accum", grad_accum, "--strategy", strategy), cache_dir)
+
+    return get
+
+
+def resumed_from(run_dir: Path) -> int:
+    """The step the last run in `run_dir` started after (its rank 0's status)."""
+    return json.loads((run_dir / "ranks" / "rank0.json").read_text())["start_step"]
 
 
 def switched_at_a_checkpoint(first: str, second: str, flags: dict, uninterrupted, cache_dir, tmp_path) -> tuple:
     """(losses of a run trained 10 steps as `first` then resumed to 20 as `second`, losses of the uninterrupted
     20-step `second` run). `first`/`second` are "FRAMEWORK STRATEGY"; flags[strategy] are its run flags
-    (e.g. ("--strategy", "tp", "--nproc", 2)), on the uninterrupted runs' LR horizon."""
+    (e.g. ("--strategy", "tp", "--nproc", 2)), on the uninterrupted runs' LR horizon. Where `first`'s flags
+    are only its strategy and ranks, its 10 steps are the session's uninterrupted run rewound to step 10."""
     def args(which):
         framework, strategy = which.split()
         return ("--framework", framework, *flags[strategy], *HORIZON)
 
+    def world(strategy):
+        return dict(zip(flags[strategy][::2], flags[strategy][1::2])).get("--nproc", 1)
+
+    def plain(strategy):
+        pairs = zip(flags[strategy][::2], flags[strategy][1::2])
+        return all(k in ("--strategy", "--nproc") or (k == "--set" and str(v).startswith("strategy="))
+                   for k, v in pairs)
+
     framework, strategy = second.split()
-    world = dict(zip(flags[strategy][::2], flags[strategy][1::2])).get("--nproc", 1)
-    straight = losses(uninterrupted(framework, strategy, world))  # 20 steps on the same horizon
     switched = tmp_path / "switched"
-    dpcompare("run", *FAST, "--out", switched, *args(first), "--steps", 10, cache_dir=cache_dir)
+    if plain(first.split()[1]):
+        rewound(uninterrupted(first.split()[0], first.split()[1], world(first.split()[1])), switched)
+    else:
+        dpcompare("run", *FAST, "--out", switched, *args(first), "--steps", HALF, cache_dir=cache_dir)
     dpcompare("run", *FAST, "--out", switched, *args(second), "--steps", 20, "--resume", cache_dir=cache_dir)
+    assert resumed_from(switched) == HALF
+    straight = losses(uninterrupted(framework, strategy, world(strategy)))  # 20 steps on the same horizon
     return losses(switched), straight

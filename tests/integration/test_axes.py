@@ -1,43 +1,12 @@
-"""The strategy and dtype axes in real compares: float32 beside bfloat16 in one report (a failed float32
-verdict brings a diagnosis), and ddp, fsdp and tp of both frameworks in one report (of the session's shared
-2-rank runs). The judging itself is tested on synthetic runs in tests/unit/test_axes.py."""
+"""The strategy axis in a real report: ddp, fsdp and tp of both frameworks in one report (of the session's
+shared 2-rank runs). The dtype axis, float32 beside bfloat16 in one compare whose failed float32 verdict
+brings a diagnosis, is tested in test_bf16.py on the compare its runs come from. The judging itself is
+tested on synthetic runs in tests/unit/test_axes.py."""
 from __future__ import annotations
 
 import pytest
 
-from helpers import FAST, dpcompare
-
-
-@pytest.mark.slow
-def test_float32_and_bfloat16_share_a_report_and_a_failed_float32_verdict_brings_a_diagnosis(cache_dir, tmp_path):
-    """One compare for both (each costs four runs): a per-step tolerance no float32 pair can meet fails the
-    float32 cross-framework verdict, so compare diagnoses that pair; bf16 pairs are judged relative to the
-    loss, which --loss-atol does not touch, so they still pass."""
-    import json
-    out = tmp_path / "cmp"
-    proc = dpcompare("compare", *FAST, "--steps", 3, "--nproc", "1", "--dtypes", "float32,bfloat16",
-                     "--loss-atol", "1e-15", "--out", out, cache_dir=cache_dir)
-    summary = json.loads((out / "summary.json").read_text())
-    assert {r["label"] for r in summary["runs"]} == {"mlx x1", "torch x1", "mlx bf16 x1", "torch bf16 x1"}
-    cross = {p["a"]: p for p in summary["parity"]["cross_framework"]}
-    assert cross["mlx bf16 x1"]["checks"]["per_step"]["relative"] and cross["mlx bf16 x1"]["verdict"] == "pass"
-    assert {(p["a"], p["b"]) for p in summary["parity"]["precision"]} == {("mlx bf16 x1", "mlx x1"),
-                                                                          ("torch bf16 x1", "torch x1")}
-    assert all(p["verdict"] == "pass" for p in summary["parity"]["precision"])
-    bf16 = next(r for r in summary["runs"] if r["label"] == "torch bf16 x1")
-    assert bf16["precision"]["compute_dtype"] == "bfloat16" and bf16["final_loss"] != next(
-        r for r in summary["runs"] if r["label"] == "torch x1")["final_loss"]  # bf16 really computed
-
-    pair = cross["mlx x1"]
-    assert pair["verdict"] == "fail" and pair["diagnosis"]["finding"].startswith("diagnosis (step 1")
-    assert "diagnosis" not in cross["mlx bf16 x1"]  # only failed pairs are diagnosed
-    assert (out / "diagnosis").is_dir()
-    assert any(line.startswith("Diagnosis, mlx x1 vs torch x1:") for line in summary["verdicts"]["lines"])
-    assert "Diagnosis" in proc.stdout
-    samples = summary["samples"]["by_run"]
-    assert {"mlx x1", "torch x1"} <= set(samples) and all(s.get("tokens") for s in samples.values())
-    assert summary["samples"]["fp32_identical"] is True, samples  # greedy tokens from fp32-equal weights
-    assert "## Greedy continuations" in (out / "report.md").read_text()
+from helpers import dpcompare
 
 
 @pytest.mark.slow

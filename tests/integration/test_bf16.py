@@ -32,15 +32,49 @@ def eval_loss(run_dir) -> float:
 
 @pytest.fixture(scope="module")
 def runs(cache_dir, tmp_path_factory):
-    """fp32 and bf16 at N=1, bf16 at N=2, for both frameworks; each directory once for the module."""
+    """fp32 and bf16 at N=1 of both frameworks in one compare (which the float32/bfloat16 report test below
+    reads), bf16 at N=2 of both as runs; each directory once for the module. The compare's per-step tolerance
+    (--loss-atol 1e-15) is one no float32 pair can meet; it judges, and changes no run."""
     root = tmp_path_factory.mktemp("bf16")
-    out = {}
+    cmp = root / "cmp"
+    proc = dpcompare("compare", *FAST, *STEPS, "--frameworks", ",".join(FRAMEWORKS), "--nproc", 1,
+                     "--dtypes", "float32,bfloat16", "--loss-atol", "1e-15", "--out", cmp, cache_dir=cache_dir)
+    out = {"compare": (cmp, proc.stdout)}
     for framework in FRAMEWORKS:
-        for dtype, nproc in (("float32", 1), ("bfloat16", 1), ("bfloat16", 2)):
-            run_dir = out[framework, dtype, nproc] = root / f"{framework}-{dtype}-{nproc}"
-            dpcompare("run", *FAST, *STEPS, "--framework", framework, "--dtype", dtype, "--nproc", nproc,
-                      "--out", run_dir, cache_dir=cache_dir)
+        out[framework, "float32", 1], out[framework, "bfloat16", 1] = cmp / f"{framework}-n1", cmp / f"{framework}-bf16-n1"
+        run_dir = out[framework, "bfloat16", 2] = root / f"{framework}-bfloat16-2"
+        dpcompare("run", *FAST, *STEPS, "--framework", framework, "--dtype", "bfloat16", "--nproc", 2,
+                  "--out", run_dir, cache_dir=cache_dir)
     return out
+
+
+@pytest.mark.slow
+def test_float32_and_bfloat16_share_a_report_and_a_failed_float32_verdict_brings_a_diagnosis(runs):
+    """(Moved from test_axes.py, to read this module's compare.) One compare for both: a per-step tolerance no
+    float32 pair can meet fails the float32 cross-framework verdict, so compare diagnoses that pair; bf16
+    pairs are judged relative to the loss, which --loss-atol does not touch, so they still pass."""
+    out, stdout = runs["compare"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert {r["label"] for r in summary["runs"]} == {"mlx x1", "torch x1", "mlx bf16 x1", "torch bf16 x1"}
+    cross = {p["a"]: p for p in summary["parity"]["cross_framework"]}
+    assert cross["mlx bf16 x1"]["checks"]["per_step"]["relative"] and cross["mlx bf16 x1"]["verdict"] == "pass"
+    assert {(p["a"], p["b"]) for p in summary["parity"]["precision"]} == {("mlx bf16 x1", "mlx x1"),
+                                                                          ("torch bf16 x1", "torch x1")}
+    assert all(p["verdict"] == "pass" for p in summary["parity"]["precision"])
+    bf16 = next(r for r in summary["runs"] if r["label"] == "torch bf16 x1")
+    assert bf16["precision"]["compute_dtype"] == "bfloat16" and bf16["final_loss"] != next(
+        r for r in summary["runs"] if r["label"] == "torch x1")["final_loss"]  # bf16 really computed
+
+    pair = cross["mlx x1"]
+    assert pair["verdict"] == "fail" and pair["diagnosis"]["finding"].startswith("diagnosis (step 1")
+    assert "diagnosis" not in cross["mlx bf16 x1"]  # only failed pairs are diagnosed
+    assert (out / "diagnosis").is_dir()
+    assert any(line.startswith("Diagnosis, mlx x1 vs torch x1:") for line in summary["verdicts"]["lines"])
+    assert "Diagnosis" in stdout
+    samples = summary["samples"]["by_run"]
+    assert {"mlx x1", "torch x1"} <= set(samples) and all(s.get("tokens") for s in samples.values())
+    assert summary["samples"]["fp32_identical"] is True, samples  # greedy tokens from fp32-equal weights
+    assert "## Greedy continuations" in (out / "report.md").read_text()
 
 
 @pytest.mark.slow

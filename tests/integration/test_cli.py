@@ -23,14 +23,16 @@ def test_prepare_on_tinystories_with_gpt2_reports_the_known_counts(cache_dir):
 
 
 def test_compare_reports_a_failed_run_runs_the_rest_and_exits_nonzero(cache_dir, tmp_path):
+    # torch x2, the first run of the matrix, fails at step 3; mlx x2 still runs after it.
     out = tmp_path / "cmp"
-    proc = dpcompare("compare", *FAST, "--frameworks", "mlx,torch", "--nproc", "1,2", "--steps", 6, "--out", out,
+    proc = dpcompare("compare", *FAST, "--frameworks", "torch,mlx", "--nproc", "2", "--steps", 6, "--out", out,
                      cache_dir=cache_dir, check=False, env={"DPCOMPARE_INJECT_FAULT": "framework=torch,rank=1,step=3"})
     assert proc.returncode == 1
     assert "torch x2 failed" in proc.stderr and "rank 1" in proc.stderr
+    assert proc.stderr.index("== torch x2") < proc.stderr.index("   failed: ") < proc.stderr.index("== mlx x2")
     summary = json.loads((out / "summary.json").read_text())
     status = {(r["framework"], r["world_size"]): r["status"] for r in summary["runs"]}
-    assert status == {("mlx", 1): "ok", ("mlx", 2): "ok", ("torch", 1): "ok", ("torch", 2): "failed"}
+    assert status == {("mlx", 2): "ok", ("torch", 2): "failed"}
     assert (out / "report.html").exists() and "failed" in (out / "report.md").read_text()
 
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from helpers import FAST, ROOT, dpcompare, losses
+from integration.conftest import HORIZON
 
 
 # ---- the communication stream -------------------------------------------------------------------
@@ -34,12 +35,12 @@ def test_mixed_dtype_gradients_are_averaged_on_the_chosen_stream_keeping_tree_an
 
 
 @pytest.mark.slow
-def test_two_mlx_ranks_communicating_on_the_cpu_stream_train_like_one_rank(cache_dir, tmp_path):
-    common = ("--framework", "mlx", "--steps", 6)
-    dpcompare("run", *FAST, *common, "--nproc", 1, "--out", tmp_path / "one", cache_dir=cache_dir)
-    dpcompare("run", *FAST, *common, "--nproc", 2, "--set", "communication_stream=cpu", "--out", tmp_path / "two",
-              cache_dir=cache_dir)
-    np.testing.assert_allclose(losses(tmp_path / "two"), losses(tmp_path / "one"), rtol=0, atol=1e-5)
+def test_two_mlx_ranks_communicating_on_the_cpu_stream_train_like_one_rank(uninterrupted, cache_dir, tmp_path):
+    # one rank: the first 6 steps of the session's 20-step mlx run of the same LR horizon (conftest.py)
+    one = losses(uninterrupted("mlx", "ddp", 1))[:6]
+    dpcompare("run", *FAST, "--framework", "mlx", "--steps", 6, *HORIZON, "--nproc", 2,
+              "--set", "communication_stream=cpu", "--out", tmp_path / "two", cache_dir=cache_dir)
+    np.testing.assert_allclose(losses(tmp_path / "two"), one, rtol=0, atol=1e-5)
 
 
 # ---- jaccl, nccl and the hostfile forms --------------------------------------------------------

@@ -58,13 +58,11 @@ def test_a_planted_bug_is_found_at_its_stage_and_module(bug, framework, clean, c
     assert result["injected_bugs"] == {framework: bug}
 
 
-def test_a_run_checkpoint_is_diagnosed_at_the_next_step(cache_dir, tmp_path):
-    run = tmp_path / "run"
-    dpcompare("run", *FAST, "--framework", "torch", "--steps", 3, "--checkpoint-every", 2, "--out", run,
-              cache_dir=cache_dir)
+def test_a_run_checkpoint_is_diagnosed_at_the_next_step(uninterrupted, cache_dir, tmp_path):
+    run = uninterrupted("torch", "ddp", 1)  # the session's 20-step run, checkpointed at steps 10 and 20
     out = tmp_path / "diag"
-    dpcompare("diagnose", "--from", run, "--step", 2, "--out", out, cache_dir=cache_dir)
+    dpcompare("diagnose", "--from", run, "--step", 10, "--out", out, cache_dir=cache_dir)
     result = json.loads((out / "diagnosis.json").read_text())
-    assert result["step"] == 3 and result["weights"].endswith("step_000002")
+    assert result["step"] == 11 and result["weights"].endswith("step_000010")
     assert result["first_divergence"] is None
     assert not (out / "tensors").exists()

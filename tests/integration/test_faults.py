@@ -12,6 +12,7 @@ import pytest
 
 from compare.machine import environment
 from helpers import FAST, ROOT, can_emulate_links, dpcompare, losses, namespaces, summary
+from integration.conftest import HORIZON, resumed_from, rewound
 
 pytestmark = pytest.mark.slow
 
@@ -112,12 +113,16 @@ def test_nan_loss_stops_the_run_naming_the_step_and_keeps_the_last_good_checkpoi
 
 # torch at 1 rank is left out to keep CI short: its checkpoint code is the same as at 2 ranks.
 @pytest.mark.parametrize("framework, world", [("mlx", 1), ("mlx", 2), ("torch", 2)])
-def test_resume_is_exact_sampler_schedule_and_optimizer_state_all_continue(framework, world, cache_dir, tmp_path):
-    common = ("--framework", framework, "--nproc", world, "--lr-decay-steps", 20, "--lr", "1e-3")
-    dpcompare("run", *FAST, *common, "--steps", 20, "--out", tmp_path / "a", cache_dir=cache_dir)
-    dpcompare("run", *FAST, *common, "--steps", 10, "--out", tmp_path / "b", cache_dir=cache_dir)
-    dpcompare("run", *FAST, *common, "--steps", 20, "--resume", "--out", tmp_path / "b", cache_dir=cache_dir)
-    np.testing.assert_allclose(losses(tmp_path / "b"), losses(tmp_path / "a"), rtol=0, atol=1e-6)
+def test_resume_is_exact_sampler_schedule_and_optimizer_state_all_continue(framework, world, uninterrupted, cache_dir,
+                                                                          tmp_path):
+    # The session's 20-step ddp run of these flags (integration/conftest.py) never stopped; its step-10
+    # checkpoint, copied, is resumed to step 20 in a new process and must give the same losses.
+    straight = uninterrupted(framework, "ddp", world)
+    resumed = rewound(straight, tmp_path / "b")
+    dpcompare("run", *FAST, "--framework", framework, "--nproc", world, *HORIZON, "--steps", 20, "--resume",
+              "--out", resumed, cache_dir=cache_dir)
+    assert resumed_from(resumed) == 10  # resumed, not retrained
+    np.testing.assert_allclose(losses(resumed), losses(straight), rtol=0, atol=1e-6)
 
 
 def test_a_truncated_checkpoint_is_refused_and_left_untouched(cache_dir, tmp_path):

@@ -6,6 +6,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from helpers import FAST, dpcompare, losses, summary
+from integration.conftest import resumed_from, rewound
 
 FRAMEWORKS = ["mlx", "torch"]
 
@@ -18,15 +19,16 @@ def run(cache_dir, out, *extra):
 @pytest.mark.slow
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 @pytest.mark.parametrize("sequence, grad_accum", [("packing", 1), ("padding", 2)])
-def test_fsdp_matches_ddp_step_by_step_with_half_the_state_per_rank(framework, sequence, grad_accum, cache_dir,
-                                                                     tmp_path):
-    common = ("--framework", framework, "--nproc", 2, "--steps", 10, "--sequence", sequence,
-              "--grad-accum", grad_accum)
-    ddp = run(cache_dir, tmp_path / "ddp", *common, "--strategy", "ddp")
-    fsdp = run(cache_dir, tmp_path / "fsdp", *common, "--strategy", "fsdp")
-    np.testing.assert_allclose(fsdp, ddp, rtol=0, atol=1e-5)
+def test_fsdp_matches_ddp_step_by_step_with_half_the_state_per_rank(framework, sequence, grad_accum, uninterrupted,
+                                                                     padded):
+    # The session's runs at 2 ranks (integration/conftest.py): 20 steps packed, or 10 steps padded.
+    if sequence == "packing":
+        ddp_dir, fsdp_dir = uninterrupted(framework, "ddp", 2), uninterrupted(framework, "fsdp", 2)
+    else:
+        ddp_dir, fsdp_dir = padded(framework, 2, grad_accum), padded(framework, 2, grad_accum, "fsdp")
+    np.testing.assert_allclose(losses(fsdp_dir), losses(ddp_dir), rtol=0, atol=1e-5)
 
-    a, b = summary(tmp_path / "ddp"), summary(tmp_path / "fsdp")
+    a, b = summary(ddp_dir), summary(fsdp_dir)
     assert (a["strategy"], a["reduce_scatter"]) == ("ddp", None)
     # MLX on ring has no native reduce-scatter (mlx 0.32.4): all_sum + slice; torch's gloo has one.
     assert (b["strategy"], b["reduce_scatter"]) == ("fsdp", {"mlx": "all_sum_slice", "torch": "native"}[framework])
@@ -43,31 +45,30 @@ def test_fsdp_matches_ddp_step_by_step_with_half_the_state_per_rank(framework, s
 
 @pytest.mark.slow
 @pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_a_vocabulary_that_does_not_divide_still_trains_exactly(framework, cache_dir, tmp_path):
+def test_an_uneven_vocabulary_trains_exactly_and_step_1_gradients_equal_ddps_parameter_by_parameter(
+        framework, cache_dir, tmp_path):
     """513 tokens over 2 ranks: both frameworks pad the embedding and head to 514 rows and shard them (MLX by
-    hand, mlx_impl/fsdp.py; FSDP2 inside), and the files keep the true 513 rows."""
-    common = ("--framework", framework, "--nproc", 2, "--steps", 5, "--set", "model.vocab_size=513")
+    hand, mlx_impl/fsdp.py; FSDP2 inside), and the files keep the true 513 rows.
+
+    After one AdamW step from zero moments, exp_avg = (1 - beta1) * gradient: the step-1 checkpoints hold the
+    gradients. Averaging them as a sum (FSDP2 on gloo, pytorch issue 162338) would make them 2x DDP's,
+    which the loss alone would hide (Adam is almost scale invariant); grad_clip=0, since clipping would too.
+    (One pair of runs for both properties, the padded rows among the gradients compared; 2 steps, since only
+    the last 2 checkpoints are kept, common/checkpoint.py.)"""
+    common = ("--framework", framework, "--nproc", 2, "--steps", 2, "--set", "model.vocab_size=513",
+              "--set", "grad_clip=0", "--checkpoint-every", 1)
     ddp = run(cache_dir, tmp_path / "ddp", *common, "--strategy", "ddp")
     fsdp = run(cache_dir, tmp_path / "fsdp", *common, "--strategy", "fsdp")
     np.testing.assert_allclose(fsdp, ddp, rtol=0, atol=1e-5)
     held = summary(tmp_path / "fsdp")["state_bytes"]["params"][0] / summary(tmp_path / "ddp")["state_bytes"]["params"][0]
-    assert 0.45 < held < 0.55, held  # was 0.71 in MLX, the vocabulary replicated
-    saved = load_file(str(tmp_path / "fsdp" / "checkpoints" / "step_000005" / "model.safetensors"))
+    assert len(ddp) == 2 and 0.45 < held < 0.55, held  # was 0.71 in MLX, the vocabulary replicated
+    saved = load_file(str(tmp_path / "fsdp" / "checkpoints" / "step_000002" / "model.safetensors"))
     assert saved["model.embed_tokens.weight"].shape[0] == saved["lm_head.weight"].shape[0] == 513
 
-
-@pytest.mark.slow
-@pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_step_1_gradients_equal_ddps_parameter_by_parameter(framework, cache_dir, tmp_path):
-    """After one AdamW step from zero moments, exp_avg = (1 - beta1) * gradient: the checkpoints hold the
-    gradients. Averaging them as a sum (FSDP2 on gloo, pytorch issue 162338) would make them 2x DDP's,
-    which the loss alone would hide (Adam is almost scale invariant)."""
-    common = ("--framework", framework, "--nproc", 2, "--steps", 1, "--set", "grad_clip=0")
-    run(cache_dir, tmp_path / "ddp", *common, "--strategy", "ddp")
-    run(cache_dir, tmp_path / "fsdp", *common, "--strategy", "fsdp")
     ddp, fsdp = (load_file(str(tmp_path / s / "checkpoints" / "step_000001" / "optimizer.safetensors"))
                  for s in ("ddp", "fsdp"))
     assert ddp.keys() == fsdp.keys()
+    assert ddp["exp_avg.model.embed_tokens.weight"].shape[0] == 513, ddp.keys()
     for name in ddp:
         if name.startswith("exp_avg."):
             scale = float(np.abs(ddp[name]).max())
@@ -94,10 +95,9 @@ def test_a_checkpoint_resumes_under_another_strategy_as_the_uninterrupted_run(fi
     common = ("--nproc", 2, "--lr-decay-steps", 20, "--lr", "1e-3")
     (fw1, s1), (fw2, s2) = first, second
     straight = losses(uninterrupted(fw2, s2, 2))  # 20 steps on the same horizon
-    switched = tmp_path / "switched"
-    run(cache_dir, switched, *common, "--framework", fw1, "--strategy", s1, "--steps", 10)
+    switched = rewound(uninterrupted(fw1, s1, 2), tmp_path / "switched")  # fw1 s1's first 10 steps
     resumed = run(cache_dir, switched, *common, "--framework", fw2, "--strategy", s2, "--steps", 20, "--resume")
-    assert len(resumed) == 20
+    assert len(resumed) == 20 and resumed_from(switched) == 10
     np.testing.assert_allclose(resumed, straight, rtol=0, atol=atol)
     # The resumed ranks read their own part of the checkpoint's weights and of both moments, nothing more.
     s = summary(switched)

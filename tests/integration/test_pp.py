@@ -15,7 +15,7 @@ from common.spec import ModelSpec
 from common.weights import parameter_shapes
 from helpers import FAST, dpcompare, losses, summary
 from integration import test_faults as faults, test_stop as stop  # their helpers (no test is imported by name)
-from integration.conftest import switched_at_a_checkpoint
+from integration.conftest import reference_flags, switched_at_a_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -29,28 +29,6 @@ def run(cache_dir, out, *extra):
 
 def rows(run_dir, key):
     return [r[key] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if key in r]
-
-
-@pytest.fixture(scope="module")
-def ddp_one(cache_dir, tmp_path_factory):
-    """ddp_one(framework, sequence) -> a 10-step ddp x1 run, the reference every pp run of the file is judged
-    against, trained on first use."""
-    runs = {}
-
-    def get(framework, sequence):
-        if (framework, sequence) not in runs:
-            out = tmp_path_factory.mktemp(f"ddp1-{framework}-{sequence}")
-            run(cache_dir, out, *reference_flags(framework, sequence), "--nproc", 1)
-            runs[framework, sequence] = out
-        return runs[framework, sequence]
-
-    return get
-
-
-def reference_flags(framework, sequence):
-    # grad_clip below the norms (~0.9): the clipped update depends on the global norm summed over the stages.
-    return ("--framework", framework, "--steps", 10, "--sequence", sequence, "--eval-every", 10,
-            "--set", "grad_clip=0.5")
 
 
 # Packing and padding, accumulation and not, M = 2, 4 and 8, both schedules in both frameworks, without the

@@ -9,7 +9,7 @@ from helpers import FAST, dpcompare, losses, summary
 from common.spec import ModelSpec
 from common.strategy import tp_split_axis
 from common.weights import parameter_shapes
-from integration.conftest import switched_at_a_checkpoint
+from integration.conftest import reference_flags, switched_at_a_checkpoint
 
 FRAMEWORKS = ["mlx", "torch"]
 TP = ("--set", "strategy=tp", "--nproc", 2)
@@ -36,16 +36,15 @@ def eval_losses(run_dir):
 @pytest.mark.slow
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 @pytest.mark.parametrize("sequence", ["packing", "padding"])
-def test_tp_two_ranks_equal_one_ddp_rank_with_the_same_global_batch(framework, sequence, cache_dir, tmp_path):
-    # grad_clip below the norms (~0.9): the clipped update depends on the global norm counting each parameter once.
-    common = ("--framework", framework, "--steps", 10, "--sequence", sequence, "--eval-every", 10,
-              "--set", "grad_clip=0.5")
-    one = run(cache_dir, tmp_path / "ddp1", *common, "--nproc", 1)
-    two = run(cache_dir, tmp_path / "tp2", *common, *TP)
-    np.testing.assert_allclose(two, one, rtol=0, atol=1e-5)
-    np.testing.assert_allclose(grad_norms(tmp_path / "tp2"), grad_norms(tmp_path / "ddp1"), rtol=1e-5)
+def test_tp_two_ranks_equal_one_ddp_rank_with_the_same_global_batch(framework, sequence, ddp_one, cache_dir, tmp_path):
+    # grad_clip below the norms (~0.9): the clipped update depends on the global norm counting each parameter
+    # once (reference_flags; the ddp x1 reference is shared with test_pp.py: integration/conftest.py).
+    ddp1 = ddp_one(framework, sequence)
+    two = run(cache_dir, tmp_path / "tp2", *reference_flags(framework, sequence), *TP)
+    np.testing.assert_allclose(two, losses(ddp1), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(grad_norms(tmp_path / "tp2"), grad_norms(ddp1), rtol=1e-5)
     # Every tp rank holds the whole eval loss: summed over data-parallel ranks only, it is not doubled.
-    np.testing.assert_allclose(eval_losses(tmp_path / "tp2"), eval_losses(tmp_path / "ddp1"), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(eval_losses(tmp_path / "tp2"), eval_losses(ddp1), rtol=0, atol=1e-5)
 
 
 @pytest.mark.slow

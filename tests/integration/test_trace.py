@@ -2,7 +2,7 @@
 the summary and report list the files; without --trace nothing is written. (common/trace.py)"""
 import json
 
-from helpers import FAST, dpcompare, summary
+from helpers import summary
 
 PHASES = {"step 1", "step 2", "forward", "backward", "optimizer"}
 
@@ -35,8 +35,7 @@ def test_every_rank_of_a_traced_run_writes_a_chrome_trace_of_the_phases_and_the_
     assert "ui.perfetto.dev" in report and str(out / "torch-n2" / "trace" / "rank1.json") in report
 
 
-def test_a_run_without_trace_writes_no_trace(cache_dir, tmp_path):
-    out = tmp_path / "mlx"
-    dpcompare("run", "--framework", "mlx", *FAST, "--steps", 2, "--profile-steps", 0, "--out", out,
-              cache_dir=cache_dir)
+def test_a_run_without_trace_writes_no_trace(uninterrupted):
+    out = uninterrupted("mlx", "ddp", 1)  # a session run (integration/conftest.py), trained without --trace
+    assert json.loads((out / "run_config.json").read_text())["config"]["trace"] is False
     assert not (out / "trace").exists() and summary(out)["trace"] == []

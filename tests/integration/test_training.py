@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from helpers import FAST, dpcompare, losses, summary
+from integration.conftest import resumed_from, rewound
 from compare.machine import environment
 
 pytestmark = pytest.mark.slow
@@ -41,22 +42,17 @@ def test_two_rank_mlx_mpi_run_trains(cache_dir, tmp_path):
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 @pytest.mark.parametrize("sequence", ["packing", "padding"])
-def test_dp_invariance_two_ranks_equal_one_rank_with_the_same_global_batch(framework, sequence, matrix, cache_dir,
-                                                                          tmp_path):
+def test_dp_invariance_two_ranks_equal_one_rank_with_the_same_global_batch(framework, sequence, matrix, padded):
     if sequence == "packing":  # the session's matrix packs, at 1 and 2 ranks
         one, two = losses(matrix.run(framework, 1)), losses(matrix.run(framework, 2))
-    else:
-        common = ("--framework", framework, "--steps", 10, "--sequence", sequence)
-        one = run(cache_dir, tmp_path / "n1", *common, "--nproc", 1)
-        two = run(cache_dir, tmp_path / "n2", *common, "--nproc", 2)
+    else:  # padded sequences, each rank accumulating 2 micro-batches (the session's runs: conftest.py)
+        one, two = losses(padded(framework, 1, 2)), losses(padded(framework, 2, 2))
     np.testing.assert_allclose(two, one, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_accumulation_invariance_two_half_micro_batches_equal_one_batch(framework, cache_dir, tmp_path):
-    common = ("--framework", framework, "--steps", 10, "--nproc", 1, "--sequence", "padding")
-    plain = run(cache_dir, tmp_path / "a1", *common, "--grad-accum", 1)
-    accum = run(cache_dir, tmp_path / "a2", *common, "--grad-accum", 2)
+def test_accumulation_invariance_two_half_micro_batches_equal_one_batch(framework, padded):
+    plain, accum = losses(padded(framework, 1, 1)), losses(padded(framework, 1, 2))  # padded sequences
     np.testing.assert_allclose(accum, plain, rtol=0, atol=1e-5)
 
 
@@ -71,8 +67,7 @@ def test_switching_framework_at_a_checkpoint_continues_the_same_curve(first, sec
                                                                     tmp_path):
     horizon = ("--lr-decay-steps", 20, "--lr", "1e-3")
     straight = losses(uninterrupted(second, "ddp", 1))  # 20 steps on the same horizon
-    switched = tmp_path / "switched"
-    run(cache_dir, switched, "--framework", first, "--steps", 10, *horizon)
+    switched = rewound(uninterrupted(first, "ddp", 1), tmp_path / "switched")  # `first`'s first 10 steps
     resumed = run(cache_dir, switched, "--framework", second, "--steps", 20, "--resume", *horizon)
-    assert len(resumed) == 20
+    assert len(resumed) == 20 and resumed_from(switched) == 10
     np.testing.assert_allclose(resumed, straight, rtol=0, atol=1e-4)
