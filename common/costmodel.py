@@ -63,8 +63,8 @@ Memory per rank (bytes): params + grads + optimizer + activations + overhead
     activations one micro-batch's saved tensors, per token: per layer 7 d in the activation dtype, plus the
                head- and ffn-split ones (3 d + 3 kv + 2 h T + 4 ffn) / N_tp, plus 2 V fp32 logits (logits
                and their exponentials)
-    gathered   fsdp: the whole parameters held beside the shards at the peak (gathered_bytes: torch two blocks
-               and the root unit, MLX every block, kept for the backward)
+    gathered   fsdp: the whole parameters held beside the shards at the peak (gathered_bytes: two blocks and,
+               at the head's backward, its whole weight and gradient, in both frameworks)
     overhead   the calibration run's peak (RSS on a CPU, the framework's allocator peak on a GPU) minus
                the above at the calibration point: the runtime, libraries, buffers, and the error of the
                activation count, taken as fixed.
@@ -258,9 +258,9 @@ def _fsdp_collectives(w: Workload, n: int, reduce_scatter: str) -> list[Collecti
     unit = int(sum(units) / len(units))
     scatters = w.grad_accum if w.framework == "mlx" else 1  # MLX reduce-scatters in every micro-step's backward
     # FSDP2 frees a block after its forward and gathers it again for the backward; MLX's gather is a node of the
-    # step's graph whose output the backward reuses (mlx_impl/fsdp.py: the gathered blocks stay alive, as
-    # costmodel.gathered_bytes counts), so it gathers once per micro-step. Measured on `small` at N=2 before
-    # this was counted: MLX fsdp predicted +29 % over 1gbit and 200mbit, +33 % on loopback (docs/scaling.md).
+    # step's graph (mlx_impl/fsdp.py) and its step times fit one gather per micro-step: measured on `small` at
+    # N=2 while two were counted, MLX fsdp predicted +29 % over 1gbit and 200mbit, +33 % on loopback
+    # (docs/scaling.md); with one, within 15 % on all three.
     gathers = 1 if w.framework == "mlx" else 2
     out = [Collective("all_gather", unit, gathers * w.grad_accum * len(units),
                       "parameters gathered (forward" + (")" if gathers == 1 else " and backward)"))]
