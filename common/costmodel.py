@@ -401,12 +401,11 @@ def checkpoint_bytes(strategy: str, w: Workload, n: int, rank: int = 0, checkpoi
     fsdp's rank 0 and every tp and pp rank hold one gathered tensor at a time (the largest sets the peak;
     pp's ranks also hold the zeros they add for a tensor of another stage), ddp writes views of its own.
     Before the stream, fsdp's rank 0 held the whole gathered state (3x the parameters), 0.9-1.0 GB above
-    rank 1 on `base` (docs/benchmarks.md). sharded: every rank writes its own arrays, MLX from a copy of its
-    weights, torch from views."""
+    rank 1 on `base` (docs/benchmarks.md). sharded: every rank writes its own arrays, from views of them."""
     shapes = parameter_shapes(w.spec)
     largest = max(math.prod(s) for s in shapes.values()) * MASTER_BYTES
     if checkpoint_format == "sharded":
-        return local_parameters(strategy, w.spec, n, w.framework) * MASTER_BYTES if w.framework == "mlx" else 0.0
+        return 0.0
     if n == 1 or strategy == "ddp" or (strategy == "fsdp" and rank > 0):
         return 0.0
     return 2 * largest if strategy == "pp" else largest

@@ -33,7 +33,7 @@ from common.tensorsource import as_source
 from common.weights import parameter_shapes
 
 from .comm import CommCounter, communication_stream
-from .ddp import Replicated, clip_by_norm, state_bytes
+from .ddp import Replicated, as_float32, clip_by_norm, state_bytes
 from .fsdp import Sharding
 from .load import read_local
 from .model import Llama, cross_entropy, load_weights, token_loss_sum, weights_of  # noqa: F401 (benchmarks, tests)
@@ -155,7 +155,9 @@ class Trainer:
 
     def local_state(self):
         """This rank's own pieces of the state, for a sharded checkpoint (strategy.local_state): no collectives."""
-        return self.strategy.local_state(parameter_shapes(self.model.spec), weights_of(self.model),
+        # views of the rank's own arrays (as_float32), not a copy of them: saving adds nothing to the peak
+        return self.strategy.local_state(parameter_shapes(self.model.spec),
+                                         {k: as_float32(v) for k, v in tree_flatten(self.model.parameters())},
                                          dict(tree_flatten(self.optimizer.state)))
 
     def import_optimizer(self, exp_avg, exp_avg_sq, step):
