@@ -75,7 +75,8 @@ def main() -> None:
     parser.add_argument("--frameworks", default="mlx,torch")
     parser.add_argument("--strategies", default="ddp,fsdp,tp", help="ddp first: the baseline of the ratios")
     parser.add_argument("--layers", default="12,24", help="model.n_layers of each variant (base: 12)")
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=4,
+                        help="torch ddp's peak settles from the third step (docs/benchmarks.md): 2 understates it")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--checkpoint-format", default="hf", choices=("hf", "sharded"),
