@@ -104,7 +104,7 @@ def load_pretrained(directory: Path) -> tuple[ModelSpec, dict[str, np.ndarray]]:
     except json.JSONDecodeError as err:
         raise UserError(f"{config_path} is not valid JSON: {err}") from None
     try:
-        if weights_path.is_dir():
+        if weights_path.is_dir():  # tensorsource.read_all's one line: tensorsource imports this module
             shards = ShardedSource(directory)
             weights = {name: shards.read(name) for name in shards.names()}
         else:

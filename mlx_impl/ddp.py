@@ -80,7 +80,6 @@ class Replicated(MicroSteps):
     def export_state(self, weights: dict, optimizer: dict):
         return tuple(map(numpy_stream, (weights, *moments(weights, optimizer))))
 
-
     def local_state(self, shapes: dict, weights: dict, optimizer: dict):
         """--checkpoint-format sharded (common/shardedcheckpoint.py): (weights, exp_avg, exp_avg_sq, where) of
         what this rank writes (every tensor whole, from rank 0 alone), under HF names; no collectives."""

@@ -2,8 +2,9 @@
 
 What each rank holds (torch_impl/fsdp.py does the same with FSDP2):
 - Every transformer block is wrapped by `nn.fully_shard`: each parameter is split along axis 0, the full
-  parameters are all-gathered for the block's forward (and again in its backward), and the gradient is
-  reduce-scattered in the backward, so a rank stores and updates only its 1/N of the block.
+  parameters are all-gathered for the block's forward (a node of the step's graph, which the backward
+  uses too: one gather per micro-step, as the measured step times say, docs/scaling.md), and the gradient
+  is reduce-scattered in the backward, so a rank stores and updates only its 1/N of the block.
 - The embedding and the head are wrapped the same way, each on its own. A vocabulary that does not divide
   by N (GPT-2's 50257 tokens over 2 ranks) is padded first with zero rows to the next multiple of N, as
   torch's FSDP2 pads it: `fully_shard` cannot split an uneven axis. The pad rows are never looked up (no

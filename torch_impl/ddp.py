@@ -146,7 +146,7 @@ def state_bytes(model, optimizer) -> dict:
 
 def _local_numpy(flat: dict) -> dict:
     """What this rank holds of each tensor (a DTensor's local shard) as float32 numpy, a view on CPU."""
-    return {k: _local(v).detach().float().cpu().numpy() for k, v in flat.items()}
+    return {k: as_float32(_local(v)) for k, v in flat.items()}
 
 
 def numpy_stream(named: dict) -> Iterator[tuple[str, np.ndarray]]:

@@ -4,8 +4,8 @@ The Trainer builds the Llama on the meta device (shapes, no memory); the strateg
 fully_shard and DTensor's parallelize_module accept meta modules; pp drops the other stages' modules) and
 calls `load_local`: `to_empty` allocates only what the rank keeps, and each parameter's local tensor (its
 shard of a DTensor) is filled with the slice the strategy keeps (`strategy.local_index`), read from the
-source. The non-persistent buffers (RoPE's tables), which to_empty leaves uninitialised, are computed again.
-A rank's peak thus holds its own part of the model, not the whole. Mirrors mlx_impl/load.py.
+source. The model has no buffers (RoPE's tables are computed from the spec at use: torch_impl/model.py), so
+nothing else needs filling. A rank's peak thus holds its own part of the model, not the whole. Mirrors mlx_impl/load.py.
 """
 from __future__ import annotations
 
@@ -32,10 +32,6 @@ def read_local(source: TensorSource, name: str, like: torch.Tensor, local_index)
 def load_local(model, device: torch.device, source: TensorSource, local_index) -> None:
     """Allocate the rank's part of a model built on the meta device (to_empty) and load it from `source`."""
     model.to_empty(device=device)
-    with torch.device(device):
-        for module in model.modules():
-            if hasattr(module, "reset_buffers"):
-                module.reset_buffers()
     for name, param in model.named_parameters():
         local(param).copy_(read_local(source, name, param, local_index))
 
