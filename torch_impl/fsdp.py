@@ -58,7 +58,8 @@ def shard_model(model, device: torch.device, backend: str) -> None:
         fully_shard(block, mesh=mesh)
     if not model.spec.tie_embeddings:  # the vocabulary matrices one at a time (module docstring)
         fully_shard(model.model.embed_tokens, mesh=mesh)
-        fully_shard(model.lm_head, mesh=mesh)
+        model.model.embed_tokens.set_unshard_in_backward(False)
+        fully_shard(model.lm_head, mesh=mesh, reshard_after_forward=False)
     fully_shard(model, mesh=mesh)
     if backend == "gloo":  # see the module docstring: SUM, then FSDP's own division by N
         for module in model.modules():

@@ -6,7 +6,7 @@ by tests/integration/test_faults.py and test_stop.py, on runs they make anyway.)
 
 Needs root and iproute2; skipped with the reason otherwise.
 """
-import re
+import json
 
 import pytest
 
@@ -20,18 +20,23 @@ TOLERANCE = 0.15
 
 
 @pytest.mark.slow
-def test_a_shaped_link_carries_a_32_mb_all_reduce_within_20_percent_of_its_rate(cache_dir):
+def test_a_shaped_link_carries_a_32_mb_all_reduce_within_20_percent_of_its_rate(cache_dir, tmp_path):
+    """A 40 s time budget: with 32 s, under the other xdist worker's load, torch's start-up left gloo too little
+    of its share and its sweep stopped at 1 MB (the default 55 s takes 36 s here: the jobs fill their shares).
+    The figures are read from --out, not from the table's two decimals (0.05 GB/s at this rate)."""
     skip_unless_links()
+    figures = tmp_path / "fabric.json"
     proc = dpcompare("doctor", "--fabric", "--link", RATE, "--backend", "ring,gloo", "--max-mb", 32,
-                     "--time-budget-s", 32, cache_dir=cache_dir, timeout=120)
+                     "--time-budget-s", 40, "--out", figures, cache_dir=cache_dir, timeout=120)
     print(proc.stdout)
     assert "emulated 400 Mbit/s link" in proc.stdout and "delay cannot be shaped" in proc.stdout
-    rows = dict(re.findall(r"^(mlx ring|torch gloo)\s+2\s+cpu\s+\S+ µs\s+([\d.]+) GB/s \(32 MB\)", proc.stdout, re.M))
+    rows = {f"{b['framework']} {b['backend']}": b for b in json.loads(figures.read_text())["backends"]}
     assert set(rows) == {"mlx ring", "torch gloo"}, proc.stdout
-    for name, gbytes_per_s in rows.items():
+    for name, row in rows.items():
+        assert row["error"] is None and row["large_bytes"] == 32 * 2**20, (name, proc.stdout)
         # At N=2 a ring all-reduce sends each rank's whole buffer once each way: its algorithm bandwidth is
         # the link's. Measured here: 0.05 GB/s for both at 400mbit (AMD EPYC Zen 5, 2 cores).
-        assert abs(float(gbytes_per_s) * 8e9 - RATE_BPS) <= 0.2 * RATE_BPS, (name, proc.stdout)
+        assert abs(row["bandwidth_Bps"] * 8 - RATE_BPS) <= 0.2 * RATE_BPS, (name, row["bandwidth_Bps"], proc.stdout)
 
 
 @pytest.mark.slow
