@@ -32,9 +32,11 @@ Collectives, ring algorithm over N ranks, link latency a per hop and bandwidth b
     all-gather / reduce-scatter  (N-1) a + (N-1)/N x S / b       (S: the full, gathered size)
 
     ddp   the fp32 gradients, one all-reduce per bucket (torch bucket_cap_mb, MLX all_reduce_size_mb)
-    fsdp  per micro-step each unit's fp32 parameters gathered: twice in torch (FSDP2 frees a block after its
-          forward and gathers it again for the backward), once in MLX (the backward reuses the gathered
-          output); their gradients reduce-scattered (torch once per step, MLX once per micro-step,
+    fsdp  per micro-step each unit's fp32 parameters gathered: a block twice in torch (FSDP2 frees it after
+          its forward and gathers it again for the backward), the other units once (the head stays gathered
+          from its forward to its backward, the embedding's backward needs no weights, the root is never
+          freed after its forward: torch_impl/fsdp.py), every unit once in MLX (the backward reuses the
+          gathered output); their gradients reduce-scattered (torch once per step, MLX once per micro-step,
           mlx_impl/fsdp.py); the all_sum + slice fallback (MLX ring and MPI) is an all-reduce,
           twice the traffic. Units: every block, the embedding and the head (each its own; torch's root
           unit holds a tied embedding), the final norm: MLX all-reduces its gradient as under ddp, FSDP2
@@ -248,22 +250,26 @@ def _fsdp_collectives(w: Workload, n: int, reduce_scatter: str) -> list[Collecti
     vocab = [math.ceil(s[0] / n) * n * s[1] * MASTER_BYTES for k, s in shapes.items()
              if k in ("model.embed_tokens.weight", "lm_head.weight")]
     norm = w.spec.dim * MASTER_BYTES
+    # (unit's bytes, gathers per micro-step). MLX's gather is a node of the step's graph (mlx_impl/fsdp.py) and
+    # its step times fit one gather per micro-step: measured on `small` at N=2 while two were counted, MLX fsdp
+    # predicted +29 % over 1gbit and 200mbit, +33 % on loopback (docs/scaling.md); with one, within 15 % on
+    # all three. FSDP2 frees a block after its forward and gathers it again for the backward; the other units
+    # are gathered once (torch_impl/fsdp.py).
+    blocks = [(block, 1 if w.framework == "mlx" else 2)] * w.spec.n_layers
     if w.framework == "mlx":  # blocks, and the embedding and head each on its own
-        units = [block] * w.spec.n_layers + vocab
+        units = blocks + [(v, 1) for v in vocab]
         replicated = norm  # averaged after the backward, as ddp
     elif w.spec.tie_embeddings:  # FSDP2: the blocks, then the root unit (embedding, final norm)
-        units, replicated = [block] * w.spec.n_layers + [sum(vocab) + norm], 0
+        units, replicated = blocks + [(sum(vocab) + norm, 1)], 0
     else:  # FSDP2: the blocks, the embedding and the head each on its own, the root (final norm)
-        units, replicated = [block] * w.spec.n_layers + vocab + [norm], 0
-    unit = int(sum(units) / len(units))
+        units, replicated = blocks + [(v, 1) for v in vocab] + [(norm, 1)], 0
+    gathers = sum(times for _, times in units)
+    unit = int(sum(nbytes for nbytes, _ in units) / len(units))
     scatters = w.grad_accum if w.framework == "mlx" else 1  # MLX reduce-scatters in every micro-step's backward
-    # FSDP2 frees a block after its forward and gathers it again for the backward; MLX's gather is a node of the
-    # step's graph (mlx_impl/fsdp.py) and its step times fit one gather per micro-step: measured on `small` at
-    # N=2 while two were counted, MLX fsdp predicted +29 % over 1gbit and 200mbit, +33 % on loopback
-    # (docs/scaling.md); with one, within 15 % on all three.
-    gathers = 1 if w.framework == "mlx" else 2
-    out = [Collective("all_gather", unit, gathers * w.grad_accum * len(units),
-                      "parameters gathered (forward" + (")" if gathers == 1 else " and backward)"))]
+    # one collective of the gathers' mean size: the bytes, the calls (latency) and the host work per call add up
+    out = [Collective("all_gather", int(sum(nbytes * times for nbytes, times in units) / gathers),
+                      gathers * w.grad_accum, "parameters gathered (forward" +
+                      (")" if w.framework == "mlx" else "; the blocks again for the backward)"))]
     if reduce_scatter == "all_sum_slice":  # an all-reduce then the rank's slice: twice a reduce-scatter
         out.append(Collective("all_reduce", unit, scatters * len(units), "gradients (all_sum + slice)"))
     else:

@@ -7,7 +7,9 @@ reduce-scattered in the backward. The embedding and the head are units of their 
 root unit with the final norm (what FSDP2 does by default) both vocabulary matrices were gathered at once
 and stayed gathered from the forward to the end of the backward, with their unsharded gradients and the
 reduce-scatter's buffer beside them: on `base` (2 x 50,000 x 768) that took peak RSS from 0.77x ddp's to
-0.67x (benchmarks/bench_memory.py, docs/benchmarks.md). Tied embeddings stay in the root unit: the head is
+0.67x (benchmarks/bench_memory.py, docs/benchmarks.md). Each vocabulary matrix is gathered once per
+micro-step, as MLX does, where a block is gathered twice (FSDP2 frees it after its forward): the
+embedding's backward needs no weights, the head stays gathered to its backward (shard_model). Tied embeddings stay in the root unit: the head is
 then the embedding's `as_linear`, which FSDP2's forward hooks would not see. FSDP2 pads an axis that does
 not divide by N (a 50257-token vocabulary over 2 ranks), as mlx_impl/fsdp.py does by hand.
 
@@ -58,7 +60,10 @@ def shard_model(model, device: torch.device, backend: str) -> None:
         fully_shard(block, mesh=mesh)
     if not model.spec.tie_embeddings:  # the vocabulary matrices one at a time (module docstring)
         fully_shard(model.model.embed_tokens, mesh=mesh)
+        # The embedding's backward reads only the token ids: no second gather of its weight.
         model.model.embed_tokens.set_unshard_in_backward(False)
+        # The head's backward comes right after its forward: kept gathered, it is not gathered twice (at the
+        # backward's peak it is held either way: its weight beside its gradient).
         fully_shard(model.lm_head, mesh=mesh, reshard_after_forward=False)
     fully_shard(model, mesh=mesh)
     if backend == "gloo":  # see the module docstring: SUM, then FSDP's own division by N
@@ -88,6 +93,15 @@ class Sharding(MicroSteps):
     def local_index(self, name: str, shape: tuple) -> tuple:
         """Every parameter's rows as FSDP2 splits them (torch.chunk: the last shards run short)."""
         return (fsdp_rows(shape[0], self.rank, self.size),)
+
+    def forward_backward(self, trainer, batches, scale, *args, backward=True, **kwargs):
+        loss_sum = super().forward_backward(trainer, batches, scale, *args, backward=backward, **kwargs)
+        if not backward:  # an evaluation: the units kept gathered after a forward (the head, the root) are
+            # otherwise freed only by the next backward, and a checkpoint saved meanwhile would hold them whole
+            for module in self.model.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+        return loss_sum
 
     def param_groups(self, model) -> list[dict]:
         return [{"params": list(model.parameters())}]
