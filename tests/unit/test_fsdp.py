@@ -123,3 +123,57 @@ def test_an_mlx_sharded_rank_evaluates_only_what_it_keeps(strategy, rank):
              "tp": 4 * (num_parameters(spec) - split // 2)}[strategy]
     assert held == keeps
     assert mx.get_peak_memory() - before <= held + 4 * 2**20, (mx.get_peak_memory() - before, held)
+
+
+def test_torch_fsdp_gathers_a_block_twice_and_every_other_unit_once_per_micro_step(tmp_path, monkeypatch):
+    """FSDP2 frees a block after its forward and gathers it again for its backward; the head stays gathered
+    to its backward, the embedding's backward needs no weights, the root stays (torch_impl/fsdp.py). The
+    cost model counts the same gathers, and an evaluation frees what stayed gathered. One process: at N=1
+    FSDP2 only pretends to gather, which is what is counted."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_group
+    from torch.distributed.tensor import DTensor
+
+    from common.costmodel import Workload, collectives
+    from torch_impl.fsdp import Sharding, shard_model
+    from torch_impl.model import Llama, token_loss_sum
+
+    gathered = []
+    unshard = fsdp_group.FSDPParamGroup.unshard
+
+    def counting(self, *args, **kwargs):
+        pending = self._all_gather_result is None and self.is_sharded
+        unshard(self, *args, **kwargs)
+        if pending and self._all_gather_result is not None:  # a gather started
+            gathered.append(names[self.modules[0]])
+
+    monkeypatch.setattr(fsdp_group.FSDPParamGroup, "unshard", counting)
+    spec = preset("tiny")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = Llama(spec)
+        shard_model(model, torch.device("cpu"), "gloo")
+        names = {module: name or "root" for name, module in model.named_modules()}
+        tokens = torch.randint(0, spec.vocab_size, (1, 9))
+        batch = (tokens[:, :-1], tokens[:, 1:], torch.ones(1, 8))
+        for _ in range(2):  # the second step as the first
+            gathered.clear()
+            token_loss_sum(model, *batch).backward()
+            assert Counter(gathered) == {"root": 1, "model.embed_tokens": 1, "lm_head": 1,
+                                         **{f"model.layers.{i}": 2 for i in range(spec.n_layers)}}
+        modelled = next(c for c in collectives("fsdp", Workload(spec, 8, 1, framework="torch"), 2) if c.kind == "all_gather")
+        assert modelled.calls == len(gathered)
+
+        strategy = Sharding.__new__(Sharding)
+        strategy.model = model
+        with torch.no_grad():
+            strategy.forward_backward(SimpleNamespace(model=model, device=torch.device("cpu"), to_device=lambda *t: t),
+                                      [batch], None, backward=False)
+        assert all(isinstance(p, DTensor) for p in model.parameters()), "a unit stayed gathered after an evaluation"
+    finally:
+        dist.destroy_process_group()
