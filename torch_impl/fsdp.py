@@ -9,8 +9,9 @@ and stayed gathered from the forward to the end of the backward, with their unsh
 reduce-scatter's buffer beside them: on `base` (2 x 50,000 x 768) that took peak RSS from 0.77x ddp's to
 0.67x (benchmarks/bench_memory.py, docs/benchmarks.md). Each vocabulary matrix is gathered once per
 micro-step, as MLX does, where a block is gathered twice (FSDP2 frees it after its forward): the
-embedding's backward needs no weights, the head stays gathered to its backward (shard_model). Tied embeddings stay in the root unit: the head is
-then the embedding's `as_linear`, which FSDP2's forward hooks would not see. FSDP2 pads an axis that does
+embedding's backward needs no weights, the head stays gathered to its backward (shard_model). Tied
+embeddings stay in the root unit: the head is then the embedding's `as_linear`, which FSDP2's forward hooks
+would not see. FSDP2 pads an axis that does
 not divide by N (a 50257-token vocabulary over 2 ranks), as mlx_impl/fsdp.py does by hand.
 
 Nothing whole is ever allocated: the model is built on the meta device, sharded there, and `wrap` then
