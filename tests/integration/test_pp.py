@@ -105,16 +105,20 @@ def test_a_killed_stage_ends_the_job_and_leaves_nothing_running(framework, backe
     assert not any(faults.alive(pid) for pid in faults.all_rank_pids(out)), "no process of the job is left"
 
 
-@pytest.mark.parametrize("framework, backend", [("mlx", "ring"), ("torch", "gloo")])
-def test_a_stop_signal_to_dpcompare_ends_a_pipeline_and_leaves_nothing_running(framework, backend, cache_dir,
+# SIGHUP (a closed ssh session) for torch: test_stop.py stops torch's gloo launcher with SIGTERM only.
+@pytest.mark.parametrize("framework, backend, sig", [("mlx", "ring", signal.SIGTERM), ("torch", "gloo", signal.SIGHUP)],
+                         ids=["mlx-ring-SIGTERM", "torch-gloo-SIGHUP"])
+def test_a_stop_signal_to_dpcompare_ends_a_pipeline_and_leaves_nothing_running(framework, backend, sig, cache_dir,
                                                                                tmp_path):
     out = tmp_path / "run"
     proc = stop.start(cache_dir, "run", "--framework", framework, "--backend", backend, *PP, *stop.ENDLESS,
                       "--out", out)
     stop.wait_for_ranks(out)
-    exited, gone, stderr = stop.signal_and_time(proc, out, signal.SIGTERM)  # asserts that nothing is left
-    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    exited, gone, stderr = stop.signal_and_time(proc, out, sig)  # asserts that nothing is left
+    assert proc.returncode == 128 + sig, stderr
     assert exited < stop.STOP_LIMIT_S and gone < stop.STOP_LIMIT_S
+    assert f"interrupted by {sig.name}" in stderr and len(stderr.strip().splitlines()) == 1, stderr
+    assert stop.summary(out)["status"] == "interrupted"
     assert stop.rank_statuses(out) == ["interrupted", "interrupted"]
 
 
