@@ -94,10 +94,13 @@ def train_once(root: Path, name: str, args: tuple, cache_dir: Path) -> Path:
 
 # The uninterrupted curve a switch at a checkpoint must continue, and what the cross-framework agreement
 # tests of tp and fsdp compare: 20 steps at lr 1e-3 on a 20-step cosine, one run per (framework, strategy,
-# world size) for the whole session (ddp's also give test_faults.py's resume its reference, and fsdp's
-# test_fsdp.py its packing case). Each keeps its step-10 checkpoint: the first half of a switch (rewound).
+# world size) for the whole session (ddp's also give test_faults.py's resume its reference, fsdp's
+# test_fsdp.py its packing case, and tp x2 and pp x2 against ddp x1 test_tp.py's and test_pp.py's packing
+# cases). Each keeps its step-10 checkpoint: the first half of a switch (rewound). pp cuts each batch into 8
+# micro-batches (1f1b, the default schedule): test_pp.py's case of M = 8.
 HORIZON = ("--lr-decay-steps", 20, "--lr", "1e-3")
 HALF = 10
+PP_MICROBATCHES = 8
 
 
 @pytest.fixture(scope="session")
@@ -106,9 +109,10 @@ def uninterrupted(cache_dir, tmp_path_factory):
     root = shared_root(tmp_path_factory)
 
     def run(framework: str, strategy: str, nproc: int) -> Path:
+        pp = ("--pp-microbatches", PP_MICROBATCHES) if strategy == "pp" else ()
         return train_once(root, f"uninterrupted-{framework}-{strategy}-n{nproc}",
                           (*FAST, *HORIZON, "--steps", 20, "--framework", framework, "--strategy", strategy,
-                           "--nproc", nproc, "--checkpoint-every", HALF), cache_dir)
+                           "--nproc", nproc, "--checkpoint-every", HALF, *pp), cache_dir)
 
     return run
 
@@ -137,13 +141,24 @@ def reference_flags(framework: str, sequence: str) -> tuple:
             "--set", "grad_clip=0.5")
 
 
+def train_padded(root: Path, cache_dir: Path, framework: str, nproc: int, grad_accum: int, strategy: str = "ddp"):
+    """The padded runs: reference_flags(framework, "padding") (10 steps, grad_clip 0.5, an eval at step 10) at
+    these ranks, accumulation and strategy. ddp x1 without accumulation is ddp_one's padding reference."""
+    return train_once(root, f"padded-{framework}-{strategy}-n{nproc}-accum{grad_accum}",
+                      (*FAST, *reference_flags(framework, "padding"), "--nproc", nproc, "--grad-accum", grad_accum,
+                       "--strategy", strategy), cache_dir)
+
+
 @pytest.fixture(scope="session")
 def ddp_one(cache_dir, tmp_path_factory):
     """ddp_one(framework, sequence) -> the ddp x1 run of reference_flags, the reference of test_tp.py's and
-    test_pp.py's equality tests, trained on first use (once for both files)."""
+    test_pp.py's equality tests (but those judged on the `uninterrupted` runs), trained on first use (once for both files; the padding one is also `padded`'s
+    ddp x1 run without accumulation, test_training.py's accumulation reference)."""
     root = shared_root(tmp_path_factory)
 
     def get(framework: str, sequence: str) -> Path:
+        if sequence == "padding":
+            return train_padded(root, cache_dir, framework, 1, 1)
         return train_once(root, f"ddp1-{framework}-{sequence}",
                           (*FAST, *reference_flags(framework, sequence), "--nproc", 1), cache_dir)
 
@@ -152,16 +167,16 @@ def ddp_one(cache_dir, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def padded(cache_dir, tmp_path_factory):
-    """padded(framework, nproc, grad_accum, strategy="ddp") -> a 10-step run of padded sequences, trained on
-    first use: test_training.py's accumulation and data-parallel invariance and test_fsdp.py's padding case
-    judge the same runs (ddp x1 accumulating 2 is the reference of both invariances; ddp x2 accumulating 2
-    is both the data-parallel side and fsdp's reference)."""
+    """padded(framework, nproc, grad_accum, strategy="ddp") -> a 10-step run of padded sequences on
+    reference_flags (grad_clip below the norms: every invariance below also holds for the clipped update, whose
+    global norm each rank must count over the whole batch), trained on first use: test_training.py's
+    accumulation and data-parallel invariance and test_fsdp.py's padding case judge the same runs (ddp x1
+    accumulating 2 is the reference of both invariances; ddp x2 accumulating 2 is both the data-parallel side
+    and fsdp's reference), and ddp x1 without accumulation is ddp_one's padding reference."""
     root = shared_root(tmp_path_factory)
 
     def get(framework: str, nproc: int, grad_accum: int, strategy: str = "ddp") -> Path:
-        return train_once(root, f"padded-{framework}-{strategy}-n{nproc}-accum{grad_accum}",
-                          (*FAST, "--framework", framework, "--steps", 10, "--sequence", "padding", "--nproc", nproc,
-                           "--grad-accum", grad_accum, "--strategy", strategy), cache_dir)
+        return train_padded(root, cache_dir, framework, nproc, grad_accum, strategy)
 
     return get
 

@@ -6,11 +6,14 @@ from helpers import dpcompare
 
 
 def test_compare_saves_a_baseline_then_fails_strictly_against_a_changed_lr(matrix, cache_dir, tmp_path):
-    # The session's matrix saved the baseline of its four runs; torch x1 is run again against it.
+    # The session's matrix saved the baseline of its four runs. Its torch x1 run, judged against it, matches
+    # (`report --against`: that a fresh process trains the same numbers is test_faults' two-runs test); torch x1
+    # is run again with another lr against it and fails strictly, naming the change.
     setup = [*matrix.setup, "--profile-steps", 0, "--frameworks", "torch", "--nproc", "1", "--strict"]
     golden = matrix.baseline
     assert "torch" in {run["framework"] for run in json.loads(golden.read_text())["runs"]}
-    same = dpcompare("compare", *setup, "--out", tmp_path / "b", "--against", golden, cache_dir=cache_dir)
+    same = dpcompare("report", matrix.run("torch", 1), "--out", tmp_path / "b", "--against", golden, "--strict",
+                     cache_dir=cache_dir)
     assert "matches its baseline" in same.stdout
     changed = dpcompare("compare", *setup, "--lr", "3e-3", "--out", tmp_path / "c", "--against", golden,
                         cache_dir=cache_dir, check=False)

@@ -11,6 +11,7 @@ from safetensors.numpy import load_file
 from common.precision import DEFAULT_TOLERANCES
 from compare.report.parity import moving_average
 from helpers import FAST, dpcompare, losses, summary
+from integration.conftest import resumed_from, rewound
 
 BF16 = DEFAULT_TOLERANCES["bfloat16"]
 FRAMEWORKS = ["mlx", "torch"]
@@ -19,6 +20,7 @@ FRAMEWORKS = ["mlx", "torch"]
 # ---- slow: the real CLI ------------------------------------------------------------------------------
 
 STEPS = ("--steps", 20, "--lr-decay-steps", 20, "--lr", "3e-3", "--eval-every", 20)
+HALFWAY = ("--checkpoint-every", 10)  # the compare's bf16 runs keep step 10: the resume test's first half
 
 
 def rel(a, b) -> np.ndarray:
@@ -33,11 +35,12 @@ def eval_loss(run_dir) -> float:
 @pytest.fixture(scope="module")
 def runs(cache_dir, tmp_path_factory):
     """fp32 and bf16 at N=1 of both frameworks in one compare (which the float32/bfloat16 report test below
-    reads), bf16 at N=2 of both as runs; each directory once for the module. The compare's per-step tolerance
-    (--loss-atol 1e-15) is one no float32 pair can meet; it judges, and changes no run."""
+    reads; its bf16 runs, rewound to their step-10 checkpoint, are the resume test's first half), bf16 at N=2
+    of both as runs; each directory once for the module. The compare's per-step tolerance (--loss-atol 1e-15)
+    is one no float32 pair can meet; it judges, and changes no run."""
     root = tmp_path_factory.mktemp("bf16")
     cmp = root / "cmp"
-    proc = dpcompare("compare", *FAST, *STEPS, "--frameworks", ",".join(FRAMEWORKS), "--nproc", 1,
+    proc = dpcompare("compare", *FAST, *STEPS, *HALFWAY, "--frameworks", ",".join(FRAMEWORKS), "--nproc", 1,
                      "--dtypes", "float32,bfloat16", "--loss-atol", "1e-15", "--out", cmp, cache_dir=cache_dir)
     out = {"compare": (cmp, proc.stdout)}
     for framework in FRAMEWORKS:
@@ -112,9 +115,13 @@ def test_dp_invariance_in_bf16_two_ranks_match_one_within_the_bf16_tolerance(fra
 @pytest.mark.slow
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_a_bf16_run_resumes_exactly_from_its_float32_checkpoint(framework, runs, cache_dir, tmp_path):
-    common = (*FAST, *STEPS, "--framework", framework, "--dtype", "bfloat16", "--out", tmp_path)
-    dpcompare("run", *common, "--steps", 10, cache_dir=cache_dir)  # the later --steps wins
-    saved = load_file(tmp_path / "checkpoints" / "step_000010" / "model.safetensors")
+    # The compare's bf16 run, as if stopped at step 10 (its first 10 steps: integration/conftest.py's rewound),
+    # resumed in a new process to step 20, must give that uninterrupted run's losses.
+    straight = runs[framework, "bfloat16", 1]
+    resumed = rewound(straight, tmp_path / "resumed")
+    saved = load_file(resumed / "checkpoints" / "step_000010" / "model.safetensors")
     assert {v.dtype for v in saved.values()} == {np.dtype(np.float32)}
-    dpcompare("run", *common, "--resume", cache_dir=cache_dir)
-    np.testing.assert_allclose(losses(tmp_path), losses(runs[framework, "bfloat16", 1]), rtol=0, atol=1e-6)
+    dpcompare("run", *FAST, *STEPS, *HALFWAY, "--framework", framework, "--dtype", "bfloat16", "--resume",
+              "--out", resumed, cache_dir=cache_dir)
+    assert resumed_from(resumed) == 10 and summary(resumed)["dtype"] == "bfloat16"  # resumed, not retrained
+    np.testing.assert_allclose(losses(resumed), losses(straight), rtol=0, atol=1e-6)

@@ -125,36 +125,36 @@ def test_resume_is_exact_sampler_schedule_and_optimizer_state_all_continue(frame
     np.testing.assert_allclose(losses(resumed), losses(straight), rtol=0, atol=1e-6)
 
 
-def test_a_truncated_checkpoint_is_refused_and_left_untouched(cache_dir, tmp_path):
-    out = tmp_path / "run"
-    dpcompare("run", *FAST, "--framework", "mlx", "--steps", 4, "--out", out, cache_dir=cache_dir)
-    weights = out / "checkpoints" / "step_000004" / "model.safetensors"
+# The refusals and the interrupted save start from a copy of a session run (integration/conftest.py), as the
+# resume test above does: what they check is the resume, not the training before it.
+def test_a_truncated_checkpoint_is_refused_and_left_untouched(uninterrupted, cache_dir, tmp_path):
+    out = rewound(uninterrupted("mlx", "ddp", 1), tmp_path / "run", step=20)  # checkpoints 10 and 20
+    weights = out / "checkpoints" / "step_000020" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
-    proc = dpcompare("run", *FAST, "--framework", "mlx", "--steps", 8, "--resume", "--out", out,
+    proc = dpcompare("run", *FAST, "--framework", "mlx", *HORIZON, "--steps", 24, "--resume", "--out", out,
                      cache_dir=cache_dir, check=False)
     assert proc.returncode == 2 and "truncated" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert before == {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
 
 
-def test_a_checkpoint_of_another_model_is_refused(cache_dir, tmp_path):
-    out = tmp_path / "run"
-    dpcompare("run", *FAST, "--framework", "torch", "--steps", 3, "--out", out, cache_dir=cache_dir)
-    proc = dpcompare("run", *FAST, "--framework", "torch", "--steps", 6, "--resume", "--out", out,
+def test_a_checkpoint_of_another_model_is_refused(uninterrupted, cache_dir, tmp_path):
+    out = rewound(uninterrupted("torch", "ddp", 1), tmp_path / "run", step=20)
+    proc = dpcompare("run", *FAST, "--framework", "torch", *HORIZON, "--steps", 24, "--resume", "--out", out,
                      "--set", "model.n_layers=3", cache_dir=cache_dir, check=False)
     assert proc.returncode == 2 and "another model spec" in proc.stderr
 
 
-def test_an_interrupted_save_leaves_the_previous_checkpoint_as_latest(cache_dir, tmp_path):
-    out = tmp_path / "run"
-    dpcompare("run", *FAST, "--framework", "mlx", "--steps", 4, "--checkpoint-every", 2, "--out", out,
-              cache_dir=cache_dir)
-    # What a kill during the save of step 6 leaves behind: a half-written temporary directory.
-    partial = out / "checkpoints" / ".tmp_step_000006_12345"
+def test_an_interrupted_save_leaves_the_previous_checkpoint_as_latest(uninterrupted, cache_dir, tmp_path):
+    out = rewound(uninterrupted("mlx", "ddp", 1), tmp_path / "run")  # stopped at its step-10 checkpoint
+    # What a kill during the save of step 12 leaves behind: a half-written temporary directory.
+    partial = out / "checkpoints" / ".tmp_step_000012_12345"
     partial.mkdir()
     (partial / "model.safetensors").write_bytes(b"\x00" * 100)
-    dpcompare("run", *FAST, "--framework", "mlx", "--steps", 6, "--resume", "--out", out, cache_dir=cache_dir)
-    assert [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()] == list(range(1, 7))
+    dpcompare("run", *FAST, "--framework", "mlx", *HORIZON, "--steps", 12, "--checkpoint-every", 2, "--resume",
+              "--out", out, cache_dir=cache_dir)
+    assert resumed_from(out) == 10
+    assert [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()] == list(range(1, 13))
 
 
 @pytest.mark.parametrize("framework, backend", LAUNCHES)

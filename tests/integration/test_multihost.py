@@ -21,7 +21,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import FAST, ROOT, dpcompare, losses, summary
+from helpers import FAST, ROOT, losses, summary
+from integration.conftest import HORIZON
 
 _pairs = itertools.count()
 
@@ -127,10 +128,11 @@ def step_of(out: Path, rank: int) -> int:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("framework, form", [("mlx", "ring"), ("torch", None)], ids=["mlx-ring", "torch-gloo"])
-def test_a_two_host_job_across_a_veth_link_equals_one_process(framework, form, hosts, cache_dir, tmp_path):
-    steps = ("--steps", 8)
-    one = tmp_path / "one"
-    dpcompare("run", *FAST, "--framework", framework, "--nproc", 1, *steps, "--out", one, cache_dir=cache_dir)
+def test_a_two_host_job_across_a_veth_link_equals_one_process(framework, form, hosts, uninterrupted, cache_dir,
+                                                               tmp_path):
+    # One process: the first 8 steps of the session's 20-step ddp x1 run on the same LR horizon (conftest.py).
+    steps = ("--steps", 8, *HORIZON)
+    one = losses(uninterrupted(framework, "ddp", 1))[:8]
     hostfile = ring_hostfile(tmp_path / "hosts.json", hosts, form) if framework == "mlx" else None
     outs = [tmp_path / f"node{node}" for node in (0, 1)]
     procs = [hosts.start(node, framework, outs[node], cache_dir, *steps, hostfile=hostfile) for node in (0, 1)]
@@ -141,13 +143,13 @@ def test_a_two_host_job_across_a_veth_link_equals_one_process(framework, form, h
     finally:
         for proc in procs:
             proc.kill()
-    np.testing.assert_allclose(losses(outs[0]), losses(one), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(losses(outs[0]), one, rtol=0, atol=1e-5)
     for node, out in enumerate(outs):
         s = summary(out)
         assert s["status"] == "ok" and s["world_size"] == 2 and s["node_rank"] == node and s["steps"] == 8
         assert s["node_ranks"] == [node] and s["peak_rss_bytes"][node] > 0
     assert not (outs[1] / "metrics.jsonl").exists(), "node 0 alone writes the metrics"
-    assert abs(summary(outs[1])["final_loss"] - losses(one)[-1]) < 1e-5
+    assert abs(summary(outs[1])["final_loss"] - one[-1]) < 1e-5
 
 
 @pytest.mark.slow
