@@ -93,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--strict", action="store_true", help="exit 3 when a parity verdict fails")
     compare.add_argument("--report-on-interrupt", action="store_true",
                          help="when stopped by a signal, still write the report from the runs that finished")
+    compare.add_argument("--no-samples", action="store_true",
+                         help="skip the report's greedy continuations (one process per run after training)")
     add_tolerance_flags(compare)
     add_baseline_flags(compare)
     add_run_flags(compare)

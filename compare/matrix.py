@@ -76,7 +76,7 @@ def run_matrix(args) -> int:
     command = "dpcompare " + shlex.join(sys.argv[1:]) if sys.argv else ""
     # A failed cross-framework verdict is followed by a diagnosis: where the frameworks first part.
     diagnose_failures(run_dirs, out, tolerances_from_args(args))
-    write_samples(run_dirs)
+    write_samples(run_dirs, args)
     add_predictions(run_dirs)  # the cost model's step for every N > 1 run, from its N=1 run (compare/plan.py)
     add_memory_predictions(run_dirs)  # and every run's peak memory per rank from the shapes
     return finish(run_dirs, out, args, {"command": command}, failed)
@@ -114,7 +114,7 @@ def matrix_interrupted(stop: KeyboardInterrupt, run_dirs: list[Path], out: Path,
     """No report from a half-finished matrix unless asked (--report-on-interrupt): its verdicts would
     silently lack runs. `dpcompare report` still builds one from whatever finished."""
     if getattr(args, "report_on_interrupt", False) and run_dirs:
-        write_samples(run_dirs)
+        write_samples(run_dirs, args)
         finish(run_dirs, out, args, {"command": "dpcompare " + shlex.join(sys.argv[1:])}, failed)
     stop.detail = (f"{getattr(stop, 'detail', None) or 'interrupted'}; the comparison stopped there "
                    f"(dpcompare report {out} reports the runs that finished)")
@@ -166,8 +166,11 @@ def diagnose_failures(run_dirs: list[Path], out: Path, tol) -> None:
         write_json(where / FINDING_FILE, found)
 
 
-def write_samples(run_dirs: list[Path]) -> None:
-    """A greedy continuation from each finished run's final weights, into its sample.json for the report."""
+def write_samples(run_dirs: list[Path], args=None) -> None:
+    """A greedy continuation from each finished run's final weights, into its sample.json for the report;
+    none with --no-samples (the report then has no continuations section)."""
+    if getattr(args, "no_samples", False):
+        return
     from .launch.sample import write_samples as sample_runs
     from .report.parity import load_run
 

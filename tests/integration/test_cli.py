@@ -25,7 +25,7 @@ def test_prepare_on_tinystories_with_gpt2_reports_the_known_counts(cache_dir):
 def test_compare_reports_a_failed_run_runs_the_rest_and_exits_nonzero(cache_dir, tmp_path):
     # torch x2, the first run of the matrix, fails at step 3; mlx x2 still runs after it.
     out = tmp_path / "cmp"
-    proc = dpcompare("compare", *FAST, "--frameworks", "torch,mlx", "--nproc", "2", "--steps", 6, "--out", out,
+    proc = dpcompare("compare", *FAST, "--frameworks", "torch,mlx", "--nproc", "2", "--steps", 6, "--no-samples", "--out", out,
                      cache_dir=cache_dir, check=False, env={"DPCOMPARE_INJECT_FAULT": "framework=torch,rank=1,step=3"})
     assert proc.returncode == 1
     assert "torch x2 failed" in proc.stderr and "rank 1" in proc.stderr

@@ -48,7 +48,7 @@ def test_the_cost_model_predicts_a_two_rank_run_over_a_shaped_link_from_the_one_
     suites on the 2-core machine."""
     skip_unless_links()
     out = tmp_path / "cmp"
-    dpcompare("compare", *FAST, "--frameworks", "torch", "--nproc", "1,2", "--steps", 6, "--link", "20mbit",
+    dpcompare("compare", *FAST, "--frameworks", "torch", "--nproc", "1,2", "--steps", 6, "--link", "20mbit", "--no-samples",
               "--out", out, cache_dir=cache_dir)
     s = summary(out / "torch-n2")
     p = s["prediction"]
