@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--max-mb", type=float, default=32.0, help="--fabric: largest message, MB (default 32)")
     doctor.add_argument("--time-budget-s", type=float, default=55.0,
                         help="--fabric: the whole measurement's time limit (default 55)")
+    doctor.add_argument("--max-calls", type=int, default=20,
+                        help="--fabric: timed calls per message size at most (default 20; fewer is quicker)")
     doctor.add_argument("--preset", default="small", help="--fabric: the model whose gradient sync is estimated")
     doctor.add_argument("--seq-len", type=int, default=128, help="--fabric: tokens per sequence of that step")
     doctor.add_argument("--global-batch-size", type=int, default=8, help="--fabric: sequences per step")
@@ -159,8 +161,8 @@ def cmd_doctor(args) -> int:
 
     if args.peak:
         print(doctor(measure_peak=True) + "\n")
-    if args.nproc < 2 or args.max_mb <= 0 or args.time_budget_s <= 0:
-        raise UserError("doctor --fabric needs --nproc >= 2, a positive --max-mb and --time-budget-s")
+    if args.nproc < 2 or args.max_mb <= 0 or args.time_budget_s <= 0 or args.max_calls <= 0:
+        raise UserError("doctor --fabric needs --nproc >= 2 and a positive --max-mb, --time-budget-s and --max-calls")
     if args.hostfile and not Path(args.hostfile).is_file():
         raise UserError(f"hostfile {args.hostfile} not found")
     if args.out and not Path(args.out).resolve().parent.is_dir():  # refused now, not after the measurement
@@ -169,7 +171,8 @@ def cmd_doctor(args) -> int:
     RunConfig(preset=args.preset, seq_len=args.seq_len, global_batch_size=args.global_batch_size).validate()
     rows = []
     report, code = fabric(nproc=args.nproc, hostfile=args.hostfile, backend=args.backend, max_mb=args.max_mb,
-                          time_budget_s=args.time_budget_s, workload=workload, link=args.link, rows_out=rows)
+                          time_budget_s=args.time_budget_s, max_calls=args.max_calls, workload=workload,
+                          link=args.link, rows_out=rows)
     print(report, flush=True)
     if args.out:
         from .plan import write_fabric

@@ -38,6 +38,7 @@ def _cases(tmp):
         ("unknown field via --set", [*run, "--set", "stepz=3"], "unknown config field 'stepz'"),
         ("unknown model field", [*run, "--set", "model.dimm=3"], "unknown model field 'dimm'"),
         ("zero steps", [*run, "--steps", "0"], "steps must be positive"),
+        ("doctor with no calls", ["doctor", "--fabric", "--max-calls", "0"], "a positive --max-mb, --time-budget-s and --max-calls"),
         ("negative batch", [*run, "--global-batch-size", "-8"], "global_batch_size must be positive"),
         ("negative lr", [*run, "--lr", "-0.1"], "lr must be positive"),
         ("nproc zero", [*run, "--nproc", "0"], "nproc must be positive"),
