@@ -522,6 +522,7 @@ def calibrate(summary: dict, spec: ModelSpec, source: str = "") -> Calibration:
     if not step_s:
         raise UserError(f"{source or 'the run'} has no measured step time in summary.json")
     notes = []
+    on_gpu = str(summary.get("device", "")).startswith(("cuda", "gpu", "mps"))
     link = link_from_record(summary.get("link"), framework, backend)
     exposed = float(bd.get("communication") or 0.0)
     if n > 1 and strategy in ("fsdp", "tp", "pp"):
@@ -529,8 +530,8 @@ def calibrate(summary: dict, spec: ModelSpec, source: str = "") -> Calibration:
         # compute: the model's own estimate of all of them (not overlapped) is taken off the step instead.
         used = link or loopback_link(backend)
         colls = collectives(strategy, w, n, reduce_scatter_kind(framework, backend))
-        on_host = strategy == "fsdp" and not str(summary.get("device", "")).startswith(("cuda", "gpu", "mps"))
-        exposed = sum(c.seconds(used, n) for c in colls) + (fsdp_host_s(colls, framework) if on_host else 0.0)
+        host = fsdp_host_s(colls, framework) if strategy == "fsdp" and not on_gpu else 0.0
+        exposed = sum(c.seconds(used, n) for c in colls) + host
     compute = step_s - exposed
     if compute < 0.2 * step_s:  # the link estimate exceeds what was measured: keep a floor, and say so
         notes.append(f"modelled communication {exposed:.3g} s leaves under 20% of the measured step "
@@ -549,7 +550,6 @@ def calibrate(summary: dict, spec: ModelSpec, source: str = "") -> Calibration:
         # A sync that costs more than the collectives alone (torch on 2 busy cores: bucket copies, threads
         # waiting for a core, docs/benchmarks.md) is a fixed cost per step, not a share of the link's time.
         sync_overhead_s = max(0.0, exposed - full)
-    on_gpu = str(summary.get("device", "")).startswith(("cuda", "gpu", "mps"))
     peaks = summary.get("peak_mem_bytes" if on_gpu else "peak_rss_bytes") or []
     peak = max((p for p in peaks if p), default=None)
     overhead = 0.0

@@ -11,8 +11,8 @@ reduce-scatter's buffer beside them: on `base` (2 x 50,000 x 768) that took peak
 micro-step, as MLX does, where a block is gathered twice (FSDP2 frees it after its forward): the
 embedding's backward needs no weights, the head stays gathered to its backward (shard_model). Tied
 embeddings stay in the root unit: the head is then the embedding's `as_linear`, which FSDP2's forward hooks
-would not see. FSDP2 pads an axis that does
-not divide by N (a 50257-token vocabulary over 2 ranks), as mlx_impl/fsdp.py does by hand.
+would not see. FSDP2 pads an axis that does not divide by N (a 50257-token vocabulary over 2 ranks), as
+mlx_impl/fsdp.py does by hand.
 
 Nothing whole is ever allocated: the model is built on the meta device, sharded there, and `wrap` then
 allocates (to_empty) and loads only this rank's rows of each tensor (torch_impl/load.py, common/strategy.py's

@@ -5,7 +5,8 @@ fully_shard and DTensor's parallelize_module accept meta modules; pp drops the o
 calls `load_local`: `to_empty` allocates only what the rank keeps, and each parameter's local tensor (its
 shard of a DTensor) is filled with the slice the strategy keeps (`strategy.local_index`), read from the
 source. The model has no buffers (RoPE's tables are computed from the spec at use: torch_impl/model.py), so
-nothing else needs filling. A rank's peak thus holds its own part of the model, not the whole. Mirrors mlx_impl/load.py.
+nothing else needs filling. A rank's peak thus holds its own part of the model, not the whole. Mirrors
+mlx_impl/load.py.
 """
 from __future__ import annotations
 

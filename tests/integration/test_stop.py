@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from common.checkpoint import latest_checkpoint
+from common.metrics import read_metrics
 from compare.machine import environment
 from helpers import FAST, ROOT, can_emulate_links, dpcompare, losses, namespaces, summary
 
@@ -132,7 +133,8 @@ def test_a_stop_signal_to_dpcompare_ends_the_job_marks_it_interrupted_and_resume
     # --resume from the last complete checkpoint gives the losses of a run never interrupted: those the stopped
     # run itself recorded after that checkpoint, before the signal. Only where it was stopped at the checkpoint's
     # own step (about 1 in EVERY) is there none, and an uninterrupted reference run is trained.
-    before = recorded_losses(out)
+    train_rows = read_metrics(out / "metrics.jsonl")[0]  # a line torn by the stop is left out
+    before = {row["step"]: row["loss"] for row in train_rows if "loss" in row}
     resumed_from = int(latest_checkpoint(out).name.split("_")[1])
     steps = ("--steps", resumed_from + 4, "--lr-decay-steps", 40, "--checkpoint-every", EVERY)
     dpcompare("run", *FAST, *job, *steps, "--resume", "--out", out, cache_dir=cache_dir)
@@ -148,18 +150,6 @@ def test_a_stop_signal_to_dpcompare_ends_the_job_marks_it_interrupted_and_resume
         dpcompare("run", *FAST, *job, *steps, "--out", tmp_path / "reference", cache_dir=cache_dir)
         np.testing.assert_allclose(losses(out), losses(tmp_path / "reference"), rtol=0, atol=1e-6)
 
-
-def recorded_losses(run_dir) -> dict[int, float]:
-    """step -> loss of what metrics.jsonl holds (a line cut short by the stop is left out)."""
-    found = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if "loss" in row:
-            found[row["step"]] = row["loss"]
-    return found
 
 
 @pytest.mark.slow
