@@ -41,6 +41,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
+from common.heap import release_freed_heap
 from common.strategy import fsdp_rows
 
 from common.shardedcheckpoint import local_pieces
@@ -53,9 +54,9 @@ def reduce_scatter_kind(backend: str) -> str:
     return "native"  # gloo and nccl both implement reduce_scatter_tensor, which FSDP2 calls
 
 
-def shard_model(model, device: torch.device, backend: str) -> None:
+def shard_model(model, device: torch.device, backend: str, release_heap: bool = True) -> None:
     """Shard every block, the embedding and the head (untied), then the root, in place: `model` becomes an
-    FSDPModule."""
+    FSDPModule. release_heap: give glibc's freed heap back before the embedding's backward (below)."""
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for block in model.model.layers:
         fully_shard(block, mesh=mesh)
@@ -67,10 +68,28 @@ def shard_model(model, device: torch.device, backend: str) -> None:
         # backward's peak it is held either way: its weight beside its gradient).
         fully_shard(model.lm_head, mesh=mesh, reshard_after_forward=False)
     fully_shard(model, mesh=mesh)
+    if release_heap:
+        release_heap_before_embedding_backward(model)
     if backend == "gloo":  # see the module docstring: SUM, then FSDP's own division by N
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.set_force_sum_reduction_for_comms(True)
+
+
+def release_heap_before_embedding_backward(model) -> None:
+    """The peak of a torch fsdp rank comes at the end of the backward: the embedding's whole gradient and its
+    reduce-scatter buffer (2 x 147 MiB on `base`) arrive when every sharded gradient exists, and glibc's
+    heap then holds 300-480 MiB of blocks the backward freed but did not return (common/heap.py). Returning
+    them as the embedding's backward starts (a hook on the gradient of its output) took the peak from
+    0.66-0.68x ddp's to 0.61-0.62x (docs/benchmarks.md); once per micro-step, 1-4 % of a step on `small`."""
+    def on_output(module, args, output):
+        if output.requires_grad:  # not in an evaluation
+            output.register_hook(_release_freed_heap)
+    model.model.embed_tokens.register_forward_hook(on_output)
+
+
+def _release_freed_heap(grad):
+    release_freed_heap()  # returns None: the gradient passes on unchanged
 
 
 class Sharding(MicroSteps):
@@ -83,10 +102,11 @@ class Sharding(MicroSteps):
     def __init__(self, cfg, world, device: torch.device):
         self.device, self.backend, self.rank, self.size = device, cfg.resolved_backend, dist.get_rank(), dist.get_world_size()
         self.reduce_scatter = reduce_scatter_kind(self.backend)
+        self.release_heap = not cfg.tune_malloc  # --tune-malloc keeps freed memory on purpose (common/heap.py)
 
     def wrap(self, model, source):
         """Shard the model while it is on the meta device, then allocate and load only this rank's shards."""
-        shard_model(model, self.device, self.backend)
+        shard_model(model, self.device, self.backend, release_heap=self.release_heap)
         load_local(model, self.device, source, self.local_index)
         self.model = model
         return model

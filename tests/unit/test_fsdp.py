@@ -128,8 +128,9 @@ def test_an_mlx_sharded_rank_evaluates_only_what_it_keeps(strategy, rank):
 def test_torch_fsdp_gathers_a_block_twice_and_every_other_unit_once_per_micro_step(tmp_path, monkeypatch):
     """FSDP2 frees a block after its forward and gathers it again for its backward; the head stays gathered
     to its backward, the embedding's backward needs no weights, the root stays (torch_impl/fsdp.py). The
-    cost model counts the same gathers, and an evaluation frees what stayed gathered. One process: at N=1
-    FSDP2 only pretends to gather, which is what is counted."""
+    cost model counts the same gathers, and an evaluation frees what stayed gathered. The freed heap is
+    returned once per backward, just before the embedding's gradient (the rank's peak). One process: at
+    N=1 FSDP2 only pretends to gather, which is what is counted."""
     from collections import Counter
     from types import SimpleNamespace
 
@@ -142,8 +143,18 @@ def test_torch_fsdp_gathers_a_block_twice_and_every_other_unit_once_per_micro_st
     from torch_impl.fsdp import Sharding, shard_model
     from torch_impl.model import Llama, token_loss_sum
 
-    gathered = []
+    import torch_impl.fsdp
+
+    gathered, backward = [], []  # backward: each unit's post-backward, and the heap releases, in order
     unshard = fsdp_group.FSDPParamGroup.unshard
+    post_backward = fsdp_group.FSDPParamGroup.post_backward
+
+    def recording(self, *args, **kwargs):
+        backward.append(names[self.modules[0]])
+        return post_backward(self, *args, **kwargs)
+
+    monkeypatch.setattr(fsdp_group.FSDPParamGroup, "post_backward", recording)
+    monkeypatch.setattr(torch_impl.fsdp, "release_freed_heap", lambda: backward.append("release"))
 
     def counting(self, *args, **kwargs):
         pending = self._all_gather_result is None and self.is_sharded
@@ -163,17 +174,24 @@ def test_torch_fsdp_gathers_a_block_twice_and_every_other_unit_once_per_micro_st
         batch = (tokens[:, :-1], tokens[:, 1:], torch.ones(1, 8))
         for _ in range(2):  # the second step as the first
             gathered.clear()
+            backward.clear()
             token_loss_sum(model, *batch).backward()
             assert Counter(gathered) == {"root": 1, "model.embed_tokens": 1, "lm_head": 1,
                                          **{f"model.layers.{i}": 2 for i in range(spec.n_layers)}}
+            # The freed heap goes back once, after every block's backward, before the embedding's.
+            assert backward.count("release") == 1
+            assert backward.index("release") < backward.index("model.embed_tokens")
+            assert all(backward.index(f"model.layers.{i}") < backward.index("release") for i in range(spec.n_layers))
         modelled = next(c for c in collectives("fsdp", Workload(spec, 8, 1, framework="torch"), 2) if c.kind == "all_gather")
         assert modelled.calls == len(gathered)
 
         strategy = Sharding.__new__(Sharding)
         strategy.model = model
+        backward.clear()
         with torch.no_grad():
             strategy.forward_backward(SimpleNamespace(model=model, device=torch.device("cpu"), to_device=lambda *t: t),
                                       [batch], None, backward=False)
         assert all(isinstance(p, DTensor) for p in model.parameters()), "a unit stayed gathered after an evaluation"
+        assert "release" not in backward  # an evaluation has no backward to release before
     finally:
         dist.destroy_process_group()
