@@ -4,9 +4,9 @@ Why a rank needs it. glibc serves an allocation below its mmap threshold from th
 rises to the largest block freed so far, up to 32 MB (mallopt(3), M_MMAP_THRESHOLD). After a run's first
 steps every block-sized tensor (a gathered parameter, an unsharded gradient, an activation) comes from the
 heap, and a block freed in the middle of the heap stays resident: only the top is returned by itself.
-Under torch's fsdp those freed blocks reached 300-480 MiB by the end of a backward on `base`, a fifth of the
-rank's peak RSS (docs/benchmarks.md, "torch fsdp returns its freed heap"); torch_impl/fsdp.py calls
-`release_freed_heap` once per backward, where its peak comes.
+Under torch's fsdp those freed blocks reached 300-480 MiB in the backward on `base`, a fifth of the rank's
+peak RSS (docs/benchmarks.md, "torch fsdp returns its freed heap"); torch_impl/fsdp.py calls
+`release_freed_heap` twice per backward, where its peak comes.
 
 `--tune-malloc` asks for the opposite (keep freed memory, for speed), so callers skip this under it.
 """
@@ -34,7 +34,7 @@ def available() -> bool:
 
 def release_freed_heap() -> bool:
     """Return every whole free page of the heap to the OS (malloc_trim(0): the middle of the heap too, not only
-    its top). True when some memory was returned. The pages fault in again when the heap reuses them: one
-    call costs 1-4 % of a torch fsdp step on `small` (docs/benchmarks.md)."""
+    its top). True when some memory was returned. The pages fault in again when the heap reuses them: the
+    two calls of a torch fsdp backward cost 2-7 % of a step on `base`, 5-10 % on `small` (docs/benchmarks.md)."""
     trim = _malloc_trim()
     return bool(trim(0)) if trim is not None else False

@@ -56,7 +56,7 @@ def reduce_scatter_kind(backend: str) -> str:
 
 def shard_model(model, device: torch.device, backend: str, release_heap: bool = True) -> None:
     """Shard every block, the embedding and the head (untied), then the root, in place: `model` becomes an
-    FSDPModule. release_heap: give glibc's freed heap back before the embedding's backward (below)."""
+    FSDPModule. release_heap: give glibc's freed heap back in the backward (below)."""
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for block in model.model.layers:
         fully_shard(block, mesh=mesh)
@@ -69,22 +69,25 @@ def shard_model(model, device: torch.device, backend: str, release_heap: bool = 
         fully_shard(model.lm_head, mesh=mesh, reshard_after_forward=False)
     fully_shard(model, mesh=mesh)
     if release_heap:
-        release_heap_before_embedding_backward(model)
+        release_heap_in_backward(model)
     if backend == "gloo":  # see the module docstring: SUM, then FSDP's own division by N
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.set_force_sum_reduction_for_comms(True)
 
 
-def release_heap_before_embedding_backward(model) -> None:
-    """The peak of a torch fsdp rank comes at the end of the backward: the embedding's whole gradient and its
-    reduce-scatter buffer (2 x 147 MiB on `base`) arrive when every sharded gradient exists, and glibc's
-    heap then holds 300-480 MiB of blocks the backward freed but did not return (common/heap.py). Returning
-    them as the embedding's backward starts (a hook on the gradient of its output) took the peak from
-    0.66-0.68x ddp's to 0.61-0.62x (docs/benchmarks.md); once per micro-step, 1-4 % of a step on `small`."""
+def release_heap_in_backward(model) -> None:
+    """Give glibc's freed heap back to the OS twice per backward: as it starts (the gradient of the logits)
+    and as the embedding's backward starts (the gradient of its output). A torch fsdp rank peaks in the
+    backward: every unit's gathered weight, whole gradient and reduce-scatter buffer come and go there, the
+    embedding's (2 x 147 MiB on `base`) last, when every sharded gradient exists; and glibc's heap then
+    holds 300-480 MiB of blocks the forward and the blocks' backward freed but did not return
+    (common/heap.py). On `base` at N=2 the two releases took the peak from 0.66-0.68x ddp's to about 0.56x
+    (either alone: 0.61-0.64); they cost 2-7 % of a step there and 5-10 % on `small` (docs/benchmarks.md)."""
     def on_output(module, args, output):
         if output.requires_grad:  # not in an evaluation
             output.register_hook(_release_freed_heap)
+    model.register_forward_hook(on_output)  # the logits, whether the head is its own unit or tied
     model.model.embed_tokens.register_forward_hook(on_output)
 
 

@@ -54,13 +54,13 @@ FRAMEWORK_ONLY = {"mlx_impl": set(), "torch_impl": set()}
 # (`Stage`), times its backward with autograd marks (`BackwardMark`) and counts point-to-point sends in a
 # dispatch mode (`SendCounter`, `NoCount`); MLX writes the schedule out and needs none of them. fsdp.py: MLX
 # pads an uneven vocabulary itself and slices the pad logits off (`VocabShard`); FSDP2 pads inside; torch
-# returns glibc's freed heap before the embedding's backward (`release_heap_before_embedding_backward`), where
-# its peak comes; MLX evaluates the step as one lazy graph, with no hook between the blocks' backward and the
-# embedding's, and its fsdp meets the target without it (docs/benchmarks.md). load.py:
+# returns glibc's freed heap in the backward (`release_heap_in_backward`), where its peak comes; MLX evaluates
+# the step as one lazy graph, with no hook inside its backward, and its fsdp meets the target without it
+# (docs/benchmarks.md). load.py:
 # MLX maps fsdp's wrapped paths to HF names (`hf_name`); torch reads a DTensor's shard (`local`) and places
 # AdamW's moments as the parameters are (`filled_like`).
 NAME_ONLY = {"comm.py": {"average_gradients"}, "ddp.py": {"sum_of_squares", "moments", "FixedCount", "wait_for"},
-             "pp.py": {"Stage", "BackwardMark", "SendCounter", "NoCount"}, "fsdp.py": {"VocabShard", "release_heap_before_embedding_backward"},
+             "pp.py": {"Stage", "BackwardMark", "SendCounter", "NoCount"}, "fsdp.py": {"VocabShard", "release_heap_in_backward"},
              "load.py": {"hf_name", "local", "filled_like"}}
 
 
