@@ -92,8 +92,12 @@ DEFAULT_OVERLAP = 0.0     # see the module docstring: measured here, nothing ove
 #                         dispatch, copies into and out of its flat buffers), beyond the link's time
 #   FSDP_HIDDEN_SHARE     MLX: the share of the forward and backward during which fsdp's collectives, nodes of
 #                         the step's graph on their own stream (mlx_impl/fsdp.py), run hidden
+#   HEAP_RELEASE_BYTES_PER_S  torch: how fast the heap its fsdp gives back to the OS twice per backward
+#                         (torch_impl/fsdp.py, common/heap.py) is returned and faulted in again, on Linux without
+#                         --tune-malloc; fitted on `small` and `base` at 12 and 24 layers, N=2 (heap_release_bytes)
 FSDP_HOST_S_PER_CALL = {"torch": 7e-3}
 FSDP_HIDDEN_SHARE = {"mlx": 0.2}
+HEAP_RELEASE_BYTES_PER_S = {"torch": 2.5e9}
 DEFAULT_BUCKET_BYTES = {"mlx": 32 * 2**20, "torch": 25 * 2**20}  # RunConfig's all_reduce_size_mb, bucket_cap_mb
 # All-reduce at N=2 over loopback on the reference machine (docs/benchmarks.md, "All-reduce against message
 # size": the 4 KB median and the 108 MB bandwidth), for runs whose summary.json has no `link` record.
@@ -302,10 +306,23 @@ def pipeline_exposed_s(w: Workload, n: int, link: Link, compute_fwd_bwd_s: float
     return w.grad_accum * ((m + n - 1) * max(0.0, 2 * send_s - slot_s) + 2 * (n - 1) * send_s)
 
 
-def fsdp_host_s(colls: list[Collective], framework: str) -> float:
-    """FSDP2's host time per step beyond the link's (FSDP_HOST_S_PER_CALL): per gather and reduce-scatter call."""
-    return FSDP_HOST_S_PER_CALL.get(framework, 0.0) * sum(c.calls for c in colls if c.kind != "all_reduce"
-                                                          or c.what.startswith("gradients"))
+def fsdp_host_s(colls: list[Collective], framework: str, w: Workload | None = None, n: int = 2) -> float:
+    """FSDP2's host time per step beyond the link's (FSDP_HOST_S_PER_CALL): per gather and reduce-scatter call;
+    with a workload `w`, plus the heap it releases and faults in again (HEAP_RELEASE_BYTES_PER_S)."""
+    calls = FSDP_HOST_S_PER_CALL.get(framework, 0.0) * sum(c.calls for c in colls if c.kind != "all_reduce"
+                                                           or c.what.startswith("gradients"))
+    rate = HEAP_RELEASE_BYTES_PER_S.get(framework)
+    return calls + (heap_release_bytes(w, n) / rate if w is not None and rate else 0.0)
+
+
+def heap_release_bytes(w: Workload, n: int) -> float:
+    """torch fsdp: the freed heap its two releases per backward give back and the next micro-step faults in
+    again (torch_impl/fsdp.py). Measured per step and rank at N=2 (common/heap.py's calls, RssAnon before and
+    after): `small` 190-280 MiB, `base` 410-580 at 12 layers and 850-1,190 at 24; about one micro-batch's
+    activations plus every block's whole weights (246, 584 and 1,120 MiB here), per micro-step."""
+    shapes = parameter_shapes(w.spec)
+    blocks = sum(math.prod(v) for k, v in shapes.items() if k.startswith("model.layers."))
+    return w.grad_accum * (activation_bytes("fsdp", w, n) + blocks * MASTER_BYTES)
 
 
 def collectives(strategy: str, w: Workload, n: int, reduce_scatter: str = "native") -> list[Collective]:
@@ -460,6 +477,7 @@ class Calibration:
     notes: list = field(default_factory=list)
     sync_overhead_s: float = 0.0    # what a measured ddp sync costs beyond its collectives, per step
     on_cpu: bool = False            # measured on a CPU (fsdp's FSDP_HOST_S_PER_CALL, FSDP_HIDDEN_SHARE apply)
+    releases_heap: bool = False     # on Linux without --tune-malloc (fsdp's HEAP_RELEASE_BYTES_PER_S applies)
 
 
 def calibration_from_flops(w: Workload, achieved_flops_per_s: float, source: str) -> Calibration:
@@ -523,6 +541,9 @@ def calibrate(summary: dict, spec: ModelSpec, source: str = "") -> Calibration:
         raise UserError(f"{source or 'the run'} has no measured step time in summary.json")
     notes = []
     on_gpu = str(summary.get("device", "")).startswith(("cuda", "gpu", "mps"))
+    # torch fsdp gives its freed heap back in every backward on Linux unless --tune-malloc (torch_impl/fsdp.py)
+    releases_heap = (not on_gpu and str((summary.get("machine") or {}).get("platform", "Linux")).startswith("Linux")
+                     and not (summary.get("config") or {}).get("tune_malloc"))
     link = link_from_record(summary.get("link"), framework, backend)
     exposed = float(bd.get("communication") or 0.0)
     if n > 1 and strategy in ("fsdp", "tp", "pp"):
@@ -530,7 +551,7 @@ def calibrate(summary: dict, spec: ModelSpec, source: str = "") -> Calibration:
         # compute: the model's own estimate of all of them (not overlapped) is taken off the step instead.
         used = link or loopback_link(backend)
         colls = collectives(strategy, w, n, reduce_scatter_kind(framework, backend))
-        host = fsdp_host_s(colls, framework) if strategy == "fsdp" and not on_gpu else 0.0
+        host = fsdp_host_s(colls, framework, w if releases_heap else None, n) if strategy == "fsdp" and not on_gpu else 0.0
         exposed = sum(c.seconds(used, n) for c in colls) + host
     compute = step_s - exposed
     if compute < 0.2 * step_s:  # the link estimate exceeds what was measured: keep a floor, and say so
@@ -560,7 +581,7 @@ def calibrate(summary: dict, spec: ModelSpec, source: str = "") -> Calibration:
     return Calibration(w, strategy, n, backend, phases["forward"] * scale / work, phases["backward"] * scale / work,
                        phases["optimizer"] * scale / state, phases["other"] * scale, float(step_s), overlap,
                        overhead, "framework peak" if on_gpu else "peak RSS", link, source, notes, sync_overhead_s,
-                       on_cpu=not on_gpu)
+                       on_cpu=not on_gpu, releases_heap=releases_heap)
 
 
 @dataclass
@@ -607,7 +628,7 @@ def predict(cal: Calibration, strategy: str, n: int, link: Link | None, device_m
     overlap = 0.0 if strategy == "tp" else (cal.overlap if cal.overlap is not None else DEFAULT_OVERLAP)
     exposed = (1.0 - overlap) * comm + (cal.sync_overhead_s if colls and strategy == "ddp" else 0.0)
     if strategy == "fsdp" and colls and cal.on_cpu:
-        compute += fsdp_host_s(colls, w.framework)
+        compute += fsdp_host_s(colls, w.framework, w if cal.releases_heap else None, n)
         exposed = max(0.0, exposed - FSDP_HIDDEN_SHARE.get(w.framework, 0.0) * (cal.forward_s + cal.backward_s)
                       * work_fraction(strategy, w, n))
     if strategy == "pp" and colls:  # its sends overlap other pieces' compute: only the critical path counts

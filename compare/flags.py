@@ -52,7 +52,8 @@ RUN_FLAGS = [
     ("--profile-steps", int, "rounds of extra steps after the run for the time breakdown (0: none)"),
     ("--trace", None, "then trace 2 more steps per rank: RUN_DIR/trace/rank{R}.json for ui.perfetto.dev "
                       "(torch.profiler; MLX: phase spans, plus an Xcode .gputrace on Metal)"),
-    ("--tune-malloc", None, "glibc malloc that keeps freed memory: faster CPU steps, higher peak RSS"),
+    ("--tune-malloc", None, "glibc malloc that keeps freed memory: faster CPU steps, higher peak RSS (torch fsdp "
+                            "then skips its heap releases)"),
     ("--init-from", str, "start from this HF-format Llama dir (its config.json sets the model, its tokenizer "
                          "the tokenizer unless --tokenizer names one) instead of the seeded init"),
     ("--cache-dir", str, "where token caches and seed checkpoints live"),

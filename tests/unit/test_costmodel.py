@@ -276,19 +276,26 @@ def test_the_memory_record_compares_each_rank_with_its_measured_peak(tmp_path):
 
 
 def test_fsdp_on_a_cpu_adds_fsdp2_host_work_in_torch_and_hides_part_of_mlx_collectives():
-    """FSDP_HOST_S_PER_CALL per gather and reduce-scatter call (torch) and FSDP_HIDDEN_SHARE of the forward and
-    backward (MLX), fitted on the reference machine (docs/scaling.md); a calibration on paper (a GPU nobody
-    measured) gets neither."""
+    """FSDP_HOST_S_PER_CALL per gather and reduce-scatter call (torch), the heap torch's fsdp releases in its
+    backward on Linux without --tune-malloc (HEAP_RELEASE_BYTES_PER_S), and FSDP_HIDDEN_SHARE of the forward
+    and backward (MLX), fitted on the reference machine (docs/scaling.md, docs/benchmarks.md); a calibration on
+    paper (a GPU nobody measured) gets none of them."""
     from dataclasses import replace
 
-    from common.costmodel import FSDP_HIDDEN_SHARE, FSDP_HOST_S_PER_CALL, collectives
+    from common.costmodel import (FSDP_HIDDEN_SHARE, FSDP_HOST_S_PER_CALL, HEAP_RELEASE_BYTES_PER_S, collectives,
+                                  heap_release_bytes)
 
     link = Link.wire(1, 100)
     torch_cal = calibrate(summary("torch", 1), TINY)
-    assert torch_cal.on_cpu
+    assert torch_cal.on_cpu and torch_cal.releases_heap
     on_cpu, on_paper = (predict(c, "fsdp", 2, link) for c in (torch_cal, replace(torch_cal, on_cpu=False)))
     calls = sum(c.calls for c in collectives("fsdp", torch_cal.workload, 2))  # gathers and reduce-scatters only
-    assert on_cpu.compute_s - on_paper.compute_s == pytest.approx(FSDP_HOST_S_PER_CALL["torch"] * calls)
+    heap = heap_release_bytes(torch_cal.workload, 2) / HEAP_RELEASE_BYTES_PER_S["torch"]
+    assert heap > 0
+    assert on_cpu.compute_s - on_paper.compute_s == pytest.approx(FSDP_HOST_S_PER_CALL["torch"] * calls + heap)
+    tuned = calibrate({**summary("torch", 1), "config": {"tune_malloc": True}}, TINY)
+    assert not tuned.releases_heap  # --tune-malloc keeps the heap: no release to pay for
+    assert on_cpu.compute_s - predict(tuned, "fsdp", 2, link).compute_s == pytest.approx(heap)
     assert on_cpu.exposed_comm_s == on_paper.exposed_comm_s
     mlx_cal = calibrate(summary("mlx", 1), TINY)
     on_cpu, on_paper = (predict(c, "fsdp", 2, link) for c in (mlx_cal, replace(mlx_cal, on_cpu=False)))
