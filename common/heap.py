@@ -35,6 +35,6 @@ def available() -> bool:
 def release_freed_heap() -> bool:
     """Return every whole free page of the heap to the OS (malloc_trim(0): the middle of the heap too, not only
     its top). True when some memory was returned. The pages fault in again when the heap reuses them: the
-    two calls of a torch fsdp backward cost 2-7 % of a step on `base`, 5-10 % on `small` (docs/benchmarks.md)."""
+    two calls of a torch fsdp backward cost 1-14 % of a step on `base`, 4-10 % on `small` (docs/benchmarks.md)."""
     trim = _malloc_trim()
     return bool(trim(0)) if trim is not None else False

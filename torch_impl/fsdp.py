@@ -83,7 +83,7 @@ def release_heap_in_backward(model) -> None:
     embedding's (2 x 147 MiB on `base`) last, when every sharded gradient exists; and glibc's heap then
     holds 300-480 MiB of blocks the forward and the blocks' backward freed but did not return
     (common/heap.py). On `base` at N=2 the two releases took the peak from 0.66-0.68x ddp's to about 0.56x
-    (either alone: 0.61-0.64); they cost 2-7 % of a step there and 5-10 % on `small` (docs/benchmarks.md)."""
+    (either alone: 0.59-0.64); they cost 1-14 % of a step there and 4-10 % on `small` (docs/benchmarks.md)."""
     def on_output(module, args, output):
         if output.requires_grad:  # not in an evaluation
             output.register_hook(_release_freed_heap)
