@@ -197,6 +197,12 @@ class Workload:
         return self.global_batch_size / ((1 if strategy in ("tp", "pp") else n) * self.grad_accum)
 
 
+def block_elements(shapes: dict, layer: int | None = None) -> int:
+    """Parameter elements of transformer block `layer`, or of every block (None), from parameter_shapes."""
+    prefix = "model.layers." if layer is None else f"model.layers.{layer}."
+    return sum(math.prod(shape) for name, shape in shapes.items() if name.startswith(prefix))
+
+
 def local_parameters(strategy: str, spec: ModelSpec, n: int, framework: str = "torch") -> float:
     """Parameters one rank holds (and updates) under a strategy at N ranks."""
     shapes = parameter_shapes(spec)
@@ -209,7 +215,7 @@ def local_parameters(strategy: str, spec: ModelSpec, n: int, framework: str = "t
     if strategy == "pp":  # the stage holding the most: its blocks and the embedding, or the norm and the head
         return max(sum(math.prod(s) for k, s in shapes.items() if stage_of(k, spec.n_layers, n) == stage)
                    for stage in range(n))
-    blocks = sum(math.prod(s) for k, s in shapes.items() if k.startswith("model.layers."))
+    blocks = block_elements(shapes)
     vocab = sum(math.prod(s) for k, s in shapes.items() if k in ("model.embed_tokens.weight", "lm_head.weight"))
     rest = total - blocks - vocab  # the final norm: MLX keeps it replicated, FSDP2 shards the root unit
     matrices = 1 if spec.tie_embeddings else 2  # both pad V up to a multiple of N (mlx_impl/fsdp.py, FSDP2)
@@ -249,7 +255,7 @@ def _ddp_collectives(w: Workload, n: int, reduce_scatter: str) -> list[Collectiv
 
 def _fsdp_collectives(w: Workload, n: int, reduce_scatter: str) -> list[Collective]:
     shapes = parameter_shapes(w.spec)
-    block = sum(math.prod(s) for k, s in shapes.items() if k.startswith("model.layers.0.")) * MASTER_BYTES
+    block = block_elements(shapes, 0) * MASTER_BYTES
     # the vocabulary matrices, padded to a multiple of N rows (mlx_impl/fsdp.py; FSDP2 pads the same)
     vocab = [math.ceil(s[0] / n) * n * s[1] * MASTER_BYTES for k, s in shapes.items()
              if k in ("model.embed_tokens.weight", "lm_head.weight")]
@@ -306,13 +312,14 @@ def pipeline_exposed_s(w: Workload, n: int, link: Link, compute_fwd_bwd_s: float
     return w.grad_accum * ((m + n - 1) * max(0.0, 2 * send_s - slot_s) + 2 * (n - 1) * send_s)
 
 
-def fsdp_host_s(colls: list[Collective], framework: str, w: Workload | None = None, n: int = 2) -> float:
-    """FSDP2's host time per step beyond the link's (FSDP_HOST_S_PER_CALL): per gather and reduce-scatter call;
-    with a workload `w`, plus the heap it releases and faults in again (HEAP_RELEASE_BYTES_PER_S)."""
-    calls = FSDP_HOST_S_PER_CALL.get(framework, 0.0) * sum(c.calls for c in colls if c.kind != "all_reduce"
-                                                           or c.what.startswith("gradients"))
-    rate = HEAP_RELEASE_BYTES_PER_S.get(framework)
-    return calls + (heap_release_bytes(w, n) / rate if w is not None and rate else 0.0)
+def fsdp_host_s(colls: list[Collective], w: Workload, n: int, releases_heap: bool) -> float:
+    """fsdp's host time per step beyond the link's: FSDP_HOST_S_PER_CALL per gather and reduce-scatter call, and
+    where the run releases its heap (Calibration.releases_heap), the release and its faults
+    (HEAP_RELEASE_BYTES_PER_S)."""
+    calls = FSDP_HOST_S_PER_CALL.get(w.framework, 0.0) * sum(c.calls for c in colls if c.kind != "all_reduce"
+                                                             or c.what.startswith("gradients"))
+    rate = HEAP_RELEASE_BYTES_PER_S.get(w.framework)
+    return calls + (heap_release_bytes(w, n) / rate if releases_heap and rate else 0.0)
 
 
 def heap_release_bytes(w: Workload, n: int) -> float:
@@ -320,9 +327,7 @@ def heap_release_bytes(w: Workload, n: int) -> float:
     again (torch_impl/fsdp.py). Measured per step and rank at N=2 (common/heap.py's calls, RssAnon before and
     after): `small` 190-280 MiB, `base` 410-580 at 12 layers and 850-1,190 at 24; about one micro-batch's
     activations plus every block's whole weights (246, 584 and 1,120 MiB here), per micro-step."""
-    shapes = parameter_shapes(w.spec)
-    blocks = sum(math.prod(v) for k, v in shapes.items() if k.startswith("model.layers."))
-    return w.grad_accum * (activation_bytes("fsdp", w, n) + blocks * MASTER_BYTES)
+    return w.grad_accum * (activation_bytes("fsdp", w, n) + block_elements(parameter_shapes(w.spec)) * MASTER_BYTES)
 
 
 def collectives(strategy: str, w: Workload, n: int, reduce_scatter: str = "native") -> list[Collective]:
@@ -373,8 +378,7 @@ def gathered_bytes(strategy: str, w: Workload, n: int) -> float:
     if strategy != "fsdp" or n == 1:
         return 0.0
     shapes = parameter_shapes(w.spec)
-    blocks = [sum(math.prod(v) for k, v in shapes.items() if k.startswith(f"model.layers.{i}."))
-              for i in range(w.spec.n_layers)]
+    blocks = [block_elements(shapes, i) for i in range(w.spec.n_layers)]
     matrix = math.ceil(w.spec.vocab_size / n) * n * w.spec.dim
     if w.framework == "mlx":
         return (2 * max(blocks) + (1 if w.spec.tie_embeddings else 2) * matrix) * DTYPE_BYTES[w.dtype]
@@ -551,7 +555,7 @@ def calibrate(summary: dict, spec: ModelSpec, source: str = "") -> Calibration:
         # compute: the model's own estimate of all of them (not overlapped) is taken off the step instead.
         used = link or loopback_link(backend)
         colls = collectives(strategy, w, n, reduce_scatter_kind(framework, backend))
-        host = fsdp_host_s(colls, framework, w if releases_heap else None, n) if strategy == "fsdp" and not on_gpu else 0.0
+        host = fsdp_host_s(colls, w, n, releases_heap) if strategy == "fsdp" and not on_gpu else 0.0
         exposed = sum(c.seconds(used, n) for c in colls) + host
     compute = step_s - exposed
     if compute < 0.2 * step_s:  # the link estimate exceeds what was measured: keep a floor, and say so
@@ -628,7 +632,7 @@ def predict(cal: Calibration, strategy: str, n: int, link: Link | None, device_m
     overlap = 0.0 if strategy == "tp" else (cal.overlap if cal.overlap is not None else DEFAULT_OVERLAP)
     exposed = (1.0 - overlap) * comm + (cal.sync_overhead_s if colls and strategy == "ddp" else 0.0)
     if strategy == "fsdp" and colls and cal.on_cpu:
-        compute += fsdp_host_s(colls, w.framework, w if cal.releases_heap else None, n)
+        compute += fsdp_host_s(colls, w, n, cal.releases_heap)
         exposed = max(0.0, exposed - FSDP_HIDDEN_SHARE.get(w.framework, 0.0) * (cal.forward_s + cal.backward_s)
                       * work_fraction(strategy, w, n))
     if strategy == "pp" and colls:  # its sends overlap other pieces' compute: only the critical path counts

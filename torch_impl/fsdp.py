@@ -105,7 +105,9 @@ class Sharding(MicroSteps):
     def __init__(self, cfg, world, device: torch.device):
         self.device, self.backend, self.rank, self.size = device, cfg.resolved_backend, dist.get_rank(), dist.get_world_size()
         self.reduce_scatter = reduce_scatter_kind(self.backend)
-        self.release_heap = not cfg.tune_malloc  # --tune-malloc keeps freed memory on purpose (common/heap.py)
+        # The host heap is what a CPU rank's tensors live in; on a GPU the trim would only cost time.
+        # --tune-malloc keeps freed memory on purpose (common/heap.py).
+        self.release_heap = device.type == "cpu" and not cfg.tune_malloc
 
     def wrap(self, model, source):
         """Shard the model while it is on the meta device, then allocate and load only this rank's shards."""

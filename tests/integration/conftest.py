@@ -152,8 +152,9 @@ def train_padded(root: Path, cache_dir: Path, framework: str, nproc: int, grad_a
 @pytest.fixture(scope="session")
 def ddp_one(cache_dir, tmp_path_factory):
     """ddp_one(framework, sequence) -> the ddp x1 run of reference_flags, the reference of test_tp.py's and
-    test_pp.py's equality tests (but those judged on the `uninterrupted` runs), trained on first use (once for both files; the padding one is also `padded`'s
-    ddp x1 run without accumulation, test_training.py's accumulation reference)."""
+    test_pp.py's equality tests (but those judged on the `uninterrupted` runs), trained on first use (once for
+    both files; the padding one is also `padded`'s ddp x1 run without accumulation, test_training.py's
+    accumulation reference)."""
     root = shared_root(tmp_path_factory)
 
     def get(framework: str, sequence: str) -> Path:

@@ -151,7 +151,6 @@ def test_a_stop_signal_to_dpcompare_ends_the_job_marks_it_interrupted_and_resume
         np.testing.assert_allclose(losses(out), losses(tmp_path / "reference"), rtol=0, atol=1e-6)
 
 
-
 @pytest.mark.slow
 @pytest.mark.parametrize("framework, backend", LAUNCHES)
 def test_a_killed_dpcompare_leaves_no_rank_running_and_the_last_checkpoint_intact(
