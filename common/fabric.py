@@ -107,7 +107,9 @@ def measure(c: Collectives, sizes: list[int], max_calls: int = 50, budget_bytes:
 # at most (4 MiB at 200 Mbit/s takes ~0.2 s a call).
 # 32 MiB (a gradient bucket: MLX's ring reached 0.3 GB/s at 4 MiB and 1.3 at 32 MiB over loopback) only where
 # it fits the budget: over 200mbit it would take 1.3 s a call, and 4 MiB is then bandwidth-bound anyway.
-PROBE_SIZES = (4096, 4 * 2**20, 32 * 2**20)
+# 1 MiB for the slowest links: over 20mbit 4 MiB takes 1.75 s a call, so after its two warm-up calls only one
+# was timed, and that one call put the link at 2.05-2.41 MB/s in eight runs; 1 MiB gets 3 (2.35-2.50 in eight).
+PROBE_SIZES = (4096, 2**20, 4 * 2**20, 32 * 2**20)
 PROBE_BUDGET_S = 5.0
 
 
@@ -131,7 +133,7 @@ def fit(results: list[dict]) -> dict:
 def probe_allreduce(c: Collectives, backend: str, op: str = "all_reduce") -> dict:
     """This job's own float32 all-reduce (or op="all_gather": its all-gather, S the gathered size):
     time(S) ~= latency_s + S / bandwidth_Bps at this world size."""
-    results = measure(c, list(PROBE_SIZES), max_calls=10, budget_bytes=3 * PROBE_SIZES[1],
+    results = measure(c, list(PROBE_SIZES), max_calls=10, budget_bytes=12 * 2**20,
                       time_budget_s=PROBE_BUDGET_S, started=time.monotonic(), op=op)
     return {"backend": backend, "world_size": c.size, **fit(results)}
 

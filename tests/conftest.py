@@ -94,12 +94,14 @@ def runs_integration(config) -> bool:
 @pytest.hookimpl(tryfirst=True)  # before xdist starts its workers (its own pytest_sessionstart)
 def pytest_sessionstart(session):
     """Under xdist, the xdist controller trains the integration lane's shared matrix before any worker
-    exists, so that it trains alone (its time breakdown is judged to 15 %) and fills the workers' cache."""
+    exists, so that it trains alone (its time breakdown is judged to 15 %) and fills the workers' cache;
+    then the shaped-link compare, whose step the cost model's prediction is judged against (also 15 %)."""
     config = session.config
     if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None) \
             or not runs_integration(config):
         return
-    from integration.conftest import MATRIX_ENV, build_matrix
+    from helpers import can_emulate_links
+    from integration.conftest import LINK_RUN_ENV, MATRIX_ENV, build_link_run, build_matrix
 
     base = config._tmp_path_factory.getbasetemp()
     root, cache = base / "matrix", base / "dpcompare-cache"
@@ -113,6 +115,16 @@ def pytest_sessionstart(session):
         pass  # written to root/error.txt: the matrix's readers fail with it, the other tests run
     print(f"the shared matrix took {time.monotonic() - started:.0f} s", flush=True)
     os.environ[MATRIX_ENV] = str(root)
+    if can_emulate_links():
+        link_root = base / "shaped-link"
+        link_root.mkdir(exist_ok=True)
+        started = time.monotonic()
+        try:
+            build_link_run(link_root, cache)
+        except AssertionError:
+            pass  # in link_root/error.txt, as the matrix's
+        print(f"the shaped-link compare took {time.monotonic() - started:.0f} s", flush=True)
+        os.environ[LINK_RUN_ENV] = str(link_root)
 
 
 @functools.lru_cache(maxsize=1)

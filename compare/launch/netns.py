@@ -35,6 +35,7 @@ from ..machine.environment import child_env
 
 _links = itertools.count()
 TBF_LATENCY = "100ms"  # how long a packet may queue in the bucket before it is dropped
+BUCKET_MIN_BYTES = 64 * 1024  # the token bucket's floor: one TSO segment (see _shape)
 TAG_PREFIX = "dpc"
 # dpc<owner pid, base 36>x<link number>, then r<rank> (a rank's namespace) or h (the hub's)
 NAMESPACE = re.compile(rf"^{TAG_PREFIX}([0-9a-z]+)x\d+(?:r\d+|h)$")
@@ -135,8 +136,12 @@ class EmulatedLink:
 
     def _shape(self, namespace: str, interface: str) -> None:
         rate_Bps = self.rate_bps / 8
-        # The bucket must hold a whole segment burst (64 KB with TSO) and a few ms at the rate.
-        burst = max(256 * 1024, int(rate_Bps * 0.004))
+        # The bucket must hold a whole segment burst (64 KB with TSO) and a few ms at the rate, and no
+        # more: what it holds crosses at once after the link idles, which a real link never does. With
+        # 256 KB, a 20 Mbit/s link carried a 1.25 MB TCP probe at 1.18x its rate, and a rank that paused
+        # between steps got a 632 KB all-reduce up to 100 ms early (CI: a step 17 % under the link's
+        # time). With 64 KB the probe measures 1.00x; 16 KB lost rate (0.96x) and made steps erratic.
+        burst = max(BUCKET_MIN_BYTES, int(rate_Bps * 0.004))
         _run("ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", interface, "root", "tbf",
              "rate", f"{int(self.rate_bps)}bit", "burst", str(burst), "latency", TBF_LATENCY)
 

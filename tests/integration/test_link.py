@@ -10,7 +10,8 @@ import json
 
 import pytest
 
-from helpers import FAST, dpcompare, namespaces, skip_unless_links, summary
+from helpers import dpcompare, namespaces, skip_unless_links, summary
+from integration.conftest import LINK_RATE, LINK_RATE_BPS
 
 RATE, RATE_BPS = "400mbit", 400e6
 # The issue's target for the cost model. Measured here: -1.3 % and -0.5 % (torch x2, tiny, 100mbit: 63.5 ms
@@ -41,20 +42,19 @@ def test_a_shaped_link_carries_a_32_mb_all_reduce_within_20_percent_of_its_rate(
 
 
 @pytest.mark.slow
-def test_the_cost_model_predicts_a_two_rank_run_over_a_shaped_link_from_the_one_rank_run(cache_dir, tmp_path):
+def test_the_cost_model_predicts_a_two_rank_run_over_a_shaped_link_from_the_one_rank_run(shaped_link_run):
     """Over 20 Mbit/s the gradient all-reduce (tiny: 632 KB, about 0.25 s) outlasts the compute several times
     over, so the prediction made from the 1-rank run and the link the 2-rank job measured (compare/plan.py) is
-    mostly the link's time, which the other tests' load does not change. At 100 Mbit/s the compute was a third
-    of the step and the other xdist worker's runs pushed the error to 15.7 % (limit 15 %) in two of four full
-    suites on the 2-core machine."""
-    skip_unless_links()
-    out = tmp_path / "cmp"
-    dpcompare("compare", *FAST, "--frameworks", "torch", "--nproc", "1,2", "--steps", 6, "--link", "20mbit", "--no-samples",
-              "--out", out, cache_dir=cache_dir)
-    s = summary(out / "torch-n2")
+    mostly the link's time. At 100 Mbit/s the compute was a third of the step and the other xdist worker's
+    runs pushed the error to 15.7 % (limit 15 %) in two of four full suites on the 2-core machine; at 20 Mbit/s
+    they still moved it by -17 % to +21 %, so the run is trained alone (tests/integration/conftest.py)."""
+    s = summary(shaped_link_run / "torch-n2")
     p = s["prediction"]
-    print(f"torch x2 over 20mbit: measured {s['step_time_s'] * 1e3:.1f} ms, predicted {p['step_s'] * 1e3:.1f} ms "
+    print(f"torch x2 over {LINK_RATE}: measured {s['step_time_s'] * 1e3:.1f} ms, predicted {p['step_s'] * 1e3:.1f} ms "
           f"({p['step_error']:+.1%}), link {p['link_source']}")
     assert p["from"] == "torch-n1" and "link record" in p["link_source"]
     assert s["link"]["namespaces"] and not set(s["link"]["namespaces"]) & set(namespaces())  # a normal end
+    # The shaped link carries no more than its rate: a bucket that held 256 KB let the 1.25 MB TCP probe
+    # through at 1.18x it (the 64 KB one: 1.00x; netns.py's BUCKET_MIN_BYTES).
+    assert s["link"]["tcp_bandwidth_Bps"] * 8 <= 1.08 * LINK_RATE_BPS, s["link"]
     assert abs(p["step_error"]) <= TOLERANCE, p
