@@ -3,6 +3,7 @@ heap holding memory that was freed but not returned.
 
     python benchmarks/bench_rss_timeline.py [--framework torch] [--strategy fsdp] [--preset base]
                                             [--layers 12] [--nproc 2] [--steps 4] [--set KEY=VALUE ...]
+    (pp: one micro-batch per sequence of the global batch unless --set pp_microbatches=N)
 
 One `dpcompare run` (bench_memory.py's shape by default: `base`, vocabulary 50,000, `model.n_kv_heads=4`,
 seq 128, global batch 2) with benchmarks/rss_probe/ on PYTHONPATH, so that every rank samples its own
@@ -154,6 +155,8 @@ def main() -> int:
         a.preset, a.steps = "small", 2
     sets = ["model.vocab_size=50000", "model.n_kv_heads=4"] if a.preset == "base" else []
     sets += [f"model.n_layers={a.layers}"] if a.preset == "base" else []
+    if a.strategy == "pp" and not any(x.startswith("pp_microbatches=") for x in a.set):
+        sets.append(f"pp_microbatches={a.batch}")  # dpcompare's default (4) must divide the batch
     sets += a.set
     extra = ["--strategy", a.strategy, "--profile-steps", "0"] + [x for s in sets for x in ("--set", s)]
 
@@ -164,8 +167,12 @@ def main() -> int:
                            "PYTHONPATH": os.pathsep.join(filter(None, [str(PROBE_DIR), os.environ.get("PYTHONPATH")]))})
         print(f"bench_rss_timeline: {a.framework} {a.strategy} x{a.nproc}, {a.preset} ({' '.join(sets) or 'preset'}), "
               f"seq {a.seq_len}, global batch {a.batch}, {a.steps} steps; probe every {a.period_ms} ms", flush=True)
-        summary = benchlib.dpcompare_run(run_dir, a.framework, a.nproc, a.preset, a.steps, a.seq_len, a.batch,
-                                         extra=extra)
+        try:
+            summary = benchlib.dpcompare_run(run_dir, a.framework, a.nproc, a.preset, a.steps, a.seq_len, a.batch,
+                                             extra=extra)
+        except RuntimeError as err:  # the run's own one-line error (exit 2: dpcompare refused the flags)
+            print(f"bench_rss_timeline: {str(err).strip().splitlines()[-1]}", file=sys.stderr)
+            return 2 if str(err).startswith("dpcompare run failed (2)") else 1
         rows = report(run_dir, probe_dir, summary)
         if not rows:
             print("bench_rss_timeline: no rank wrote a probe file (is benchmarks/rss_probe on the ranks' path?)",
