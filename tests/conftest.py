@@ -104,27 +104,22 @@ def pytest_sessionstart(session):
     from integration.conftest import LINK_RUN_ENV, MATRIX_ENV, build_link_run, build_matrix
 
     base = config._tmp_path_factory.getbasetemp()
-    root, cache = base / "matrix", base / "dpcompare-cache"
-    root.mkdir(exist_ok=True)
+    cache = base / "dpcompare-cache"
     cache.mkdir(exist_ok=True)
-    print(f"\ntraining the shared matrix before the workers start ({root})", flush=True)
-    started = time.monotonic()
-    try:
-        build_matrix(root, cache)
-    except AssertionError:
-        pass  # written to root/error.txt: the matrix's readers fail with it, the other tests run
-    print(f"the shared matrix took {time.monotonic() - started:.0f} s", flush=True)
-    os.environ[MATRIX_ENV] = str(root)
+    alone = [("the shared matrix", "matrix", MATRIX_ENV, build_matrix)]
     if can_emulate_links():
-        link_root = base / "shaped-link"
-        link_root.mkdir(exist_ok=True)
+        alone.append(("the shaped-link compare", "shaped-link", LINK_RUN_ENV, build_link_run))
+    for title, folder, env_name, build in alone:
+        root = base / folder
+        root.mkdir(exist_ok=True)
+        print(f"\ntraining {title} before the workers start ({root})", flush=True)
         started = time.monotonic()
         try:
-            build_link_run(link_root, cache)
+            build(root, cache)
         except AssertionError:
-            pass  # in link_root/error.txt, as the matrix's
-        print(f"the shaped-link compare took {time.monotonic() - started:.0f} s", flush=True)
-        os.environ[LINK_RUN_ENV] = str(link_root)
+            pass  # written to root/error.txt: its readers fail with it, the other tests run
+        print(f"{title} took {time.monotonic() - started:.0f} s", flush=True)
+        os.environ[env_name] = str(root)
 
 
 @functools.lru_cache(maxsize=1)

@@ -60,12 +60,21 @@ def matrix(cache_dir, tmp_path_factory) -> Matrix:
     """The matrix, once for the session. Tests read it; none may write into it. Under pytest-xdist it was
     built before the workers started (tests/conftest.py): its time breakdown is judged to 15 %, and another
     worker's ranks on the same 2 cores moved phases by up to 25 % (measured: mlx x2 381 ms vs 306 ms)."""
-    if os.environ.get(MATRIX_ENV):
-        root = Path(os.environ[MATRIX_ENV])
-        if (root / "error.txt").exists():
-            raise AssertionError((root / "error.txt").read_text())
+    root = trained_alone(MATRIX_ENV)
+    if root is not None:
         return Matrix(root / "cmp", root / "golden.json", SETUP, (root / "stdout.txt").read_text())
     return build_matrix(tmp_path_factory.mktemp("matrix"), cache_dir)
+
+
+def trained_alone(env_name: str) -> Path | None:
+    """The folder tests/conftest.py trained a run into before the workers started (None where it did not);
+    the run's failure, written to its error.txt, fails the reader."""
+    if not os.environ.get(env_name):
+        return None
+    root = Path(os.environ[env_name])
+    if (root / "error.txt").exists():
+        raise AssertionError((root / "error.txt").read_text())
+    return root
 
 
 # torch at N=1 and 2 over an emulated 20 Mbit/s link (tests/integration/test_link.py judges the cost model's
@@ -94,12 +103,8 @@ def shaped_link_run(cache_dir, tmp_path_factory) -> Path:
     from helpers import skip_unless_links
 
     skip_unless_links()
-    if os.environ.get(LINK_RUN_ENV):
-        root = Path(os.environ[LINK_RUN_ENV])
-        if (root / "error.txt").exists():
-            raise AssertionError((root / "error.txt").read_text())
-        return root / "cmp"
-    return build_link_run(tmp_path_factory.mktemp("shaped-link"), cache_dir)
+    root = trained_alone(LINK_RUN_ENV)
+    return root / "cmp" if root is not None else build_link_run(tmp_path_factory.mktemp("shaped-link"), cache_dir)
 
 
 def shared_root(tmp_path_factory) -> Path:
