@@ -102,6 +102,8 @@ def mib(value) -> str:
 
 
 def report(run_dir: Path, probe_dir: Path, summary: dict) -> list[dict]:
+    """One row per rank that wrote a probe file (the launcher's and the probes' own files are not ranks'),
+    printed as it goes."""
     pids, rows = rank_pids(run_dir), []
     peaks = dict(enumerate(summary.get("peak_rss_bytes") or []))  # rank -> VmHWM
     for path in sorted(probe_dir.glob("*.jsonl")):
