@@ -26,13 +26,14 @@ every 0.5 ms (--period-ms): step times of a probed run are not the run's own.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
 from pathlib import Path
 
 import benchlib
+from common.metrics import read_jsonl  # noqa: E402 - benchlib puts the project on sys.path
+from compare.launch.watchdog import read_ranks  # noqa: E402
 
 MiB = 2**20
 PROBE_DIR = Path(__file__).resolve().parent / "rss_probe"
@@ -68,23 +69,13 @@ def phase(stack: list[str]) -> str:
 
 def read_probe(path: Path) -> tuple[dict, list[dict]]:
     """(the header line, the samples) of one process's probe file; a line cut by the process's end is dropped."""
-    lines = []
-    for line in path.read_text().splitlines():
-        try:
-            lines.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
+    lines = read_jsonl(path)
     return (lines[0], lines[1:]) if lines else ({}, [])
 
 
-def rank_pids(run_dir: Path) -> dict[int, int]:
+def rank_pids(run_dir: Path, world_size: int) -> dict[int, int]:
     """pid -> rank, from the ranks' status files (common/metrics.py RankStatus)."""
-    found = {}
-    for path in (run_dir / "ranks").glob("*.json"):
-        data = json.loads(path.read_text())
-        if isinstance(data, dict) and "pid" in data and "rank" in data:
-            found[int(data["pid"])] = int(data["rank"])
-    return found
+    return {info["pid"]: rank for rank, info in read_ranks(run_dir, world_size).items() if "pid" in info}
 
 
 def climb(samples: list[dict], peak: int) -> list[tuple[int, float, str]]:
@@ -104,7 +95,7 @@ def mib(value) -> str:
 def report(run_dir: Path, probe_dir: Path, summary: dict) -> list[dict]:
     """One row per rank that wrote a probe file (the launcher's and the probes' own files are not ranks'),
     printed as it goes."""
-    pids, rows = rank_pids(run_dir), []
+    pids, rows = rank_pids(run_dir, int(summary.get("world_size") or 1)), []
     peaks = dict(enumerate(summary.get("peak_rss_bytes") or []))  # rank -> VmHWM
     for path in sorted(probe_dir.glob("*.jsonl")):
         header, samples = read_probe(path)

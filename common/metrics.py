@@ -47,16 +47,24 @@ class MetricsWriter:
             self._file.close()
 
 
+def read_jsonl(path: Path) -> list:
+    """The rows of a JSON Lines file written as a process ran (none where it does not exist); a line torn by
+    the process's end (a killed run, a stopped probe) is left out."""
+    rows = []
+    if not Path(path).exists():
+        return rows
+    for line in Path(path).read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
 def read_metrics(path: Path) -> tuple[list[dict], list[dict]]:
     """(train rows, eval rows) of a metrics.jsonl; a torn last line from a killed run is ignored."""
     train, evals = [], []
-    if not Path(path).exists():
-        return train, evals
-    for line in Path(path).read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
+    for row in read_jsonl(path):
         (evals if "eval_loss" in row else train).append(row)
     return train, evals
 

@@ -54,7 +54,7 @@ def reduce_scatter_kind(backend: str) -> str:
     return "native"  # gloo and nccl both implement reduce_scatter_tensor, which FSDP2 calls
 
 
-def shard_model(model, device: torch.device, backend: str, release_heap: bool = True) -> None:
+def shard_model(model, device: torch.device, backend: str, *, release_heap: bool) -> None:
     """Shard every block, the embedding and the head (untied), then the root, in place: `model` becomes an
     FSDPModule. release_heap: give glibc's freed heap back in the backward (below)."""
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))

@@ -168,7 +168,7 @@ def test_torch_fsdp_gathers_a_block_twice_and_every_other_unit_once_per_micro_st
     try:
         torch.manual_seed(0)
         model = Llama(spec)
-        shard_model(model, torch.device("cpu"), "gloo")
+        shard_model(model, torch.device("cpu"), "gloo", release_heap=True)
         names = {module: name or "root" for name, module in model.named_modules()}
         tokens = torch.randint(0, spec.vocab_size, (1, 9))
         batch = (tokens[:, :-1], tokens[:, 1:], torch.ones(1, 8))
