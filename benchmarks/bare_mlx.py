@@ -19,7 +19,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 
-from common.spec import preset
+from common.model.spec import preset
 from mlx_impl.model import Llama
 from mlx_impl.step import cross_entropy  # nn.losses.cross_entropy's backward computes the exponentials again
 

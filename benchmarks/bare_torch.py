@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common.spec import preset
+from common.model.spec import preset
 from torch_impl.model import Llama
 
 parser = argparse.ArgumentParser()

@@ -24,8 +24,8 @@ import benchlib
 import numpy as np
 from bench_overhead import bare_tokens_per_s
 
-from common.spec import preset
-from common.weights import num_parameters
+from common.model.spec import preset
+from common.model.weights import num_parameters
 
 TARGET_SHARE = 0.10
 SIZES = [4096 * 4 ** k for k in range(10)]  # 4 KB .. 1 GB; capped by --max-mb

@@ -27,7 +27,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from common.tokencache import TokenCache, prepare_tokens  # noqa: E402
+from common.data.tokencache import TokenCache, prepare_tokens  # noqa: E402
 
 DEFAULT_DATA = REPO.parent / "shared" / "data"
 MEMORY_SIZES_BYTES = {"2MB": 2_000_000, "200MB": 200_000_000}
@@ -38,8 +38,8 @@ RANK_READER = r"""
 import json, resource, sys, time
 import numpy as np
 sys.path.insert(0, sys.argv[1])
-from common.sequences import SequenceView
-from common.tokencache import TokenCache
+from common.data.sequences import SequenceView
+from common.data.tokencache import TokenCache
 path, reader, batches, batch_size, seq_len = sys.argv[2], sys.argv[3], *map(int, sys.argv[4:7])
 
 
@@ -77,7 +77,7 @@ print(json.dumps({
 PREPARE_AGAIN = r"""
 import sys
 sys.path.insert(0, sys.argv[1])
-from common.tokencache import prepare_tokens
+from common.data.tokencache import prepare_tokens
 prepare_tokens(sys.argv[2], sys.argv[3], cache_dir=sys.argv[4], val_fraction=0, progress=False)
 """
 
@@ -138,7 +138,7 @@ def bench_throughput(data: Path, work: Path) -> dict:
 
 
 def _builtin_docs() -> list[str]:
-    from common.corpus import DEFAULT_CORPUS_BYTES, generate_stories
+    from common.data.corpus import DEFAULT_CORPUS_BYTES, generate_stories
 
     return generate_stories(DEFAULT_CORPUS_BYTES, seed=0)
 

@@ -5,7 +5,7 @@
 
 TinyStories + GPT-2 (vocab 50257), seq 256, global batch 8, 1 thread per rank, N=1 and N=2; the four runs
 alternate (mlx x1, torch x1, mlx x2, torch x2, then again) so both frameworks see the same machine.
-Each run adds --profile-steps rounds of profile steps after its timed ones (common/breakdown.py), so every
+Each run adds --profile-steps rounds of profile steps after its timed ones (common/train/breakdown.py), so every
 row also says where the step goes. Printed per framework and N: tokens/s, the phases in ms, exposed
 gradient communication as a share of the step; then MLX / torch tokens/s at each N, the first target
 (>= 0.8) and the communication target (<= 5 % at N=2).

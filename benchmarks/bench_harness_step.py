@@ -31,7 +31,7 @@ def torch_steps(a, spec, weights, tokens):
     import torch.nn.functional as F
 
     from common.config import RunConfig
-    from common.loop import World
+    from common.train.loop import World
     from torch_impl import ddp
     from torch_impl.model import Llama, load_weights
     from torch_impl.step import Trainer
@@ -70,7 +70,7 @@ def mlx_steps(a, spec, weights, tokens):
     import mlx.optimizers as optim
 
     from common.config import RunConfig
-    from common.loop import World
+    from common.train.loop import World
     from mlx_impl.model import Llama, load_weights
     from mlx_impl.step import Trainer, cross_entropy
 
@@ -106,8 +106,8 @@ def main_child(a) -> None:
     import numpy as np
 
     sys.path.insert(0, str(ROOT))
-    from common.spec import preset
-    from common.weights import init_weights
+    from common.model.spec import preset
+    from common.model.weights import init_weights
 
     spec = preset(a.preset).with_(vocab_size=a.vocab)
     weights = init_weights(spec, 0)

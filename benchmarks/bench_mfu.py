@@ -2,7 +2,7 @@
 
     python benchmarks/bench_mfu.py [--quick] [--out runs/bench/mfu.json]
 
-MFU = tokens/s x FLOPs per token (common/flops.py: 6 N + 12 L T d) / peak FLOP/s of the hardware the run
+MFU = tokens/s x FLOPs per token (common/model/flops.py: 6 N + 12 L T d) / peak FLOP/s of the hardware the run
 used. The peak is compare/machine/peak.py's measured fp32 matmul rate per rank (1024^3 matmuls, same threads and
 BLAS as a run) times the ranks; like the report, the MFU column uses the faster framework's peak, and
 `own-peak MFU` the run's own framework's. Runs: `dpcompare run` at N=1 and N=2, both frameworks alternately.
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import benchlib
 
-from common.flops import flops_per_token
-from common.spec import ModelSpec
+from common.model.flops import flops_per_token
+from common.model.spec import ModelSpec
 from compare.machine.peak import measured_peaks
 
 

@@ -3,7 +3,7 @@ MLX against torch, one thread each, minimum of a few calls after a warmup.
 
     python benchmarks/bench_ops.py [--out runs/bench/ops.json]
 
-The time breakdown (common/breakdown.py) puts MLX's gap to torch on `small` in the cross-entropy; this
+The time breakdown (common/train/breakdown.py) puts MLX's gap to torch on `small` in the cross-entropy; this
 isolates the op behind it: the exponential inside logsumexp/softmax. MLX runs twice, in child processes,
 once with the fused kernels mx.compile builds with MLX's own flags (`--mlx-cpu-jit baseline`) and once with
 -march=native (`native`, dpcompare's default on Linux x86): uncompiled ops use MLX's prebuilt kernels and

@@ -7,7 +7,7 @@ One `dpcompare run --strategy pp --nproc 2` per cell, on `tiny` widened to dim 2
 heads), 16 x 128 tokens per step: micro-batches of 8, 4 and 2 sequences at M = 2, 4, 8. Each stage's idle
 fraction is its median over the steps after the first (summary.json `pipeline.bubble`, mlx_impl/pp.py and
 torch_impl/pp.py); the busiest stage's is the bubble the formula describes, the other's excess is waiting on
-it (common/pipeline.py split_idle). Cells alternate between the frameworks so a change in the machine's load hits both.
+it (common/parallel/pipeline.py split_idle). Cells alternate between the frameworks so a change in the machine's load hits both.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import benchlib
 
-from common.pipeline import bubble_fraction, split_idle
+from common.parallel.pipeline import bubble_fraction, split_idle
 
 SHAPE = ["--set", "model.dim=256", "--set", "model.ffn_dim=704", "--set", "model.n_layers=4", "--set",
          "model.n_heads=4", "--set", "model.n_kv_heads=4"]

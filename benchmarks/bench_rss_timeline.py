@@ -13,7 +13,7 @@ Then, per rank:
     peak          the highest sample, beside summary.json's peak_rss_bytes (the kernel's VmHWM)
     at            seconds since the rank started, and its phase: the innermost project call on the stack
     heap kept     glibc's free-but-kept heap at the peak (mallinfo2 fordblks): memory that a malloc_trim
-                  would give back (common/heap.py); in use = live allocations from the heap, mmapped =
+                  would give back (common/train/heap.py); in use = live allocations from the heap, mmapped =
                   allocations above glibc's mmap threshold
     climb         the first sample past each 10 % of the peak, with its phase: what the memory is made of,
                   in the order it arrives

@@ -84,7 +84,7 @@ def main() -> None:
 
 
 def spec_of(a):
-    from common.spec import preset
+    from common.model.spec import preset
     spec = preset(a.preset).with_(vocab_size=a.vocab_size, n_kv_heads=a.kv_heads)
     return spec.with_(n_layers=a.layers) if getattr(a, "layers", 0) else spec
 
@@ -109,7 +109,7 @@ def summarize(framework: str, strategy: str, summaries: list[dict], spec) -> dic
 
 def comm_mib(s: dict, spec) -> str:
     """Bytes a rank sends per step, as text: counted, or estimated from the shapes (~; fsdp: the cost model's
-    collectives, common/costmodel.py)."""
+    collectives, common/costmodel/model.py)."""
     stages = [b for b in ((s.get("pipeline") or {}).get("comm_bytes_per_step") or []) if b is not None]
     if stages:
         return f"{max(stages) / 2**20:.1f}"
@@ -118,7 +118,7 @@ def comm_mib(s: dict, spec) -> str:
         return f"{s['comm_bytes_per_step'] / 2**20:.1f}"
     estimate = s.get("comm_bytes_per_step_estimate")
     if estimate is None and s.get("strategy") == "fsdp":
-        from common.costmodel import Workload, collectives, reduce_scatter_kind
+        from common.costmodel.model import Workload, collectives, reduce_scatter_kind
         cfg = s.get("config") or {}
         w = Workload(spec, int(cfg["seq_len"]), int(cfg["global_batch_size"]), int(cfg.get("grad_accum", 1)),
                      s.get("dtype", "float32"), s["framework"])

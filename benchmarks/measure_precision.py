@@ -1,5 +1,5 @@
 """How far bf16 moves the loss, per framework and between them: the measurements behind
-common/precision.py DEFAULT_TOLERANCES["bfloat16"] (docs/precision.md).
+common/model/precision.py DEFAULT_TOLERANCES["bfloat16"] (docs/precision.md).
 
     python benchmarks/measure_precision.py --preset tiny --seeds 0,1,2,3,4 --out runs/precision/tiny.json
     python benchmarks/measure_precision.py --preset small --seeds 0,1 --steps 10 --seq-len 256 --batch 4 \

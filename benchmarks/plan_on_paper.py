@@ -2,16 +2,16 @@
 
     python benchmarks/plan_on_paper.py > /tmp/paper.md
 
-Nothing is measured: compute comes from common/flops.py's FLOPs per token at an assumed fraction of a
+Nothing is measured: compute comes from common/model/flops.py's FLOPs per token at an assumed fraction of a
 published peak, links from the figures below. Every number's source or assumption is in docs/scaling.md,
 and here next to it.
 """
 from __future__ import annotations
 
-from common.costmodel import Link, Workload, calibration_from_flops, predict
+from common.costmodel.model import Link, Workload, calibration_from_flops, predict
 from common.errors import UserError
-from common.flops import KNOWN_PEAK_FLOPS
-from common.spec import preset
+from common.model.flops import KNOWN_PEAK_FLOPS
+from common.model.spec import preset
 
 GB = 1e9
 # (name, Gbit/s each way, µs per hop, where the figures come from)

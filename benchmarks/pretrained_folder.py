@@ -89,7 +89,7 @@ def write_tokenizer(directory: Path, name: str, vocab_size: int = 512) -> None:
     """A byte-level BPE trained on the builtin stories, with the checkpoint's BOS/EOS and BOS handling."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-    from common.corpus import generate_stories
+    from common.data.corpus import generate_stories
 
     bos, eos, adds_bos = SPECIAL_TOKENS[name]
     backend = Tokenizer(models.BPE())

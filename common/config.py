@@ -18,12 +18,12 @@ import tomllib
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
-from .errors import UserError
-from .link import parse_rate
-from .sampler import check_divisible
-from .spec import ModelSpec, preset
-from .pipeline import SCHEDULES as PP_SCHEDULES
-from .strategy import STRATEGIES, check_pp_microbatches, check_strategy, data_parallel
+from common.errors import UserError
+from common.costmodel.rates import parse_rate
+from common.data.sampler import check_divisible
+from common.model.spec import ModelSpec, preset
+from common.parallel.pipeline import SCHEDULES as PP_SCHEDULES
+from common.parallel.strategy import STRATEGIES, check_pp_microbatches, check_strategy, data_parallel
 
 FRAMEWORKS = ("mlx", "torch")
 # jaccl and jaccl-ring: RDMA over Thunderbolt 5 between Macs (a mesh, or a ring of neighbours), through
@@ -37,7 +37,7 @@ DEVICES = ("auto", "cpu", "cuda", "mps", "gpu")
 MLX_BLAS = ("auto", "system", "bundled")
 MLX_CPU_JIT = ("auto", "native", "baseline")
 DTYPES = ("float32", "bfloat16")
-CHECKPOINT_FORMATS = ("hf", "sharded")  # common/checkpoint.py, common/shardedcheckpoint.py
+CHECKPOINT_FORMATS = ("hf", "sharded")  # common/checkpoint/store.py, common/checkpoint/sharded.py
 TRACKERS = ("tensorboard", "wandb", "trackio")  # --report-to (compare/report/tracking.py)
 
 
@@ -84,12 +84,12 @@ class RunConfig:
     eval_every: int = 50
     eval_batches: int = 2
     checkpoint_every: int = 0
-    checkpoint_format: str = "hf"    # hf: whole HF files (rank 0 writes); sharded: each rank its own (common/shardedcheckpoint.py)
+    checkpoint_format: str = "hf"    # hf: whole HF files (rank 0 writes); sharded: each rank its own (common/checkpoint/sharded.py)
     # Where and how it runs.
     framework: str = "mlx"
     nproc: int = 1
-    strategy: str = "ddp"            # ddp, fsdp, tp or pp (common/strategy.py)
-    pp_microbatches: int = 4         # pp: pieces each micro-step's batch is cut into (common/pipeline.py)
+    strategy: str = "ddp"            # ddp, fsdp, tp or pp (common/parallel/strategy.py)
+    pp_microbatches: int = 4         # pp: pieces each micro-step's batch is cut into (common/parallel/pipeline.py)
     pp_schedule: str = "1f1b"        # pp: gpipe or 1f1b
     backend: str = "auto"
     device: str = "auto"
@@ -114,8 +114,8 @@ class RunConfig:
     collective_timeout_s: float = 60.0
     link: str = ""                   # emulate a link of this rate between local ranks (compare/launch/netns.py)
     timing_warmup_steps: int = 3
-    profile_steps: int = 8           # rounds of extra steps after the run for the time breakdown (common/breakdown.py); 0 = none
-    trace: bool = False              # then a timeline of 2 more steps per rank in RUN_DIR/trace/ (common/trace.py)
+    profile_steps: int = 8           # rounds of extra steps after the run for the time breakdown (common/train/breakdown.py); 0 = none
+    trace: bool = False              # then a timeline of 2 more steps per rank in RUN_DIR/trace/ (common/train/trace.py)
     out: str = ""
     resume: bool = False
     overwrite: bool = False
@@ -297,7 +297,7 @@ def folder_spec(directory: str) -> ModelSpec:
     if not path.is_file():
         raise UserError(f"--init-from {directory}: {path} not found: expected an HF-format Llama folder")
     try:
-        from .hfconfig import from_hf_config
+        from common.model.hfconfig import from_hf_config
 
         return from_hf_config(json.loads(path.read_text()))
     except json.JSONDecodeError as err:

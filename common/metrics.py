@@ -5,7 +5,7 @@ Run directory (one per framework x world size):
     metrics.jsonl            rank 0, one JSON object per line (see TRAIN_FIELDS / EVAL_FIELDS)
     ranks/rank{r}.json       per-rank status (starting, running, ok, failed, interrupted), heartbeat and
                              peak memory (written by every rank)
-    ranks/stop.json          written by dpcompare before it stops the job on a signal (common/supervisor.py)
+    ranks/stop.json          written by dpcompare before it stops the job on a signal (common/train/supervisor.py)
     summary.json             written by the launcher once all ranks ended (see SUMMARY_FIELDS)
     checkpoints/step_XXXXXX/ model.safetensors + config.json + optimizer.safetensors + state.json
     log.txt                  everything the ranks printed
@@ -120,7 +120,7 @@ def peak_rss_bytes() -> int:
 
 def rss_bytes() -> int:
     """This process's resident set size now (VmRSS); where /proc is missing (macOS) the peak so far, which at
-    a rank's start, where it is read (common/loop.py: the fixed footprint), is about the same."""
+    a rank's start, where it is read (common/train/loop.py: the fixed footprint), is about the same."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
@@ -138,7 +138,7 @@ def read_json(path: Path, default=None):
 
 
 def write_json(path: Path, data: dict) -> None:
-    from .fsutil import atomic_write_text
+    from common.fsutil import atomic_write_text
 
     atomic_write_text(Path(path), json.dumps(data, indent=2, default=_jsonable) + "\n")
 

@@ -185,13 +185,13 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_prepare(args) -> int:
-    from common.tokencache import describe
+    from common.data.tokencache import describe
 
     from .launch.runner import prepare_inputs
 
     cfg = config_from_args(args)
     inputs = prepare_inputs(cfg)
-    from common.tokencache import TokenCache
+    from common.data.tokencache import TokenCache
 
     print(describe(TokenCache.open(inputs.token_cache)))
     print(f"model spec for this tokenizer ({cfg.preset}): vocab_size={inputs.spec.vocab_size}")

@@ -2,7 +2,7 @@
 
 Both frameworks take one training step from the same weights (the seed checkpoint, or a run's
 checkpoint with its optimizer state) on the same global batch, in one process each
-(`python -m {mlx,torch}_impl.diagnose`, see common/diagnosis.py). Their records are compared in the
+(`python -m {mlx,torch}_impl.diagnose`, see common/train/step_record.py). Their records are compared in the
 order a bug would show:
 
     forward    every module's output, in the order the modules finish, then the logits
@@ -26,12 +26,12 @@ from pathlib import Path
 
 import numpy as np
 
-from common.checkpoint import latest_checkpoint
+from common.checkpoint.store import latest_checkpoint
 from common.config import FRAMEWORKS, RunConfig
-from common.diagnosis import STAGES, DiagnosisPlan, read_store
+from common.train.step_record import STAGES, DiagnosisPlan, read_store
 from common.errors import UserError
 from common.metrics import read_json, write_json
-from common.plan import RunPlan
+from common.runplan import RunPlan
 
 from .machine import environment as env
 

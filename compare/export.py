@@ -3,7 +3,7 @@
 The folder holds the weights (config.json, model.safetensors), the run's tokenizer (tokenizer.json and
 tokenizer_config.json) and a generation_config.json (greedy by default, the tokenizer's EOS), so it
 opens with transformers' `pipeline("text-generation", model=DIR)` and `mlx_lm.generate --model DIR`.
-config.json is the checkpoint's own (common/hfconfig.py), so a run started with --init-from exports the
+config.json is the checkpoint's own (common/model/hfconfig.py), so a run started with --init-from exports the
 folder's architecture, rope scaling included, and `--init-from` on the export reads back the same spec.
 """
 from __future__ import annotations
@@ -12,16 +12,16 @@ import json
 import shutil
 from pathlib import Path
 
-from common.checkpoint import latest_checkpoint
+from common.checkpoint.store import latest_checkpoint
 from common.errors import UserError
 from common.fsutil import atomic_path, atomic_write_text
-from common.shardedcheckpoint import ShardedSource, is_sharded, write_safetensors
-from common.plan import RunPlan
+from common.checkpoint.sharded import ShardedSource, is_sharded, write_safetensors
+from common.runplan import RunPlan
 
 
 def write_weights(ckpt: Path, dest: Path) -> None:
     """model.safetensors from either checkpoint format: copied from an hf one, assembled from a sharded one
-    one tensor at a time (common/shardedcheckpoint.py), never the whole model in memory."""
+    one tensor at a time (common/checkpoint/sharded.py), never the whole model in memory."""
     if not is_sharded(ckpt):
         shutil.copy2(ckpt / "model.safetensors", dest)
         return

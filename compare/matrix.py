@@ -13,7 +13,7 @@ from pathlib import Path
 
 from common.config import DTYPES, FRAMEWORKS, read_toml
 from common.errors import ParityError, UserError
-from common.strategy import STRATEGIES
+from common.parallel.strategy import STRATEGIES
 
 from .flags import config_from_args
 from .plan import add_memory_predictions, add_predictions
@@ -54,7 +54,7 @@ def run_matrix(args) -> int:
                             dtype="float32")
     out = Path(base.out or "runs/compare")
     check_run_dir_for_compare(out, base.overwrite)
-    configs, left_out = plan_matrix(base, frameworks, strategies, dtypes, world_sizes, out)
+    configs, left_out = expand_matrix(base, frameworks, strategies, dtypes, world_sizes, out)
     for reason in left_out:
         print(f"dpcompare: note: {reason}", file=sys.stderr)
     inputs = prepare_inputs(base)
@@ -82,7 +82,7 @@ def run_matrix(args) -> int:
     return finish(run_dirs, out, args, {"command": command}, failed)
 
 
-def plan_matrix(base, frameworks, strategies, dtypes, world_sizes, out: Path) -> tuple[dict, list[str]]:
+def expand_matrix(base, frameworks, strategies, dtypes, world_sizes, out: Path) -> tuple[dict, list[str]]:
     """{(label, run_dir): RunConfig} for every run, each validated and its directory, hostfile, backend and
     device checked now, before anything is prepared or trains; and the combinations left out, with the
     reason (fsdp and tp need 2 ranks or more)."""

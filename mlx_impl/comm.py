@@ -15,7 +15,7 @@ NCCL on its own CUDA streams, which have no watchdog).
 """
 from __future__ import annotations
 
-from common.fabric import Collectives
+from common.costmodel.probe import Collectives
 
 import mlx.core as mx
 import mlx.nn as nn

@@ -1,6 +1,6 @@
 """DDP in MLX: every rank holds the whole model and averages the gradients once per step.
 
-`Replicated` is the strategy (common/protocols.py); the helpers below are what every strategy shares: the
+`Replicated` is the strategy (common/train/protocols.py); the helpers below are what every strategy shares: the
 precise norm, the clip and the moments' layout in the optimizer state. Mirrors torch_impl/ddp.py.
 """
 from __future__ import annotations
@@ -11,15 +11,15 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
-from common.protocols import no_phase
-from common.shardedcheckpoint import local_pieces
+from common.train.protocols import no_phase
+from common.checkpoint.sharded import local_pieces
 
 from .comm import CommCounter, average_gradients
 from .load import load_local
 
 
 class MicroSteps:
-    """The shared default of `forward_backward` (common/protocols.py) for ddp, fsdp and tp: the micro-batches
+    """The shared default of `forward_backward` (common/train/protocols.py) for ddp, fsdp and tp: the micro-batches
     one after another, each the Trainer's compiled forward and backward, the gradients accumulated lazily
     (DDP communicates only in the update; fsdp: see fsdp.py). -> (token losses per micro-batch, gradients).
     wait=True ends each phase in mx.eval: forward (a micro-batch's losses), backward (the rest of its
@@ -81,7 +81,7 @@ class Replicated(MicroSteps):
         return tuple(map(numpy_stream, (weights, *moments(weights, optimizer))))
 
     def local_state(self, shapes: dict, weights: dict, optimizer: dict):
-        """--checkpoint-format sharded (common/shardedcheckpoint.py): (weights, exp_avg, exp_avg_sq, where) of
+        """--checkpoint-format sharded (common/checkpoint/sharded.py): (weights, exp_avg, exp_avg_sq, where) of
         what this rank writes (every tensor whole, from rank 0 alone), under HF names; no collectives."""
         return local_pieces(self.rank, (weights, *moments(weights, optimizer)), dict.fromkeys(weights), shapes)
 

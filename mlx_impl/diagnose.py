@@ -1,4 +1,4 @@
-"""MLX's side of `dpcompare diagnose`: `python -m mlx_impl.diagnose PLAN OUT_DIR` (see common/diagnosis.py).
+"""MLX's side of `dpcompare diagnose`: `python -m mlx_impl.diagnose PLAN OUT_DIR` (see common/train/step_record.py).
 
 Mirrors torch_impl/diagnose.py: every module's output, the gradients, and the test hook that plants a
 bug in this framework's model or optimizer.
@@ -12,7 +12,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from common.diagnosis import run_worker
+from common.train.step_record import run_worker
 
 from .launch import start_world
 from .model import RoPE, weights_of  # noqa: F401 - run_worker reads weights_of (and Trainer) from this module
@@ -58,7 +58,7 @@ def gradients(model: nn.Module, inputs, targets, mask, scale: float) -> dict[str
 
 
 def inject_bug(trainer: Trainer, bug: str) -> None:
-    """Test hook (common.diagnosis.BUGS): plant one real bug in the model or optimizer, after construction."""
+    """Test hook (common.train.step_record.BUGS): plant one real bug in the model or optimizer, after construction."""
     modules = [m for _, m in trainer.model.named_modules()]
     if bug == "rmsnorm_eps":
         for m in modules:

@@ -11,10 +11,10 @@ What each rank holds (torch_impl/fsdp.py does the same with FSDP2):
   token has their id) and the head's logits lose their pad columns before the loss (`VocabShard`), so
   their gradients are zero and AdamW keeps them zero; export_state drops them again, so checkpoints hold
   the true vocabulary. The final norm stays replicated: one vector is not worth a collective of its own.
-  common/strategy.py refuses, before the run starts, a block that does not divide.
+  common/parallel/strategy.py refuses, before the run starts, a block that does not divide.
 - Nothing whole is ever materialised: the model arrives unevaluated (MLX is lazy), the padding and
   fully_shard's split slice the lazy init, and `wrap` then loads only this rank's rows from the source
-  (mlx_impl/load.py, common/strategy.py's fsdp_rows), so the rank never evaluates a tensor it does not keep.
+  (mlx_impl/load.py, common/parallel/strategy.py's fsdp_rows), so the rank never evaluates a tensor it does not keep.
 
 Reduce-scatter. `fully_shard`'s backward calls `mx.distributed.sum_scatter`, which the ring and MPI
 backends of mlx 0.32.4 do not implement ("[ring] sum_scatter not supported"; upstream reports a group that
@@ -45,8 +45,8 @@ import numpy as np
 from mlx.nn.layers.distributed import FullyShardedModule
 from mlx.utils import tree_flatten, tree_unflatten
 
-from common.shardedcheckpoint import local_pieces
-from common.strategy import fsdp_rows
+from common.checkpoint.sharded import local_pieces
+from common.parallel.strategy import fsdp_rows
 
 from .comm import CommCounter, average_gradients
 from .ddp import MicroSteps, as_float32, moments, sum_of_squares
@@ -105,7 +105,7 @@ class VocabShard(FullyShardedModule):
 
 
 class Sharding(MicroSteps):
-    """The fsdp strategy (common/protocols.py): which parameters a rank holds a shard of, and the
+    """The fsdp strategy (common/train/protocols.py): which parameters a rank holds a shard of, and the
     collectives that treat them apart."""
 
     full_state_on_every_rank = False  # rank 0 gathers the state, the checkpoint's one writer
@@ -152,7 +152,7 @@ class Sharding(MicroSteps):
                                       for moment in ("m", "v")))
 
     def local_state(self, shapes: dict, weights: dict, optimizer: dict):
-        """--checkpoint-format sharded (common/shardedcheckpoint.py): (weights, exp_avg, exp_avg_sq, where) of
+        """--checkpoint-format sharded (common/checkpoint/sharded.py): (weights, exp_avg, exp_avg_sq, where) of
         what this rank writes, under HF names; no collectives. A padded vocabulary's last shard is cut to
         the true vocabulary there (shardedcheckpoint.trim)."""
         def hf(flat):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 
 from common.errors import UserError
-from common.loop import World, rank_main
+from common.train.loop import World, rank_main
 
 # mlx.launch's backend names that mx.distributed.init does not know: jaccl-ring is jaccl told by
 # mlx.launch (MLX_JACCL_RING=1) to connect only neighbours.

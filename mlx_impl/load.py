@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from common.tensorsource import TensorSource
+from common.checkpoint.tensorsource import TensorSource
 
 SHARD = ".module."  # fully_shard puts the wrapped module under `module`; HF names never hold it
 

@@ -2,7 +2,7 @@
 
 Mirrors torch_impl/model.py name for name: a diff between the two shows only framework differences.
 Parameter names are Hugging Face's, so a seed checkpoint loads here, in torch and in transformers.
-Mixed precision (common/precision.py) is written as explicit casts: the parameters stay float32, the
+Mixed precision (common/model/precision.py) is written as explicit casts: the parameters stay float32, the
 embedding output is cast to the compute dtype, and every parameter is cast to its input's dtype at use.
 """
 from __future__ import annotations
@@ -14,9 +14,9 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from common.rope import spec_tables
-from common.spec import ModelSpec
-from common.weights import load_pretrained
+from common.model.rope import spec_tables
+from common.model.spec import ModelSpec
+from common.model.weights import load_pretrained
 
 
 def attention_mask(padding_mask: mx.array | None, T: int) -> mx.array | str:
@@ -93,7 +93,7 @@ class RMSNorm(nn.RMSNorm):
 
 
 class RoPE(nn.Module):
-    """HF's rotate-half rotary embedding (pairs i and i + head_dim/2), from common/rope.py's float32 tables:
+    """HF's rotate-half rotary embedding (pairs i and i + head_dim/2), from common/model/rope.py's float32 tables:
     the same numbers torch_impl/model.py uses, whatever the rope scaling. traditional=True rotates pairs
     (2i, 2i + 1) instead (MLX's and GPT-J's layout): only the planted bug of `diagnose` sets it."""
 

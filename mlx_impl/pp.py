@@ -1,6 +1,6 @@
 """Pipeline parallelism in MLX, written out with `mx.distributed.send` / `recv`: one stage per rank.
 
-The split and the schedules are common/pipeline.py's: a stage holds a contiguous run of blocks (the first also
+The split and the schedules are common/parallel/pipeline.py's: a stage holds a contiguous run of blocks (the first also
 the embedding, the last the final norm and the head) and runs `stage_ops`, one operation at a time:
 
     recv_act / send_act    the activations (micro-batch, T, dim) in the compute dtype, down the stages
@@ -24,7 +24,7 @@ Exact loss: the last stage holds the masked token losses of the whole batch, the
 sums the loss over the world (`loss_over`). Gradients are those of (sum of token losses) x scale, scale =
 1 / global tokens, as under ddp at one rank (nothing is averaged: the data-parallel size is 1). The global
 norm adds each stage's sum of squares over the ranks (every parameter lives on exactly one stage; tied
-embeddings are refused before the run starts, common/strategy.py). Checkpoints are whole HF-named files: the
+embeddings are refused before the run starts, common/parallel/strategy.py). Checkpoints are whole HF-named files: the
 stages' parameters keep their HF names (blocks of other stages are empty placeholders in the layer list), and
 export_state sums the stages' dicts (zeros where a stage holds nothing) so every rank has the whole state.
 
@@ -42,9 +42,9 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from common.pipeline import bubble_fraction, stage_layers, stage_of, stage_ops
-from common.protocols import no_phase
-from common.shardedcheckpoint import local_pieces
+from common.parallel.pipeline import bubble_fraction, stage_layers, stage_of, stage_ops
+from common.train.protocols import no_phase
+from common.checkpoint.sharded import local_pieces
 
 from .comm import CommCounter
 from .ddp import as_float32, moments, sum_of_squares, wait_for
@@ -53,7 +53,7 @@ from .model import cross_entropy
 
 
 class Pipeline:
-    """The pp strategy (common/protocols.py): this rank's stage, its schedule, and the state across stages."""
+    """The pp strategy (common/train/protocols.py): this rank's stage, its schedule, and the state across stages."""
 
     reduce_scatter = None
     full_state_on_every_rank = True  # export_state sums the stages' parts on every rank
@@ -291,14 +291,14 @@ class Pipeline:
         return tuple(self.gather(part) for part in (weights, *moments(weights, optimizer)))
 
     def local_state(self, shapes: dict, weights: dict, optimizer: dict):
-        """--checkpoint-format sharded (common/shardedcheckpoint.py): (weights, exp_avg, exp_avg_sq, where) of
+        """--checkpoint-format sharded (common/checkpoint/sharded.py): (weights, exp_avg, exp_avg_sq, where) of
         this stage's own tensors, whole, under HF names; no collectives."""
         return local_pieces(self.stage, (weights, *moments(weights, optimizer)), {}, shapes)
 
     def gather(self, named: dict) -> Iterator[tuple[str, np.ndarray]]:
         """The whole model's arrays on every rank from each stage's own: an all_sum per array, zeros from the
         stages that do not hold it (x + 0 is exact). Every rank calls it: collectives, in one order."""
-        from common.weights import parameter_shapes
+        from common.model.weights import parameter_shapes
 
         for name, shape in parameter_shapes(self.model.spec).items():
             mine = stage_of(name, self.n_layers, self.n_stages) == self.stage

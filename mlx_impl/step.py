@@ -1,9 +1,9 @@
 """One optimizer step in MLX: compiled forward/backward, bucketed gradient averaging, clipped AdamW.
 
-Precision (common/precision.py): the model computes in cfg.dtype from float32 master weights, so the
+Precision (common/model/precision.py): the model computes in cfg.dtype from float32 master weights, so the
 gradients, their all-reduce and the AdamW state are float32 whatever the dtype.
 
-The Trainer holds one strategy (common/protocols.py; `STRATEGIES` below is the only place that maps names
+The Trainer holds one strategy (common/train/protocols.py; `STRATEGIES` below is the only place that maps names
 to classes): ddp replicates the model (ddp.py), fsdp shards it (fsdp.py: sharded gradients arrive
 reduce-scattered from the backward, only the replicated ones are averaged after it), tp splits each layer
 (tp.py). The step asks the strategy, never which one it is.
@@ -28,9 +28,9 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from common.protocols import no_phase
-from common.tensorsource import as_source
-from common.weights import parameter_shapes
+from common.train.protocols import no_phase
+from common.checkpoint.tensorsource import as_source
+from common.model.weights import parameter_shapes
 
 from .comm import CommCounter, communication_stream
 from .ddp import Replicated, as_float32, clip_by_norm, state_bytes
@@ -55,7 +55,7 @@ def _exact_sum(arrays) -> float:
 
 class Trainer:
     framework = FRAMEWORK
-    tracer = Tracer  # --trace (common/trace.py)
+    tracer = Tracer  # --trace (common/train/trace.py)
 
     def __init__(self, cfg, spec, weights, world):
         self.rank, self.world_size, self.group = world.rank, world.size, world.group
@@ -104,7 +104,7 @@ class Trainer:
 
     def train_step(self, batches, lr, global_tokens, sync=True, phase=no_phase, wait=False):
         """sync=False skips the gradient sync (time breakdown only: the ranks' weights part ways).
-        `phase(name)` wraps each phase (common/protocols.py); wait=True ends each in mx.eval: forward (a
+        `phase(name)` wraps each phase (common/train/protocols.py); wait=True ends each in mx.eval: forward (a
         micro-batch's losses), backward (the rest of its gradients: the compiled micro-step's graph is then
         evaluated in two parts, and kernels it fused across the two run in forward), communication (the
         gradient sync, run apart from the update to time it, uncompiled so that it stays out of the per-call

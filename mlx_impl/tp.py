@@ -1,11 +1,11 @@
-"""Tensor parallelism in MLX (Megatron), on `mx.distributed.all_sum`: the split is common/strategy.py's.
+"""Tensor parallelism in MLX (Megatron), on `mx.distributed.all_sum`: the split is common/parallel/strategy.py's.
 
 q/k/v and gate/up keep their output features 1/N per rank (column-parallel, plain Linear on a slice),
 o_proj and down_proj their input features (row-parallel: `ShardedToAllLinear`, whose all_sum adds the
 partial outputs). The gradient flowing back into the column-parallel layers is summed over ranks once
 per attention and once per MLP, at the norm that feeds them (Megatron's "f"; MLX's own
 AllToShardedLinear would do it in each of q, k and v: three all-reduces instead of one). Embedding,
-norms and lm_head are replicated (why: common/strategy.py); their inputs and incoming gradients are the
+norms and lm_head are replicated (why: common/parallel/strategy.py); their inputs and incoming gradients are the
 same on every rank, so are their gradients, and nothing averages them.
 
 Bytes all-reduced are counted here, in these layers' collectives, when MLX traces them: the step is
@@ -22,8 +22,8 @@ import numpy as np
 from mlx.nn.layers.distributed import ShardedToAllLinear
 from mlx.utils import tree_flatten, tree_unflatten
 
-from common.shardedcheckpoint import local_pieces
-from common.strategy import tp_index, tp_split_axis
+from common.checkpoint.sharded import local_pieces
+from common.parallel.strategy import tp_index, tp_split_axis
 
 from .comm import CommCounter
 from .ddp import MicroSteps, as_float32, moments, sum_of_squares
@@ -32,7 +32,7 @@ from .model import RMSNorm
 
 
 class TensorParallel(MicroSteps):
-    """The tp strategy (common/protocols.py): one model's split over the group, and what the Trainer needs to
+    """The tp strategy (common/train/protocols.py): one model's split over the group, and what the Trainer needs to
     train and checkpoint it. The data-parallel size is 1, so no gradient is averaged."""
 
     reduce_scatter = None
@@ -89,7 +89,7 @@ class TensorParallel(MicroSteps):
         return tuple(self.gather(part) for part in (weights, *moments(weights, optimizer)))
 
     def local_state(self, shapes: dict, weights: dict, optimizer: dict):
-        """--checkpoint-format sharded (common/shardedcheckpoint.py): (weights, exp_avg, exp_avg_sq, where) of
+        """--checkpoint-format sharded (common/checkpoint/sharded.py): (weights, exp_avg, exp_avg_sq, where) of
         what this rank writes, under HF names; no collectives."""
         axes = {name: tp_split_axis(name) for name in weights}
         return local_pieces(self.rank, (weights, *moments(weights, optimizer)), axes, shapes)
@@ -118,7 +118,7 @@ class RowParallelLinear(ShardedToAllLinear):
         return layer
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = x @ self["weight"].astype(x.dtype).T  # the cast at use of common/precision.py
+        y = x @ self["weight"].astype(x.dtype).T  # the cast at use of common/model/precision.py
         self.counter.add(y)
         return mx.distributed.all_sum(y, group=self.group)
 

@@ -1,7 +1,7 @@
-"""`--trace` in MLX (common/trace.py): the phases by dpcompare's own clock, and on a Metal GPU a capture.
+"""`--trace` in MLX (common/train/trace.py): the phases by dpcompare's own clock, and on a Metal GPU a capture.
 
 MLX has no operator profiler and no Chrome trace of its own, on the CPU or on a GPU. So trace/rank{R}.json
-holds the spans of common/trace.py's Timeline: each step and its phases, each phase ended by mx.eval
+holds the spans of common/train/trace.py's Timeline: each step and its phases, each phase ended by mx.eval
 (Trainer.train_step with wait=True), with pid = the rank.
 
 On a Metal GPU (macOS) MLX can record every GPU command buffer into an Xcode capture
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from common.trace import Timeline
+from common.train.trace import Timeline
 
 
 class Tracer:

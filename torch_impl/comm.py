@@ -9,7 +9,7 @@ so this file has no `average_gradients`. `CommCounter` counts the bytes all-redu
 """
 from __future__ import annotations
 
-from common.fabric import Collectives
+from common.costmodel.probe import Collectives
 
 from torch.utils._python_dispatch import TorchDispatchMode
 

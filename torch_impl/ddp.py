@@ -1,7 +1,7 @@
 """DDP in PyTorch: every rank holds the whole model; DDP's hooks all-reduce the gradients in buckets during
 the backward, on the micro-step that ends the optimizer step.
 
-`Replicated` is the strategy (common/protocols.py); the helpers below are what every strategy shares.
+`Replicated` is the strategy (common/train/protocols.py); the helpers below are what every strategy shares.
 Mirrors mlx_impl/ddp.py.
 """
 from __future__ import annotations
@@ -14,8 +14,8 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common.protocols import no_phase
-from common.shardedcheckpoint import local_pieces
+from common.train.protocols import no_phase
+from common.checkpoint.sharded import local_pieces
 
 from .load import local as _local
 from .load import load_local
@@ -23,7 +23,7 @@ from .model import token_loss_sum
 
 
 class MicroSteps:
-    """The shared default of `forward_backward` (common/protocols.py) for ddp, fsdp and tp: the micro-batches
+    """The shared default of `forward_backward` (common/train/protocols.py) for ddp, fsdp and tp: the micro-batches
     one after another -> the float64 sum of this rank's token losses. sync=False runs the bare model, whose
     gradient hooks never sync (time breakdown only); DDP and FSDP communicate only on the micro-step that ends
     the optimizer step (the bare model has no hooks apart from the wrapper's, unless the strategy wraps in
@@ -101,7 +101,7 @@ class Replicated(MicroSteps):
 
 
     def local_state(self, shapes: dict, params: dict, exp_avg: dict, exp_avg_sq: dict):
-        """--checkpoint-format sharded (common/shardedcheckpoint.py): (weights, exp_avg, exp_avg_sq, where) of
+        """--checkpoint-format sharded (common/checkpoint/sharded.py): (weights, exp_avg, exp_avg_sq, where) of
         what this rank writes (every tensor whole, from rank 0 alone), under HF names; no collectives."""
         return local_pieces(self.rank, tuple(map(_local_numpy, (params, exp_avg, exp_avg_sq))), dict.fromkeys(params),
                             shapes)

@@ -1,4 +1,4 @@
-"""torch's side of `dpcompare diagnose`: `python -m torch_impl.diagnose PLAN OUT_DIR` (see common/diagnosis.py).
+"""torch's side of `dpcompare diagnose`: `python -m torch_impl.diagnose PLAN OUT_DIR` (see common/train/step_record.py).
 
 Mirrors mlx_impl/diagnose.py: every module's output, the gradients, and the test hook that plants a
 bug in this framework's model or optimizer.
@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from common.diagnosis import run_worker
+from common.train.step_record import run_worker
 
 from .launch import start_world
 from .model import RoPE, weights_of  # noqa: F401 - run_worker reads weights_of (and Trainer) from this module
@@ -48,7 +48,7 @@ def gradients(model: nn.Module, inputs, targets, mask, scale: float) -> dict[str
 
 
 def inject_bug(trainer: Trainer, bug: str) -> None:
-    """Test hook (common.diagnosis.BUGS): plant one real bug in the model or optimizer, after construction."""
+    """Test hook (common.train.step_record.BUGS): plant one real bug in the model or optimizer, after construction."""
     modules = list(trainer.model.modules())
     if bug == "rmsnorm_eps":
         for m in modules:

@@ -15,7 +15,7 @@ would not see. FSDP2 pads an axis that does not divide by N (a 50257-token vocab
 mlx_impl/fsdp.py does by hand.
 
 Nothing whole is ever allocated: the model is built on the meta device, sharded there, and `wrap` then
-allocates (to_empty) and loads only this rank's rows of each tensor (torch_impl/load.py, common/strategy.py's
+allocates (to_empty) and loads only this rank's rows of each tensor (torch_impl/load.py, common/parallel/strategy.py's
 fsdp_rows, which is torch.chunk's split as FSDP2 uses it). The mesh is a CPU mesh over gloo or a CUDA mesh
 over nccl, whichever process group the job runs.
 
@@ -41,10 +41,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
-from common.heap import release_freed_heap
-from common.strategy import fsdp_rows
+from common.train.heap import release_freed_heap
+from common.parallel.strategy import fsdp_rows
 
-from common.shardedcheckpoint import local_pieces
+from common.checkpoint.sharded import local_pieces
 
 from .ddp import FixedCount, MicroSteps, _local_numpy, as_float32, sum_of_squares
 from .load import load_local
@@ -82,7 +82,7 @@ def release_heap_in_backward(model) -> None:
     backward: every unit's gathered weight, whole gradient and reduce-scatter buffer come and go there, the
     embedding's (2 x 147 MiB on `base`) last, when every sharded gradient exists; and glibc's heap then
     holds 300-480 MiB of blocks the forward and the blocks' backward freed but did not return
-    (common/heap.py). On `base` at N=2 the two releases took the peak from 0.66-0.68x ddp's to about 0.56x
+    (common/train/heap.py). On `base` at N=2 the two releases took the peak from 0.66-0.68x ddp's to about 0.56x
     (either alone: 0.59-0.64); they cost 1-14 % of a step there and 4-10 % on `small` (docs/benchmarks.md)."""
     def on_output(module, args, output):
         if output.requires_grad:  # not in an evaluation
@@ -96,7 +96,7 @@ def _release_freed_heap(grad):
 
 
 class Sharding(MicroSteps):
-    """The fsdp strategy (common/protocols.py): deferred gradient sync, the global norm, full and local state."""
+    """The fsdp strategy (common/train/protocols.py): deferred gradient sync, the global norm, full and local state."""
 
     full_state_on_every_rank = False  # rank 0 gathers the state, the checkpoint's one writer
     communicates = False              # the reduce-scatter runs inside the backward (FSDP2's hooks)
@@ -106,7 +106,7 @@ class Sharding(MicroSteps):
         self.device, self.backend, self.rank, self.size = device, cfg.resolved_backend, dist.get_rank(), dist.get_world_size()
         self.reduce_scatter = reduce_scatter_kind(self.backend)
         # The host heap is what a CPU rank's tensors live in; on a GPU the trim would only cost time.
-        # --tune-malloc keeps freed memory on purpose (common/heap.py).
+        # --tune-malloc keeps freed memory on purpose (common/train/heap.py).
         self.release_heap = device.type == "cpu" and not cfg.tune_malloc
 
     def wrap(self, model, source):
@@ -157,7 +157,7 @@ class Sharding(MicroSteps):
         return self.full(params), self.full(exp_avg), self.full(exp_avg_sq)
 
     def local_state(self, shapes: dict, params: dict, exp_avg: dict, exp_avg_sq: dict):
-        """--checkpoint-format sharded (common/shardedcheckpoint.py): (weights, exp_avg, exp_avg_sq, where) of
+        """--checkpoint-format sharded (common/checkpoint/sharded.py): (weights, exp_avg, exp_avg_sq, where) of
         what this rank writes, under HF names; no collectives."""
         axes = {name: 0 if isinstance(p, DTensor) else None for name, p in params.items()}
         # FSDP2 splits axis 0 as torch.chunk does: ceil(rows / N) per rank, the last ones shorter or empty.

@@ -12,7 +12,7 @@ import os
 import sys
 
 from common.errors import UserError
-from common.loop import World, rank_main
+from common.train.loop import World, rank_main
 
 
 def start_world(cfg) -> World:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from common.tensorsource import TensorSource
+from common.checkpoint.tensorsource import TensorSource
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 Mirrors mlx_impl/model.py name for name: a diff between the two shows only framework differences.
 Parameter names are Hugging Face's, so a seed checkpoint loads here, in MLX and in transformers.
-Mixed precision (common/precision.py) is written as explicit casts: the parameters stay float32, the
+Mixed precision (common/model/precision.py) is written as explicit casts: the parameters stay float32, the
 embedding output is cast to the compute dtype, and every parameter is cast to its input's dtype at use.
 """
 from __future__ import annotations
@@ -14,9 +14,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common.rope import spec_tables
-from common.spec import ModelSpec
-from common.weights import load_pretrained
+from common.model.rope import spec_tables
+from common.model.spec import ModelSpec
+from common.model.weights import load_pretrained
 
 
 def attention_mask(padding_mask: torch.Tensor | None, T: int) -> torch.Tensor | None:
@@ -31,7 +31,7 @@ def attention_mask(padding_mask: torch.Tensor | None, T: int) -> torch.Tensor | 
 
 
 class RoPE(nn.Module):
-    """HF's rotate-half rotary embedding (pairs i and i + head_dim/2), from common/rope.py's float32 tables:
+    """HF's rotate-half rotary embedding (pairs i and i + head_dim/2), from common/model/rope.py's float32 tables:
     the same numbers mlx_impl/model.py uses, whatever the rope scaling. traditional=True rotates pairs
     (2i, 2i + 1) instead (MLX's and GPT-J's layout): only the planted bug of `diagnose` sets it."""
 

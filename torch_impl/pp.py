@@ -1,6 +1,6 @@
 """Pipeline parallelism in PyTorch, with `torch.distributed.pipelining`: one stage per rank.
 
-The split is common/pipeline.py's (contiguous blocks; the embedding on the first stage, the final norm and the
+The split is common/parallel/pipeline.py's (contiguous blocks; the embedding on the first stage, the final norm and the
 head on the last). This rank's part of the Llama becomes a `PipelineStage`, and `ScheduleGPipe` or
 `Schedule1F1B` runs the micro-batches of each micro-step's batch through the stages, on gloo or nccl (their
 sends and receives are batched non-blocking operations, so the library needs no reordering; mlx_impl/pp.py
@@ -33,9 +33,9 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from common.pipeline import bubble_fraction, stage_layers, stage_of
-from common.protocols import no_phase
-from common.shardedcheckpoint import local_pieces
+from common.parallel.pipeline import bubble_fraction, stage_layers, stage_of
+from common.train.protocols import no_phase
+from common.checkpoint.sharded import local_pieces
 
 from .ddp import _local_numpy, as_float32
 from .load import load_local
@@ -46,7 +46,7 @@ SENDS = ("c10d::send",)
 
 
 class Pipeline:
-    """The pp strategy (common/protocols.py): this rank's stage, its schedule, and the state across stages."""
+    """The pp strategy (common/train/protocols.py): this rank's stage, its schedule, and the state across stages."""
 
     reduce_scatter = None
     full_state_on_every_rank = True  # export_state sums the stages' parts on every rank
@@ -177,14 +177,14 @@ class Pipeline:
         return self.gather(params), self.gather(exp_avg), self.gather(exp_avg_sq)
 
     def local_state(self, shapes: dict, params: dict, exp_avg: dict, exp_avg_sq: dict):
-        """--checkpoint-format sharded (common/shardedcheckpoint.py): (weights, exp_avg, exp_avg_sq, where) of
+        """--checkpoint-format sharded (common/checkpoint/sharded.py): (weights, exp_avg, exp_avg_sq, where) of
         this stage's own tensors, whole, under HF names; no collectives."""
         return local_pieces(self.stage, tuple(map(_local_numpy, (params, exp_avg, exp_avg_sq))), {}, shapes)
 
     def gather(self, named: dict[str, torch.Tensor]) -> Iterator[tuple[str, np.ndarray]]:
         """The whole model's arrays on every rank from each stage's own: an all_reduce per array, zeros from
         the stages that do not hold it (x + 0 is exact). Every rank calls it: collectives, in one order."""
-        from common.weights import parameter_shapes
+        from common.model.weights import parameter_shapes
 
         for name, shape in parameter_shapes(self.model.spec).items():
             mine = stage_of(name, self.n_layers, self.n_stages) == self.stage

@@ -1,6 +1,6 @@
 """Greedy continuation for the report: `python -m torch_impl.sample WEIGHTS_DIR OUT_JSON IDS MAX_NEW_TOKENS`.
 
-The loop is common/sample.py's; this file gives it the model and one greedy token. compare/launch/sample.py
+The loop is common/train/generate.py's; this file gives it the model and one greedy token. compare/launch/sample.py
 runs it after training and writes the run's sample.json.
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from common.sample import sample_main
+from common.train.generate import sample_main
 
 from .model import from_pretrained
 

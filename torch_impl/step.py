@@ -1,9 +1,9 @@
 """One optimizer step in PyTorch: DDP with bucketed all-reduce, no_sync accumulation, clipped AdamW.
 
-Precision (common/precision.py): the model computes in cfg.dtype from float32 master weights, so the
+Precision (common/model/precision.py): the model computes in cfg.dtype from float32 master weights, so the
 gradients, their all-reduce, the loss and the AdamW state are float32 whatever the dtype (no autocast).
 
-The Trainer holds one strategy (common/protocols.py; `STRATEGIES` below is the only place that maps names
+The Trainer holds one strategy (common/train/protocols.py; `STRATEGIES` below is the only place that maps names
 to classes): ddp wraps the model in DDP (ddp.py); fsdp shards it with FSDP2 (fsdp.py), which averages the
 gradients the same way (a reduce-scatter divided by N instead of an all-reduce divided by N); tp splits
 each layer (tp.py). The step asks the strategy, never which one it is.
@@ -22,9 +22,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from common.protocols import no_phase
-from common.tensorsource import as_source
-from common.weights import parameter_shapes
+from common.train.protocols import no_phase
+from common.checkpoint.tensorsource import as_source
+from common.model.weights import parameter_shapes
 
 from .comm import communication_stream
 from .ddp import Replicated, clip_by_norm, state_bytes
@@ -45,7 +45,7 @@ def strategy_for(cfg, world, device: torch.device):
 
 class Trainer:
     framework = FRAMEWORK
-    tracer = Tracer  # --trace (common/trace.py)
+    tracer = Tracer  # --trace (common/train/trace.py)
 
     def __init__(self, cfg, spec, weights, world):
         self.rank, self.world_size, self.group = world.rank, world.size, world.group
@@ -70,7 +70,7 @@ class Trainer:
 
     def train_step(self, batches, lr, global_tokens, sync=True, phase=no_phase, wait=False):
         """sync=False runs the bare model, whose gradient hooks never sync (time breakdown only: the ranks'
-        weights part ways). `phase(name)` wraps each phase (common/protocols.py); wait=True ends each in a
+        weights part ways). `phase(name)` wraps each phase (common/train/protocols.py); wait=True ends each in a
         device sync: forward and backward per micro-batch, optimizer. DDP and FSDP sync the gradients inside
         the backward (their hooks), so there is no communication phase; the profiler shows it there."""
         scale = self.dp_size / global_tokens

@@ -1,5 +1,5 @@
 """Tensor parallelism in PyTorch (Megatron), with DTensor's `parallelize_module`: the split is
-common/strategy.py's.
+common/parallel/strategy.py's.
 
 q/k/v and gate/up are `ColwiseParallel` (weights Shard(0): output features 1/N per rank), o_proj and
 down_proj `RowwiseParallel` (Shard(1): input features; the partial outputs are all-reduced). The gradient
@@ -7,7 +7,7 @@ flowing back into the column-parallel layers is summed over ranks once per atten
 `PrepareModuleInput` hands the attention and the MLP a replicated DTensor, so q, k and v add their partial
 input gradients as DTensors and one all-reduce happens where it turns back into a plain tensor (Megatron's
 "f"; ColwiseParallel alone would all-reduce in each of q, k and v). Embedding, norms and lm_head stay plain
-replicated tensors (why: common/strategy.py); their inputs and incoming gradients are the same on every
+replicated tensors (why: common/parallel/strategy.py); their inputs and incoming gradients are the same on every
 rank, so are their gradients, and nothing averages them.
 
 Bytes all-reduced are counted in the collectives the first step issues (a dispatch mode sees every one;
@@ -26,8 +26,8 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                parallelize_module)
 
-from common.shardedcheckpoint import local_pieces
-from common.strategy import tp_index
+from common.checkpoint.sharded import local_pieces
+from common.parallel.strategy import tp_index
 
 from .comm import CommCounter
 from .ddp import MicroSteps, _local_numpy, as_float32, sum_of_squares
@@ -35,7 +35,7 @@ from .load import load_local
 
 
 class TensorParallel(MicroSteps):
-    """The tp strategy (common/protocols.py): one model's split over every rank, and what the Trainer needs
+    """The tp strategy (common/train/protocols.py): one model's split over every rank, and what the Trainer needs
     to train and checkpoint it. The data-parallel size is 1, so no gradient is averaged."""
 
     reduce_scatter = None
@@ -99,7 +99,7 @@ class TensorParallel(MicroSteps):
         return self.gather(params), self.gather(exp_avg), self.gather(exp_avg_sq)
 
     def local_state(self, shapes: dict, params: dict, exp_avg: dict, exp_avg_sq: dict):
-        """--checkpoint-format sharded (common/shardedcheckpoint.py): (weights, exp_avg, exp_avg_sq, where) of
+        """--checkpoint-format sharded (common/checkpoint/sharded.py): (weights, exp_avg, exp_avg_sq, where) of
         what this rank writes, under HF names; no collectives."""
         axes = {name: p.placements[0].dim if isinstance(p, DTensor) else None for name, p in params.items()}
         return local_pieces(self.rank, tuple(map(_local_numpy, (params, exp_avg, exp_avg_sq))), axes, shapes)

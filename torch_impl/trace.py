@@ -1,4 +1,4 @@
-"""`--trace` in torch (common/trace.py): torch.profiler's Chrome trace, with dpcompare's phases in it.
+"""`--trace` in torch (common/train/trace.py): torch.profiler's Chrome trace, with dpcompare's phases in it.
 
 trace/rank{R}.json is torch.profiler's own export: every operator on its thread, and on a CUDA GPU the
 kernels and memory copies on their streams (ProfilerActivity.CUDA). Each step and its phases are

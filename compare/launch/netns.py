@@ -29,7 +29,7 @@ import sys
 from dataclasses import dataclass, field
 
 from common.errors import UserError
-from common.link import NO_DELAY_NOTE, describe_rate, parse_rate
+from common.costmodel.rates import NO_DELAY_NOTE, describe_rate, parse_rate
 
 from ..machine.environment import child_env
 

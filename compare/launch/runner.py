@@ -17,14 +17,14 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
-from common import supervisor
+from common.train import supervisor
 from common.config import RunConfig
 from common.errors import UserError
 from common.metrics import read_metrics, throughput_stats, write_json
-from common.pipeline import split_idle
-from common.plan import PLAN_FILE, RunPlan
-from common.precision import describe as describe_precision
-from common.spec import ModelSpec
+from common.parallel.pipeline import split_idle
+from common.runplan import PLAN_FILE, RunPlan
+from common.model.precision import describe as describe_precision
+from common.model.spec import ModelSpec
 
 from ..machine import environment as env
 from ..machine.backends import check_available
@@ -49,14 +49,14 @@ class Inputs:
     cache_meta: dict
 
     def plan(self, cfg: RunConfig) -> RunPlan:
-        """The run plan of one run of the comparison (common/plan.py): what its ranks read."""
+        """The run plan of one run of the comparison (common/runplan.py): what its ranks read."""
         return RunPlan.of(cfg, self.spec, self.token_cache, self.seed_checkpoint, self.cache_meta)
 
 
 def prepare_inputs(cfg: RunConfig) -> Inputs:
-    from common.sampler import GlobalSampler
-    from common.sequences import SequenceView
-    from common.tokencache import prepare_tokens
+    from common.data.sampler import GlobalSampler
+    from common.data.sequences import SequenceView
+    from common.data.tokencache import prepare_tokens
 
     cache = prepare_tokens(cfg.dataset, cfg.resolved_tokenizer, cache_dir=cfg.cache_path, split=cfg.dataset_split,
                            text_field=cfg.text_field, streaming=cfg.streaming, val_fraction=cfg.val_fraction,
@@ -67,7 +67,7 @@ def prepare_inputs(cfg: RunConfig) -> Inputs:
     GlobalSampler(view.num_samples, cfg.global_batch_size, cfg.seed)  # fails early when data is too small
     seed_dir = Path(cfg.init_from) if cfg.init_from else seed_checkpoint(spec, cfg.seed, cfg.cache_path)
     if cfg.init_from:  # the spec is the folder's (RunConfig.model_spec); its tensors must fit it
-        from common.weights import load_pretrained
+        from common.model.weights import load_pretrained
 
         load_pretrained(seed_dir)
     return Inputs(token_cache=Path(cache.path), spec=spec, seed_checkpoint=seed_dir, cache_meta=cache.meta)
@@ -75,7 +75,7 @@ def prepare_inputs(cfg: RunConfig) -> Inputs:
 
 def seed_checkpoint(spec: ModelSpec, seed: int, cache_dir: Path) -> Path:
     """The seeded numpy init, written once per (spec, seed) and shared by every run and framework."""
-    from common.weights import init_weights, save_pretrained
+    from common.model.weights import init_weights, save_pretrained
 
     key = hashlib.sha256(json.dumps([spec.to_dict(), seed], sort_keys=True).encode()).hexdigest()[:16]
     final = Path(cache_dir) / "seeds" / key
@@ -113,7 +113,7 @@ def check_run_dir(run_dir: Path, resume: bool, overwrite: bool, clear: bool = Fa
 
 def check_resumable(cfg: RunConfig, inputs: Inputs, run_dir: Path) -> None:
     """Validate the checkpoint a --resume would load before anything is started or written."""
-    from common.checkpoint import latest_checkpoint, load_checkpoint, resume_fingerprints
+    from common.checkpoint.store import latest_checkpoint, load_checkpoint, resume_fingerprints
 
     latest = latest_checkpoint(run_dir) if cfg.resume else None
     if latest is not None:
@@ -180,7 +180,7 @@ def launch(cfg: RunConfig, inputs: Inputs, run_dir: Path) -> dict:
 
 def stop_interrupted(proc: subprocess.Popen | None, run_dir: Path, cfg: RunConfig, signum: int) -> dict:
     """Stop the whole job because dpcompare was signalled; the summary's status becomes "interrupted"."""
-    from common.checkpoint import latest_checkpoint
+    from common.checkpoint.store import latest_checkpoint
 
     name = signal.Signals(signum).name
     if proc is not None:  # else the signal came during Popen: the ranks see this process gone and exit
@@ -211,18 +211,18 @@ def summarize(cfg: RunConfig, run_dir: Path, argv: list[str], blas: str, wall_s:
         "warmup_steps": cfg.timing_warmup_steps,
         "compile_s": rank0.get("compile_s"), "time_to_first_step_s": rank0.get("time_to_first_step_s"),
         "breakdown": rank0.get("breakdown"),
-        # --trace: every rank's files, relative to the run dir (common/trace.py)
+        # --trace: every rank's files, relative to the run dir (common/train/trace.py)
         "trace": sorted(f for r in mine for f in ranks.get(r, {}).get("trace") or []),
         "wall_s": wall_s,
         "peak_mem_bytes": [ranks.get(r, {}).get("peak_mem_bytes") for r in range(world)],
         "peak_rss_bytes": [ranks.get(r, {}).get("peak_rss_bytes") for r in range(world)],
         # Start-up and training alone, before the first checkpoint gathers the state to save it.
         "peak_rss_before_save_bytes": [ranks.get(r, {}).get("peak_rss_before_save_bytes") for r in range(world)],
-        # Bytes of the starting weights each rank read (common/tensorsource.py): its part, not the model.
+        # Bytes of the starting weights each rank read (common/checkpoint/tensorsource.py): its part, not the model.
         "weights_bytes_read": [ranks.get(r, {}).get("weights_bytes_read") for r in range(world)],
         # and of AdamW's two moments, when it resumed from a checkpoint (None otherwise)
         "moments_bytes_read": [ranks.get(r, {}).get("moments_bytes_read") for r in range(world)],
-        # RSS at each rank's start, before the model is built: the framework's fixed footprint (common/loop.py)
+        # RSS at each rank's start, before the model is built: the framework's fixed footprint (common/train/loop.py)
         "fixed_rss_bytes": [ranks.get(r, {}).get("fixed_rss_bytes") for r in range(world)],
         # What each rank holds of the training state (Trainer.state_bytes), and how FSDP reduce-scattered.
         "strategy": cfg.strategy, "reduce_scatter": rank0.get("reduce_scatter"),
@@ -240,15 +240,15 @@ def summarize(cfg: RunConfig, run_dir: Path, argv: list[str], blas: str, wall_s:
         "command": shlex.join(argv), "config": cfg.to_dict(),
     }
     if cfg.init_from:  # the pretrained checkpoint the run started from, and which weights those were
-        from common.weights import weights_digest
+        from common.model.weights import weights_digest
 
         summary["init_from"] = {"path": str(Path(cfg.init_from).resolve()),
                                 "weights_sha256": weights_digest(Path(cfg.init_from), cfg.cache_path)}
-    if link is not None:  # the path the ranks talked over, and their own all-reduce on it (common/fabric.py)
+    if link is not None:  # the path the ranks talked over, and their own all-reduce on it (common/costmodel/probe.py)
         summary["link"] = {**link, "allreduce": rank0.get("allreduce")}
-        if rank0.get("allgather"):  # fsdp's own all-gather (common/fabric.py PROBES_ALL_GATHER)
+        if rank0.get("allgather"):  # fsdp's own all-gather (common/costmodel/probe.py PROBES_ALL_GATHER)
             summary["link"]["allgather"] = rank0["allgather"]
-    if "pp_bubble_analytic" in rank0:  # pp (common/pipeline.py): each stage's idle fraction and what it held
+    if "pp_bubble_analytic" in rank0:  # pp (common/parallel/pipeline.py): each stage's idle fraction and what it held
         summary["pipeline"] = {
             "schedule": rank0.get("pp_schedule"), "microbatches": rank0.get("pp_microbatches"),
             "bubble": [ranks.get(r, {}).get("pp_bubble") for r in range(world)],

@@ -14,10 +14,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common.checkpoint import latest_checkpoint
+from common.checkpoint.store import latest_checkpoint
 from common.errors import UserError
 from common.metrics import write_json
-from common.plan import RunPlan
+from common.runplan import RunPlan
 
 from ..machine import environment as env
 from ..report.samples import SAMPLE_FILE
@@ -44,7 +44,7 @@ def continuation(run_dir: Path, prompt: str = PROMPT, max_new_tokens: int = MAX_
     ids = tokenizer.encode(prompt, add_special_tokens=False).ids
     if not ids:
         raise UserError(f"the prompt {prompt!r} encodes to no tokens")
-    if meta.get("bos_id") is not None:  # a document starts with BOS in training (common/tokencache.py)
+    if meta.get("bos_id") is not None:  # a document starts with BOS in training (common/data/tokencache.py)
         ids = [int(meta["bos_id"]), *ids]
     extra = env.thread_env(plan.config.threads_per_rank)
     if framework == "mlx":

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from common.config import RunConfig
 from common.metrics import read_json, write_json
-from common.supervisor import request_stop
+from common.train.supervisor import request_stop
 
 POLL_S = 0.2
 KILL_GRACE_S = 3.0

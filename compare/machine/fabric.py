@@ -1,7 +1,7 @@
 """`dpcompare doctor --fabric`: all-reduce latency and bandwidth for every backend usable here, and what
 they mean for a training step.
 
-Each backend runs `python -m {mlx,torch}_impl.fabric` (common/fabric.py) on every rank, started by the
+Each backend runs `python -m {mlx,torch}_impl.probe` (common/costmodel/probe.py) on every rank, started by the
 launchers that start training (compare/launch/launchers.py): 2 local ranks, or one rank per host of an MLX
 `--hostfile` through mlx.launch (ssh; ring, jaccl or jaccl-ring, as the hostfile or --backend says).
 Everything shares one time budget (55 s by default): each job gets its share of what is left and is
@@ -31,12 +31,12 @@ from pathlib import Path
 
 from common.config import LINK_BACKENDS, RunConfig
 from common.errors import UserError
-from common.link import NO_DELAY_NOTE, describe_rate, parse_rate
-from common.fabric import RESULT_PREFIX, fit
-from common.flops import flops_per_token, known_peak_flops
+from common.costmodel.rates import NO_DELAY_NOTE, describe_rate, parse_rate
+from common.costmodel.probe import RESULT_PREFIX, fit
+from common.model.flops import flops_per_token, known_peak_flops
 from common.metrics import read_json
-from common.spec import preset
-from common.weights import num_parameters
+from common.model.spec import preset
+from common.model.weights import num_parameters
 
 from ..launch.hosts import check_hosts_for, read_mlx_hostfile
 from ..launch.launchers import build_command
@@ -172,7 +172,7 @@ def run_job(framework: str, backend: str, device: str, nproc: int, hostfile: str
             "--timeout-s", f"{max(5.0, budget_s):.0f}"]
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="dpcompare-fabric-") as work, emulated or nullcontext():
-        argv, extra, _ = build_command(cfg, Path(work), module="fabric", args=args, link=emulated)
+        argv, extra, _ = build_command(cfg, Path(work), module="probe", args=args, link=emulated)
         child_env = env.child_env({**extra, "PYTHONUNBUFFERED": "1"})
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
                                 text=True, env=child_env, cwd=PROJECT_ROOT, start_new_session=True)

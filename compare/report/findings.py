@@ -57,7 +57,7 @@ def run_row(run: RunData, parity: dict, peaks: "PeakFinder") -> dict:
         "breakdown": s.get("breakdown"),
         # The cost model's step for this run, from the N=1 run (compare/plan.py).
         "prediction": s.get("prediction"),
-        "trace": [str(run.run_dir / f) for f in s.get("trace") or []],  # --trace timelines (common/trace.py)
+        "trace": [str(run.run_dir / f) for f in s.get("trace") or []],  # --trace timelines (common/train/trace.py)
         "command": s.get("command"), "rerun": rerun_command(cfg, run.framework, run.world_size),
         "parity": run_verdict(parity, run.label) if run.ok else "skipped",
     }
@@ -157,7 +157,7 @@ def phase_gap(fast: dict, slow: dict) -> str | None:
     fa, fb = (a.get(phase) or 0) * 1e3, (b.get(phase) or 0) * 1e3
     sa, sb = (a.get("spread") or {}).get(phase), (b.get("spread") or {}).get(phase)
     real = ""
-    if sa and sb:  # p10-p90 over the profile rounds (common/breakdown.py)
+    if sa and sb:  # p10-p90 over the profile rounds (common/train/breakdown.py)
         apart = sa[1] < sb[0] or sb[1] < sa[0]
         real = ("; their p10–p90 spreads do not overlap" if apart else
                 "; within the spread of the profile rounds, so not a clear difference")

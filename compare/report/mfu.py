@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from common.errors import UserError
-from common.flops import flops_formula, flops_per_token, known_peak_flops, mfu
-from common.spec import ModelSpec
+from common.model.flops import flops_formula, flops_per_token, known_peak_flops, mfu
+from common.model.spec import ModelSpec
 
 from .parity import RunData
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from common.metrics import read_json, read_metrics
-from common.precision import DEFAULT_TOLERANCES
+from common.model.precision import DEFAULT_TOLERANCES
 
 from .labels import run_label
 
@@ -44,7 +44,7 @@ class Tolerances:
     eval_rtol: float = FP32["eval_rtol"]        # relative difference of eval losses
     dp_atol: float = FP32["dp_atol"]            # per-step absolute difference, N ranks vs 1, and strategy vs ddp
     # bfloat16 rounds at about 4e-3 relative, so its checks are relative and wider; the defaults are
-    # common/precision.py's, chosen from the measurements in docs/precision.md.
+    # common/model/precision.py's, chosen from the measurements in docs/precision.md.
     bf16_loss_rtol: float = BF16["loss_rtol"]              # per step, MLX bf16 vs torch bf16
     bf16_dp_rtol: float = BF16["dp_rtol"]                  # per step, bf16 N ranks vs 1, and strategy vs ddp
     bf16_curve_rtol: float = BF16["curve_rtol"]            # moving averages, across frameworks in bf16

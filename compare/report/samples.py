@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from common.checkpoint import latest_checkpoint
+from common.checkpoint.store import latest_checkpoint
 from common.metrics import read_json
 
 from .parity import RunData

@@ -164,7 +164,7 @@ def rewound(run_dir: Path, to: Path, step: int = HALF) -> Path:
     first `step` steps again."""
     import shutil
 
-    from common.checkpoint import latest_checkpoint
+    from common.checkpoint.store import latest_checkpoint
 
     shutil.copytree(run_dir, to, ignore=shutil.ignore_patterns(".trained"))
     for checkpoint in (to / "checkpoints").glob("step_*"):

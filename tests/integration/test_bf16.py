@@ -1,5 +1,5 @@
 """--dtype bfloat16 is real mixed precision in both frameworks, on the CPU too: bf16 compute from float32
-master weights, within the documented tolerances of float32 (common/precision.py, docs/precision.md)."""
+master weights, within the documented tolerances of float32 (common/model/precision.py, docs/precision.md)."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from common.precision import DEFAULT_TOLERANCES
+from common.model.precision import DEFAULT_TOLERANCES
 from compare.report.parity import moving_average
 from helpers import FAST, dpcompare, losses, summary
 from integration.conftest import resumed_from, rewound

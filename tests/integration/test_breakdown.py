@@ -1,5 +1,5 @@
 """Where the time goes: every run kind gets a per-phase breakdown whose phases add up to its measured step
-time, and the report shows it. (common/breakdown.py says how each phase is measured.)"""
+time, and the report shows it. (common/train/breakdown.py says how each phase is measured.)"""
 import json
 import re
 

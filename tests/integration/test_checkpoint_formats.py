@@ -19,7 +19,7 @@ def test_a_sharded_checkpoint_resumes_in_the_other_framework_under_another_strat
     import torch
     from safetensors.numpy import load_file
 
-    from common.shardedcheckpoint import ShardedSource
+    from common.checkpoint.sharded import ShardedSource
     from torch_impl.model import from_pretrained
 
     resumed, straight = switched_at_a_checkpoint("mlx fsdp", "torch tp", STRATEGY, uninterrupted, cache_dir, tmp_path)

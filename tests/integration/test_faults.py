@@ -102,8 +102,8 @@ def test_nan_loss_stops_the_run_naming_the_step_and_keeps_the_last_good_checkpoi
                      "--warmup-steps", 0, "--checkpoint-every", 1, cache_dir=cache_dir, check=False)
     assert proc.returncode == 1
     assert "step" in proc.stderr and ("nan" in proc.stderr.lower() or "finite" in proc.stderr.lower()), proc.stderr
-    from common.checkpoint import latest_checkpoint
-    from common.weights import load_pretrained
+    from common.checkpoint.store import latest_checkpoint
+    from common.model.weights import load_pretrained
 
     ckpt = latest_checkpoint(out)
     if ckpt is not None:  # whatever was saved must be loadable and finite

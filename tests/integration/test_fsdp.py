@@ -38,7 +38,7 @@ def test_fsdp_matches_ddp_step_by_step_with_half_the_state_per_rank(framework, s
         for sharded, replicated in zip(b["state_bytes"][part], a["state_bytes"][part]):
             assert 0.45 * replicated <= sharded <= 0.55 * replicated, (part, sharded, replicated)
     # What a rank read of the seed is what it keeps: the whole model under ddp, its rows under fsdp (counted
-    # by common/tensorsource.py), so no fsdp rank ever read a whole sharded tensor.
+    # by common/checkpoint/tensorsource.py), so no fsdp rank ever read a whole sharded tensor.
     assert a["weights_bytes_read"] == a["state_bytes"]["params"]
     assert b["weights_bytes_read"] == b["state_bytes"]["params"]
 
@@ -54,7 +54,7 @@ def test_an_uneven_vocabulary_trains_exactly_and_step_1_gradients_equal_ddps_par
     gradients. Averaging them as a sum (FSDP2 on gloo, pytorch issue 162338) would make them 2x DDP's,
     which the loss alone would hide (Adam is almost scale invariant); grad_clip=0, since clipping would too.
     (One pair of runs for both properties, the padded rows among the gradients compared; 2 steps, since only
-    the last 2 checkpoints are kept, common/checkpoint.py.)"""
+    the last 2 checkpoints are kept, common/checkpoint/store.py.)"""
     common = ("--framework", framework, "--nproc", 2, "--steps", 2, "--set", "model.vocab_size=513",
               "--set", "grad_clip=0", "--checkpoint-every", 1)
     ddp = run(cache_dir, tmp_path / "ddp", *common, "--strategy", "ddp")

@@ -10,9 +10,9 @@ import time
 import numpy as np
 import pytest
 
-from common.pipeline import bubble_fraction, stage_of
-from common.spec import ModelSpec
-from common.weights import parameter_shapes
+from common.parallel.pipeline import bubble_fraction, stage_of
+from common.model.spec import ModelSpec
+from common.model.weights import parameter_shapes
 from helpers import FAST, dpcompare, losses, summary
 from integration import test_faults as faults, test_stop as stop  # their helpers (no test is imported by name)
 from integration.conftest import PP_MICROBATCHES, reference_flags, switched_at_a_checkpoint

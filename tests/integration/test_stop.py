@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.checkpoint import latest_checkpoint
+from common.checkpoint.store import latest_checkpoint
 from common.metrics import read_metrics
 from compare.machine import environment
 from helpers import FAST, ROOT, can_emulate_links, dpcompare, losses, namespaces, summary

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from helpers import FAST, dpcompare, losses, summary
-from common.spec import ModelSpec
-from common.strategy import tp_split_axis
-from common.weights import parameter_shapes
+from common.model.spec import ModelSpec
+from common.parallel.strategy import tp_split_axis
+from common.model.weights import parameter_shapes
 from integration.conftest import reference_flags, switched_at_a_checkpoint
 
 FRAMEWORKS = ["mlx", "torch"]
@@ -59,7 +59,7 @@ def test_tp_two_ranks_equal_one_ddp_rank_with_the_same_global_batch(framework, s
 def test_tp_holds_a_share_of_the_layers_and_measures_the_estimated_communication(framework, cache_dir, tmp_path):
     out = tmp_path / "tp"
     # bf16: the activations all-reduced are half the bytes (the parameters, gradients and AdamW state stay
-    # float32: common/precision.py), and the estimate must say so.
+    # float32: common/model/precision.py), and the estimate must say so.
     run(cache_dir, out, "--framework", framework, "--steps", 3, "--grad-accum", 2, "--sequence", "padding",
         "--dtype", "bfloat16", *TP)
     s = summary(out)

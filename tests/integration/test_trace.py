@@ -1,5 +1,5 @@
 """--trace: every rank writes a Chrome trace of extra steps after the run, holding dpcompare's phases, and
-the summary and report list the files; without --trace nothing is written. (common/trace.py)"""
+the summary and report list the files; without --trace nothing is written. (common/train/trace.py)"""
 import json
 
 from helpers import summary

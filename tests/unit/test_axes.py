@@ -11,7 +11,7 @@ import pytest
 from common.config import RunConfig
 from common.errors import UserError
 from compare.report.labels import run_dirname, run_label
-from compare.matrix import plan_matrix
+from compare.matrix import expand_matrix
 from compare.report.parity import Tolerances
 from compare.report.writer import write_report
 from helpers import FAST, dpcompare_here
@@ -102,14 +102,14 @@ def test_the_report_states_strategy_memory_and_bf16_tolerances(tmp_path):
 
 def test_a_matrix_leaves_out_sharded_runs_on_one_rank_and_names_every_run(tmp_path):
     base = RunConfig(nproc=2)
-    configs, left_out = plan_matrix(base, ["mlx", "torch"], ["ddp", "fsdp"], ["float32"], [1, 2], tmp_path)
+    configs, left_out = expand_matrix(base, ["mlx", "torch"], ["ddp", "fsdp"], ["float32"], [1, 2], tmp_path)
     assert [label for label, _ in configs] == ["mlx x1", "mlx x2", "torch x1", "torch x2", "mlx fsdp x2",
                                                "torch fsdp x2"]
     assert {d.name for _, d in configs} == {"mlx-n1", "mlx-n2", "torch-n1", "torch-n2", "mlx-fsdp-n2",
                                             "torch-fsdp-n2"}
     assert len(left_out) == 2 and all("needs 2 or more ranks" in reason for reason in left_out)
     with pytest.raises(UserError, match="nothing to run"):
-        plan_matrix(base, ["mlx"], ["fsdp"], ["float32"], [1], tmp_path)
+        expand_matrix(base, ["mlx"], ["fsdp"], ["float32"], [1], tmp_path)
 
 
 def test_compare_refuses_a_taken_run_directory_before_anything_trains(tmp_path, cache_dir):

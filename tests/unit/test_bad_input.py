@@ -4,8 +4,8 @@ import shutil
 import stat
 import sys
 
-from common.spec import ModelSpec
-from common.weights import init_weights, save_pretrained
+from common.model.spec import ModelSpec
+from common.model.weights import init_weights, save_pretrained
 from helpers import FAST, dpcompare_here
 
 

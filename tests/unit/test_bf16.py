@@ -1,5 +1,5 @@
 """--dtype bfloat16 is real mixed precision in both frameworks, on the CPU too: bf16 compute from float32
-master weights, within the documented tolerances of float32 (common/precision.py, docs/precision.md)."""
+master weights, within the documented tolerances of float32 (common/model/precision.py, docs/precision.md)."""
 from __future__ import annotations
 
 
@@ -13,10 +13,10 @@ import mlx_impl.step as mlx_step
 import torch_impl.model as torch_model
 import torch_impl.step as torch_step
 from common.config import DTYPES, RunConfig
-from common.loop import World
-from common.precision import DEFAULT_TOLERANCES, POLICIES, describe
-from common.spec import ModelSpec
-from common.weights import init_weights, num_parameters, parameter_shapes
+from common.train.loop import World
+from common.model.precision import DEFAULT_TOLERANCES, POLICIES, describe
+from common.model.spec import ModelSpec
+from common.model.weights import init_weights, num_parameters, parameter_shapes
 
 BF16 = DEFAULT_TOLERANCES["bfloat16"]
 FRAMEWORKS = ["mlx", "torch"]
@@ -39,7 +39,7 @@ def train_losses(framework: str, dtype: str, steps: int = 4) -> list[float]:
         out.append(trainer.train_step([(inputs, targets, mask)], 3e-3, int(mask.sum()))[0])
     weights, exp_avg, exp_avg_sq = (dict(stream) for stream in trainer.export_state())
     assert weights.keys() == exp_avg.keys() == exp_avg_sq.keys() == parameter_shapes(SPEC).keys()
-    held = trainer.state_bytes()  # master weights and moments stay float32 under bf16 (common/precision.py)
+    held = trainer.state_bytes()  # master weights and moments stay float32 under bf16 (common/model/precision.py)
     assert held["params"] == 4 * num_parameters(SPEC) and held["optimizer"] >= 8 * num_parameters(SPEC)
     return out
 

@@ -1,10 +1,10 @@
-"""The time breakdown's estimator (common/breakdown.py) on rounds measured on this machine, and what the
+"""The time breakdown's estimator (common/train/breakdown.py) on rounds measured on this machine, and what the
 report makes of it: medians, p10-p90 spreads, and a plain note when the phases miss the step."""
 from __future__ import annotations
 
 import numpy as np
 
-from common.breakdown import PHASES, TOLERANCE, summarize
+from common.train.breakdown import PHASES, TOLERANCE, summarize
 from compare.report.findings import phase_gap
 from compare.report.render import breakdown_blocks
 
@@ -95,7 +95,7 @@ class _Instant:
 
 
 def test_profile_takes_the_rounds_asked_and_stops_at_its_budget_after_three():
-    from common.breakdown import MIN_ROUNDS, profile
+    from common.train.breakdown import MIN_ROUNDS, profile
 
     trainer = _Instant()
     b = profile(trainer, lambda k: ([], 1e-3, 1), 8, step_s=1e-3, data_s=0.0, world_size=1)

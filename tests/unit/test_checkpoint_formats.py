@@ -1,4 +1,4 @@
-"""The two checkpoint formats (common/checkpoint.py, common/shardedcheckpoint.py): a sharded checkpoint's
+"""The two checkpoint formats (common/checkpoint/store.py, common/checkpoint/sharded.py): a sharded checkpoint's
 pieces assemble into any slice, read only the rank files that hold it, and load as the same state as the hf
 format; a broken index is refused in one line. Runs that write them: tests/integration/test_checkpoint_formats.py."""
 import json
@@ -7,16 +7,16 @@ import weakref
 import numpy as np
 import pytest
 
-from common.checkpoint import TrainState, load_checkpoint, save_checkpoint, write_state_json
+from common.checkpoint.store import TrainState, load_checkpoint, save_checkpoint, write_state_json
 from common.config import RunConfig
 from common.errors import UserError
-from common.hfconfig import to_hf_config
-from common.shardedcheckpoint import (SHARDS, ShardedSource, local_pieces, rank_file, read_index, write_index,
+from common.model.hfconfig import to_hf_config
+from common.checkpoint.sharded import (SHARDS, ShardedSource, local_pieces, rank_file, read_index, write_index,
                                       write_rank_file, write_safetensors)
-from common.safetensorswriter import SafetensorsWriter
-from common.spec import preset
-from common.tensorsource import read_all
-from common.weights import init_weights, parameter_shapes
+from common.checkpoint.safetensorswriter import SafetensorsWriter
+from common.model.spec import preset
+from common.checkpoint.tensorsource import read_all
+from common.model.weights import init_weights, parameter_shapes
 from helpers import dpcompare_here
 
 RNG = np.random.default_rng(0)
@@ -138,9 +138,9 @@ class _Streaming:
 
 
 def test_the_hf_checkpoint_holds_one_gathered_tensor_at_a_time(tmp_path):
-    """The loop writes each tensor as its gather delivers it (common/checkpoint.py HFCheckpointWriter), so
+    """The loop writes each tensor as its gather delivers it (common/checkpoint/store.py HFCheckpointWriter), so
     the writer holds one whole tensor, not the whole state; the checkpoint loads as the state it was given."""
-    from common.loop import checkpoint
+    from common.train.loop import checkpoint
 
     spec = preset("tiny")
     weights = init_weights(spec, 0)
@@ -154,7 +154,7 @@ def test_the_hf_checkpoint_holds_one_gathered_tensor_at_a_time(tmp_path):
 
 
 def test_non_finite_weights_leave_no_checkpoint_behind(tmp_path):
-    from common.loop import TrainingError, checkpoint
+    from common.train.loop import TrainingError, checkpoint
 
     spec = preset("tiny")
     weights = init_weights(spec, 0)

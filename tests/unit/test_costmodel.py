@@ -1,4 +1,4 @@
-"""The cost model (common/costmodel.py): it reproduces its calibration run, its ring factors and byte counts
+"""The cost model (common/costmodel/model.py): it reproduces its calibration run, its ring factors and byte counts
 are the formulas and match what the runs count, and its memory per rank matches state_bytes."""
 import json
 import math
@@ -6,12 +6,12 @@ import math
 import pytest
 from costmodel_fixtures import SPEC, link_record, summary
 
-from common.costmodel import (RING_FACTOR, Link, Workload, calibrate, collectives, link_from_record,
+from common.costmodel.model import (RING_FACTOR, Link, Workload, calibrate, collectives, link_from_record,
                               local_parameters, loopback_link, predict, state_fraction, work_fraction)
 from common.errors import UserError
-from common.spec import ModelSpec, preset
-from common.strategy import comm_bytes_per_step_estimate
-from common.weights import num_parameters, parameter_shapes
+from common.model.spec import ModelSpec, preset
+from common.parallel.strategy import comm_bytes_per_step_estimate
+from common.model.weights import num_parameters, parameter_shapes
 
 TINY = ModelSpec.from_dict(SPEC)
 
@@ -187,7 +187,7 @@ def test_link_records_old_runs_and_bad_input():
 
 # ---- pp -----------------------------------------------------------------------------------------
 def test_pp_holds_its_stage_runs_the_slowest_stage_stretched_by_the_bubble_and_sends_each_piece_twice():
-    from common.pipeline import bubble_fraction, comm_bytes_per_step, stage_of
+    from common.parallel.pipeline import bubble_fraction, comm_bytes_per_step, stage_of
 
     w = Workload(TINY, 128, 32, pp_microbatches=4)
     shapes = {k: math.prod(v) for k, v in parameter_shapes(TINY).items()}
@@ -198,7 +198,7 @@ def test_pp_holds_its_stage_runs_the_slowest_stage_stretched_by_the_bubble_and_s
     stretch = work_fraction("pp", w, 2) / work_fraction("pp", Workload(TINY, 128, 32, pp_microbatches=10**9), 2)
     assert 1 - 1 / stretch == pytest.approx(bubble_fraction(2, 4))
     assert 0.5 < work_fraction("pp", Workload(TINY, 128, 32, pp_microbatches=10**9), 2) < 1  # the head's stage
-    # Each boundary carries the whole batch's activations down and their gradients up (common/pipeline.py).
+    # Each boundary carries the whole batch's activations down and their gradients up (common/parallel/pipeline.py).
     sends = collectives("pp", w, 2)
     assert sum(c.calls * c.nbytes for c in sends) == 2 * comm_bytes_per_step(32, 128, TINY.dim)
     assert sum(c.wire_bytes(2) for c in sends) == 2 * comm_bytes_per_step(32, 128, TINY.dim)
@@ -220,7 +220,7 @@ def test_pp_over_a_slow_link_is_paced_by_its_sends_and_over_a_fast_one_by_its_sl
 
 # ---- the predicted peak per rank (summary.json's memory_prediction, the report's memory table) ----------
 def test_the_predicted_peak_adds_the_fixed_footprint_to_what_the_rank_holds():
-    from common.costmodel import REDUCE_FACTOR, UPDATE_FACTOR, WORKSPACE_BYTES, predicted_peak
+    from common.costmodel.model import REDUCE_FACTOR, UPDATE_FACTOR, WORKSPACE_BYTES, predicted_peak
 
     small = preset("small")  # GPT-2's 50257 tokens: both frameworks pad them to 50258 and shard them
     matrix_bytes = 50258 * small.dim * 4  # one padded vocabulary matrix, fp32
@@ -282,7 +282,7 @@ def test_fsdp_on_a_cpu_adds_fsdp2_host_work_in_torch_and_hides_part_of_mlx_colle
     paper (a GPU nobody measured) gets none of them."""
     from dataclasses import replace
 
-    from common.costmodel import (FSDP_HIDDEN_SHARE, FSDP_HOST_S_PER_CALL, HEAP_RELEASE_BYTES_PER_S, collectives,
+    from common.costmodel.model import (FSDP_HIDDEN_SHARE, FSDP_HOST_S_PER_CALL, HEAP_RELEASE_BYTES_PER_S, collectives,
                                   heap_release_bytes)
 
     link = Link.wire(1, 100)

@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from common.corpus import generate_stories
+from common.data.corpus import generate_stories
 from common.errors import UserError
-from common.sources import load_documents, source_identity
-from common.tokenizer import load_tokenizer
+from common.data.sources import load_documents, source_identity
+from common.data.tokenizer import load_tokenizer
 
 DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 STORIES, VALID, GPT2 = DATA / "tinystories" / "train.txt", DATA / "tinystories" / "valid.txt", DATA / "gpt2"
@@ -204,7 +204,7 @@ def test_builtin_corpus_is_deterministic_per_seed_and_about_the_size_asked():
 def test_builtin_stories_keep_the_hero_s_pronouns():
     import re
 
-    from common.corpus import GIRLS
+    from common.data.corpus import GIRLS
 
     for story in generate_stories(50_000, seed=0):
         hero = re.search(r"(?:named|called) (\w+)", story).group(1)

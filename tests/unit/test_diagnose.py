@@ -1,7 +1,7 @@
 """`dpcompare diagnose` names where the frameworks part: real bugs, planted in one framework at a time
 (DPCOMPARE_INJECT_BUG), are found at the right stage and module, in both directions."""
 
-from common.diagnosis import BUGS
+from common.train.step_record import BUGS
 
 WHERE = {
     "rmsnorm_eps": ("forward", "model.layers.0.input_layernorm"),

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from common.fabric import Collectives, measure
+from common.costmodel.probe import Collectives, measure
 from compare.machine.fabric import Measured, Workload
 
 
@@ -50,7 +50,7 @@ def test_the_sync_estimate_is_a_latency_per_bucket_plus_the_bytes_at_the_measure
 
 
 def test_an_all_gather_probe_gives_each_rank_its_part_and_fits_the_gathered_size():
-    from common.fabric import fit
+    from common.costmodel.probe import fit
     link = FakeLink(2e-3, 1e8)
     gathered = measure(link.collectives(), [4096, 2**22], max_calls=3, op="all_gather")
     reduced = measure(link.collectives(), [4096, 2**22], max_calls=3)

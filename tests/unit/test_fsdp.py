@@ -6,8 +6,8 @@ import math
 import pytest
 
 from common.errors import UserError
-from common.spec import preset
-from common.strategy import check_strategy
+from common.model.spec import preset
+from common.parallel.strategy import check_strategy
 
 
 def test_the_shape_check_names_the_parameter_and_passes_shardable_models():
@@ -38,8 +38,8 @@ def test_mlx_fsdp_runs_every_collective_on_the_communication_stream(backend, mon
     import mlx.nn as nn
     from types import SimpleNamespace
 
-    from common.tensorsource import DictSource
-    from common.weights import init_weights
+    from common.checkpoint.tensorsource import DictSource
+    from common.model.weights import init_weights
     from mlx_impl.fsdp import Sharding
     from mlx_impl.model import Llama
 
@@ -96,9 +96,9 @@ def test_an_mlx_sharded_rank_evaluates_only_what_it_keeps(strategy, rank):
 
     from mlx.utils import tree_flatten
 
-    from common.spec import ModelSpec
-    from common.strategy import tp_split_axis
-    from common.weights import num_parameters, parameter_shapes
+    from common.model.spec import ModelSpec
+    from common.parallel.strategy import tp_split_axis
+    from common.model.weights import num_parameters, parameter_shapes
     from mlx_impl.fsdp import Sharding
     from mlx_impl.model import Llama
     from mlx_impl.tp import TensorParallel
@@ -139,7 +139,7 @@ def test_torch_fsdp_gathers_a_block_twice_and_every_other_unit_once_per_micro_st
     import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_group
     from torch.distributed.tensor import DTensor
 
-    from common.costmodel import Workload, collectives
+    from common.costmodel.model import Workload, collectives
     from torch_impl.fsdp import Sharding, shard_model
     from torch_impl.model import Llama, token_loss_sum
 

@@ -1,4 +1,4 @@
-"""common/heap.py gives the holes in the middle of glibc's heap back to the OS (issue 25: torch fsdp's peak)."""
+"""common/train/heap.py gives the holes in the middle of glibc's heap back to the OS (issue 25: torch fsdp's peak)."""
 from __future__ import annotations
 
 import ctypes
@@ -6,8 +6,7 @@ import sys
 
 import pytest
 
-from common import heap
-
+from common.train import heap
 BLOCK = 64 * 1024  # under glibc's smallest mmap threshold (128 KiB): always served from the heap
 
 

@@ -69,10 +69,10 @@ def test_mlx_impl_and_torch_impl_mirror_file_for_file_and_name_for_name():
     torch_files = sorted(p.name for p in (ROOT / "torch_impl").glob("*.py")
                          if p.name not in FRAMEWORK_ONLY["torch_impl"])
     assert mlx_files == torch_files
-    for name in ("step.py", "launch.py", "fabric.py", "ddp.py", "fsdp.py", "pp.py", "comm.py", "trace.py", "load.py"):
+    for name in ("step.py", "launch.py", "probe.py", "ddp.py", "fsdp.py", "pp.py", "comm.py", "trace.py", "load.py"):
         only = NAME_ONLY.get(name, set())
         assert public_names(ROOT / "mlx_impl" / name) - only == public_names(ROOT / "torch_impl" / name) - only, name
-    # model.py: the same classes and functions (both RoPEs read common/rope.py's tables).
+    # model.py: the same classes and functions (both RoPEs read common/model/rope.py's tables).
     assert public_names(ROOT / "mlx_impl" / "model.py") == public_names(ROOT / "torch_impl" / "model.py")
 
 

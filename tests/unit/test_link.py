@@ -6,7 +6,7 @@ from unittest import mock
 import pytest
 
 from common.errors import UserError
-from common.link import describe_rate, parse_rate
+from common.costmodel.rates import describe_rate, parse_rate
 from helpers import FAST, dpcompare_here
 
 

@@ -9,8 +9,8 @@ import transformers
 
 import mlx_impl.model as mlx_model
 import torch_impl.model as torch_model
-from common.spec import ModelSpec
-from common.weights import init_weights, parameter_shapes, save_pretrained
+from common.model.spec import ModelSpec
+from common.model.weights import init_weights, parameter_shapes, save_pretrained
 
 ATOL = 1e-4
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from common.config import RunConfig
 from common.metrics import write_json
-from common.spec import preset
+from common.model.spec import preset
 from compare.report.parity import RunData, Tolerances, compare_pair, judge, load_run, moving_average
 
 STEPS = 40

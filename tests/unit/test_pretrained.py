@@ -18,8 +18,8 @@ import transformers
 import mlx_impl.model as mlx_model
 import torch_impl.model as torch_model
 from common.errors import UserError
-from common.hfconfig import from_hf_config, to_hf_config
-from common.weights import load_pretrained, save_pretrained
+from common.model.hfconfig import from_hf_config, to_hf_config
+from common.model.weights import load_pretrained, save_pretrained
 from helpers import ROOT, dpcompare_here
 
 spec_of = importlib.util.spec_from_file_location("pretrained_folder", ROOT / "benchmarks" / "pretrained_folder.py")
@@ -200,8 +200,8 @@ def tokenizer_folders(tmp_path_factory):
 def test_each_document_starts_with_bos_where_the_checkpoints_tokenizer_adds_one(tokenizer_folders, tmp_path):
     from tokenizers import Tokenizer
 
-    from common.sequences import SequenceView
-    from common.tokencache import prepare_tokens
+    from common.data.sequences import SequenceView
+    from common.data.tokencache import prepare_tokens
 
     data = tmp_path / "docs.txt"
     data.write_text("Tom saw a cat.\n\nThe cat ran away.\n\nTom was sad, then happy.\n")
@@ -257,7 +257,7 @@ def test_sharded_strategies_refuse_a_checkpoint_with_biases(folders, strategy):
 
 
 def test_flops_count_an_explicit_head_dim(folders):
-    from common.flops import matmul_parameters
+    from common.model.flops import matmul_parameters
 
     spec, weights = load_pretrained(folders["head-dim-and-biases"])
     assert spec.n_heads * spec.head_dim != spec.dim

@@ -8,8 +8,8 @@ import re
 import pytest
 
 from common.errors import UserError
-from common.flops import flops_per_token, known_peak_flops, matmul_parameters, mfu
-from common.spec import ModelSpec
+from common.model.flops import flops_per_token, known_peak_flops, matmul_parameters, mfu
+from common.model.spec import ModelSpec
 from compare.report.parity import Tolerances
 from compare.report.writer import terminal_table, write_report
 from unit.test_parity import make_run, reference_losses

@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.errors import UserError
-from common.sampler import GlobalSampler, check_divisible, micro_batches, rank_slice
+from common.data.sampler import GlobalSampler, check_divisible, micro_batches, rank_slice
 
 layouts = st.sampled_from([(1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (4, 2)])
 

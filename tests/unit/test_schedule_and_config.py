@@ -5,10 +5,10 @@ import pytest
 
 from common.config import RunConfig
 from common.errors import UserError
-from common.hfconfig import from_hf_config, to_hf_config
-from common.schedule import lr_at
-from common.spec import PRESETS, preset
-from common.weights import init_weights, num_parameters, parameter_shapes
+from common.model.hfconfig import from_hf_config, to_hf_config
+from common.train.lr_schedule import lr_at
+from common.model.spec import PRESETS, preset
+from common.model.weights import init_weights, num_parameters, parameter_shapes
 
 
 def test_lr_warms_up_linearly_then_decays_by_cosine_to_the_floor():

@@ -7,9 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.errors import UserError
-from common.sampler import GlobalSampler
-from common.sequences import SequenceView
-from common.tokencache import prepare_tokens
+from common.data.sampler import GlobalSampler
+from common.data.sequences import SequenceView
+from common.data.tokencache import prepare_tokens
 
 
 @pytest.fixture(scope="module")

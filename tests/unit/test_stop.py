@@ -7,9 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from common import supervisor
-
-
+from common.train import supervisor
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="Linux /proc")
 def test_a_supervisor_counts_as_gone_once_exited_even_unreaped_or_its_pid_recycled():
     child = subprocess.Popen(["sleep", "60"])

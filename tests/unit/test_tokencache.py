@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from common.errors import UserError
-from common.tokencache import TokenCache, describe, prepare_tokens, token_dtype
-from common.tokenizer import load_tokenizer
+from common.data.tokencache import TokenCache, describe, prepare_tokens, token_dtype
+from common.data.tokenizer import load_tokenizer
 
 DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 STORIES, GPT2 = DATA / "tinystories" / "train.txt", DATA / "gpt2"
@@ -33,7 +33,7 @@ def stories_cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gpt2_docs():
-    from common.sources import load_documents
+    from common.data.sources import load_documents
 
     needs_real_data()
     return load_documents(str(STORIES)).documents
@@ -95,8 +95,8 @@ def test_meta_records_what_ranks_and_compare_need(stories_cache):
 
 
 def test_second_prepare_reuses_the_cache_without_training_or_reading(tmp_path, monkeypatch):
-    import common.sources
-    import common.tokenizer
+    import common.data.sources
+    import common.data.tokenizer
 
     first = prepare_tokens("builtin", "builtin", cache_dir=tmp_path, **SMALL)
     mtime = (first.path / "train.bin").stat().st_mtime_ns
@@ -104,8 +104,8 @@ def test_second_prepare_reuses_the_cache_without_training_or_reading(tmp_path, m
     def forbidden(*args, **kwargs):
         raise AssertionError("a cache hit must not load documents or train a tokenizer")
 
-    monkeypatch.setattr(common.tokenizer, "_train_bpe", forbidden)
-    monkeypatch.setattr(common.sources, "load_documents", forbidden)
+    monkeypatch.setattr(common.data.tokenizer, "_train_bpe", forbidden)
+    monkeypatch.setattr(common.data.sources, "load_documents", forbidden)
     second = prepare_tokens("builtin", "builtin", cache_dir=tmp_path, **SMALL)
     assert second.path == first.path and second.meta == first.meta
     assert (second.path / "train.bin").stat().st_mtime_ns == mtime
@@ -164,7 +164,7 @@ def test_wrong_offsets_or_meta_are_rejected(tmp_path):
 
 
 def test_concurrent_prepares_publish_one_whole_cache(tmp_path):
-    script = ("import sys; sys.path.insert(0, sys.argv[1]); from common.tokencache import prepare_tokens; "
+    script = ("import sys; sys.path.insert(0, sys.argv[1]); from common.data.tokencache import prepare_tokens; "
               "print(prepare_tokens('builtin', 'builtin', cache_dir=sys.argv[2], builtin_bytes=300_000, "
               "progress=False).path)")
     env = dict(os.environ, RAYON_NUM_THREADS="1")
@@ -178,19 +178,19 @@ def test_concurrent_prepares_publish_one_whole_cache(tmp_path):
 
 
 def test_a_build_that_loses_the_race_keeps_the_winner_and_discards_its_copy(tmp_path, monkeypatch):
-    import common.tokencache
+    import common.data.tokencache
 
     winner = prepare_tokens("builtin", "builtin", cache_dir=tmp_path, **SMALL)
     created = winner.meta["created"]
     mtime = (winner.path / "train.bin").stat().st_mtime_ns
-    real_reusable = common.tokencache._reusable
+    real_reusable = common.data.tokencache._reusable
     calls = []
 
     def miss_once(path, fingerprint):  # as if the winner renamed its folder in while we were building
         calls.append(path)
         return None if len(calls) == 1 else real_reusable(path, fingerprint)
 
-    monkeypatch.setattr(common.tokencache, "_reusable", miss_once)
+    monkeypatch.setattr(common.data.tokencache, "_reusable", miss_once)
     loser = prepare_tokens("builtin", "builtin", cache_dir=tmp_path, **SMALL)
     assert len(calls) == 2
     assert loser.path == winner.path and loser.meta["created"] == created

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from common.errors import UserError
-from common.spec import preset
-from common.strategy import check_strategy, comm_bytes_per_step_estimate, tp_shard, tp_split_axis
-from common.weights import parameter_shapes
+from common.model.spec import preset
+from common.parallel.strategy import check_strategy, comm_bytes_per_step_estimate, tp_shard, tp_split_axis
+from common.model.weights import parameter_shapes
 from helpers import FAST, dpcompare_here
 
 
@@ -82,7 +82,7 @@ class _Rank:
 
 
 def test_a_checkpoint_refuses_weights_that_differ_between_ranks():
-    from common.loop import TrainingError, check_replicas_agree, replica_checksum
+    from common.train.loop import TrainingError, check_replicas_agree, replica_checksum
 
     weights = {"model.norm.weight": np.ones(64, dtype=np.float32)}
     checksum = sum(replica_checksum(w) for w in weights.values())

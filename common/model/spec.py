@@ -2,15 +2,15 @@
 
 Parameter names follow Hugging Face `LlamaForCausalLM`, so one safetensors file loads into MLX, torch
 and transformers alike. The fields beyond the presets' (an explicit head size, rope scaling, biases) exist for
-pretrained checkpoints (common/hfconfig.py reads and writes their config.json); their defaults are what the
+pretrained checkpoints (common/model/hfconfig.py reads and writes their config.json); their defaults are what the
 presets have always computed, so a preset's seed weights and numbers do not change.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
 
-from .errors import UserError
-from .rope import check_scaling
+from common.errors import UserError
+from common.model.rope import check_scaling
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class ModelSpec:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     attention_head_dim: int = 0       # 0: dim / n_heads; else HF's head_dim where it differs from that
-    # HF's rope_scaling as sorted (key, value) pairs: frozen and hashable (common/rope.py); () = plain RoPE.
+    # HF's rope_scaling as sorted (key, value) pairs: frozen and hashable (common/model/rope.py); () = plain RoPE.
     rope_scaling: tuple = ()
     attention_bias: bool = False      # q, k, v and o projections with a bias (HF attention_bias)
     mlp_bias: bool = False            # gate, up and down projections with a bias (HF mlp_bias)

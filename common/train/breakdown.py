@@ -23,7 +23,7 @@ and tp (all-sums) happens inside forward and backward and is counted there.
 These steps run after the last checkpoint and the final eval, so they change nothing a run reports
 besides the breakdown itself.
 
-Trainer interface used here: common/protocols.py's `Trainer` (train_step's sync, phase and wait).
+Trainer interface used here: common/train/protocols.py's `Trainer` (train_step's sync, phase and wait).
 """
 from __future__ import annotations
 

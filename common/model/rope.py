@@ -11,7 +11,7 @@ ROPE_INIT_FUNCTIONS (modeling_rope_utils.py) for the types implemented here:
             the default. transformers computes this from the longest position of the forward and keeps the
             grown table for later, shorter calls (a cache); here every forward uses its own length, which is
             what transformers gives for one forward and for every training step at a fixed length.
-The others (yarn, longrope, ...) are refused by name (common/hfconfig.py), not approximated.
+The others (yarn, longrope, ...) are refused by name (common/model/hfconfig.py), not approximated.
 
 The frequencies are computed in float32 operation by operation as transformers computes them (`_F32`), so
 both frameworks hold transformers' very frequencies: at position 8192 an ulp of a frequency is 5e-4 rad. The
@@ -25,7 +25,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from .errors import UserError
+from common.errors import UserError
 
 # What each implemented type reads from rope_scaling, beside rope_type (all required, as transformers says).
 SCALING_KEYS = {

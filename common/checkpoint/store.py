@@ -22,17 +22,17 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .errors import UserError
-from .fsutil import atomic_write_text, fsync_dir
-from .hfconfig import to_hf_config
-from .safetensorswriter import SafetensorsWriter
-from .shardedcheckpoint import INDEX, is_sharded, sharded_sources
-from .spec import ModelSpec
-from .tensorsource import SafetensorsSource, TensorSource, check_source, read_all
-from .weights import parameter_shapes
+from common.errors import UserError
+from common.fsutil import atomic_write_text, fsync_dir
+from common.model.hfconfig import to_hf_config
+from common.checkpoint.safetensorswriter import SafetensorsWriter
+from common.checkpoint.sharded import INDEX, is_sharded, sharded_sources
+from common.model.spec import ModelSpec
+from common.checkpoint.tensorsource import SafetensorsSource, TensorSource, check_source, read_all
+from common.model.weights import parameter_shapes
 
 if TYPE_CHECKING:
-    from .config import RunConfig
+    from common.config import RunConfig
 
 FORMAT_VERSION = 1
 KEEP_LAST = 2
@@ -68,7 +68,7 @@ STATE_KINDS = ("weights", "exp_avg", "exp_avg_sq")
 
 
 class HFCheckpointWriter:
-    """The hf format written as the state arrives, one tensor at a time (common/safetensorswriter.py): the
+    """The hf format written as the state arrives, one tensor at a time (common/checkpoint/safetensorswriter.py): the
     files' headers come from the spec, so the writer (rank 0) never holds more than the tensor in hand, where
     safetensors' save_file would want the whole state (weights and both moments) at once. Everything goes
     into a temporary directory that `commit` renames into place; `abort` removes it."""
@@ -147,9 +147,9 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 @dataclass
 class CheckpointSources:
-    """A checkpoint opened for reading slice by slice (common/tensorsource.py): what a resuming rank reads
+    """A checkpoint opened for reading slice by slice (common/checkpoint/tensorsource.py): what a resuming rank reads
     its part of the weights and moments from, without ever loading the whole. Either format: whole HF files
-    or the sharded one (shards/index.json, common/shardedcheckpoint.py)."""
+    or the sharded one (shards/index.json, common/checkpoint/sharded.py)."""
     step: int
     weights: TensorSource
     exp_avg: TensorSource
@@ -210,7 +210,7 @@ def load_checkpoint(path: Path, spec: ModelSpec, expect: dict) -> TrainState:
 
 
 def read_spec(path: Path) -> ModelSpec:
-    from .hfconfig import from_hf_config
+    from common.model.hfconfig import from_hf_config
 
     config = Path(path) / "config.json"
     try:

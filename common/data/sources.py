@@ -31,8 +31,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .corpus import CORPUS_VERSION, DEFAULT_CORPUS_BYTES, generate_stories
-from .errors import UserError
+from common.data.corpus import CORPUS_VERSION, DEFAULT_CORPUS_BYTES, generate_stories
+from common.errors import UserError
 
 TEXT_SUFFIXES = (".txt",)
 JSON_SUFFIXES = (".json", ".jsonl")

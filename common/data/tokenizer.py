@@ -3,7 +3,7 @@ ids, and a fingerprint that changes whenever the tokenizer does.
 
 BOS: a pretrained tokenizer that adds one (its tokenizer_config.json says add_bos_token, or else its
 post-processor puts a token before the text, as Llama 2's and Llama 3's do) gets it at the start of every
-document (common/tokencache.py), as the checkpoint saw in pretraining; GPT-2's, SmolLM2's and the builtin
+document (common/data/tokencache.py), as the checkpoint saw in pretraining; GPT-2's, SmolLM2's and the builtin
 one add none.
 
 `--tokenizer` takes one string:
@@ -20,10 +20,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .corpus import DEFAULT_CORPUS_BYTES, generate_stories
-from .errors import UserError
-from .fsutil import atomic_write_text
-from .sources import hub_offline_if_unreachable, looks_like_path
+from common.data.corpus import DEFAULT_CORPUS_BYTES, generate_stories
+from common.errors import UserError
+from common.fsutil import atomic_write_text
+from common.data.sources import hub_offline_if_unreachable, looks_like_path
 
 EOS_TOKEN = "<|endoftext|>"
 # End-of-sequence spellings of common tokenizers, tried when a tokenizer.json does not say which it uses.

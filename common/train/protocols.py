@@ -12,7 +12,7 @@ from typing import Any, Callable, ContextManager, Iterator, Protocol
 
 import numpy as np
 
-from .tensorsource import Index, TensorSource
+from common.checkpoint.tensorsource import Index, TensorSource
 
 # export_state's result: (HF name, whole float32 tensor) pairs, the tensor None on a rank that does not receive it
 StateStream = Iterator[tuple[str, "np.ndarray | None"]]
@@ -57,7 +57,7 @@ class Strategy(Protocol):
         does not keep: it shards first, then reads its slices (mlx_impl/load.py, torch_impl/load.py)."""
 
     def local_index(self, name: str, shape: tuple[int, ...]) -> Index | None:
-        """The slice (common/tensorsource.py's Index) of the whole HF-named tensor of `shape` this rank keeps:
+        """The slice (common/checkpoint/tensorsource.py's Index) of the whole HF-named tensor of `shape` this rank keeps:
         () for all of it (ddp, replicated parts), None for nothing (pp: another stage's). The weights at
         `wrap` and the AdamW moments at `import_optimizer` are read through it."""
 
@@ -70,14 +70,14 @@ class Strategy(Protocol):
 
     def local_state(self, shapes: dict, *state) -> tuple[dict, dict, dict, dict]:
         """(weights, exp_avg, exp_avg_sq, where) of what this rank writes into a sharded checkpoint, numpy under
-        HF names, and where each piece lies in the global tensor (common/shardedcheckpoint.py): its own shards
+        HF names, and where each piece lies in the global tensor (common/checkpoint/sharded.py): its own shards
         and slices, a replicated tensor on rank 0 only; `shapes` the global shapes. No collectives."""
 
 
 class Trainer(Protocol):
-    """What common/loop.py, breakdown.py and trace.py ask of a backend's step.py.
+    """What common/train/loop.py, breakdown.py and trace.py ask of a backend's step.py.
 
-    Trainer(cfg, spec, weights, world): `weights` is a TensorSource (common/tensorsource.py; a dict of whole
+    Trainer(cfg, spec, weights, world): `weights` is a TensorSource (common/checkpoint/tensorsource.py; a dict of whole
     arrays is wrapped in a DictSource), of which the rank reads only what its strategy keeps; arrays out are
     numpy."""
 
@@ -86,14 +86,14 @@ class Trainer(Protocol):
     rank: int
     world_size: int
     strategy: Strategy
-    tracer: type                     # --trace (common/trace.py): the framework's Tracer
+    tracer: type                     # --trace (common/train/trace.py): the framework's Tracer
 
     def train_step(self, batches, lr: float, global_tokens: int, sync: bool = True, phase: Phase = no_phase,
                    wait: bool = False) -> tuple[float, float]:
         """One optimizer step -> (loss, grad_norm) as floats, after the work is done. sync=False skips the
         gradient reduction (time breakdown only: the ranks' weights part ways); `phase(name)` wraps each
         phase (forward and backward per micro-batch, communication, optimizer), and wait=True makes each
-        phase wait for the device (common/breakdown.py, common/trace.py)."""
+        phase wait for the device (common/train/breakdown.py, common/train/trace.py)."""
 
     def eval_loss_sum(self, inputs, targets, mask) -> float:
         """This rank's sum of token losses."""
@@ -105,7 +105,7 @@ class Trainer(Protocol):
         """(weights, exp_avg, exp_avg_sq) as streams of whole numpy tensors: on every rank where
         strategy.full_state_on_every_rank, else on rank 0 only (the others get None for each tensor).
         Every rank iterates all three, in order: each tensor is gathered by collectives when its turn comes,
-        so a rank holds one whole tensor at a time (common/loop.py's checkpoint writes it and lets it go)."""
+        so a rank holds one whole tensor at a time (common/train/loop.py's checkpoint writes it and lets it go)."""
 
     def local_state(self) -> tuple[dict, dict, dict, dict]:
         """strategy.local_state of this rank's parameters and moments: what it writes of a sharded checkpoint."""

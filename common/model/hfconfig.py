@@ -2,7 +2,7 @@
 
 Honoured: the dimensions, head_dim (also where it differs from hidden_size / num_attention_heads),
 max_position_embeddings, rms_norm_eps, tie_word_embeddings, attention_bias, mlp_bias, rope_theta and
-rope_scaling of type default, linear, dynamic and llama3 (common/rope.py), in both layouts: transformers < 5
+rope_scaling of type default, linear, dynamic and llama3 (common/model/rope.py), in both layouts: transformers < 5
 writes `rope_theta` and `rope_scaling` beside the other fields, transformers >= 5 nests them under
 `rope_parameters`. Refused with a one-line UserError naming the field and its value: every other rope type
 (yarn, longrope, ...), partial_rotary_factor, an activation other than SiLU, attention dropout, a model_type
@@ -14,8 +14,8 @@ reads back as the same spec (`from_hf_config(to_hf_config(s)) == s`).
 """
 from __future__ import annotations
 
-from .errors import UserError
-from .spec import ModelSpec
+from common.errors import UserError
+from common.model.spec import ModelSpec
 
 DEFAULT_THETA = 10000.0
 

@@ -4,7 +4,7 @@ A backend supplies a `Trainer` (its `step.py`) that owns the model, optimizer an
 owns everything else: which samples each rank reads, the global token count that makes the loss exact,
 the LR at each step, timing, metrics, eval, checkpoints, resume and the rank's status file.
 
-Trainer interface: common/protocols.py's `Trainer` (mlx_impl/step.py and torch_impl/step.py implement it).
+Trainer interface: common/train/protocols.py's `Trainer` (mlx_impl/step.py and torch_impl/step.py implement it).
 """
 from __future__ import annotations
 
@@ -21,27 +21,27 @@ from typing import Callable
 
 import numpy as np
 
-from .breakdown import profile
-from .checkpoint import (STATE_KINDS, HFCheckpointWriter, commit_checkpoint, latest_checkpoint, open_checkpoint,
+from common.train.breakdown import profile
+from common.checkpoint.store import (STATE_KINDS, HFCheckpointWriter, commit_checkpoint, latest_checkpoint, open_checkpoint,
                          resume_fingerprints, write_state_json)
-from .config import RunConfig
-from .errors import UserError
-from .fabric import PROBES_ALL_GATHER, Collectives, probe_allreduce
-from .hfconfig import to_hf_config
-from .metrics import MetricsWriter, RankStatus, peak_rss_bytes, rss_bytes, truncate_metrics
-from .plan import RunPlan
-from .protocols import Trainer
-from .sampler import GlobalSampler, micro_batches, rank_slice
-from .schedule import lr_for
-from .sequences import SequenceView
-from .shardedcheckpoint import save_sharded
-from .spec import ModelSpec
-from .strategy import comm_bytes_per_step_estimate, data_parallel
-from .supervisor import stop_reason, watch_supervisor
-from .tokencache import TokenCache
-from .tensorsource import SafetensorsSource, TensorSource, check_source, probe_checksum
-from .trace import trace
-from .weights import parameter_shapes
+from common.config import RunConfig
+from common.errors import UserError
+from common.costmodel.probe import PROBES_ALL_GATHER, Collectives, probe_allreduce
+from common.model.hfconfig import to_hf_config
+from common.metrics import MetricsWriter, RankStatus, peak_rss_bytes, rss_bytes, truncate_metrics
+from common.runplan import RunPlan
+from common.train.protocols import Trainer
+from common.data.sampler import GlobalSampler, micro_batches, rank_slice
+from common.train.lr_schedule import lr_for
+from common.data.sequences import SequenceView
+from common.checkpoint.sharded import save_sharded
+from common.model.spec import ModelSpec
+from common.parallel.strategy import comm_bytes_per_step_estimate, data_parallel
+from common.train.supervisor import stop_reason, watch_supervisor
+from common.data.tokencache import TokenCache
+from common.checkpoint.tensorsource import SafetensorsSource, TensorSource, check_source, probe_checksum
+from common.train.trace import trace
+from common.model.weights import parameter_shapes
 
 
 class TrainingError(Exception):
@@ -124,7 +124,7 @@ class Run:
     valid_view: SequenceView | None
     sampler: GlobalSampler
     fingerprints: dict           # what a checkpoint must share with a run resuming it
-    dp_rank: int                 # data-parallel rank and size (common/strategy.py): tp ranks read one batch
+    dp_rank: int                 # data-parallel rank and size (common/parallel/strategy.py): tp ranks read one batch
     dp_size: int
     start_step: int              # 0, or the step of the checkpoint resumed from
     fault: dict | None           # DPCOMPARE_INJECT_FAULT, tests only
@@ -161,7 +161,7 @@ def setup_run(run_dir: Path, world: World, trainer_cls) -> Run:
     global _live_status
     status = _live_status = RankStatus(run_dir, rank)
     # The framework's fixed footprint: the interpreter, the framework and its distributed state, before any
-    # model exists (the memory table of the report, common/costmodel.py's predicted peak).
+    # model exists (the memory table of the report, common/costmodel/model.py's predicted peak).
     status.update(force=True, fixed_rss_bytes=rss_bytes())
     cache = TokenCache.open(plan.token_cache)
     train_view = SequenceView(cache.split("train"), cfg.seq_len, cfg.sequence)
@@ -192,7 +192,7 @@ def start_trainer(plan: RunPlan, run_dir: Path, world: World, trainer_cls, finge
                   status: RankStatus) -> tuple[Trainer, int]:
     """(the Trainer, the step it starts after): the latest checkpoint's state with --resume, else the seed's.
 
-    The weights (and moments) are sources read slice by slice (common/tensorsource.py): each rank reads
+    The weights (and moments) are sources read slice by slice (common/checkpoint/tensorsource.py): each rank reads
     only what its strategy keeps, and its status records how many bytes that was (`weights_bytes_read`)."""
     start_step, resume_from = 0, None
     if plan.config.resume and (resume_from := latest_checkpoint(run_dir)) is not None:
@@ -303,7 +303,7 @@ def injected_fault(framework: str) -> dict | None:
 
 def check_identical_weights(trainer, source: TensorSource) -> None:
     """All ranks must start from the same weights: compare a checksum of the source across ranks. It probes
-    the first row of every tensor (common/tensorsource.py's probe_checksum), which every rank can read
+    the first row of every tensor (common/checkpoint/tensorsource.py's probe_checksum), which every rank can read
     whatever part of the model it keeps, so no sharded rank reads the whole model for it."""
     checksum = probe_checksum(source)
     total, total_sq = trainer.all_sum(np.array([checksum, checksum * checksum], dtype=np.float64), over="world")
@@ -342,7 +342,7 @@ def check_replicas_agree(trainer, checksum: float, step: int) -> None:
 def evaluate(trainer, view: SequenceView, cfg: RunConfig, rank: int, world_size: int) -> float:
     """Global token-mean loss over a fixed set of validation samples, the same for every world size.
 
-    rank and world_size are data-parallel ones (common/strategy.py); `trainer.all_sum` sums over them."""
+    rank and world_size are data-parallel ones (common/parallel/strategy.py); `trainer.all_sum` sums over them."""
     per_rank = cfg.global_batch_size // world_size
     count = min(cfg.eval_batches * cfg.global_batch_size, view.num_samples)
     count -= count % world_size
@@ -388,7 +388,7 @@ def checkpoint(trainer, run_dir: Path, spec: ModelSpec, step: int, fingerprints:
 
 
 def checkpoint_sharded(trainer, run_dir: Path, spec: ModelSpec, step: int, fingerprints: dict, rank: int) -> None:
-    """--checkpoint-format sharded: every rank writes its own pieces (common/shardedcheckpoint.py), nothing is
+    """--checkpoint-format sharded: every rank writes its own pieces (common/checkpoint/sharded.py), nothing is
     gathered. Replicas are not compared (ddp's are written once, by rank 0)."""
     local = trainer.local_state()
     finite = all(np.isfinite(w).all() for w in local[0].values())

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import UserError
-from .tokencache import TokenSplit
+from common.errors import UserError
+from common.data.tokencache import TokenSplit
 
 MODES = ("packing", "padding")
 

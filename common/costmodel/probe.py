@@ -1,7 +1,7 @@
 """Timing all-reduces on every rank, framework-neutral: the rank side of `dpcompare doctor --fabric` and
 of benchmarks/bench_collectives.py.
 
-`python -m {mlx,torch}_impl.fabric --backend B --sizes 4096,33554432 ...` is started on every rank by the
+`python -m {mlx,torch}_impl.probe --backend B --sizes 4096,33554432 ...` is started on every rank by the
 launchers that start training (compare/launch/launchers.py). The framework's fabric.py supplies `Collectives`;
 `measure` sums a float32 buffer of each size over all ranks: two warmup calls, then timed calls, each
 waited for and each after a barrier, so the ranks start together. Every decision that changes the number
@@ -41,7 +41,7 @@ class Collectives:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m {mlx,torch}_impl.fabric")
+    parser = argparse.ArgumentParser(prog="python -m {mlx,torch}_impl.probe")
     parser.add_argument("--backend", required=True)
     parser.add_argument("--sizes", required=True, help="comma list of message sizes in bytes, ascending")
     parser.add_argument("--out", help="also write the result JSON here (rank 0)")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 
-from .spec import ModelSpec
+from common.model.spec import ModelSpec
 
 T = 1e12  # peaks below are quoted in TFLOPS
 

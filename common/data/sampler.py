@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import UserError
+from common.errors import UserError
 
 
 def check_divisible(global_batch: int, world_size: int, grad_accum: int) -> int:

@@ -1,14 +1,14 @@
-"""All-reduce timing rank for MLX: `python -m mlx_impl.fabric --backend ring --sizes 4096,33554432`.
+"""All-reduce timing rank for MLX: `python -m mlx_impl.probe --backend ring --sizes 4096,33554432`.
 
-Started on every rank by the launchers that start training; common/fabric.py does the timing. Buffers
+Started on every rank by the launchers that start training; common/costmodel/probe.py does the timing. Buffers
 live on the default device (the GPU on a Mac) and the sums run on the stream training uses
-(mlx_impl/comm.py). Mirrors torch_impl/fabric.py name for name.
+(mlx_impl/comm.py). Mirrors torch_impl/probe.py name for name.
 """
 from __future__ import annotations
 
 import sys
 
-from common.fabric import Collectives, rank_main
+from common.costmodel.probe import Collectives, rank_main
 
 from .comm import collectives_of
 

@@ -1,8 +1,8 @@
-"""All-reduce timing rank for PyTorch: `python -m torch_impl.fabric --backend gloo --sizes 4096,33554432`.
+"""All-reduce timing rank for PyTorch: `python -m torch_impl.probe --backend gloo --sizes 4096,33554432`.
 
-Started on every rank by the launcher that starts training (compare/launch/launchers.py); common/fabric.py
+Started on every rank by the launcher that starts training (compare/launch/launchers.py); common/costmodel/probe.py
 does the timing.
-gloo reduces CPU tensors, nccl the GPU of this rank's LOCAL_RANK. Mirrors mlx_impl/fabric.py name for name.
+gloo reduces CPU tensors, nccl the GPU of this rank's LOCAL_RANK. Mirrors mlx_impl/probe.py name for name.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import datetime
 import os
 import sys
 
-from common.fabric import Collectives, rank_main
+from common.costmodel.probe import Collectives, rank_main
 
 from .comm import collectives_of
 

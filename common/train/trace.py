@@ -1,8 +1,8 @@
 """`--trace`: a timeline of a few extra training steps per rank, for chrome://tracing and ui.perfetto.dev.
 
-After the run's timed steps and the profile steps of common/breakdown.py, each rank takes TRACE_STEPS more
+After the run's timed steps and the profile steps of common/train/breakdown.py, each rank takes TRACE_STEPS more
 synced steps inside its framework's tracer and writes RUN_DIR/trace/rank{R}.json (Chrome Trace Event
-Format). Each step is a span `step N` holding the phases of common/breakdown.py it can separate:
+Format). Each step is a span `step N` holding the phases of common/train/breakdown.py it can separate:
 `forward` and `backward` per micro-batch, `communication` (the gradient sync, where it runs apart from
 the backward) and `optimizer`; what the step spends outside them (host overhead, the loss all-reduce) is
 the breakdown's `other`. The phases wait for the device, as the breakdown's instrumented steps do.
@@ -20,7 +20,7 @@ Framework tracer interface (mlx_impl/trace.py and torch_impl/trace.py, both `Tra
     .step(number)                             context manager around one step (`step N`)
     .span(name)                               context manager around one phase
     .files                                    the paths written, after exit
-and the Trainer's one step (common/protocols.py): train_step(..., phase=tracer.span, wait=True)
+and the Trainer's one step (common/train/protocols.py): train_step(..., phase=tracer.span, wait=True)
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .fsutil import atomic_write_text
+from common.fsutil import atomic_write_text
 
 TRACE_DIR = "trace"
 TRACE_STEPS = 2

@@ -119,7 +119,7 @@ def _wait_kqueue(pid: int) -> bool:
 
 def request_stop(run_dir: Path, reason: str) -> None:
     """dpcompare is stopping the job on purpose: tell the ranks before they are signalled."""
-    from .metrics import write_json
+    from common.metrics import write_json
 
     (Path(run_dir) / "ranks").mkdir(parents=True, exist_ok=True)
     write_json(Path(run_dir) / "ranks" / STOP_FILE, {"reason": reason, "pid": os.getpid(), "time": time.time()})
@@ -127,7 +127,7 @@ def request_stop(run_dir: Path, reason: str) -> None:
 
 def stop_reason(run_dir: Path) -> str | None:
     """Why this job is being stopped from outside, when that is no failure of its own; else None."""
-    from .metrics import read_json
+    from common.metrics import read_json
 
     marker = read_json(Path(run_dir) / "ranks" / STOP_FILE)
     if marker:

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import UserError
-from .hfconfig import from_hf_config, to_hf_config
-from .spec import ModelSpec
+from common.errors import UserError
+from common.model.hfconfig import from_hf_config, to_hf_config
+from common.model.spec import ModelSpec
 
 INIT_STD = 0.02
 
@@ -74,7 +74,7 @@ def save_pretrained(directory: Path, spec: ModelSpec, weights: dict[str, np.ndar
     """Write an HF-format directory (config.json + model.safetensors), atomically per file."""
     from safetensors.numpy import save_file
 
-    from .fsutil import atomic_write_bytes, atomic_path
+    from common.fsutil import atomic_write_bytes, atomic_path
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -92,7 +92,7 @@ def load_pretrained(directory: Path) -> tuple[ModelSpec, dict[str, np.ndarray]]:
 
     directory = Path(directory)
     config_path, weights_path = directory / "config.json", directory / "model.safetensors"
-    from .shardedcheckpoint import ShardedSource, is_sharded
+    from common.checkpoint.sharded import ShardedSource, is_sharded
 
     if is_sharded(directory) and not weights_path.exists():  # a --checkpoint-format sharded checkpoint
         weights_path = directory / "shards"
@@ -134,7 +134,7 @@ def weights_digest(directory: Path, cache_dir: Path) -> str:
     in cache_dir by path, size and mtime, since a real checkpoint takes seconds to hash and every run asks."""
     import hashlib
 
-    from .fsutil import atomic_write_text
+    from common.fsutil import atomic_write_text
 
     path = (Path(directory) / "model.safetensors").resolve()
     stat = path.stat()

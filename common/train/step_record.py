@@ -25,15 +25,15 @@ from pathlib import Path
 
 import numpy as np
 
-from .checkpoint import load_checkpoint
-from .config import RunConfig
-from .errors import UserError
-from .sampler import GlobalSampler
-from .schedule import lr_for
-from .sequences import SequenceView
-from .spec import ModelSpec
-from .tokencache import TokenCache
-from .weights import load_pretrained, parameter_shapes
+from common.checkpoint.store import load_checkpoint
+from common.config import RunConfig
+from common.errors import UserError
+from common.data.sampler import GlobalSampler
+from common.train.lr_schedule import lr_for
+from common.data.sequences import SequenceView
+from common.model.spec import ModelSpec
+from common.data.tokencache import TokenCache
+from common.model.weights import load_pretrained, parameter_shapes
 
 STAGES = ("forward", "loss", "gradient", "update")
 # Test hook (DPCOMPARE_INJECT_BUG="framework=mlx,bug=rmsnorm_eps"): real bugs, planted in one framework

@@ -10,9 +10,9 @@ Time of one step at N ranks:
 
   - forward, backward, optimizer, other: the calibration run's breakdown, scaled so that they add up to its
     measured step less its communication, then divided by its own f (so every phase is "one rank doing the
-    whole global batch"). fsdp and tp run their collectives inside forward and backward (common/breakdown.py),
+    whole global batch"). fsdp and tp run their collectives inside forward and backward (common/train/breakdown.py),
     so for such a calibration run the model's own estimate of those collectives is subtracted first.
-  - f_work: the share of the global batch's matmul FLOPs (common/flops.py) one rank computes. ddp and fsdp
+  - f_work: the share of the global batch's matmul FLOPs (common/model/flops.py) one rank computes. ddp and fsdp
     split the batch: 1/N. tp splits the layers' matrices and attention heads over N but every rank runs
     the replicated lm_head over the whole batch: (6 P_layers / N + 12 L T d / N + 6 V d) / flops_per_token.
     Assumption: time is proportional to FLOPs, so smaller matmuls are taken to run as fast per FLOP.
@@ -53,7 +53,7 @@ Collectives, ring algorithm over N ranks, link latency a per hop and bandwidth b
 A link measured as an all-reduce, t(S) ~= latency_s + S / bandwidth_Bps at N_m ranks, is inverted through
 the ring formula (a = latency_s / 2(N_m - 1), b = bandwidth_Bps x 2(N_m - 1)/N_m), so the framework's own
 overheads at N_m carry over to any N. A link given by hand (--link-gbps, --latency-us) is the wire itself.
-An fsdp run also measures its own all-gather (common/fabric.py PROBES_ALL_GATHER), inverted the same way
+An fsdp run also measures its own all-gather (common/costmodel/probe.py PROBES_ALL_GATHER), inverted the same way
 (a = latency_s / (N_m - 1), b = bandwidth_Bps x (N_m - 1)/N_m) and used for the all-gathers only: gloo's
 all_gather is CPU-bound where its all-reduce is not (docs/scaling.md), so one link figure for both
 mispredicted torch fsdp over loopback by -27.5 %.
@@ -76,12 +76,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from .errors import UserError
-from .flops import attention_flops_per_token, flops_per_token, matmul_parameters
-from .pipeline import stage_layers, stage_of
-from .spec import ModelSpec
-from .strategy import DTYPE_BYTES, STRATEGIES, check_strategy, tp_split_axis
-from .weights import parameter_shapes
+from common.errors import UserError
+from common.model.flops import attention_flops_per_token, flops_per_token, matmul_parameters
+from common.parallel.pipeline import stage_layers, stage_of
+from common.model.spec import ModelSpec
+from common.parallel.strategy import DTYPE_BYTES, STRATEGIES, check_strategy, tp_split_axis
+from common.model.weights import parameter_shapes
 
 MASTER_BYTES = 4          # master weights, gradients, AdamW state and the gradient reduction stay fp32
 DEFAULT_OVERLAP = 0.0     # see the module docstring: measured here, nothing overlaps on 2 busy cores
@@ -93,7 +93,7 @@ DEFAULT_OVERLAP = 0.0     # see the module docstring: measured here, nothing ove
 #   FSDP_HIDDEN_SHARE     MLX: the share of the forward and backward during which fsdp's collectives, nodes of
 #                         the step's graph on their own stream (mlx_impl/fsdp.py), run hidden
 #   HEAP_RELEASE_BYTES_PER_S  torch: how fast the heap its fsdp gives back to the OS twice per backward
-#                         (torch_impl/fsdp.py, common/heap.py) is returned and faulted in again, on Linux without
+#                         (torch_impl/fsdp.py, common/train/heap.py) is returned and faulted in again, on Linux without
 #                         --tune-malloc; fitted on `small` and `base` at 12 and 24 layers, N=2 (heap_release_bytes)
 FSDP_HOST_S_PER_CALL = {"torch": 7e-3}
 FSDP_HIDDEN_SHARE = {"mlx": 0.2}
@@ -107,7 +107,7 @@ LOOPBACK_ALLREDUCE = {"ring": (82e-6, 0.86e9), "mpi": (12e-6, 1.19e9), "gloo": (
 @dataclass(frozen=True)
 class Link:
     """A ring's per-hop latency (s) and per-direction bandwidth (bytes/s), and where they come from; and,
-    where the job's own all-gather was measured (fsdp runs, common/fabric.py), the hop figures its
+    where the job's own all-gather was measured (fsdp runs, common/costmodel/probe.py), the hop figures its
     all-gathers showed, which gloo's CPU-bound all_gather makes worse than its all-reduce's."""
     name: str
     hop_latency_s: float
@@ -324,7 +324,7 @@ def fsdp_host_s(colls: list[Collective], w: Workload, n: int, releases_heap: boo
 
 def heap_release_bytes(w: Workload, n: int) -> float:
     """torch fsdp: the freed heap its two releases per backward give back and the next micro-step faults in
-    again (torch_impl/fsdp.py). Measured per step and rank at N=2 (common/heap.py's calls, RssAnon before and
+    again (torch_impl/fsdp.py). Measured per step and rank at N=2 (common/train/heap.py's calls, RssAnon before and
     after): `small` 190-280 MiB, `base` 410-580 at 12 layers and 850-1,190 at 24; about one micro-batch's
     activations plus every block's whole weights (246, 584 and 1,120 MiB here), per micro-step."""
     return w.grad_accum * (activation_bytes("fsdp", w, n) + block_elements(parameter_shapes(w.spec)) * MASTER_BYTES)
@@ -424,7 +424,7 @@ WORKSPACE_BYTES = {"mlx": 60e6, "torch": 70e6}
 def checkpoint_bytes(strategy: str, w: Workload, n: int, rank: int = 0, checkpoint_format: str = "hf") -> float:
     """What saving a checkpoint holds beside the rank's state (after a step: its activations are freed).
 
-    hf: the state streams into the files one tensor at a time (common/checkpoint.py HFCheckpointWriter):
+    hf: the state streams into the files one tensor at a time (common/checkpoint/store.py HFCheckpointWriter):
     fsdp's rank 0 and every tp and pp rank hold one gathered tensor at a time (the largest sets the peak;
     pp's ranks also hold the zeros they add for a tensor of another stage), ddp writes views of its own.
     Before the stream, fsdp's rank 0 held the whole gathered state (3x the parameters), 0.9-1.0 GB above
@@ -486,7 +486,7 @@ class Calibration:
 
 def calibration_from_flops(w: Workload, achieved_flops_per_s: float, source: str) -> Calibration:
     """A calibration on paper, for a device nobody measured here: the global batch's forward + backward at
-    `achieved_flops_per_s` (a peak times an assumed MFU), common/flops.py's count, the forward a third of it
+    `achieved_flops_per_s` (a peak times an assumed MFU), common/model/flops.py's count, the forward a third of it
     (the backward's 2x, as the count assumes); the optimizer, host overhead and memory overhead left at 0."""
     compute_s = w.tokens_per_step * flops_per_token(w.spec, w.seq_len) / achieved_flops_per_s
     return Calibration(w, "ddp", 1, "none", compute_s / 3, 2 * compute_s / 3, 0.0, 0.0, compute_s, None, 0.0,
@@ -616,7 +616,7 @@ class Prediction:
 def predict(cal: Calibration, strategy: str, n: int, link: Link | None, device_memory_bytes: float | None = None,
             backend: str | None = None) -> Prediction:
     """One step of `strategy` at `n` ranks over `link` (None at N=1), from a calibration. Raises UserError
-    when the strategy cannot split this model over n ranks (common/strategy.py's checks)."""
+    when the strategy cannot split this model over n ranks (common/parallel/strategy.py's checks)."""
     if strategy not in STRATEGIES:
         raise UserError(f"unknown strategy {strategy!r}; allowed: {', '.join(STRATEGIES)}")
     if n > 1 or strategy != "ddp":

@@ -16,7 +16,7 @@ from typing import Protocol
 
 import numpy as np
 
-from .errors import UserError
+from common.errors import UserError
 
 Index = tuple  # a tuple of slices, one per leading axis; () reads the whole tensor
 
@@ -96,8 +96,8 @@ def as_source(weights) -> TensorSource:
 
 def check_source(spec, source: TensorSource, where: str) -> None:
     """Every tensor the spec needs, under its name and shape, read from the header alone: the checks of
-    common/weights.py's check_weights on zero-byte stand-ins (np.broadcast_to allocates nothing)."""
-    from .weights import check_weights
+    common/model/weights.py's check_weights on zero-byte stand-ins (np.broadcast_to allocates nothing)."""
+    from common.model.weights import check_weights
 
     check_weights(spec, {n: np.broadcast_to(np.float32(0), source.shape(n)) for n in source.names()}, where)
 

@@ -1,5 +1,5 @@
 """Link rates as users write them (`--link 1gbit`), framework-neutral: the config validates them, the
-launcher shapes them (compare/launch/netns.py), the cost model reads them (common/costmodel.py).
+launcher shapes them (compare/launch/netns.py), the cost model reads them (common/costmodel/model.py).
 
 The units are tc's: kbit, mbit, gbit (powers of ten, bits per second), so the rate a user names is the
 rate the kernel's token bucket is given.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from .errors import UserError
+from common.errors import UserError
 
 UNITS_BPS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
 # This kernel has the HTB and TBF qdiscs but no netem: bandwidth can be shaped, delay cannot.

@@ -33,9 +33,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .corpus import DEFAULT_CORPUS_BYTES
-from .errors import UserError
-from .fsutil import fsync_dir
+from common.data.corpus import DEFAULT_CORPUS_BYTES
+from common.errors import UserError
+from common.fsutil import fsync_dir
 
 FORMAT_VERSION = 1
 SPLITS = ("train", "valid")
@@ -202,8 +202,8 @@ def prepare_tokens(dataset: str, tokenizer, *, cache_dir: Path, split: str = "tr
     """The token cache of `dataset` under `tokenizer` (a name for `load_tokenizer`, or a TokenizerInfo),
     built on first use. `seed` and `builtin_bytes` choose the builtin corpus; `builtin_vocab_size` the
     builtin tokenizer's size. `num_threads` caps the encoder's threads, if set before its first use."""
-    from .sources import load_documents, source_identity
-    from .tokenizer import TokenizerInfo, load_tokenizer
+    from common.data.sources import load_documents, source_identity
+    from common.data.tokenizer import TokenizerInfo, load_tokenizer
 
     every = validation_every(val_fraction)
     cache_dir = Path(cache_dir)
@@ -285,7 +285,7 @@ def _reusable(path: Path, fingerprint: str) -> TokenCache | None:
 def _training_sample(documents, every: int) -> tuple[Iterable[str], list[str]]:
     """Leading train documents for the builtin tokenizer, and the documents to tokenize (a stream is
     buffered, then replayed)."""
-    from .tokenizer import BUILTIN_TRAINING_BYTES
+    from common.data.tokenizer import BUILTIN_TRAINING_BYTES
 
     stream = iter(documents)
     head, head_bytes = [], 0

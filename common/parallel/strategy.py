@@ -6,7 +6,7 @@
           parameters, gradients and optimizer state, gathering parameters for compute.
     tp    tensor parallelism (Megatron): each layer's matrices are split over the ranks, and every rank
           reads the whole global batch, so a tp run at N ranks computes what one ddp rank computes.
-    pp    pipeline parallelism: each rank holds a contiguous run of blocks (a stage, common/pipeline.py);
+    pp    pipeline parallelism: each rank holds a contiguous run of blocks (a stage, common/parallel/pipeline.py);
           activations flow down the stages, their gradients back up, micro-batch by micro-batch. Every
           rank reads the whole global batch (no data parallelism beside it), like tp.
 
@@ -14,10 +14,10 @@ The framework code for each lives in a file of the same name in mlx_impl/ and to
 """
 from __future__ import annotations
 
-from .errors import UserError
-from .precision import policy
-from .spec import ModelSpec
-from .weights import parameter_shapes
+from common.errors import UserError
+from common.model.precision import policy
+from common.model.spec import ModelSpec
+from common.model.weights import parameter_shapes
 
 STRATEGIES = ("ddp", "fsdp", "tp", "pp")
 # One replica between all the ranks: every rank reads the whole global batch, nothing is averaged.
@@ -141,7 +141,7 @@ def tp_shard(name: str, full, rank: int, world_size: int):
 
 
 def tp_index(name: str, shape: tuple, rank: int, world_size: int) -> tuple:
-    """The index (common/tensorsource.py's Index) of this rank's block of a whole tensor; () reads it all."""
+    """The index (common/checkpoint/tensorsource.py's Index) of this rank's block of a whole tensor; () reads it all."""
     axis = tp_split_axis(name)
     if axis is None:
         return ()
@@ -170,27 +170,27 @@ def comm_bytes_per_step_estimate(strategy: str, spec, world_size: int, micro_bat
     """Bytes handed to all-reduce per optimizer step (payload, not wire traffic: a ring all-reduce sends
     2 (N-1)/N times it per rank), from the shapes alone. Scalars (loss, grad-norm partial sums) are left out.
     `dtype` is the run's --dtype: the policy's reduce dtype for gradients, its compute dtype for
-    activations (common/precision.py; bf16 activations are half the bytes).
+    activations (common/model/precision.py; bf16 activations are half the bytes).
 
         ddp  every gradient once:                  parameters x reduce bytes (4: float32 in every policy)
         tp   per layer and micro-step, 2 all-reduces forward (after o_proj and down_proj) and 2 backward
              (into q/k/v's and gate/up's common input), each of the activations (B, T, dim):
                                                    4 x layers x B x T x dim x compute bytes x grad_accum
         pp   not an all-reduce: the bytes rank 0 (the first stage) sends, the activations of the whole
-             global batch to the next stage (common/pipeline.py), in the compute dtype:
+             global batch to the next stage (common/parallel/pipeline.py), in the compute dtype:
                                                    B x grad_accum x T x dim x compute bytes
     """
     if world_size < 2:
         return 0
     p = policy(dtype)
     if strategy == "ddp":
-        from .weights import num_parameters
+        from common.model.weights import num_parameters
 
         return num_parameters(spec) * DTYPE_BYTES[p.reduce_dtype]
     if strategy == "tp":
         return 4 * spec.n_layers * micro_batch_size * seq_len * spec.dim * DTYPE_BYTES[p.compute_dtype] * grad_accum
     if strategy == "pp":
-        from .pipeline import comm_bytes_per_step as pp_bytes
+        from common.parallel.pipeline import comm_bytes_per_step as pp_bytes
 
         return pp_bytes(micro_batch_size * grad_accum, seq_len, spec.dim, DTYPE_BYTES[p.compute_dtype])
     return None  # fsdp gathers and reduce-scatters rather than all-reduces: its own formula

@@ -2,7 +2,7 @@
 every rank (and by `dpcompare export`, `sample`, `diagnose --from`), typed instead of a dict of strings.
 
     launcher (compare/launch/runner.py)  RunPlan(cfg, spec, token cache, seed checkpoint, data).write(run_dir)
-    rank (common/loop.py)                RunPlan.read(run_dir).config / .spec / .token_cache / ...
+    rank (common/train/loop.py)                RunPlan.read(run_dir).config / .spec / .token_cache / ...
 
 The file keeps the layout users and older runs have: {"config", "spec", "token_cache", "seed_checkpoint",
 "world_size", "backend", "data"}. `world_size` and `backend` are written for a reader of the file alone;
@@ -14,10 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import RunConfig
-from .errors import UserError
-from .metrics import read_json, write_json
-from .spec import ModelSpec
+from common.config import RunConfig
+from common.errors import UserError
+from common.metrics import read_json, write_json
+from common.model.spec import ModelSpec
 
 PLAN_FILE = "run_config.json"
 DATA_FIELDS = ("num_documents", "num_tokens", "vocab_size", "tokenizer")  # of the token cache's meta
@@ -27,7 +27,7 @@ DATA_FIELDS = ("num_documents", "num_tokens", "vocab_size", "tokenizer")  # of t
 class RunPlan:
     config: RunConfig        # resolved: an MLX hostfile's backend already applied
     spec: ModelSpec          # the model, with the token cache's vocabulary size
-    token_cache: Path        # the prepared tokens every rank reads (common/tokencache.py)
+    token_cache: Path        # the prepared tokens every rank reads (common/data/tokencache.py)
     seed_checkpoint: Path    # the initial weights, the same file for every rank and framework
     data: dict = field(default_factory=dict)  # the cache's sizes and tokenizer, for the report
 

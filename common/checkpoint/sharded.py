@@ -1,7 +1,7 @@
 """`--checkpoint-format sharded`: every rank writes what it holds, nobody gathers; read back as TensorSources.
 
     checkpoints/step_000010/
-        config.json, state.json          as in the hf format (common/checkpoint.py), written by rank 0
+        config.json, state.json          as in the hf format (common/checkpoint/store.py), written by rank 0
         shards/rank_00000.safetensors    this rank's pieces: weights.<name>, exp_avg.<name>, exp_avg_sq.<name>
         shards/rank_00001.safetensors    (a rank that holds nothing of its own writes an empty file)
         shards/index.json                every HF tensor's global shape and, per piece, the rank file that
@@ -18,7 +18,7 @@ rank 0 builds the index from the rank files' headers (each file's metadata recor
 the pieces tile every tensor exactly, writes config.json and state.json, fsyncs, renames the directory into
 place and only then moves `latest`. A kill mid-save leaves the previous checkpoint the latest.
 
-Reading: `ShardedSource(directory, kind)` is a TensorSource (common/tensorsource.py) of one kind (weights or
+Reading: `ShardedSource(directory, kind)` is a TensorSource (common/checkpoint/tensorsource.py) of one kind (weights or
 a moment); `read(name, index)` assembles just the requested slice from the pieces that overlap it, so a rank
 of any strategy and N (or the other framework) reads only what it keeps. Every rank of the job reads the
 directory, so the sharded format needs a file system all ranks see (one machine, or a shared mount).
@@ -33,9 +33,9 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from .errors import UserError
-from .fsutil import fsync_dir
-from .safetensorswriter import SafetensorsWriter
+from common.errors import UserError
+from common.fsutil import fsync_dir
+from common.checkpoint.safetensorswriter import SafetensorsWriter
 
 SHARDS, INDEX = "shards", "index.json"
 KINDS = ("weights", "exp_avg", "exp_avg_sq")
@@ -97,7 +97,7 @@ def save_sharded(run_dir: Path, step: int, rank: int, world_size: int, barrier: 
                  local_state: tuple[dict, dict, dict, dict], shapes: dict[str, tuple],
                  finish: Callable[[Path], Path]) -> Path | None:
     """Every rank calls it. local_state: (weights, exp_avg, exp_avg_sq, where) of this rank; `finish(tmp)`
-    (rank 0) writes config.json and state.json and commits the directory (common/checkpoint.py's
+    (rank 0) writes config.json and state.json and commits the directory (common/checkpoint/store.py's
     commit_checkpoint). Returns the checkpoint directory on rank 0."""
     root = Path(run_dir) / "checkpoints"
     tmp = root / f".tmp_step_{step:06d}_sharded"  # one name every rank knows, without communicating

@@ -1,0 +1,1 @@
+"""The model both frameworks build: the Llama spec, HF configs, RoPE, precision policy, FLOPs and seeded init."""

@@ -1,0 +1,1 @@
+"""How ranks share the work: each strategy's layout and cost, and pipeline schedules."""
