@@ -39,13 +39,11 @@ from common.model.spec import ModelSpec
 from common.parallel.strategy import comm_bytes_per_step_estimate, data_parallel
 from common.train.supervisor import stop_reason, watch_supervisor
 from common.data.tokencache import TokenCache
-from common.checkpoint.tensorsource import SafetensorsSource, TensorSource, check_source, probe_checksum
+from common.checkpoint.tensorsource import SafetensorsSource, check_source
+from common.train.rank_checks import (TrainingError, check_identical_weights, check_replicas_agree,
+                                      check_same_step, replica_checksum)
 from common.train.trace import trace
 from common.model.weights import parameter_shapes
-
-
-class TrainingError(Exception):
-    """The run cannot go on (NaN loss, diverging ranks); the last good checkpoint stays."""
 
 
 # This rank's status, once training has started: a failure is recorded with the step reached so far.
@@ -299,44 +297,6 @@ def injected_fault(framework: str) -> dict | None:
     if fields.get("framework", framework) != framework:
         return None
     return {k: int(v) for k, v in fields.items() if k in ("rank", "step")}
-
-
-def check_identical_weights(trainer, source: TensorSource) -> None:
-    """All ranks must start from the same weights: compare a checksum of the source across ranks. It probes
-    the first row of every tensor (common/checkpoint/tensorsource.py's probe_checksum), which every rank can read
-    whatever part of the model it keeps, so no sharded rank reads the whole model for it."""
-    checksum = probe_checksum(source)
-    total, total_sq = trainer.all_sum(np.array([checksum, checksum * checksum], dtype=np.float64), over="world")
-    # Equal checksums on every rank give total_sq == total**2 / N exactly up to rounding.
-    spread = total_sq - total * total / trainer.world_size
-    if abs(spread) > 1e-6 * max(1.0, total_sq):
-        raise TrainingError("ranks hold different initial weights (checksum mismatch); check that every "
-                            "host reads the same seed checkpoint")
-
-
-def check_same_step(trainer, step: int) -> None:
-    """Every rank must end at the same step: one that skipped or repeated steps while its collectives
-    still matched would have trained on other batches. A rank whose step is not the mean over the ranks
-    raises (exact in float32 up to 2**24 steps)."""
-    count, total = trainer.all_sum(np.array([1.0, step], dtype=np.float64), over="world")
-    if abs(total - count * step) > 0.5:
-        raise TrainingError(f"ranks ended at different steps: this rank at {step}, the mean over "
-                            f"{count:.0f} ranks {total / count:g}; check that every node runs the same --steps")
-
-
-def replica_checksum(array: np.ndarray) -> float:
-    """One tensor's part of check_replicas_agree's checksum (summed over the tensors as they stream by)."""
-    return float(np.float64(np.abs(array).sum()))
-
-
-def check_replicas_agree(trainer, checksum: float, step: int) -> None:
-    """Every rank exports the same full weights (ddp replicas; tp's replicated embedding, norms and head, whose
-    gradients are the same on every rank by construction): this rank's checksum (replica_checksum summed
-    over its weights) against the mean over ranks."""
-    total = trainer.all_sum(np.array([checksum], dtype=np.float64), over="world")[0]
-    if abs(total - trainer.world_size * checksum) > 1e-6 * abs(total):
-        raise TrainingError(f"rank {trainer.rank} holds other weights than the mean of the ranks after step {step}: "
-                            "the replicas drifted apart; not saving (the last checkpoint is kept)")
 
 
 def evaluate(trainer, view: SequenceView, cfg: RunConfig, rank: int, world_size: int) -> float:

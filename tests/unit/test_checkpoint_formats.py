@@ -154,7 +154,8 @@ def test_the_hf_checkpoint_holds_one_gathered_tensor_at_a_time(tmp_path):
 
 
 def test_non_finite_weights_leave_no_checkpoint_behind(tmp_path):
-    from common.train.loop import TrainingError, checkpoint
+    from common.train.loop import checkpoint
+    from common.train.rank_checks import TrainingError
 
     spec = preset("tiny")
     weights = init_weights(spec, 0)

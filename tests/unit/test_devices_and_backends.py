@@ -9,7 +9,7 @@ import pytest
 
 from common.config import RunConfig
 from common.errors import UserError
-from common.train.loop import TrainingError, check_same_step
+from common.train.rank_checks import TrainingError, check_same_step
 from compare.launch.hosts import check_hostfile, effective_backend, read_mlx_hostfile, ring_hosts, with_hostfile_backend
 from compare.launch.launchers import build_command, device_note
 from helpers import FAST, dpcompare_here

@@ -82,7 +82,7 @@ class _Rank:
 
 
 def test_a_checkpoint_refuses_weights_that_differ_between_ranks():
-    from common.train.loop import TrainingError, check_replicas_agree, replica_checksum
+    from common.train.rank_checks import TrainingError, check_replicas_agree, replica_checksum
 
     weights = {"model.norm.weight": np.ones(64, dtype=np.float32)}
     checksum = sum(replica_checksum(w) for w in weights.values())
