@@ -13,7 +13,7 @@ per rank, from summary.json:
                      peak_rss_before_save_bytes, absent before issue 25)
     peak RSS         the process's peak RSS over the whole run, the final checkpoint included (whole HF
                      files unless --checkpoint-format sharded: streamed, one gathered tensor at a time)
-    predicted        the cost model's peak per rank (memory_prediction, common/costmodel/model.py)
+    predicted        the cost model's peak per rank (memory_prediction, common/costmodel/memory.py)
     x ddp            the largest rank's figure over ddp's largest rank's, same framework and depth
 
 Run it against an older checkout (its summary.json lacks the newer fields) to get the "before" figures.

@@ -109,7 +109,7 @@ def summarize(framework: str, strategy: str, summaries: list[dict], spec) -> dic
 
 def comm_mib(s: dict, spec) -> str:
     """Bytes a rank sends per step, as text: counted, or estimated from the shapes (~; fsdp: the cost model's
-    collectives, common/costmodel/model.py)."""
+    collectives, common/parallel/fsdp.py)."""
     stages = [b for b in ((s.get("pipeline") or {}).get("comm_bytes_per_step") or []) if b is not None]
     if stages:
         return f"{max(stages) / 2**20:.1f}"
@@ -118,12 +118,14 @@ def comm_mib(s: dict, spec) -> str:
         return f"{s['comm_bytes_per_step'] / 2**20:.1f}"
     estimate = s.get("comm_bytes_per_step_estimate")
     if estimate is None and s.get("strategy") == "fsdp":
-        from common.costmodel.model import Workload, collectives, reduce_scatter_kind
+        from common.costmodel.workload import Workload
+        from common.parallel import collectives
+        from common.parallel.fsdp import reduce_scatter_traffic
         cfg = s.get("config") or {}
         w = Workload(spec, int(cfg["seq_len"]), int(cfg["global_batch_size"]), int(cfg.get("grad_accum", 1)),
                      s.get("dtype", "float32"), s["framework"])
         n = int(s["world_size"])
-        estimate = sum(c.wire_bytes(n) for c in collectives("fsdp", w, n, reduce_scatter_kind(s["framework"], s["backend"])))
+        estimate = sum(c.wire_bytes(n) for c in collectives("fsdp", w, n, reduce_scatter_traffic(s["framework"], s["backend"])))
     return f"~{estimate / 2**20:.1f}" if estimate is not None else "-"
 
 

@@ -7,7 +7,7 @@ Each row is one `dpcompare run --nproc 2 --set strategy=S`, read from its summar
 - state bytes per rank: what Trainer.state_bytes() says it holds (parameters, gradients, AdamW moments);
 - tokens/s: median over the steps after the warmup;
 - comm bytes per step: counted in the step's collectives (summary `comm_bytes_per_step`), next to the
-  estimate from the shapes (common/parallel/strategy.py);
+  estimate from the shapes (common/parallel/tp.py);
 - comm share: the step's all-reduces replayed back to back at the same sizes and count (replay_rank.py, started
   as the runner starts ranks), over the median step time. tp's all-reduces sit on the critical path, so for tp this
   is the time the step spends communicating; DDP can overlap its buckets with the backward pass (torch does),

@@ -8,7 +8,10 @@ and here next to it.
 """
 from __future__ import annotations
 
-from common.costmodel.model import Link, Workload, calibration_from_flops, predict
+from common.costmodel.calibrate import calibration_from_flops
+from common.costmodel.links import Link
+from common.costmodel.predict import predict
+from common.costmodel.workload import Workload
 from common.errors import UserError
 from common.model.flops import KNOWN_PEAK_FLOPS
 from common.model.spec import preset

@@ -23,7 +23,7 @@ from common.costmodel.rates import parse_rate
 from common.data.sampler import check_divisible
 from common.model.spec import ModelSpec, preset
 from common.parallel.pipeline import SCHEDULES as PP_SCHEDULES
-from common.parallel.strategy import STRATEGIES, check_pp_microbatches, check_strategy, data_parallel
+from common.parallel import STRATEGIES, layout
 
 FRAMEWORKS = ("mlx", "torch")
 # jaccl and jaccl-ring: RDMA over Thunderbolt 5 between Macs (a mesh, or a ring of neighbours), through
@@ -88,7 +88,7 @@ class RunConfig:
     # Where and how it runs.
     framework: str = "mlx"
     nproc: int = 1
-    strategy: str = "ddp"            # ddp, fsdp, tp or pp (common/parallel/strategy.py)
+    strategy: str = "ddp"            # ddp, fsdp, tp or pp (common/parallel/: one object each)
     pp_microbatches: int = 4         # pp: pieces each micro-step's batch is cut into (common/parallel/pipeline.py)
     pp_schedule: str = "1f1b"        # pp: gpipe or 1f1b
     backend: str = "auto"
@@ -201,8 +201,9 @@ class RunConfig:
 
     @property
     def data_parallel_size(self) -> int:
-        """Ranks that read different samples: all of them, except under tp (one replica between them)."""
-        return data_parallel(self.strategy, 0, self.world_size)[1]
+        """Ranks that read different samples: all of them, except where the strategy's ranks are one replica
+        between them and all read the whole batch (tp, pp)."""
+        return layout(self.strategy, self.world_size).dp_size
 
     @property
     def micro_batch_size(self) -> int:
@@ -284,11 +285,11 @@ class RunConfig:
             raise UserError("communication_stream cpu does not work with the nccl backend (NCCL reduces GPU "
                             "memory on the GPU stream); use auto")
         self.micro_batch_size  # raises when the global batch does not split
-        if self.strategy == "pp":
-            check_pp_microbatches(self.global_batch_size, self.grad_accum, self.pp_microbatches)
+        strategy = layout(self.strategy, self.world_size)
+        strategy.check_batch(self.global_batch_size, self.grad_accum, self.pp_microbatches)
         # preset, [model] fields and seq_len checked now; and whether the strategy can split that model (the one
         # place this is checked: every RunConfig is validated when it is made, before anything is prepared)
-        check_strategy(self.strategy, self.model_spec(vocab_size=None), self.world_size)
+        strategy.check(self.model_spec(vocab_size=None))
 
 
 def folder_spec(directory: str) -> ModelSpec:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from common.config import DTYPES, FRAMEWORKS, read_toml
 from common.errors import ParityError, UserError
-from common.parallel.strategy import STRATEGIES
+from common.parallel import STRATEGIES
 
 from .flags import config_from_args
 from .plan import add_memory_predictions, add_predictions

@@ -1,7 +1,7 @@
 """`dpcompare plan --from RUN_DIR`: how far a measured run scales, per strategy and world size, over a link,
 and whether it fits in memory; and `compare`'s `prediction` in every N > 1 run's summary.json.
 
-Both calibrate common/costmodel/model.py on a measured run (its time breakdown, its peak memory) and predict
+Both calibrate the cost model (common/costmodel/) on a measured run (its time breakdown, its peak memory) and predict
 with a link: from `--fabric FILE` (what `dpcompare doctor --fabric --out FILE` measured, the entry of the
 run's framework), from `--link-gbps G --latency-us L` (the wire, by hand), or else from the run's own
 `link` record (summary.json; loopback figures from docs/benchmarks.md where it has none). docs/scaling.md
@@ -14,12 +14,15 @@ import sys
 import time
 from pathlib import Path
 
-from common.costmodel.model import (WORKSPACE_BYTES, Calibration, Link, calibrate, link_from_record, loopback_link, predict,
-                              predicted_peak, workload_of)
+from common.costmodel.calibrate import Calibration, calibrate
+from common.costmodel.links import Link, link_from_record, loopback_link
+from common.costmodel.memory import WORKSPACE_BYTES, predicted_peak
+from common.costmodel.predict import predict
+from common.costmodel.workload import workload_of
 from common.errors import UserError
 from common.metrics import read_json, write_json
 from common.model.spec import ModelSpec, preset
-from common.parallel.strategy import STRATEGIES
+from common.parallel import STRATEGIES
 
 FABRIC_KIND = "dpcompare doctor --fabric"
 DEFAULT_NPROC = "2,4,8,16,64"
@@ -313,7 +316,7 @@ def predicted_record(source: Path, s: dict, strategy: str) -> dict:
 # ---- compare: the predicted peak memory of every run ------------------------------------------------
 def add_memory_predictions(run_dirs: list[Path]) -> None:
     """Every finished run's summary.json (N=1 too) gets `memory_prediction`: the cost model's peak per rank
-    from the shapes and the rank's measured fixed footprint (common/costmodel/model.py's predicted_peak), beside
+    from the shapes and the rank's measured fixed footprint (common/costmodel/memory.py's predicted_peak), beside
     the measured one, so the report can show what each rank's memory is made of."""
     for run_dir in map(Path, run_dirs):
         s = read_json(run_dir / "summary.json")

@@ -138,12 +138,6 @@ def probe_allreduce(c: Collectives, backend: str, op: str = "all_reduce") -> dic
     return {"backend": backend, "world_size": c.size, **fit(results)}
 
 
-# Strategies whose step is mostly all-gathers: their own all-gather is probed too. Why: gloo's all_gather is
-# CPU-bound where its all-reduce is not (32 MB gathered at N=2 over loopback took 48 ms against the ring
-# formula's 16 ms from the all-reduce probe: docs/scaling.md), so the all-reduce alone mispredicts fsdp.
-PROBES_ALL_GATHER = ("fsdp",)
-
-
 def rank_main(argv: list[str] | None, start: Callable[[argparse.Namespace], Collectives], framework: str) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:

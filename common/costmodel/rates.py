@@ -1,5 +1,5 @@
 """Link rates as users write them (`--link 1gbit`), framework-neutral: the config validates them, the
-launcher shapes them (compare/launch/netns.py), the cost model reads them (common/costmodel/model.py).
+launcher shapes them (compare/launch/netns.py), the cost model reads them (common/costmodel/links.py).
 
 The units are tc's: kbit, mbit, gbit (powers of ten, bits per second), so the rate a user names is the
 rate the kernel's token bucket is given.

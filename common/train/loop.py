@@ -26,7 +26,7 @@ from common.checkpoint.store import (STATE_KINDS, HFCheckpointWriter, commit_che
                          resume_fingerprints, write_state_json)
 from common.config import RunConfig
 from common.errors import UserError
-from common.costmodel.probe import PROBES_ALL_GATHER, Collectives, probe_allreduce
+from common.costmodel.probe import Collectives, probe_allreduce
 from common.model.hfconfig import to_hf_config
 from common.metrics import MetricsWriter, RankStatus, peak_rss_bytes, rss_bytes, truncate_metrics
 from common.runplan import RunPlan
@@ -36,7 +36,7 @@ from common.train.lr_schedule import lr_for
 from common.data.sequences import SequenceView
 from common.checkpoint.sharded import save_sharded
 from common.model.spec import ModelSpec
-from common.parallel.strategy import comm_bytes_per_step_estimate, data_parallel
+from common.parallel import layout
 from common.train.supervisor import stop_reason, watch_supervisor
 from common.data.tokencache import TokenCache
 from common.checkpoint.tensorsource import SafetensorsSource, check_source
@@ -122,7 +122,7 @@ class Run:
     valid_view: SequenceView | None
     sampler: GlobalSampler
     fingerprints: dict           # what a checkpoint must share with a run resuming it
-    dp_rank: int                 # data-parallel rank and size (common/parallel/strategy.py): tp ranks read one batch
+    dp_rank: int                 # data-parallel rank and size (common/parallel/layout.py): tp ranks read one batch
     dp_size: int
     start_step: int              # 0, or the step of the checkpoint resumed from
     fault: dict | None           # DPCOMPARE_INJECT_FAULT, tests only
@@ -155,11 +155,12 @@ def setup_run(run_dir: Path, world: World, trainer_cls) -> Run:
     """Read the plan and the data, build the Trainer from the seed checkpoint (or the one resumed)."""
     plan = RunPlan.read(run_dir)
     cfg, spec, rank = plan.config, plan.spec, world.rank
-    dp_rank, dp_size = data_parallel(cfg.strategy, rank, world.size)
+    strategy_layout = layout(cfg.strategy, world.size)
+    dp_rank, dp_size = strategy_layout.data_parallel(rank)
     global _live_status
     status = _live_status = RankStatus(run_dir, rank)
     # The framework's fixed footprint: the interpreter, the framework and its distributed state, before any
-    # model exists (the memory table of the report, common/costmodel/model.py's predicted peak).
+    # model exists (the memory table of the report, common/costmodel/memory.py's predicted peak).
     status.update(force=True, fixed_rss_bytes=rss_bytes())
     cache = TokenCache.open(plan.token_cache)
     train_view = SequenceView(cache.split("train"), cfg.seq_len, cfg.sequence)
@@ -178,7 +179,7 @@ def setup_run(run_dir: Path, world: World, trainer_cls) -> Run:
     if world.collectives is not None:  # the link this job talks over, as its own all-reduce sees it
         collectives = world.collectives()
         status.update(force=True, allreduce=probe_allreduce(collectives, cfg.resolved_backend))
-        if cfg.strategy in PROBES_ALL_GATHER and collectives.all_gather is not None:
+        if strategy_layout.measures_all_gather and collectives.all_gather is not None:
             status.update(force=True, allgather=probe_allreduce(collectives, cfg.resolved_backend, op="all_gather"))
     status.update(force=True, status="running", device=str(trainer.device), start_step=start_step)
     return Run(run_dir, cfg, spec, trainer, status, metrics, train_view, valid_view, sampler, fingerprints,
@@ -282,8 +283,8 @@ def final_figures(run: Run, median: float, world_size: int) -> dict:
         time_to_first_step_s=(run.first_step_end - run.launch_time) if run.first_step_end else None,
         steps_run=len(step_times), peak_rss_before_save_bytes=run.peak_rss_before_save_bytes,
         comm_bytes_per_step=trainer.comm_bytes_per_step() if step_times else None,
-        comm_bytes_per_step_estimate=comm_bytes_per_step_estimate(
-            cfg.strategy, run.spec, world_size, cfg.micro_batch_size, cfg.seq_len, cfg.grad_accum, cfg.dtype),
+        comm_bytes_per_step_estimate=layout(cfg.strategy, world_size).comm_bytes_per_step_estimate(
+            run.spec, cfg.micro_batch_size, cfg.seq_len, cfg.grad_accum, cfg.dtype),
         **trainer.strategy.figures(),  # pp: the bubble, measured and analytic
     )
 
@@ -302,7 +303,7 @@ def injected_fault(framework: str) -> dict | None:
 def evaluate(trainer, view: SequenceView, cfg: RunConfig, rank: int, world_size: int) -> float:
     """Global token-mean loss over a fixed set of validation samples, the same for every world size.
 
-    rank and world_size are data-parallel ones (common/parallel/strategy.py); `trainer.all_sum` sums over them."""
+    rank and world_size are data-parallel ones (common/parallel/layout.py); `trainer.all_sum` sums over them."""
     per_rank = cfg.global_batch_size // world_size
     count = min(cfg.eval_batches * cfg.global_batch_size, view.num_samples)
     count -= count % world_size

@@ -246,7 +246,7 @@ def summarize(cfg: RunConfig, run_dir: Path, argv: list[str], blas: str, wall_s:
                                 "weights_sha256": weights_digest(Path(cfg.init_from), cfg.cache_path)}
     if link is not None:  # the path the ranks talked over, and their own all-reduce on it (common/costmodel/probe.py)
         summary["link"] = {**link, "allreduce": rank0.get("allreduce")}
-        if rank0.get("allgather"):  # fsdp's own all-gather (common/costmodel/probe.py PROBES_ALL_GATHER)
+        if rank0.get("allgather"):  # fsdp's own all-gather (common/parallel/fsdp.py measures_all_gather)
             summary["link"]["allgather"] = rank0["allgather"]
     if "pp_bubble_analytic" in rank0:  # pp (common/parallel/pipeline.py): each stage's idle fraction and what it held
         summary["pipeline"] = {

@@ -199,7 +199,7 @@ def prediction_blocks(rows: list[dict]) -> list[tuple]:
              for r in have]
     notes = [f"{r['label']}: {r['prediction']['note']}" for r in rows if (r.get("prediction") or {}).get("note")]
     return [("h2", "Predicted and measured"),
-            ("p", "The cost model (common/costmodel/model.py, docs/scaling.md) predicts each multi-rank run from the "
+            ("p", "The cost model (common/costmodel/, docs/scaling.md) predicts each multi-rank run from the "
                   "1-rank run of its framework and dtype and the link the job measured: compute scaled by the "
                   "work each rank does, plus the ring collectives' time at that link."),
             ("table", ("run", "predicted from", "link", "predicted step ms", "measured step ms", "difference",
@@ -313,7 +313,7 @@ def memory_blocks(rows: list[dict]) -> list[tuple]:
                     "1/N of the sharded ones, tp 1/N of the split layers, pp its stage's layers. Activations are "
                     "one micro-batch's saved tensors estimated from the shapes and dtype; fixed is the process's "
                     "RSS at its start, before the model exists (the interpreter, the framework, its distributed "
-                    "state). The predicted peak (common/costmodel/model.py's predicted_peak, docs/scaling.md) adds "
+                    "state). The predicted peak (common/costmodel/memory.py's predicted_peak, docs/scaling.md) adds "
                     "these, fsdp's gathered parameters, AdamW's update copies and a measured workspace, or, where "
                     "it is larger, what saving a checkpoint holds (marked \"saving\": the hf format gathers the "
                     "whole state on rank 0 under fsdp, on every rank under tp and pp; --checkpoint-format sharded "

@@ -7,7 +7,7 @@ import pytest
 
 from helpers import FAST, dpcompare, losses, summary
 from common.model.spec import ModelSpec
-from common.parallel.strategy import tp_split_axis
+from common.parallel.tp import tp_split_axis
 from common.model.weights import parameter_shapes
 from integration.conftest import reference_flags, switched_at_a_checkpoint
 

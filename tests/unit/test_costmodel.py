@@ -1,4 +1,4 @@
-"""The cost model (common/costmodel/model.py): it reproduces its calibration run, its ring factors and byte counts
+"""The cost model (common/costmodel/, each strategy's terms in common/parallel/): it reproduces its calibration run, its ring factors and byte counts
 are the formulas and match what the runs count, and its memory per rank matches state_bytes."""
 import json
 import math
@@ -6,11 +6,14 @@ import math
 import pytest
 from costmodel_fixtures import SPEC, link_record, summary
 
-from common.costmodel.model import (RING_FACTOR, Link, Workload, calibrate, collectives, link_from_record,
-                              local_parameters, loopback_link, predict, state_fraction, work_fraction)
+from common.costmodel.calibrate import calibrate
+from common.costmodel.links import RING_FACTOR, Link, link_from_record, loopback_link
+from common.costmodel.predict import predict
+from common.costmodel.workload import Workload
 from common.errors import UserError
 from common.model.spec import ModelSpec, preset
-from common.parallel.strategy import comm_bytes_per_step_estimate
+from common.parallel import (collectives, comm_bytes_per_step_estimate, layout, local_parameters, state_fraction,
+                             work_fraction)
 from common.model.weights import num_parameters, parameter_shapes
 
 TINY = ModelSpec.from_dict(SPEC)
@@ -220,7 +223,7 @@ def test_pp_over_a_slow_link_is_paced_by_its_sends_and_over_a_fast_one_by_its_sl
 
 # ---- the predicted peak per rank (summary.json's memory_prediction, the report's memory table) ----------
 def test_the_predicted_peak_adds_the_fixed_footprint_to_what_the_rank_holds():
-    from common.costmodel.model import REDUCE_FACTOR, UPDATE_FACTOR, WORKSPACE_BYTES, predicted_peak
+    from common.costmodel.memory import REDUCE_FACTOR, UPDATE_FACTOR, WORKSPACE_BYTES, predicted_peak
 
     small = preset("small")  # GPT-2's 50257 tokens: both frameworks pad them to 50258 and shard them
     matrix_bytes = 50258 * small.dim * 4  # one padded vocabulary matrix, fp32
@@ -282,15 +285,14 @@ def test_fsdp_on_a_cpu_adds_fsdp2_host_work_in_torch_and_hides_part_of_mlx_colle
     paper (a GPU nobody measured) gets none of them."""
     from dataclasses import replace
 
-    from common.costmodel.model import (FSDP_HIDDEN_SHARE, FSDP_HOST_S_PER_CALL, HEAP_RELEASE_BYTES_PER_S, collectives,
-                                  heap_release_bytes)
+    from common.parallel.fsdp import FSDP_HIDDEN_SHARE, FSDP_HOST_S_PER_CALL, HEAP_RELEASE_BYTES_PER_S
 
     link = Link.wire(1, 100)
     torch_cal = calibrate(summary("torch", 1), TINY)
     assert torch_cal.on_cpu and torch_cal.releases_heap
     on_cpu, on_paper = (predict(c, "fsdp", 2, link) for c in (torch_cal, replace(torch_cal, on_cpu=False)))
     calls = sum(c.calls for c in collectives("fsdp", torch_cal.workload, 2))  # gathers and reduce-scatters only
-    heap = heap_release_bytes(torch_cal.workload, 2) / HEAP_RELEASE_BYTES_PER_S["torch"]
+    heap = layout("fsdp", 2).heap_release_bytes(torch_cal.workload) / HEAP_RELEASE_BYTES_PER_S["torch"]
     assert heap > 0
     assert on_cpu.compute_s - on_paper.compute_s == pytest.approx(FSDP_HOST_S_PER_CALL["torch"] * calls + heap)
     tuned = calibrate({**summary("torch", 1), "config": {"tune_malloc": True}}, TINY)

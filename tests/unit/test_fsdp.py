@@ -7,7 +7,7 @@ import pytest
 
 from common.errors import UserError
 from common.model.spec import preset
-from common.parallel.strategy import check_strategy
+from common.parallel import check_strategy
 
 
 def test_the_shape_check_names_the_parameter_and_passes_shardable_models():
@@ -97,7 +97,7 @@ def test_an_mlx_sharded_rank_evaluates_only_what_it_keeps(strategy, rank):
     from mlx.utils import tree_flatten
 
     from common.model.spec import ModelSpec
-    from common.parallel.strategy import tp_split_axis
+    from common.parallel.tp import tp_split_axis
     from common.model.weights import num_parameters, parameter_shapes
     from mlx_impl.fsdp import Sharding
     from mlx_impl.model import Llama
@@ -139,7 +139,8 @@ def test_torch_fsdp_gathers_a_block_twice_and_every_other_unit_once_per_micro_st
     import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_group
     from torch.distributed.tensor import DTensor
 
-    from common.costmodel.model import Workload, collectives
+    from common.costmodel.workload import Workload
+    from common.parallel import collectives
     from torch_impl.fsdp import Sharding, shard_model
     from torch_impl.model import Llama, token_loss_sum
 

@@ -6,7 +6,7 @@ from common.config import RunConfig
 from common.errors import UserError
 from common.parallel.pipeline import bubble_fraction, compute_order, split_idle, stage_layers, stage_of, stage_ops
 from common.model.spec import preset
-from common.parallel.strategy import check_strategy, comm_bytes_per_step_estimate, data_parallel
+from common.parallel import check_strategy, comm_bytes_per_step_estimate, data_parallel
 from common.model.weights import parameter_shapes
 from helpers import FAST, dpcompare_here
 

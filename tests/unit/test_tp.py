@@ -6,7 +6,8 @@ import pytest
 
 from common.errors import UserError
 from common.model.spec import preset
-from common.parallel.strategy import check_strategy, comm_bytes_per_step_estimate, tp_shard, tp_split_axis
+from common.parallel import check_strategy, comm_bytes_per_step_estimate
+from common.parallel.tp import tp_shard, tp_split_axis
 from common.model.weights import parameter_shapes
 from helpers import FAST, dpcompare_here
 

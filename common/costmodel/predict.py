@@ -1,0 +1,80 @@
+"""One step of a strategy at N ranks over a link, from a calibration: its time, memory and what limits it
+(the equations: common/costmodel/__init__.py; each strategy's terms: its object in common/parallel/)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.costmodel.calibrate import Calibration
+from common.costmodel.links import Link
+from common.costmodel.memory import memory_bytes
+from common.errors import UserError
+from common.parallel import layout
+from common.parallel.fsdp import reduce_scatter_traffic
+
+
+@dataclass
+class Prediction:
+    framework: str
+    strategy: str
+    world_size: int
+    link: str
+    compute_s: float
+    comm_s: float
+    exposed_comm_s: float
+    step_s: float
+    tokens_per_s: float
+    efficiency: float
+    exposed_share: float
+    wire_bytes_per_rank: float
+    collectives: list
+    memory_bytes: dict               # per rank: params, grads, optimizer, activations, overhead, total
+    fits: bool | None
+    bottleneck: str
+
+    def to_dict(self) -> dict:
+        out = dict(vars(self))
+        out["collectives"] = [vars(c) for c in self.collectives]
+        return out
+
+
+def predict(cal: Calibration, strategy: str, n: int, link: Link | None, device_memory_bytes: float | None = None,
+            backend: str | None = None) -> Prediction:
+    """One step of `strategy` at `n` ranks over `link` (None at N=1), from a calibration. Raises UserError
+    when the strategy cannot split this model over n ranks (its object's `check`, common/parallel/)."""
+    lay = layout(strategy, n)
+    lay.check(cal.workload.spec)
+    w = cal.workload
+    backend = backend or cal.backend
+    compute = ((cal.forward_s + cal.backward_s) * lay.work_fraction(w)
+               + cal.optimizer_s * lay.state_fraction(w) + cal.other_s)
+    colls = lay.collectives(w, reduce_scatter_traffic(w.framework, backend))
+    if colls and link is None:
+        raise UserError(f"predicting {strategy} at N={n} needs a link (its latency and bandwidth)")
+    comm = sum(c.seconds(link, n) for c in colls)
+    exposed = lay.exposed_comm_s(cal, colls, link, comm)
+    compute += lay.host_s(w, colls, cal.on_cpu, cal.releases_heap)
+    step = compute + exposed
+    one = (cal.forward_s + cal.backward_s + cal.optimizer_s + cal.other_s)  # ddp at N=1: the scaling baseline
+    memory = memory_bytes(lay, w, cal.overhead_bytes)
+    fits = None if device_memory_bytes is None else memory["total"] <= device_memory_bytes
+    pred = Prediction(w.framework, strategy, n, link.name if (link and colls) else "none", compute, comm, exposed,
+                      step, w.tokens_per_step / step, one / (n * step), exposed / step,
+                      sum(c.wire_bytes(n) for c in colls), colls, memory, fits, "")
+    pred.bottleneck = bottleneck(pred, device_memory_bytes)
+    return pred
+
+
+def bottleneck(p: Prediction, device_memory_bytes: float | None = None) -> str:
+    """One sentence naming what limits the step."""
+    if p.fits is False:
+        return (f"memory: {p.memory_bytes['total'] / 1e9:.2f} GB per rank does not fit in {device_memory_bytes / 1e9:.3g} GB "
+                f"(optimizer state {p.memory_bytes['optimizer'] / 1e9:.2f} GB, activations "
+                f"{p.memory_bytes['activations'] / 1e9:.2f} GB)")
+    if p.collectives and p.exposed_comm_s >= p.compute_s:
+        biggest = max(p.collectives, key=lambda c: c.calls * c.nbytes)
+        moved = sum(c.calls * c.nbytes for c in p.collectives if c.what == biggest.what)
+        return (f"the link: {p.link} needs {p.comm_s:.3g} s per step for {moved / 1e6:,.1f} MB of {biggest.what} "
+                f"({p.wire_bytes_per_rank / 1e6:,.1f} MB sent per rank), against {p.compute_s:.3g} s of compute")
+    tail = (f"; communication adds {p.exposed_comm_s:.3g} s ({100 * p.exposed_share:.0f}% of the step)"
+            if p.collectives else "")
+    return f"compute: {p.compute_s:.3g} s per step per rank{tail}"

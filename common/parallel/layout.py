@@ -1,0 +1,210 @@
+"""What every strategy object answers (`Layout`), and the counts they share.
+
+A strategy is one object here (common/parallel/ddp.py, fsdp.py, tp.py, pp.py, registered in
+common/parallel/__init__.py's STRATEGIES) plus one class per framework (mlx_impl/, torch_impl/). The object
+holds everything the framework-neutral code knows about the strategy, so nothing in common/ tests its name:
+
+    the run          check (refusals), check_batch, data_parallel (which slice of the batch a rank reads)
+    the state        local_parameters (what a rank holds and updates), state_fraction
+    the work         work_fraction (f_work: one rank's share of the global batch's FLOPs)
+    the traffic      collectives (per optimizer step), comm_bytes_per_step_estimate (summary.json)
+    the memory       activation_bytes, gathered_bytes, checkpoint_bytes, copies_gradients_for_reduce
+    the time         exposed_comm_s (what the link adds to the step), host_s (host work beyond the link's)
+
+The cost model (common/costmodel/, docs/scaling.md) composes these into a step's time and memory. An object
+is built on a Mesh (common/parallel/mesh.py) and reads its own axis, named after it; every mesh has one axis
+today, so `ranks` is the world size.
+"""
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
+
+from common.costmodel.links import Collective, Link
+from common.costmodel.workload import Workload
+from common.errors import UserError
+from common.model.flops import attention_flops_per_token, flops_per_token, matmul_parameters
+from common.model.spec import ModelSpec
+from common.model.weights import parameter_shapes
+from common.parallel.mesh import Mesh
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+MASTER_BYTES = 4          # master weights, gradients, AdamW state and the gradient reduction stay fp32
+# The share of a step's collectives hidden behind compute where no calibration run measured it: 0, measured on
+# the reference machine (docs/benchmarks.md: the gradient sync of `small` at N=2 costs as much as the isolated
+# all-reduce in MLX and more in torch: on 2 busy cores nothing overlaps).
+DEFAULT_OVERLAP = 0.0
+VOCAB_MATRICES = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+class Measured(Protocol):
+    """What a calibration says of one step (common/costmodel/calibrate.py's Calibration), as far as a strategy's
+    exposed-communication rule reads it."""
+    workload: Workload
+    forward_s: float
+    backward_s: float
+    overlap: float | None
+    sync_overhead_s: float
+    on_cpu: bool
+    releases_heap: bool
+
+
+def total_parameters(spec: ModelSpec) -> int:
+    return sum(math.prod(s) for s in parameter_shapes(spec).values())
+
+
+def block_elements(shapes: dict, layer: int | None = None) -> int:
+    """Parameter elements of transformer block `layer`, or of every block (None), from parameter_shapes."""
+    prefix = "model.layers." if layer is None else f"model.layers.{layer}."
+    return sum(math.prod(shape) for name, shape in shapes.items() if name.startswith(prefix))
+
+
+def largest_tensor_bytes(spec: ModelSpec) -> int:
+    return max(math.prod(s) for s in parameter_shapes(spec).values()) * MASTER_BYTES
+
+
+def layer_and_head_flops(w: Workload) -> tuple[float, float, float]:
+    """Per token, forward + backward: (every block's FLOPs, the head's, the whole model's), from
+    common/model/flops.py's count. The embedding is a lookup: no FLOPs."""
+    head = 6.0 * w.spec.vocab_size * w.spec.dim
+    layers = 6.0 * matmul_parameters(w.spec) - head + attention_flops_per_token(w.spec, w.seq_len)
+    return layers, head, flops_per_token(w.spec, w.seq_len)
+
+
+@dataclass(frozen=True)
+class Layout(ABC):
+    """One strategy over a mesh: its checks, its data slicing, and its cost terms (module docstring)."""
+    mesh: Mesh
+
+    name: ClassVar[str]                                # --strategy, and the mesh axis it splits over
+    reads_whole_batch: ClassVar[bool] = False          # one model replica between the ranks (nothing averaged)
+    supports_biases: ClassVar[bool] = False            # Linear biases (model.attention_bias, model.mlp_bias)
+    measures_all_gather: ClassVar[bool] = False        # a run probes its own all-gather too (common/train/loop.py)
+    # Its collectives run inside forward and backward, where the time breakdown (common/train/breakdown.py)
+    # cannot tell them from compute: a calibration run takes the model's estimate of them off its step instead
+    # of measuring an overlap from the breakdown's `communication`.
+    collectives_inside_compute: ClassVar[bool] = True
+
+    @property
+    def ranks(self) -> int:
+        """The ranks this strategy splits over: its axis of the mesh."""
+        return self.mesh.axis(self.name)
+
+    # ---- the run ------------------------------------------------------------------------------------
+    def check(self, spec: ModelSpec) -> None:
+        """Refuse, before anything is written, a run whose strategy cannot split this model over these ranks."""
+        if not self.supports_biases and (spec.attention_bias or spec.mlp_bias):
+            # tp's sharding plans and pp's stages are written for bias-free Linears; fsdp's parity with biases is
+            # untested: refused rather than trusted.
+            field = "attention_bias" if spec.attention_bias else "mlp_bias"
+            raise UserError(f"--strategy {self.name} does not support biases (model.{field} = true, from the "
+                            "checkpoint's config); use --strategy ddp")
+
+    def check_batch(self, global_batch: int, grad_accum: int, pp_microbatches: int) -> None:
+        """Refuse a batch this strategy cannot cut (RunConfig's global batch, --grad-accum, --pp-microbatches)."""
+
+    @property
+    def dp_size(self) -> int:
+        """Ranks that read different samples: 1 where every rank reads the whole batch."""
+        return 1 if self.reads_whole_batch else self.ranks
+
+    def data_parallel(self, rank: int) -> tuple[int, int]:
+        """(data-parallel rank, data-parallel size): which slice of the global batch `rank` reads."""
+        if self.reads_whole_batch:
+            return 0, 1
+        return self.mesh.coordinate(rank, self.name), self.ranks
+
+    # ---- the state and the work ---------------------------------------------------------------------
+    @abstractmethod
+    def local_parameters(self, spec: ModelSpec, framework: str = "torch") -> float:
+        """Parameters one rank holds (and updates)."""
+
+    def state_fraction(self, w: Workload) -> float:
+        """f_state: the share of the parameters a rank updates (AdamW touches what it holds)."""
+        return self.local_parameters(w.spec, w.framework) / total_parameters(w.spec)
+
+    @abstractmethod
+    def work_fraction(self, w: Workload) -> float:
+        """f_work: one rank's share of the global batch's forward + backward FLOPs (common/model/flops.py).
+        Assumption: time is proportional to FLOPs, so smaller matmuls are taken to run as fast per FLOP."""
+
+    # ---- the traffic --------------------------------------------------------------------------------
+    def collectives(self, w: Workload, reduce_scatter: str = "native") -> list[Collective]:
+        """The step's collectives, none on one rank. `reduce_scatter` says what a reduce-scatter moves
+        (common/parallel/fsdp.py reduce_scatter_traffic): "native", or "all_sum_slice", an all-reduce's bytes."""
+        return [] if self.ranks < 2 else self.step_collectives(w, reduce_scatter)
+
+    @abstractmethod
+    def step_collectives(self, w: Workload, reduce_scatter: str) -> list[Collective]:
+        """`collectives` at two ranks or more."""
+
+    def comm_bytes_per_step_estimate(self, spec: ModelSpec, micro_batch_size: int, seq_len: int, grad_accum: int,
+                                     dtype: str = "float32") -> int | None:
+        """summary.json's comm_bytes_per_step_estimate: the payload a step hands to the collectives the run
+        counts (comm_bytes_per_step), from the shapes alone; 0 on one rank. Scalars (loss, grad-norm partial
+        sums) are left out. `dtype` is the run's --dtype (common/model/precision.py's policy)."""
+        return 0 if self.ranks < 2 else self.payload_bytes_per_step(spec, micro_batch_size, seq_len, grad_accum,
+                                                                   dtype)
+
+    @abstractmethod
+    def payload_bytes_per_step(self, spec: ModelSpec, micro_batch_size: int, seq_len: int, grad_accum: int,
+                               dtype: str) -> int | None:
+        """comm_bytes_per_step_estimate at two ranks or more; None where the run counts no comparable figure."""
+
+    # ---- the memory ---------------------------------------------------------------------------------
+    @property
+    def activation_split(self) -> int:
+        """Ranks that split the heads and the FFN width (tp)."""
+        return 1
+
+    def activation_layers(self, spec: ModelSpec) -> int:
+        """Blocks whose activations a rank keeps."""
+        return spec.n_layers
+
+    def activation_bytes(self, w: Workload) -> float:
+        """One micro-batch's saved activations on one rank: per token and layer 7 d in the activation dtype,
+        plus the head- and ffn-split ones (3 d + 3 kv + 2 h T + 4 ffn) / activation_split, plus 2 V fp32 logits
+        (logits and their exponentials). A rough count whose error the calibrated overhead absorbs at the
+        calibration point."""
+        s = w.spec
+        kv = s.n_kv_heads * s.head_dim
+        per_token_layer = (7 * s.dim + (3 * s.dim + 3 * kv + 2 * s.n_heads * w.seq_len + 4 * s.ffn_dim)
+                           / self.activation_split)
+        tokens = w.micro_rows(self.dp_size) * w.seq_len
+        layers = tokens * self.activation_layers(s) * per_token_layer * DTYPE_BYTES[w.dtype]
+        logits = tokens * 2 * s.vocab_size * 4
+        return layers + logits
+
+    def gathered_bytes(self, w: Workload) -> float:
+        """Whole parameters (and gradients) a rank holds beyond its own at the step's peak (fsdp)."""
+        return 0.0
+
+    @property
+    def copies_gradients_for_reduce(self) -> bool:
+        """Whether the gradient reduction copies the gradients (common/costmodel/memory.py REDUCE_FACTOR)."""
+        return False
+
+    def checkpoint_bytes(self, w: Workload, rank: int = 0, checkpoint_format: str = "hf") -> float:
+        """What saving a checkpoint holds beside the rank's state (after a step: its activations are freed).
+        sharded: every rank writes its own arrays, from views of them: nothing. hf: the state streams into the
+        files one tensor at a time (common/checkpoint/store.py HFCheckpointWriter): streamed_checkpoint_bytes."""
+        if checkpoint_format == "sharded" or self.ranks == 1:
+            return 0.0
+        return self.streamed_checkpoint_bytes(w, rank)
+
+    @abstractmethod
+    def streamed_checkpoint_bytes(self, w: Workload, rank: int) -> float:
+        """checkpoint_bytes of the hf format at two ranks or more."""
+
+    # ---- the time -----------------------------------------------------------------------------------
+    def exposed_comm_s(self, cal: Measured, colls: list[Collective], link: Link | None, comm_s: float) -> float:
+        """The communication a step waits for: what the calibration run did not overlap (its measured
+        overlap, else DEFAULT_OVERLAP) of the collectives' `comm_s` over `link`."""
+        overlap = cal.overlap if cal.overlap is not None else DEFAULT_OVERLAP
+        return (1.0 - overlap) * comm_s
+
+    def host_s(self, w: Workload, colls: list[Collective], on_cpu: bool, releases_heap: bool) -> float:
+        """Host work per step beyond the link's time, added to compute (fsdp on a CPU)."""
+        return 0.0

@@ -1,0 +1,117 @@
+"""pp: pipeline parallelism. Each rank holds a contiguous run of blocks (a stage, common/parallel/pipeline.py);
+activations flow down the stages, their gradients back up, micro-batch by micro-batch. Every rank reads the
+whole global batch (no data parallelism beside it), like tp. The framework code: mlx_impl/pp.py, torch_impl/pp.py.
+
+Its cost (common/costmodel/, docs/scaling.md):
+
+    f_work     the slowest stage's share of the FLOPs (its blocks, plus the head on the last; the embedding on
+               the first is a lookup), inflated by the bubble to (M + p - 1) / M slots of one piece each
+               (M pieces per micro-step, --pp-microbatches)
+    f_state    the stage that holds the most: its blocks and the embedding, or the norm and the head
+    traffic    point to point, not a ring: per micro-step and piece each stage boundary carries the piece's
+               activations (rows x T x dim, compute dtype) down and their gradient back up, t_send = a + S / b
+               each (boundaries work side by side)
+    memory     the first stage's blocks' activations, for every piece of a micro-step (as gpipe keeps them)
+    exposed    only the critical path: a piece's slot is its stage compute, or 2 t_send when the link is slower
+               (an activation and a gradient per piece cross every boundary); fill and drain add 2 (p - 1) t_send
+               per micro-step. Nothing else overlaps.
+"""
+from __future__ import annotations
+
+import math
+from typing import ClassVar
+
+from common.costmodel.links import Collective, Link
+from common.costmodel.workload import Workload
+from common.errors import UserError
+from common.model.precision import policy
+from common.model.spec import ModelSpec
+from common.model.weights import parameter_shapes
+from common.parallel.layout import (DTYPE_BYTES, Layout, Measured, largest_tensor_bytes, layer_and_head_flops,
+                                    total_parameters)
+from common.parallel.pipeline import comm_bytes_per_step, stage_layers, stage_of
+
+
+class PpLayout(Layout):
+    name: ClassVar[str] = "pp"
+    reads_whole_batch: ClassVar[bool] = True
+
+    def check(self, spec: ModelSpec) -> None:
+        """One stage per rank, each with at least one transformer block; untied embeddings (a tied matrix would
+        live on the first and the last stage, and its gradient would have to be summed between them)."""
+        super().check(spec)
+        n = self.ranks
+        if n < 2:
+            raise UserError("--strategy pp puts one pipeline stage on each rank and needs at least 2 (--nproc 2); "
+                            "use --strategy ddp for one rank")
+        if spec.n_layers < n:
+            raise UserError(f"--strategy pp over {n} stages needs at least one transformer block per stage, "
+                            f"but model.n_layers = {spec.n_layers} < {n}: use --nproc {spec.n_layers} or fewer, "
+                            f"or --set model.n_layers={n}")
+        if spec.tie_embeddings:
+            raise UserError("--strategy pp does not support tied embeddings (model.tie_embeddings = true): the "
+                            "embedding lives on the first stage and the head on the last, and their shared gradient "
+                            "is not summed between them; use --strategy ddp, fsdp or tp, or untie the embeddings")
+
+    def check_batch(self, global_batch: int, grad_accum: int, pp_microbatches: int) -> None:
+        """Each micro-step's batch (global batch / grad accum) is cut into --pp-microbatches equal pieces."""
+        per_step = global_batch // grad_accum
+        if pp_microbatches <= 0 or per_step % pp_microbatches:
+            raise UserError(f"--pp-microbatches {pp_microbatches} must divide the batch of each micro-step: global "
+                            f"batch size {global_batch} / grad accum {grad_accum} = {per_step} sequences; use a "
+                            f"divisor of {per_step}")
+
+    def local_parameters(self, spec: ModelSpec, framework: str = "torch") -> float:
+        n = self.ranks
+        if n == 1:
+            return total_parameters(spec)
+        shapes = parameter_shapes(spec)
+        return max(sum(math.prod(s) for k, s in shapes.items() if stage_of(k, spec.n_layers, n) == stage)
+                   for stage in range(n))
+
+    def work_fraction(self, w: Workload) -> float:
+        n = self.ranks
+        if n == 1:
+            return 1.0 / n
+        layers, head, total = layer_and_head_flops(w)
+        per_block = layers / w.spec.n_layers
+        slowest = max(len(stage_layers(w.spec.n_layers, n, s)) * per_block + (head if s == n - 1 else 0.0)
+                      for s in range(n))
+        m = w.pp_microbatches
+        return slowest / total * (m + n - 1) / m
+
+    def send_bytes(self, rows: float, seq_len: int, spec: ModelSpec, dtype: str) -> float:
+        """One message across a boundary: the activations (rows, T, dim), or their gradient, in the compute dtype."""
+        return rows * seq_len * spec.dim * DTYPE_BYTES[policy(dtype).compute_dtype]
+
+    def step_collectives(self, w: Workload, reduce_scatter: str) -> list[Collective]:
+        """One boundary's sends per step: each piece's activations down and their gradient up."""
+        piece = self.send_bytes(w.micro_rows(self.dp_size) / w.pp_microbatches, w.seq_len, w.spec, w.dtype)
+        return [Collective("send", int(piece), 2 * w.pp_microbatches * w.grad_accum, "activations and their gradients")]
+
+    def payload_bytes_per_step(self, spec: ModelSpec, micro_batch_size: int, seq_len: int, grad_accum: int,
+                               dtype: str) -> int:
+        # What the run counts: the bytes rank 0 (the first stage) sends, the whole global batch's activations to
+        # the next stage (common/parallel/pipeline.py): one direction of one boundary, so half the payload of
+        # `collectives`, which count the gradients coming back up too.
+        return comm_bytes_per_step(micro_batch_size * grad_accum, seq_len, spec.dim,
+                                   DTYPE_BYTES[policy(dtype).compute_dtype])
+
+    def activation_layers(self, spec: ModelSpec) -> int:
+        return len(stage_layers(spec.n_layers, self.ranks, 0))
+
+    def streamed_checkpoint_bytes(self, w: Workload, rank: int) -> float:
+        # one gathered tensor at a time, and the zeros a rank adds for a tensor of another stage
+        return 2 * largest_tensor_bytes(w.spec)
+
+    def exposed_comm_s(self, cal: Measured, colls: list[Collective], link: Link | None, comm_s: float) -> float:
+        """Its sends overlap other pieces' compute: only the critical path counts (module docstring): per
+        micro-step, fill and drain cross 2 (p - 1) boundaries, and a link slower than a piece's compute stretches
+        every one of the M + p - 1 slots."""
+        if not colls or link is None:
+            return super().exposed_comm_s(cal, colls, link, comm_s)
+        w, n = cal.workload, self.ranks
+        compute_fwd_bwd_s = (cal.forward_s + cal.backward_s) * self.work_fraction(w)
+        send_s, m = link.send_s(colls[0].nbytes, n), w.pp_microbatches
+        slot_s = compute_fwd_bwd_s / (w.grad_accum * (m + n - 1))
+        return w.grad_accum * ((m + n - 1) * max(0.0, 2 * send_s - slot_s) + 2 * (n - 1) * send_s)
