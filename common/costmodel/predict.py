@@ -50,7 +50,7 @@ def predict(cal: Calibration, strategy: str, n: int, link: Link | None, device_m
     colls = lay.collectives(w, reduce_scatter_traffic(w.framework, backend))
     if colls and link is None:
         raise UserError(f"predicting {strategy} at N={n} needs a link (its latency and bandwidth)")
-    comm = sum(c.seconds(link, n) for c in colls)
+    comm = sum(c.seconds(link, n) for c in colls) if link is not None else 0  # no link: no collectives
     exposed = lay.exposed_comm_s(cal, colls, link, comm)
     compute += lay.host_s(w, colls, cal.on_cpu, cal.releases_heap)
     step = compute + exposed
@@ -66,7 +66,7 @@ def predict(cal: Calibration, strategy: str, n: int, link: Link | None, device_m
 
 def bottleneck(p: Prediction, device_memory_bytes: float | None = None) -> str:
     """One sentence naming what limits the step."""
-    if p.fits is False:
+    if p.fits is False and device_memory_bytes is not None:
         return (f"memory: {p.memory_bytes['total'] / 1e9:.2f} GB per rank does not fit in {device_memory_bytes / 1e9:.3g} GB "
                 f"(optimizer state {p.memory_bytes['optimizer'] / 1e9:.2f} GB, activations "
                 f"{p.memory_bytes['activations'] / 1e9:.2f} GB)")

@@ -41,14 +41,19 @@ VOCAB_MATRICES = ("model.embed_tokens.weight", "lm_head.weight")
 
 class Measured(Protocol):
     """What a calibration says of one step (common/costmodel/calibrate.py's Calibration), as far as a strategy's
-    exposed-communication rule reads it."""
-    workload: Workload
-    forward_s: float
-    backward_s: float
-    overlap: float | None
-    sync_overhead_s: float
-    on_cpu: bool
-    releases_heap: bool
+    exposed-communication rule reads it (read-only: a Calibration is frozen)."""
+    @property
+    def workload(self) -> Workload: ...
+    @property
+    def forward_s(self) -> float: ...
+    @property
+    def backward_s(self) -> float: ...
+    @property
+    def overlap(self) -> float | None: ...
+    @property
+    def sync_overhead_s(self) -> float: ...
+    @property
+    def on_cpu(self) -> bool: ...
 
 
 def total_parameters(spec: ModelSpec) -> int:

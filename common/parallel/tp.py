@@ -116,8 +116,8 @@ class TpLayout(Layout):
     def payload_bytes_per_step(self, spec: ModelSpec, micro_batch_size: int, seq_len: int, grad_accum: int,
                                dtype: str) -> int:
         # The collectives' payload, calls x nbytes: 4 x layers x B x T x dim x compute bytes x grad_accum
-        return self.all_reduces_per_step(spec, grad_accum) * self.all_reduce_bytes(micro_batch_size, seq_len, spec,
-                                                                                   dtype)
+        return int(self.all_reduces_per_step(spec, grad_accum) * self.all_reduce_bytes(micro_batch_size, seq_len,
+                                                                                       spec, dtype))
 
     @property
     def activation_split(self) -> int:
