@@ -265,8 +265,10 @@ def verdicts(parity: dict, speed: list[dict], scaling: dict, rows: list[dict], f
     pairs = pair_rows(parity)
     if not lines and not pairs:
         lines.append("Nothing to compare: no run finished")
-    skipped = len(parity["skipped"])
-    headline = f"parity {parity['overall'].upper()}" + (f" ({skipped} run(s) skipped)" if skipped else "")
+    # A pair that cannot be compared is no failure (--strict passes), but a PASS must not hide it.
+    unjudged = [f"{len(parity['skipped'])} run(s) skipped"] if parity["skipped"] else []
+    unjudged += [f"{n} pair(s) not comparable"] if (n := sum(r["verdict"] == "not comparable" for r in pairs)) else []
+    headline = f"parity {parity['overall'].upper()}" + (f" ({'; '.join(unjudged)})" if unjudged else "")
     if any(v["verdict"] == "fail" for v in baseline or []):
         headline += ", BASELINE FAIL"
     return {"all_pass": parity["all_pass"], "parity": parity["overall"], "headline": headline, "pairs": pairs,

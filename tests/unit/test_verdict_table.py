@@ -79,6 +79,7 @@ def test_a_changed_config_is_not_comparable_and_says_what_differs(matrix):
     _, summary = matrix
     rows = [r for r in summary["verdicts"]["pairs"] if "mlx tp bf16 x2" in r["pair"]]
     assert rows and all(r["verdict"] == "not comparable" for r in rows)
+    assert summary["verdicts"]["headline"] == f"parity FAIL ({len(rows)} pair(s) not comparable)"
     first_pass = next(i for i, r in enumerate(summary["verdicts"]["pairs"]) if r["verdict"] == "pass")
     assert all(summary["verdicts"]["pairs"].index(r) < first_pass for r in rows)
     assert any(line.startswith("Strategy, tp: mlx tp bf16 x2 and mlx bf16 x1 are not comparable: their configs "
