@@ -77,11 +77,12 @@ SPEED_HEADERS = ("speed", "runs", "faster", "speedup", "tokens/s median", "p10�
 
 
 def speed_cells(speed: list[dict]) -> tuple[tuple, list[tuple]]:
-    """The speed ratios (findings.speed_table) as a table of their own: one row per pair of runs."""
+    """The speed ratios (findings.speed_table) as a table of their own: one row per pair of runs, its
+    figures in the order faster vs slower."""
     rows = []
     for s in speed:
         d = s.get("phase")
-        phase = "–" if not d else (f"{d['phase']}: {d['slow_ms']:,.1f} vs {d['fast_ms']:,.1f} ms/step"
+        phase = "–" if not d else (f"{d['phase']}: {d['fast_ms']:,.1f} vs {d['slow_ms']:,.1f} ms/step"
                                    + {None: "", True: ", spreads apart", False: ", within spread"}[d["spreads_apart"]])
         rows.append((SPEED_NAMES.get(s.get("kind", "framework"), s.get("kind")), f"{s['a']} vs {s['b']}",
                      s["faster"], f"{s['speedup']:.2f}x",
