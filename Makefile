@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/dpcompare compare --config configs/demo.toml --frameworks mlx,torch --nproc 1,2 --out $(OUT) --overwrite
+	$(BIN)/dpcompare compare --config demo --frameworks mlx,torch --nproc 1,2 --out $(OUT) --overwrite
 
 # Everything, unit first so a broken edit fails in seconds; the integration lane on TEST_WORKERS processes
 # (pytest-xdist; tests/conftest.py sends the readers of a shared run to one worker). 2 pays on 2 cores.

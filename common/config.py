@@ -1,11 +1,12 @@
 """One RunConfig for every run: defaults < TOML file < CLI flags, validated up front.
 
 A TOML file holds the same keys as RunConfig at the top level, plus an optional `[model]` table of
-ModelSpec fields that override the preset:
+ModelSpec fields that override the preset. Its paths are relative to the file's own directory
+(common/paths.py); the flags' paths, to the directory dpcompare was started in:
 
     preset = "small"
-    dataset = "../shared/data/tinystories/train.txt"
-    tokenizer = "../shared/data/gpt2"
+    dataset = "data/tinystories/train.txt"
+    tokenizer = "data/gpt2"
     steps = 200
     [model]
     n_layers = 2
@@ -320,15 +321,20 @@ def check_preset_matches_folder(preset_name: str, directory: str) -> None:
 
 
 def read_toml(path: str) -> dict:
+    """The file's values, with its paths (common/paths.py CONFIG_PATHS) resolved against the file's own
+    directory, as users of such files expect: `dataset = "data/train.txt"` sits beside the config."""
+    from common.paths import resolve_config_paths
+
     try:
         with open(path, "rb") as f:
-            return tomllib.load(f)
+            values = tomllib.load(f)
     except FileNotFoundError:
         raise UserError(f"config file {path} not found") from None
     except tomllib.TOMLDecodeError as err:
         raise UserError(f"config file {path} is not valid TOML: {err}") from None
     except OSError as err:
         raise UserError(f"config file {path} cannot be read: {err.strerror}") from None
+    return resolve_config_paths(values, Path(path).absolute().parent, f" in {path}")
 
 
 def _choice(name: str, value, allowed, where: str = "") -> None:

@@ -15,7 +15,9 @@ from pathlib import Path
 from common.config import RunConfig
 from common.errors import ParityError, UserError
 
-from .flags import add_baseline_flags, add_run_flags, add_tolerance_flags, config_from_args
+from . import __version__
+from .flags import (BASELINE_PATHS, RUN_PATHS, add_baseline_flags, add_run_flags, add_tolerance_flags,
+                    config_from_args, resolve_paths)
 from .launch.watchdog import install_stop_handlers, restore_handlers
 
 
@@ -25,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (kill, timeout, CI, systemd) and SIGHUP (a closed ssh session) stop a job like Ctrl-C does.
     previous = install_stop_handlers()
     try:
+        # Once, here: every path is absolute from now on, whatever directory a child process runs in.
+        resolve_paths(args, Path.cwd())
         return args.handler(args)
     except (UserError, ParityError) as err:
         print(f"dpcompare: error: {err}", file=sys.stderr)
@@ -45,6 +49,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="dpcompare", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"dpcompare {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     doctor = sub.add_parser("doctor", help="what this machine can run: frameworks, devices, backends, BLAS")
@@ -68,24 +73,25 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--global-batch-size", type=int, default=8, help="--fabric: sequences per step")
     doctor.add_argument("--out", help="--fabric: also write the figures as JSON to this file, for `dpcompare plan "
                                       "--fabric FILE`")
-    doctor.set_defaults(handler=cmd_doctor)
+    doctor.set_defaults(handler=cmd_doctor, paths={"hostfile": ("--hostfile", "file"), "out": ("--out", "out_file")})
 
     prepare = sub.add_parser("prepare", help="tokenize a dataset into the shared token cache")
     prepare.add_argument("--dataset", default="builtin")
     prepare.add_argument("--tokenizer", default="builtin")
     prepare.add_argument("--dataset-split", default=None)
     prepare.add_argument("--text-field", default=None)
-    prepare.add_argument("--config", help="TOML config file")
+    prepare.add_argument("--config", help="TOML config file, or a built-in one: demo")
     prepare.add_argument("--out", dest="cache_dir", help="cache directory (default: the user cache)")
     prepare.add_argument("--quiet", action="store_true", default=None)
-    prepare.set_defaults(handler=cmd_prepare)
+    prepare.set_defaults(handler=cmd_prepare, paths={key: RUN_PATHS[key] for key in ("config", "dataset", "tokenizer")}
+                         | {"cache_dir": ("--out", "out_dir")})
 
     run = sub.add_parser("run", help="train one framework at one world size")
     run.add_argument("--framework", help="mlx or torch")
     run.add_argument("--nproc", type=int, help="ranks on this machine")
     add_run_flags(run)
     run.add_argument("--resume", action="store_true", default=None, help="continue from the latest checkpoint")
-    run.set_defaults(handler=cmd_run)
+    run.set_defaults(handler=cmd_run, paths=RUN_PATHS)
 
     compare = sub.add_parser("compare", help="run both frameworks at several world sizes and report")
     compare.add_argument("--frameworks", default="mlx,torch", help="comma list, e.g. mlx,torch")
@@ -100,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_tolerance_flags(compare)
     add_baseline_flags(compare)
     add_run_flags(compare)
-    compare.set_defaults(handler=cmd_compare)
+    compare.set_defaults(handler=cmd_compare, paths={**RUN_PATHS, **BASELINE_PATHS})
 
     report = sub.add_parser(
         "report", help="rebuild the report from existing run directories",
@@ -115,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--strict", action="store_true")
     add_tolerance_flags(report)
     add_baseline_flags(report)
-    report.set_defaults(handler=cmd_report)
+    report.set_defaults(handler=cmd_report, paths={"runs": ("run directory", "dir"), "out": ("--out", "out_dir"),
+                                                   **BASELINE_PATHS})
 
     diagnose = sub.add_parser("diagnose", help="one step of each framework from the same weights: where do "
                                                "they part? (modules, loss, gradients, update)")
@@ -126,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "(default: the latest)")
     diagnose.add_argument("--keep-tensors", action="store_true", help="keep every recorded tensor (.npy)")
     add_run_flags(diagnose)
-    diagnose.set_defaults(handler=cmd_diagnose)
+    diagnose.set_defaults(handler=cmd_diagnose, paths={**RUN_PATHS, "from_run": ("--from", "dir")})
 
     plan = sub.add_parser("plan", help="predict step time, tokens/s and memory per rank at other world sizes, "
                                        "strategies and links, from a measured run (docs/scaling.md)")
@@ -140,12 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--latency-us", type=float, help="the link's one-hop latency, µs (with --link-gbps)")
     plan.add_argument("--device-memory-gb", type=float, help="memory per rank, GB: say whether each plan fits")
     plan.add_argument("--out", help="where plan.json and plan.png go (default RUN_DIR/plan)")
-    plan.set_defaults(handler=cmd_plan)
+    plan.set_defaults(handler=cmd_plan, paths={"from_run": ("--from", "dir"), "fabric": ("--fabric", "file"),
+                                               "out": ("--out", "out_dir")})
 
     export = sub.add_parser("export", help="export a run's latest checkpoint as an HF Llama directory")
     export.add_argument("run_dir")
     export.add_argument("--out", required=True)
-    export.set_defaults(handler=cmd_export)
+    export.set_defaults(handler=cmd_export, paths={"run_dir": ("run directory", "dir"), "out": ("--out", "out_dir")})
     return parser
 
 
@@ -163,8 +171,6 @@ def cmd_doctor(args) -> int:
         print(doctor(measure_peak=True) + "\n")
     if args.nproc < 2 or args.max_mb <= 0 or args.time_budget_s <= 0 or args.max_calls <= 0:
         raise UserError("doctor --fabric needs --nproc >= 2 and a positive --max-mb, --time-budget-s and --max-calls")
-    if args.hostfile and not Path(args.hostfile).is_file():
-        raise UserError(f"hostfile {args.hostfile} not found")
     if args.out and not Path(args.out).resolve().parent.is_dir():  # refused now, not after the measurement
         raise UserError(f"--out {args.out}: directory {Path(args.out).resolve().parent} not found")
     workload = Workload(args.preset, args.seq_len, args.global_batch_size)
@@ -202,7 +208,7 @@ def cmd_run(args) -> int:
     from .launch.runner import launch, prepare_inputs
 
     cfg = config_from_args(args)
-    run_dir = Path(cfg.out or default_out(cfg))
+    run_dir = Path(cfg.out or args.start_dir / default_out(cfg))
     from .machine.backends import check_available
     from .launch.netns import check_can_emulate
     from .launch.runner import check_hostfile, check_run_dir
@@ -266,7 +272,7 @@ def cmd_diagnose(args) -> int:
         raise UserError("--step needs --from RUN_DIR")
     base = run_config(Path(args.from_run)).to_dict() if args.from_run else None
     cfg = config_from_args(args, base=base, framework=frameworks[0], nproc=1, strategy="ddp")  # one process each
-    out = Path(args.out or (Path(args.from_run) / "diagnosis" if args.from_run else "runs/diagnose"))
+    out = Path(args.out or (Path(args.from_run) / "diagnosis" if args.from_run else args.start_dir / "runs/diagnose"))
     try:
         result = diagnose(cfg, out, from_run=args.from_run, step=args.step, frameworks=frameworks,
                           keep_tensors=args.keep_tensors)

@@ -6,9 +6,11 @@ imports the other.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from common.config import RunConfig, check_preset_matches_folder, read_toml
 from common.errors import UserError
+from common.paths import CONFIG_PATHS, resolve
 
 # Flags shared by `run` and `compare`, each mapped onto the RunConfig field of the same name.
 RUN_FLAGS = [
@@ -62,8 +64,51 @@ RUN_FLAGS = [
 
 
 
+# The path-valued flags of `run`, `compare` and `diagnose`: dest -> (flag, kind of path, common/paths.py).
+RUN_PATHS = {"config": ("--config", "config"), "out": ("--out", "out_dir"),
+             **{key: ("--" + key.replace("_", "-"), kind) for key, kind in CONFIG_PATHS.items() if key != "out"}}
+BASELINE_PATHS = {"against": ("--against", "file"), "save_baseline": ("--save-baseline", "out_file")}
+# Configs that ship inside the package: `--config demo` from any directory, installed or not.
+BUILTIN_CONFIGS = Path(__file__).resolve().parent / "configs"
+
+
+def resolve_paths(args: argparse.Namespace, start_dir: Path) -> None:
+    """Every path the command was given, made absolute against `start_dir` (where dpcompare was started)
+    and checked, in place: the command's `paths` ({dest: (flag, kind)}, set on its parser) and the path
+    fields of --set. Defaults the commands choose later resolve against `args.start_dir`."""
+    args.start_dir = start_dir
+    for dest, (flag, kind) in getattr(args, "paths", {}).items():
+        value = getattr(args, dest, None)
+        if value is None:
+            continue
+        if kind == "config":
+            setattr(args, dest, resolve_config_file(value, start_dir))
+        elif isinstance(value, list):  # positional run directories
+            setattr(args, dest, [resolve(v, start_dir, kind, flag) for v in value])
+        else:
+            setattr(args, dest, resolve(value, start_dir, kind, flag))
+    for i, item in enumerate(getattr(args, "set", None) or []):
+        key, sep, value = item.partition("=")
+        if sep and key in CONFIG_PATHS:
+            args.set[i] = f"{key}={resolve(value, start_dir, CONFIG_PATHS[key], f'--set {key}')}"
+
+
+def resolve_config_file(typed: str, start_dir: Path) -> str:
+    """--config FILE.toml, or the name of a config that ships with dpcompare (`--config demo`)."""
+    builtin = BUILTIN_CONFIGS / f"{typed}.toml"
+    if not Path(start_dir, typed).exists() and "/" not in typed and not typed.endswith(".toml") \
+            and builtin.is_file():
+        return str(builtin)
+    try:
+        return resolve(typed, start_dir, "file", "--config")
+    except UserError as err:
+        names = ", ".join(sorted(p.stem for p in BUILTIN_CONFIGS.glob("*.toml")))
+        raise UserError(f"{err}; built-in configs: {names or 'none'}") from None
+
+
 def add_run_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="TOML config file (flags override it)")
+    parser.add_argument("--config", help="TOML config file (flags override it; its paths are relative to it), "
+                                         "or a built-in one: demo")
     for flag, kind, text in RUN_FLAGS:
         if kind is None:  # an on/off switch
             parser.add_argument(flag, action="store_true", default=None, help=text)
@@ -110,13 +155,12 @@ def config_from_args(args, base: dict | None = None, **fixed) -> RunConfig:
             overrides[key] = value
     overrides.update({k: v for k, v in fixed.items() if v is not None})
     # --init-from takes the model from its folder: a preset named too (flag or TOML) must agree with it.
-    toml_values = read_toml(args.config) if getattr(args, "config", None) else {}
-    named_preset = overrides.get("preset") or toml_values.get("preset")
-    init_from = overrides.get("init_from") or toml_values.get("init_from") or (base or {}).get("init_from")
+    toml = read_toml(args.config) if getattr(args, "config", None) else {}
+    named_preset = overrides.get("preset") or toml.get("preset")
+    init_from = overrides.get("init_from") or toml.get("init_from") or (base or {}).get("init_from")
     if named_preset and init_from:
         check_preset_matches_folder(named_preset, init_from)
     if base is not None:
-        toml = read_toml(args.config) if getattr(args, "config", None) else {}
         values = {**base, **toml, **overrides}
         values["model"] = {**base.get("model", {}), **toml.get("model", {}), **overrides.get("model", {})}
         return RunConfig.from_dict(values)

@@ -52,7 +52,7 @@ def run_matrix(args) -> int:
     # The backend flag names one framework's backend; `auto` lets each framework pick its own.
     base = config_from_args(args, framework=frameworks[0], nproc=max(world_sizes), strategy="ddp",
                             dtype="float32")
-    out = Path(base.out or "runs/compare")
+    out = Path(base.out or args.start_dir / "runs/compare")
     check_run_dir_for_compare(out, base.overwrite)
     configs, left_out = expand_matrix(base, frameworks, strategies, dtypes, world_sizes, out)
     for reason in left_out:
@@ -228,6 +228,6 @@ def rebuild_report(args) -> int:
         given = Path(args.runs[0])
         out = given / "report" if (given / "run_config.json").exists() else given
     else:
-        out = Path("runs/report")
+        out = args.start_dir / "runs/report"
     out.mkdir(parents=True, exist_ok=True)
     return finish(run_dirs, out, args, {"command": "dpcompare " + shlex.join(sys.argv[1:])}, failed=[])

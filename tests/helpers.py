@@ -18,20 +18,24 @@ FAST = ["--preset", "tiny", "--seq-len", "32", "--global-batch-size", "8", "--wa
         "--profile-steps", "2"]
 
 
-def dpcompare(*args, cache_dir: Path, timeout: float = 300, env: dict | None = None, check: bool = True):
+def dpcompare(*args, cache_dir: Path, timeout: float = 300, env: dict | None = None, check: bool = True,
+              cwd: Path = ROOT):
+    """`dpcompare ARGS` started in `cwd` (the checkout unless a test says otherwise)."""
     cmd = [sys.executable, "-m", "compare.cli", *map(str, args)]
     full_env = {**os.environ, "DPCOMPARE_CACHE": str(cache_dir), **(env or {})}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=full_env)
+    if cwd != ROOT:  # `python -m` looks in cwd first; the project must still be found, from anywhere
+        full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), full_env.get("PYTHONPATH")]))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=full_env)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-                             + _log_tail(args))
+                             + _log_tail(args, cwd))
     return proc
 
 
-def _log_tail(args) -> str:
+def _log_tail(args, cwd: Path = ROOT) -> str:
     args = list(map(str, args))
     if "--out" in args:
-        log = Path(args[args.index("--out") + 1]) / "log.txt"
+        log = Path(cwd, args[args.index("--out") + 1]) / "log.txt"
         if log.exists():
             return "\nlog.txt:\n" + log.read_text()[-3000:]
     return ""

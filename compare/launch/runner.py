@@ -122,7 +122,7 @@ def check_resumable(cfg: RunConfig, inputs: Inputs, run_dir: Path) -> None:
 
 def launch(cfg: RunConfig, inputs: Inputs, run_dir: Path) -> dict:
     """Run every rank to the end (or to the first failure) and return the summary written to disk."""
-    run_dir = Path(run_dir)
+    run_dir = Path(run_dir).absolute()  # the ranks run in the project's directory (cwd below), not the caller's
     check_run_dir(run_dir, cfg.resume, cfg.overwrite)
     check_hostfile(cfg)
     cfg = with_hostfile_backend(cfg)  # an MLX hostfile's "backend" applies unless --backend says otherwise

@@ -12,9 +12,9 @@ from common.metrics import throughput_stats
 from .mfu import PeakFinder
 from .labels import run_parts
 from .parity import RunData, run_verdict
+from .verdict_table import failure_lines, pair_rows
 
 MB = 1e6
-NOISE_NOTE = "the p10–p90 ranges overlap: within step-to-step noise"
 TIMING_NOTE = ("step timers stop only after the framework finished the step's work (mx.eval / .item() on "
                "the loss), so lazy or asynchronous execution is not under-counted")
 
@@ -141,28 +141,36 @@ def speed_table(rows: list[dict]) -> list[dict]:
                 add("dtype", r, ref)
     by_label = {r["label"]: r for r in done}
     for entry in table:
-        entry["phase_gap"] = phase_gap(by_label[entry["faster_label"]], by_label[entry["slower_label"]])
+        fast, slow = by_label[entry["faster_label"]], by_label[entry["slower_label"]]
+        entry["phase_gap"], entry["phase"] = phase_gap(fast, slow), phase_difference(fast, slow)
     return table
 
 
 BREAKDOWN_PHASES = ("data", "forward", "backward", "communication", "optimizer", "other")
 
 
-def phase_gap(fast: dict, slow: dict) -> str | None:
-    """The phase of the step breakdown whose time differs most between two runs, as a sentence."""
+def phase_difference(fast: dict, slow: dict) -> dict | None:
+    """The phase of the step breakdown whose time differs most between two runs: {phase, fast_ms, slow_ms,
+    spreads_apart}, the last None without spreads, else whether their p10-p90 over the profile rounds
+    (common/train/breakdown.py) do not overlap."""
     a, b = fast.get("breakdown"), slow.get("breakdown")
     if not a or not b:
         return None
     phase = max(BREAKDOWN_PHASES, key=lambda p: abs((b.get(p) or 0) - (a.get(p) or 0)))
-    fa, fb = (a.get(phase) or 0) * 1e3, (b.get(phase) or 0) * 1e3
     sa, sb = (a.get("spread") or {}).get(phase), (b.get("spread") or {}).get(phase)
-    real = ""
-    if sa and sb:  # p10-p90 over the profile rounds (common/train/breakdown.py)
-        apart = sa[1] < sb[0] or sb[1] < sa[0]
-        real = ("; their p10–p90 spreads do not overlap" if apart else
-                "; within the spread of the profile rounds, so not a clear difference")
-    return (f"the phase that differs most is {phase} ({fb:,.1f} ms in {slow['label']} vs {fa:,.1f} ms in "
-            f"{fast['label']} per step{real})")
+    return {"phase": phase, "fast_ms": (a.get(phase) or 0) * 1e3, "slow_ms": (b.get(phase) or 0) * 1e3,
+            "spreads_apart": (sa[1] < sb[0] or sb[1] < sa[0]) if sa and sb else None}
+
+
+def phase_gap(fast: dict, slow: dict) -> str | None:
+    """phase_difference as a sentence."""
+    d = phase_difference(fast, slow)
+    if d is None:
+        return None
+    real = {None: "", True: "; their p10–p90 spreads do not overlap",
+            False: "; within the spread of the profile rounds, so not a clear difference"}[d["spreads_apart"]]
+    return (f"the phase that differs most is {d['phase']} ({d['slow_ms']:,.1f} ms in {slow['label']} vs "
+            f"{d['fast_ms']:,.1f} ms in {fast['label']} per step{real})")
 
 
 def rerun_command(cfg: dict, framework: str, world_size: int) -> str:
@@ -234,28 +242,14 @@ def environment_info(runs: list[RunData], rows: list[dict], peaks: PeakFinder) -
 
 def verdicts(parity: dict, speed: list[dict], scaling: dict, rows: list[dict], fairness: dict,
              baseline: list[dict] | None = None) -> dict:
+    """The headline; the judged pairs as table rows and a sentence for each that did not pass
+    (compare/report/verdict_table.py; the speed ratios are a table of their own there, from `speed`); then
+    scaling, memory, baseline and skipped runs as lines."""
     lines = []
     frameworks = {r["framework"] for r in rows}
     if len(frameworks) > 1 and not parity["cross_framework"]:
         lines.append("Parity, " + " vs ".join(sorted(frameworks)) + ": not judged, no world size has a finished "
                      "run of more than one framework")
-    for pair in parity["cross_framework"]:
-        lines.append(f"Parity, N={pair['world_size'][0]}: " + pair_sentence(pair))
-        if pair.get("diagnosis"):
-            lines.append(f"Diagnosis, {pair['a']} vs {pair['b']}: {pair['diagnosis']['finding']}")
-    for pair in parity["dp_invariance"]:
-        lines.append("DP invariance: " + pair_sentence(pair))
-    for pair in parity.get("strategy", []):
-        lines.append(f"Strategy, {pair['strategy'][0]}: " + pair_sentence(pair))
-    for pair in parity.get("precision", []):
-        lines.append("Precision: " + pair_sentence(pair))
-    for s in speed:
-        what = {"framework": "Speed", "strategy": "Cost of the strategy", "dtype": "Cost of bf16"}[s.get("kind", "framework")]
-        where = f"N={s['world_size']}" + (f", {s['setting']}" if s.get("setting") else "")
-        lines.append(f"{what}, {where}: {s['faster']} is {s['speedup']:.2f}x faster than {s['slower']} "
-                     f"({s['faster_tokens_per_s']:,.0f} vs {s['slower_tokens_per_s']:,.0f} tokens/s median)"
-                     + (f"; {NOISE_NOTE}" if s["within_noise"] else "")
-                     + (f"; {s['phase_gap']}" if s.get("phase_gap") else ""))
     for group, points in scaling.items():
         scaled = [p for p in points if p["world_size"] > 1 and p["efficiency"] is not None]
         if scaled:
@@ -268,14 +262,17 @@ def verdicts(parity: dict, speed: list[dict], scaling: dict, rows: list[dict], f
     for row in rows:
         if not row["ok"]:
             lines.append(f"Skipped, {row['label']}: {row['problem']}")
-    if not lines:
+    pairs = pair_rows(parity)
+    if not lines and not pairs:
         lines.append("Nothing to compare: no run finished")
-    skipped = len(parity["skipped"])
-    headline = f"parity {parity['overall'].upper()}" + (f" ({skipped} run(s) skipped)" if skipped else "")
+    # A pair that cannot be compared is no failure (--strict passes), but a PASS must not hide it.
+    unjudged = [f"{len(parity['skipped'])} run(s) skipped"] if parity["skipped"] else []
+    unjudged += [f"{n} pair(s) not comparable"] if (n := sum(r["verdict"] == "not comparable" for r in pairs)) else []
+    headline = f"parity {parity['overall'].upper()}" + (f" ({'; '.join(unjudged)})" if unjudged else "")
     if any(v["verdict"] == "fail" for v in baseline or []):
         headline += ", BASELINE FAIL"
-    return {"all_pass": parity["all_pass"], "parity": parity["overall"], "headline": headline, "lines": lines,
-            "warnings": fairness["warnings"]}
+    return {"all_pass": parity["all_pass"], "parity": parity["overall"], "headline": headline, "pairs": pairs,
+            "failures": failure_lines(parity), "lines": lines, "warnings": fairness["warnings"]}
 
 
 def state_total_mb(row: dict) -> float | None:
@@ -300,44 +297,3 @@ def memory_lines(rows: list[dict]) -> list[str]:
         lines.append(f"Memory, {row['label']}: parameters + gradients + optimizer state {mine:,.1f} MB per rank, "
                      f"{mine / theirs:.2f}x {ref['label']}'s {theirs:,.1f} MB")
     return lines
-
-
-def pair_sentence(pair: dict) -> str:
-    a, b = pair["a"], pair["b"]
-    if pair["verdict"] == "not comparable":
-        diffs = ", ".join(f"{k} ({va!r} vs {vb!r})" for k, (va, vb) in list(pair["differences"].items())[:4])
-        return f"{a} and {b} are not comparable: their configs differ in {diffs}"
-    if pair["verdict"] == "no data":
-        return f"{a} vs {b}: no common steps to compare"
-    checks = pair["checks"]
-    step = checks.get("per_step", {"verdict": "no data"})
-    verb = {"pass": "matches", "fail": "does NOT match"}[pair["verdict"]]
-    if pair.get("kind") == "precision":
-        verb = {"pass": "stays close to", "fail": "departs from"}[pair["verdict"]]
-    text = f"{a} {verb} {b}"
-    if step["verdict"] == "no data" and "curve" in checks:
-        text += ":"
-    elif step.get("relative"):
-        text += (f": max relative |Δloss| {rel_pct(step['max_rel_diff'])} over the first {step['steps_compared']} "
-                 f"steps (tolerance {100 * step['tolerance']:g}%{', FAIL' if step['verdict'] == 'fail' else ''})")
-    elif step["verdict"] != "no data":
-        text += (f": max |Δloss| {step['max_abs_diff']:.2e} over the first {step['steps_compared']} steps "
-                 f"(tolerance {step['tolerance']:g}{', FAIL' if step['verdict'] == 'fail' else ''})")
-    if "curve" in checks:
-        c = checks["curve"]
-        text += (f"{';' if not text.endswith(':') else ''} moving averages within {rel_pct(c['max_rel_diff'])} over {c['steps_compared']} steps "
-                 f"(tolerance {100 * c['tolerance']:g}%{', FAIL' if c['verdict'] == 'fail' else ''})")
-    if checks.get("eval", {}).get("verdict") in ("pass", "fail"):
-        e = checks["eval"]
-        text += (f"; eval loss within {rel_pct(e['max_rel_diff'])} "
-                 f"(tolerance {100 * e['tolerance']:g}%{', FAIL' if e['verdict'] == 'fail' else ''})")
-    return text
-
-
-def rel_pct(value) -> str:
-    """Relative differences as percentages, readable from exact zero up to whole percent."""
-    if value is None:
-        return "–"
-    if value == 0:
-        return "0%"
-    return "<0.001%" if value < 1e-5 else f"{100 * value:.3g}%"

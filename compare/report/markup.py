@@ -1,6 +1,6 @@
 """A report's blocks (compare/report/render.py) written out as markdown and as one self-contained HTML
 page (images inlined), from the same list, so the two never disagree. A block is a tuple whose first item
-names its kind: h1, h2, p, verdict, ul, table, figs, pre.
+names its kind: h1, h2, p, verdict (its headline, the judged pairs as a table, sentences), ul, table, figs, pre.
 """
 from __future__ import annotations
 
@@ -19,22 +19,33 @@ def to_markdown(blocks: list[tuple]) -> str:
             out.append(f"## {block[1]}")
         elif kind == "p":
             out.append(block[1])
-        elif kind == "verdict":
-            out.append(f"## Verdict: {block[2]}")
-            out.append("\n".join("- **{}:**{}".format(*line.split(":", 1)) for line in block[3]) +
-                       "".join(f"\n- **Warning:** {w}" for w in block[4]))
+        elif kind == "verdict":  # headline, its tables (pairs, speed), failures' sentences, lines, warnings
+            _, _, headline, tables, failures, lines, warnings = block
+            out.append(f"## Verdict: {headline}")
+            bullets = lambda items: "\n".join("- **{}:**{}".format(*line.split(":", 1)) for line in items)  # noqa: E731
+            if tables:
+                out.append(markdown_table(*tables[0]))
+            if failures:
+                out.append(bullets(failures))
+            out += [markdown_table(*table) for table in tables[1:]]
+            if lines or warnings:
+                out.append(bullets(lines) + "".join(f"\n- **Warning:** {w}" for w in warnings))
         elif kind == "ul":
             out.append("\n".join(f"- {item}" for item in block[1]))
         elif kind == "table":
-            cell = lambda x: str(x).replace("|", "\\|").replace("\n", " ")  # noqa: E731
-            rows = [" | ".join(cell(c) for c in block[1]), " | ".join("---" for _ in block[1])]
-            rows += [" | ".join(cell(c) for c in row) for row in block[2]]
-            out.append("\n".join(f"| {r} |" for r in rows))
+            out.append(markdown_table(block[1], block[2]))
         elif kind == "figs":
             out += [f"### {title}\n\n![{title}]({path})" for title, path, _ in block[1]]
         elif kind == "pre":
             out.append(f"```sh\n{block[1]}\n```")
     return "\n\n".join(out) + "\n"
+
+
+def markdown_table(headers: tuple, rows: list[tuple]) -> str:
+    cell = lambda x: str(x).replace("|", "\\|").replace("\n", " ")  # noqa: E731
+    lines = [" | ".join(cell(c) for c in headers), " | ".join("---" for _ in headers)]
+    lines += [" | ".join(cell(c) for c in row) for row in rows]
+    return "\n".join(f"| {line} |" for line in lines)
 
 
 CSS = """
@@ -47,7 +58,7 @@ h3 { margin: 1.2em 0 .4em; font-size: 1.05em; color: #444; }
 .verdict.pass { background: #eef8f0; border-color: #5cb270; } .verdict.fail { background: #fdeeee; border-color: #d9534f; }
 .verdict.other { background: #f4f4f6; border-color: #aaa; }
 .verdict h2 { border: none; margin: 0 0 .3em; } .verdict ul { margin: .2em 0; padding-left: 1.2em; }
-.warn { color: #8a5a00; }
+.warn { color: #8a5a00; } li.failure { color: #8b1c24; }
 .scroll { overflow-x: auto; }
 table { border-collapse: collapse; font-size: 13px; margin: .6em 0; }
 th, td { border: 1px solid #ddd; padding: 4px 8px; text-align: left; vertical-align: top; }
@@ -90,19 +101,22 @@ def to_html(blocks: list[tuple], out_dir: Path) -> str:
             body.append(f'<p class="{"meta" if block[1].startswith("Report created") else ""}">'
                         f"{html.escape(block[1])}</p>")
         elif kind == "verdict":
-            cls = block[1] if block[1] in ("pass", "fail") else "other"
-            items = "".join("<li><b>{}:</b>{}</li>".format(*map(html.escape, line.split(":", 1)))
-                            for line in block[3])
-            items += "".join(f'<li class="warn"><b>Warning:</b> {html.escape(w)}</li>' for w in block[4])
-            headline = html.escape(block[2]).replace(block[1].upper(), badge(block[1].upper()), 1)
-            body.append(f'<div class="verdict {cls}"><h2>Verdict: {headline}</h2><ul>{items}</ul></div>')
+            _, verdict, headline, tables, failures, lines, warnings = block
+            cls = verdict if verdict in ("pass", "fail") else "other"
+            item = lambda line, css="": "<li{}><b>{}:</b>{}</li>".format(  # noqa: E731
+                css, *map(html.escape, line.split(":", 1)))
+            failed = "".join(item(line, ' class="failure"') for line in failures)
+            items = "".join(item(line) for line in lines)
+            items += "".join(f'<li class="warn"><b>Warning:</b> {html.escape(w)}</li>' for w in warnings)
+            headline = html.escape(headline).replace(verdict.upper(), badge(verdict.upper()), 1)
+            body.append(f'<div class="verdict {cls}"><h2>Verdict: {headline}</h2>'
+                        + (html_table(*tables[0]) if tables else "") + (f"<ul>{failed}</ul>" if failed else "")
+                        + "".join(html_table(*table) for table in tables[1:])
+                        + (f"<ul>{items}</ul>" if items else "") + "</div>")
         elif kind == "ul":
             body.append("<ul>" + "".join(f"<li>{html.escape(item)}</li>" for item in block[1]) + "</ul>")
         elif kind == "table":
-            head = "".join(f"<th>{html.escape(str(h))}</th>" for h in block[1])
-            rows = "".join("<tr>" + "".join(html_cell(c) for c in row) + "</tr>" for row in block[2])
-            body.append(f'<div class="scroll"><table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody>'
-                        "</table></div>")
+            body.append(html_table(block[1], block[2]))
         elif kind == "figs":
             figures = []
             for title, path, wide in block[1]:
@@ -116,6 +130,12 @@ def to_html(blocks: list[tuple], out_dir: Path) -> str:
             "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
             f"<title>dpcompare report</title><style>{CSS}</style></head>\n<body>\n"
             + "\n".join(body) + f"\n<script>{IMAGE_CHECK}</script>\n</body></html>\n")
+
+
+def html_table(headers: tuple, rows: list[tuple]) -> str:
+    head = "".join(f"<th>{html.escape(str(h))}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(html_cell(c) for c in row) + "</tr>" for row in rows)
+    return f'<div class="scroll"><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>'
 
 
 VERDICT_WORDS = ("ok", "failed", "pass", "fail", "skipped", "not comparable", "no data", "incomplete")

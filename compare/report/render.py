@@ -1,34 +1,12 @@
 """What the report says, as blocks (headings, paragraphs, tables, images) built from its numbers
-(compare/report/findings.py), and the terminal table. markup.py writes the blocks as markdown and HTML.
+(compare/report/findings.py). markup.py writes the blocks as markdown and HTML; terminal.py prints the end
+of `dpcompare compare`.
 """
 from __future__ import annotations
 
-from .findings import BREAKDOWN_PHASES, MB, rel_pct
+from .findings import BREAKDOWN_PHASES, MB
 from .parity import all_pairs
-
-PAIR_NAMES = {"cross_framework": "MLX vs torch", "dp_invariance": "N ranks vs 1", "strategy": "strategy vs ddp",
-              "precision": "bf16 vs fp32"}
-
-
-def terminal_table(summary: dict) -> str:
-    """Fixed-width table for the end of `dpcompare compare`, then the verdict lines."""
-    header = ("run", "N", "status", "final loss", "tokens/s", "scaling", "RSS/rank MB", "parity")
-    body = []
-    for r in summary["runs"]:
-        rss = [m for m in r.get("peak_rss_mb") or [] if m is not None]
-        body.append((r["label"], str(r["world_size"]), r["status"], fmt(r.get("final_loss"), ".4f"),
-                     fmt(r.get("tokens_per_s"), ",.0f"), pct(r.get("scaling_efficiency"), ".0f"),
-                     fmt(max(rss) if rss else None, ",.0f"), r.get("parity", "-")))
-    widths = [max(len(row[i]) for row in [header] + body) for i in range(len(header))]
-    right = {1, 3, 4, 5, 6}
-    lines = ["  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
-             for row in [header] + body]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    v = summary["verdicts"]
-    lines += ["", f"verdict: {v['headline']}"] + [f"- {line}" for line in v["lines"]]
-    lines += [f"! {w}" for w in v.get("warnings", [])]
-    return "\n".join(lines)
-
+from .verdict_table import verdict_tables
 
 
 def fmt(value, spec: str = ".4g", missing: str = "–") -> str:
@@ -60,7 +38,8 @@ def report_blocks(s: dict) -> list[tuple]:
               ("p", f"Report created {s['created']} from {len(s['runs'])} run(s)."
                     + "".join(f" Started from the checkpoint {c['path']} (model.safetensors sha256 "
                               f"{c['weights_sha256'][:16]}...)." for c in s.get("init_from") or [])),
-              ("verdict", v["parity"], v["headline"], v["lines"], v["warnings"])]
+              ("verdict", v["parity"], v["headline"], verdict_tables(s), v.get("failures", []), v["lines"],
+               v["warnings"])]
     blocks += [("h2", "Runs"), ("table", RUN_HEADERS, [run_cells(r) for r in s["runs"]])]
     blocks += parity_blocks(s["parity"])
     blocks += breakdown_blocks(s["runs"])
@@ -158,27 +137,8 @@ def parity_blocks(p: dict) -> list[tuple]:
                             "train in bf16 and neither is broken; that both round at the same points is checked "
                             "module by module by tests/unit/test_bf16.py (bf16 logits within one bf16 ulp), not "
                             "by this verdict (docs/precision.md)."))
-    headers = ("pair", "kind", "per-step max Δ (steps)", "at step", "curve max rel. Δ", "eval max rel. Δ",
-               "verdict")
-    table = []
-    for pair in all_pairs(p):
-        name, kind = f"{pair['a']} vs {pair['b']}", PAIR_NAMES.get(pair.get("kind"), pair.get("kind", ""))
-        if not pair["comparable"]:
-            diffs = "; ".join(f"{k}: {va!r} vs {vb!r}" for k, (va, vb) in pair["differences"].items())
-            table.append((name, kind, f"not comparable — {diffs}", "", "", "", pair["verdict"]))
-            continue
-        c = pair["checks"]
-        step, curve, ev = c.get("per_step", {}), c.get("curve", {}), c.get("eval", {})
-        if step.get("relative"):
-            per_step = f"{rel_pct(step.get('max_rel_diff'))} ({step.get('steps_compared', 0)})"
-        elif step:
-            per_step = f"{fmt(step.get('max_abs_diff'), '.2e')} ({step.get('steps_compared', 0)})"
-        else:
-            per_step = "–"
-        table.append((name, kind, per_step, fmt(step.get("at_step"), "d"), rel_pct(curve.get("max_rel_diff")),
-                      rel_pct(ev.get("max_rel_diff")), pair["verdict"]))
-    if table:
-        blocks.append(("table", headers, table))
+    if all_pairs(p):
+        blocks.append(("p", "Every judged pair, with its numbers, is in the verdict table at the top."))
     else:
         blocks.append(("p", "No pairs to compare: parity needs both frameworks at one world size, N>1 "
                             "and N=1 of one framework, a strategy and its ddp run, or bf16 and fp32 runs."))

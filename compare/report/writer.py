@@ -28,7 +28,8 @@ from .markup import to_html, to_markdown
 from .mfu import PeakFinder
 from .parity import Tolerances, judge, load_run
 from .plots import make_plots
-from .render import report_blocks, terminal_table
+from .render import report_blocks
+from .terminal import terminal_table
 from .samples import samples_summary
 
 __all__ = ["write_report", "terminal_table"]

@@ -72,7 +72,7 @@ def test_float32_and_bfloat16_share_a_report_and_a_failed_float32_verdict_brings
     assert pair["verdict"] == "fail" and pair["diagnosis"]["finding"].startswith("diagnosis (step 1")
     assert "diagnosis" not in cross["mlx bf16 x1"]  # only failed pairs are diagnosed
     assert (out / "diagnosis").is_dir()
-    assert any(line.startswith("Diagnosis, mlx x1 vs torch x1:") for line in summary["verdicts"]["lines"])
+    assert any(line.startswith("Diagnosis, mlx x1 vs torch x1:") for line in summary["verdicts"]["failures"])
     assert "Diagnosis" in stdout
     samples = summary["samples"]["by_run"]
     assert {"mlx x1", "torch x1"} <= set(samples) and all(s.get("tokens") for s in samples.values())

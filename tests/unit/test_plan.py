@@ -74,9 +74,9 @@ def bad_inputs(cmp_dir):
     (cmp_dir / "notjson.json").write_text("{")
     (cmp_dir / "summary.json").write_text(json.dumps({"runs": [], "verdicts": {}}))  # compare's own summary
     return [
-        (["plan", "--from", str(cmp_dir / "missing")], "not found"),
+        (["plan", "--from", str(cmp_dir / "missing")], "does not exist"),
         (["plan", "--from", str(cmp_dir)], "is a comparison, not a run: pass one of its runs"),
-        (["plan", "--from", str(cmp_dir / "mlx-n1" / "summary.json")], "is not a directory"),
+        (["plan", "--from", str(cmp_dir / "mlx-n1" / "summary.json")], "is a file, not a directory"),
         (["plan", "--from", str(broken)], "no time breakdown"),
         (["plan", "--from", run, "--strategies", "ddp,zero"], "unknown strategy 'zero'"),
         (["plan", "--from", run, "--nproc", "2,0"], "positive whole numbers"),
@@ -88,7 +88,8 @@ def bad_inputs(cmp_dir):
         (["plan", "--from", run, "--link-gbps", "ten", "--latency-us", "3"], "invalid float value"),
         (["plan", "--from", run, "--device-memory-gb", "0"], "--device-memory-gb must be a positive"),
         (["plan", "--from", run, "--fabric", str(cmp_dir / "notjson.json")], "not a file written by"),
-        (["plan", "--from", run, "--fabric", "x.json", "--link-gbps", "1", "--latency-us", "1"], "not both"),
+        (["plan", "--from", run, "--fabric", str(cmp_dir / "notjson.json"), "--link-gbps", "1", "--latency-us", "1"],
+         "not both"),
         (["plan"], "--from"),
     ]
 

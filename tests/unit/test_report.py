@@ -71,8 +71,8 @@ def test_markdown_opens_with_the_verdict(report):
     verdict = text.index("## Verdict")
     assert verdict < text.index("## Runs")
     head = text[verdict:text.index("## Runs")]
-    assert "mlx x1 matches torch x1" in head and "2.00e-06" in head and "tolerance 0.0001" in head
-    assert "torch is 1.2" in head and "faster than mlx" in head
+    assert "| pass | MLX vs torch | mlx x1 vs torch x1 | 2.00e-06 ≤ 0.0001 |" in head
+    assert "| MLX vs torch | mlx x1 vs torch x1 | torch | 1.2" in head  # the speed table
     assert "89% efficiency" in head
     assert "rank 1 died at step 7" in head  # the failed run and its error
     assert "dpcompare compare --nproc 1,2" in text and "python -m torch_impl.launch" in text

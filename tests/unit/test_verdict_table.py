@@ -1,0 +1,119 @@
+"""The verdict of a large matrix reads as a table: one line per judged pair, failures first, and the sentence
+of each failure after the table; speed ratios in a table of their own. Run directories are synthetic but
+written with the real schema (test_parity.make_run): the report reads what real runs leave."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from compare.report.parity import PAIR_KINDS, Tolerances
+from compare.report.verdict_table import check_cell, rel_pct
+from compare.report.writer import terminal_table, write_report
+from unit.test_parity import make_run, reference_losses
+
+CONTEXT = {"peaks": {}, "accelerator": None}
+
+
+def faster_lr(factor: float) -> list[float]:
+    """The curve of a run whose learning rate is `factor` x the others': it falls faster from step 2 on."""
+    base = reference_losses()
+    return [base[0]] + [x - (factor - 1) * 0.05 * min(s, 10) for s, x in enumerate(base[1:], start=1)]
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory):
+    """`compare --strategies ddp,fsdp,tp,pp --dtypes float32,bfloat16 --nproc 1,2`: 20 runs (non-ddp
+    strategies need 2 ranks), torch fsdp x2 with a planted learning rate that its config does not show, and
+    mlx tp bf16 x2 with one that it does (so it cannot be compared)."""
+    root = tmp_path_factory.mktemp("matrix")
+    dirs = []
+    for fw in ("mlx", "torch"):
+        for dtype in ("float32", "bfloat16"):
+            for strategy in ("ddp", "fsdp", "tp", "pp"):
+                for n in (1, 2):
+                    if strategy != "ddp" and n == 1:
+                        continue
+                    losses, config = None, {"strategy": strategy, "dtype": dtype}
+                    if (fw, strategy, dtype, n) == ("torch", "fsdp", "float32", 2):
+                        losses = faster_lr(1.5)
+                    if (fw, strategy, dtype, n) == ("mlx", "tp", "bfloat16", 2):
+                        config["lr"] = 1e-3
+                    dirs.append(make_run(root, fw, n, losses, config=config, evals={20: 3.1, 40: 2.9},
+                                         name=f"{fw}-{strategy}-{dtype}-n{n}"))
+    summary = write_report(dirs, root / "report", Tolerances(), CONTEXT)
+    return root / "report", summary
+
+
+def test_every_judged_pair_is_one_line_of_one_table_and_failures_come_first(matrix):
+    _, summary = matrix
+    pairs = [p for kind in PAIR_KINDS for p in summary["parity"][kind]]
+    text = terminal_table(summary)
+    lines = text.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("verdict  "))
+    rows = lines[header + 2:header + 2 + len(pairs)]
+    assert len(rows) == len(pairs) and lines[header + 2 + len(pairs)] == ""  # one table, nothing else in it
+    for pair in pairs:  # each pair on exactly one line of the table
+        assert sum(f"  {pair['a']} vs {pair['b']}  " in row for row in rows) == 1, pair
+    verdicts = [row.split()[0] for row in rows]
+    assert verdicts == sorted(verdicts, key=["FAIL", "NOT", "PASS"].index)
+    assert rows[0].startswith("FAIL") and "torch fsdp x2" in rows[0]
+    assert not any(" matches " in line for line in lines)  # the passing pairs are rows, not sentences
+
+
+def test_the_planted_learning_rate_fails_at_the_top_with_its_sentence_after_the_table(matrix):
+    _, summary = matrix
+    failed = [r for r in summary["verdicts"]["pairs"] if r["verdict"] == "fail"]
+    assert {r["pair"] for r in failed} >= {"mlx fsdp x2 vs torch fsdp x2", "torch fsdp x2 vs torch x2"}
+    assert all("torch fsdp x2" in r["pair"] or "torch fsdp bf16 x2" in r["pair"] for r in failed)
+    strategy = next(r for r in failed if r["pair"] == "torch fsdp x2 vs torch x2")
+    assert re.fullmatch(r"\d\.\d\de-\d\d > 0\.0001 at step \d+", strategy["per_step"]), strategy
+    text = terminal_table(summary)
+    table_end = text.index("\n\n! ")
+    sentence = "! Strategy, fsdp: torch fsdp x2 does NOT match torch x2: max |Δloss|"
+    assert sentence in text and text.index(sentence) > table_end
+    assert text.index("PASS ") < table_end < text.index("speed  ")  # pairs, their failures, then speed
+
+
+def test_a_changed_config_is_not_comparable_and_says_what_differs(matrix):
+    _, summary = matrix
+    rows = [r for r in summary["verdicts"]["pairs"] if "mlx tp bf16 x2" in r["pair"]]
+    assert rows and all(r["verdict"] == "not comparable" for r in rows)
+    assert summary["verdicts"]["headline"] == f"parity FAIL ({len(rows)} pair(s) not comparable)"
+    first_pass = next(i for i, r in enumerate(summary["verdicts"]["pairs"]) if r["verdict"] == "pass")
+    assert all(summary["verdicts"]["pairs"].index(r) < first_pass for r in rows)
+    assert any(line.startswith("Strategy, tp: mlx tp bf16 x2 and mlx bf16 x1 are not comparable: their configs "
+                               "differ in lr (0.001 vs 0.0003)") for line in summary["verdicts"]["failures"])
+
+
+def test_report_md_and_html_show_the_same_table_first(matrix):
+    out, summary = matrix
+    md = (out / "report.md").read_text()
+    head = md[md.index("## Verdict"):md.index("## Runs")]
+    table = [line for line in head.splitlines() if line.startswith("| ")][:2 + len(summary["verdicts"]["pairs"])]
+    assert table[0].startswith("| verdict | kind | pair | per-step max \\|Δloss\\|")
+    assert table[2].startswith("| fail | MLX vs torch | mlx fsdp x2 vs torch fsdp x2 |")
+    sentence = head.index("- **Strategy, fsdp:** torch fsdp x2 does NOT match")
+    assert head.index(table[-1]) < sentence < head.index("| speed | runs |")
+    page = (out / "report.html").read_text()
+    verdict = page[page.index('<div class="verdict fail">'):page.index("<h2>Runs</h2>")]
+    assert verdict.count("<tr>") == 2 + len(summary["verdicts"]["pairs"]) + len(summary["speed"])  # 2 headers
+    assert verdict.index("mlx fsdp x2 vs torch fsdp x2") < verdict.index('<li class="failure">')
+    assert "Parity</h2>" in page and "verdict table at the top" in page  # no second copy of the pairs
+
+
+def test_speed_is_a_table_of_its_own(matrix):
+    _, summary = matrix
+    text = terminal_table(summary)
+    speed = text[text.index("speed  "):].split("\n\n")[0].splitlines()[2:]
+    assert len(speed) == len(summary["speed"]) and all(re.search(r" \d+\.\d\dx ", row) for row in speed)
+    assert "Speed, N=" not in text  # no longer one sentence per pair
+
+
+def test_a_check_cell_shows_the_value_against_its_tolerance():
+    assert check_cell({"verdict": "pass", "max_abs_diff": 2e-6, "tolerance": 1e-4}, "max_abs_diff", False) == \
+        "2.00e-06 ≤ 0.0001"
+    assert check_cell({"verdict": "fail", "max_rel_diff": 0.03, "tolerance": 0.02, "at_step": 7}, "max_rel_diff",
+                      True) == "3% > 2% at step 7"
+    assert check_cell({"verdict": "no data"}, "max_abs_diff", False) == "–"
+    assert rel_pct(0) == "0%" and rel_pct(1e-7) == "<0.001%"
