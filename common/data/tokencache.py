@@ -20,14 +20,10 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-import itertools
 import json
 import os
 import secrets
 import shutil
-import sys
-import time
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,11 +31,11 @@ import numpy as np
 
 from common.data.corpus import DEFAULT_CORPUS_BYTES
 from common.errors import UserError
+from common.data.tokenwriter import (SPLITS, training_sample, validation_every,
+                                    write_json_synced, write_splits)
 from common.fsutil import fsync_dir
 
 FORMAT_VERSION = 1
-SPLITS = ("train", "valid")
-CHUNK_DOCS = 2000  # documents per encode_batch call: big enough to keep every core busy
 PROGRESS_MIN_DOCS = 2000  # shorter jobs finish before a progress bar would tell anything
 READ_CHUNK = 1 << 16  # offsets entries per read when checking a cache
 
@@ -227,7 +223,7 @@ def prepare_tokens(dataset: str, tokenizer, *, cache_dir: Path, split: str = "tr
                                builtin_bytes=builtin_bytes, seed=seed).documents
     total_documents = len(documents) if isinstance(documents, list) else None
     if info is None:
-        documents, sample = _training_sample(documents, every)
+        documents, sample = training_sample(documents, every)
         info = load_tokenizer("builtin", corpus_docs=sample, vocab_size=builtin_vocab_size, cache_dir=cache_dir)
     if num_threads:
         os.environ.setdefault("RAYON_NUM_THREADS", str(num_threads))
@@ -237,7 +233,7 @@ def prepare_tokens(dataset: str, tokenizer, *, cache_dir: Path, split: str = "tr
     building.mkdir()
     try:
         long_job = total_documents is None or total_documents > PROGRESS_MIN_DOCS
-        meta = _write_splits(building, documents, info, every, total_documents, show_progress=progress and long_job)
+        meta = write_splits(building, documents, info, every, total_documents, show_progress=progress and long_job)
         if meta["num_documents"] == 0:
             raise UserError(f"dataset {dataset!r} is empty: it holds no documents")
         meta.update(format_version=FORMAT_VERSION, fingerprint=fingerprint,
@@ -245,25 +241,12 @@ def prepare_tokens(dataset: str, tokenizer, *, cache_dir: Path, split: str = "tr
                     dataset=dataset, source=identity, split=split, text_field=text_field,
                     val_fraction=val_fraction)
         info.save(building / "tokenizer.json")
-        _write_json_synced(building / "meta.json", meta)
+        write_json_synced(building / "meta.json", meta)
         fsync_dir(building)
         _publish(building, final, fingerprint)
     finally:
         shutil.rmtree(building, ignore_errors=True)
     return TokenCache.open(final)
-
-
-def validation_every(val_fraction: float) -> int:
-    """Document i is held out for validation when i % k == 1, k = round(1 / val_fraction); 0: none.
-    Counting from 1 rather than 0 keeps document 0 in train, so any two documents give both splits."""
-    if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) \
-            or not 0 <= val_fraction <= 0.5:
-        raise UserError(f"validation fraction must be between 0 and 0.5, got {val_fraction!r}")
-    return round(1 / val_fraction) if val_fraction else 0
-
-
-def is_validation(index: int, every: int) -> bool:
-    return every > 0 and index % every == 1
 
 
 def _fingerprint(identity: dict, tokenizer_key, val_fraction: float, split: str, text_field: str) -> str:
@@ -280,112 +263,6 @@ def _reusable(path: Path, fingerprint: str) -> TokenCache | None:
     except UserError:  # damaged: rebuilt and swapped in by the caller
         return None
     return cache if cache.meta.get("fingerprint") == fingerprint else None
-
-
-def _training_sample(documents, every: int) -> tuple[Iterable[str], list[str]]:
-    """Leading train documents for the builtin tokenizer, and the documents to tokenize (a stream is
-    buffered, then replayed)."""
-    from common.data.tokenizer import BUILTIN_TRAINING_BYTES
-
-    stream = iter(documents)
-    head, head_bytes = [], 0
-    for doc in stream:
-        head.append(doc)
-        head_bytes += len(doc)
-        if head_bytes >= BUILTIN_TRAINING_BYTES:
-            break
-    sample = [doc for i, doc in enumerate(head) if not is_validation(i, every)]
-    return (documents if isinstance(documents, list) else itertools.chain(head, stream)), sample
-
-
-def _chunks(documents: Iterable[str], size: int) -> Iterator[list[str]]:
-    stream = iter(documents)
-    while chunk := list(itertools.islice(stream, size)):
-        yield chunk
-
-
-class _SplitWriter:
-    """Appends documents' tokens (EOS included) to <split>.bin and remembers their lengths."""
-
-    def __init__(self, directory: Path, name: str, dtype: np.dtype):
-        self.directory, self.name, self.dtype = directory, name, dtype
-        self.file = open(directory / f"{name}.bin", "wb")
-        self.lengths: list[np.ndarray] = []
-
-    def append(self, token_lists: list[list[int]]) -> int:
-        lengths = np.fromiter(map(len, token_lists), dtype=np.int64, count=len(token_lists))
-        flat = np.fromiter(itertools.chain.from_iterable(token_lists), dtype=self.dtype, count=int(lengths.sum()))
-        self.file.write(flat.tobytes())
-        self.lengths.append(lengths)
-        return len(flat)
-
-    def close(self) -> dict:
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        self.file.close()
-        lengths = np.concatenate([np.zeros(1, np.int64), *self.lengths])
-        offsets = np.cumsum(lengths)
-        with open(self.directory / f"{self.name}.idx", "wb") as f:  # a file object: np.save would add .npy
-            np.save(f, offsets)
-            f.flush()
-            os.fsync(f.fileno())
-        return {"num_documents": len(offsets) - 1, "num_tokens": int(offsets[-1]),
-                "tokens_file": f"{self.name}.bin", "offsets_file": f"{self.name}.idx"}
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
-
-
-def _write_splits(directory: Path, documents: Iterable[str], info, every: int, total_documents: int | None,
-                  *, show_progress: bool) -> dict:
-    from tqdm import tqdm
-
-    dtype = token_dtype(info.vocab_size)
-    writers = {name: _SplitWriter(directory, name, dtype) for name in SPLITS}
-    # disable=None: no bar when stderr is not a terminal (CI logs, pipes), as for the training bar.
-    bar = tqdm(total=total_documents, unit="doc", desc="tokenizing", file=sys.stderr,
-               disable=None if show_progress else True, leave=False)
-    started, first = time.perf_counter(), 0
-    for chunk in _chunks(documents, CHUNK_DOCS):
-        token_lists = info.encode_batch(chunk)
-        if info.bos_id is not None:
-            token_lists = [[info.bos_id, *ids] for ids in token_lists]
-        for ids in token_lists:
-            ids.append(info.eos_id)
-        if every:
-            held_out = [is_validation(first + i, every) for i in range(len(chunk))]
-            writers["valid"].append([ids for ids, out in zip(token_lists, held_out) if out])
-            writers["train"].append([ids for ids, out in zip(token_lists, held_out) if not out])
-        else:
-            writers["train"].append(token_lists)
-        first += len(chunk)
-        bar.update(len(chunk))
-    bar.close()
-    splits = {name: writer.close() for name, writer in writers.items()}
-    tokenize_s = time.perf_counter() - started
-    num_tokens = sum(s["num_tokens"] for s in splits.values())
-    return {
-        "num_documents": sum(s["num_documents"] for s in splits.values()),
-        "num_tokens": num_tokens,
-        "vocab_size": info.vocab_size,
-        "dtype": dtype.name,
-        "eos_id": info.eos_id,
-        "pad_id": info.pad_id,
-        "bos_id": info.bos_id,
-        "splits": splits,
-        # Relative path: the cache folder can move.
-        "tokenizer": {"name": info.name, "fingerprint": info.fingerprint, "path": "tokenizer.json"},
-        "tokenize_s": round(tokenize_s, 4),
-        "tokens_per_s": round(num_tokens / max(tokenize_s, 1e-9), 1),
-    }
-
-
-def _write_json_synced(path: Path, data: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(data, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def _publish(building: Path, final: Path, fingerprint: str) -> None:

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from common.errors import UserError
-from common.data.tokencache import TokenCache, describe, prepare_tokens, token_dtype
+from common.data.tokencache import TokenCache, describe, prepare_tokens
+from common.data.tokenwriter import token_dtype
 from common.data.tokenizer import load_tokenizer
 
 DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
