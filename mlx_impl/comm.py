@@ -64,7 +64,7 @@ class CommCounter:
 
     def __init__(self, stream: mx.Stream | mx.DeviceType | None = None):
         self.stream = stream  # communication_stream(cfg): the CPU stream on a Metal GPU, else None
-        self.traced_bytes, self.per_call = 0, {}
+        self.traced_bytes, self.per_call = 0, dict[str, int]()
 
     def add(self, x: mx.array) -> None:
         self.traced_bytes += x.size * x.dtype.size
@@ -105,7 +105,7 @@ def collectives_of(group, stream, device: str) -> Collectives:
 
     def from_rank0(value: float) -> float:
         mine = mx.array([value if rank == 0 else 0.0], dtype=mx.float32)
-        return mx.distributed.all_sum(mine, group=group, stream=stream).item()
+        return cast(float, mx.distributed.all_sum(mine, group=group, stream=stream).item())  # a float32 array
 
     return Collectives(rank=rank, size=group.size(), device=device, buffer=buffer, all_reduce=all_reduce,
                        from_rank0=from_rank0, all_gather=all_gather)

@@ -52,7 +52,7 @@ class Replicated(MicroSteps):
         return average_gradients(grads, self.group, self.reduce_bytes, self.stream)
 
     def global_norm(self, grads: Grads) -> mx.array:
-        return mx.sqrt(sum(sum_of_squares(g) for _, g in tree_flatten(grads)))
+        return mx.sqrt(sum((sum_of_squares(g) for _, g in tree_flatten(grads)), mx.array(0.0)))
 
     def export_state(self, weights: Mapping[str, mx.array], exp_avg: Mapping[str, mx.array],
                      exp_avg_sq: Mapping[str, mx.array]) -> tuple[StateStream, StateStream, StateStream]:

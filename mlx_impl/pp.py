@@ -133,7 +133,12 @@ class Pipeline(StageBookkeeping):
         pieces = self.n_micro if backward else 1
         xs, ys, ms = (np.split(np.asarray(a), pieces) for a in (inputs, targets, mask))
         shape = (xs[0].shape[0], xs[0].shape[1], self.dim)
-        acts, cots, outputs, dx, losses, grads = {}, {}, {}, {}, {}, None
+        acts: dict[int, mx.array] = {}     # received activations, by micro-batch
+        outputs: dict[int, mx.array] = {}  # activations to send
+        dx: dict[int, mx.array] = {}       # input gradients to send
+        losses: dict[int, mx.array] = {}   # the last stage's token losses
+        cots: dict[int, tuple[mx.array | None, list[mx.array]]] = {}  # (the gradient's receive, the vjps) for B
+        grads: Grads | None = None
         sent = 0
         ops = self.ops if backward else [op for op in stage_ops(self.schedule, self.stage, self.n_stages, 1)
                                          if op[0] in ("recv_act", "F", "send_act")]

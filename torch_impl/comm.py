@@ -16,7 +16,7 @@ mode: tp), `SendCounter` (pp's point-to-point sends), or a `FixedCount` where th
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 from common.costmodel.probe import Collectives
 
@@ -43,7 +43,7 @@ class Watch(Protocol):
 
     def __enter__(self) -> object: ...
 
-    def __exit__(self, *exc: object) -> bool | None: ...
+    def __exit__(self, kind: Any, value: Any, traceback: Any, /) -> object: ...
 
 
 class CommCounter:
@@ -116,29 +116,29 @@ def collectives_of(group, stream, device: str, finish=lambda: None) -> Collectiv
     import torch
     import torch.distributed as dist
 
-    device = torch.device(device)
+    where = torch.device(device)
     rank = dist.get_rank()
 
     def wait() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        if where.type == "cuda":
+            torch.cuda.synchronize(where)
 
     def buffer(n: int):
-        return torch.zeros(n // 4, dtype=torch.float32, device=device)  # zeros: repeated sums stay finite
+        return torch.zeros(n // 4, dtype=torch.float32, device=where)  # zeros: repeated sums stay finite
 
     def all_reduce(x) -> None:
         dist.all_reduce(x)
         wait()
 
     def all_gather(x) -> None:  # into one tensor, as FSDP2 gathers a unit's flat parameters
-        out = torch.empty(x.numel() * dist.get_world_size(), dtype=x.dtype, device=device)
+        out = torch.empty(x.numel() * dist.get_world_size(), dtype=x.dtype, device=where)
         dist.all_gather_into_tensor(out, x)
         wait()
 
     def from_rank0(value: float) -> float:
-        mine = torch.tensor([value if rank == 0 else 0.0], dtype=torch.float32, device=device)
+        mine = torch.tensor([value if rank == 0 else 0.0], dtype=torch.float32, device=where)
         dist.all_reduce(mine)
         return mine.item()
 
-    return Collectives(rank=rank, size=dist.get_world_size(), device=str(device), buffer=buffer,
+    return Collectives(rank=rank, size=dist.get_world_size(), device=str(where), buffer=buffer,
                        all_reduce=all_reduce, from_rank0=from_rank0, finish=finish, all_gather=all_gather)

@@ -31,7 +31,7 @@ gradients accumulate locally and are reduce-scattered once per step (the same as
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Mapping, Sequence
+from typing import Iterator, Mapping, Sequence, cast
 
 import numpy as np
 
@@ -164,11 +164,12 @@ class Sharding(MicroSteps):
     @contextlib.contextmanager
     def _no_sync(self) -> Iterator[None]:
         """DDP's no_sync for FSDP2: gradients accumulate unsharded, unreduced, until the context ends."""
-        self.model.set_requires_gradient_sync(False)
+        model = cast(FSDPModule, self.model)  # shard_model made it one
+        model.set_requires_gradient_sync(False)
         try:
             yield
         finally:
-            self.model.set_requires_gradient_sync(True)
+            model.set_requires_gradient_sync(True)
 
     def _watch_collectives(self) -> Watch:
         return FixedCount(None)  # not counted: FSDP2's collectives are reduce-scatters and all-gathers

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from common.checkpoint.sharded import LocalState, local_pieces
 from common.checkpoint.tensorsource import TensorSource
@@ -62,7 +63,8 @@ class Pipeline(StageBookkeeping):
         self.device, self.comm = torch.device(world.device), comm
         self.phase: Phase = no_phase
         self.clock = BusyClock()     # the step's busy time, which the stage module and BackwardMark add to
-        self.pipe = None             # the schedule, built at the first step (it needs a micro-batch's shape)
+        self.pipe: PipelineScheduleSingle | None = None  # built at the first step (it needs a micro-batch's shape)
+        self.sums: list[torch.Tensor] = []  # the last stage's loss sums of the step's micro-batches
 
     def wrap(self, model: Llama, source: TensorSource) -> Llama:
         """Keep this stage's part of the model while it is on the meta device, then allocate and load only that
@@ -89,20 +91,21 @@ class Pipeline(StageBookkeeping):
         (sum of token losses) x scale, accumulated in the parameters' .grad). `step` goes unused: the stage runs
         its own module."""
         self.scale, self.sums, self.phase = scale, [], phase
+        pipe = self.pipe
         with self.step_window(self._barrier, instrumented=wait) as clock, self.comm.first_step(SendCounter):
             self.clock = clock
-            for inputs, targets, mask in batches:
-                inputs, targets, mask = to_device(self.device, inputs, targets, mask)
-                if self.pipe is None:
-                    self._build(inputs)
+            for batch in batches:
+                inputs, targets, mask = to_device(self.device, *batch)
+                if pipe is None:
+                    pipe = self.pipe = self._build(inputs)
                 target = torch.stack([targets.double(), mask.double()], dim=1).contiguous()  # (B, 2, T)
                 # forward and backward interleave inside: Stage and BackwardMark open their phases
                 if self.first:
-                    self.pipe.step(inputs.contiguous(), return_outputs=False)
+                    pipe.step(inputs.contiguous(), return_outputs=False)
                 elif self.last:
-                    self.pipe.step(target=target, return_outputs=False)
+                    pipe.step(target=target, return_outputs=False)
                 else:
-                    self.pipe.step(return_outputs=False)
+                    pipe.step(return_outputs=False)
                 wait_for(wait, self.device)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         # the first step's shape inference runs the loss once more, on a micro-batch: the schedule's are the last
@@ -110,13 +113,14 @@ class Pipeline(StageBookkeeping):
             loss_sum = loss_sum + sum(self.sums[-self.n_micro * len(batches):])
         return ForwardBackwardResult(loss_sum, [p.grad for p in self.model.parameters() if p.grad is not None])
 
-    def _build(self, inputs):
+    def _build(self, inputs: torch.Tensor) -> PipelineScheduleSingle:
+        """The schedule over this rank's PipelineStage, shaped by a micro-batch of `inputs`."""
         micro = inputs.shape[0] // self.n_micro
         example = (inputs[:micro].contiguous() if self.first else
                    torch.zeros((micro, inputs.shape[1], self.dim), dtype=self.dtype, device=self.device))
         self.stage_runner = PipelineStage(self.module, self.stage, self.n_stages, self.device, input_args=(example,))
-        self.pipe = SCHEDULES[self.schedule](self.stage_runner, n_microbatches=self.n_micro,
-                                             loss_fn=self._loss, scale_grads=False)  # on every stage: it turns the backward on
+        return SCHEDULES[self.schedule](self.stage_runner, n_microbatches=self.n_micro,
+                                        loss_fn=self._loss, scale_grads=False)  # on every stage: it turns the backward on
 
     def _loss(self, logits, target):
         """The last stage's loss of one micro-batch: the float64 sum of its masked token losses, times scale

@@ -18,7 +18,7 @@ holds the full gradient of its own pieces, so nothing is averaged.
 """
 from __future__ import annotations
 
-from typing import Mapping, Protocol, Sequence
+from typing import Mapping, Protocol, Sequence, cast
 
 import numpy as np
 import torch
@@ -65,7 +65,7 @@ def strategy_for(cfg: RunConfig, world: World, comm: CommCounter) -> StepStrateg
     return STRATEGIES[cfg.strategy](cfg, world, comm)
 
 
-def param_groups(model: nn.Module) -> list[dict[str, object]]:
+def param_groups(model: nn.Module) -> list[dict[str, list[nn.Parameter]]]:
     """AdamW's parameter groups: sharded DTensors and plain tensors apart, since foreach kernels take one kind at
     a time (tp has both; every other strategy one kind, so one group)."""
     groups = [{"params": [p for p in model.parameters() if isinstance(p, DTensor) == sharded]}
@@ -94,7 +94,7 @@ class Trainer:
         # The StepFunctions (microsteps.py) the strategies run: the bare model and what the step runs.
         self.wrapped: nn.Module = self.strategy.wrap(self.model, as_source(weights))
         if cfg.torch_compile:
-            self.wrapped = torch.compile(self.wrapped)
+            self.wrapped = cast(nn.Module, torch.compile(self.wrapped))  # an OptimizedModule
         self.optimizer = torch.optim.AdamW(param_groups(self.model), lr=cfg.lr,
                                            betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
                                            weight_decay=cfg.weight_decay)

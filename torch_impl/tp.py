@@ -15,13 +15,13 @@ the step's shapes are those of every step). Mirrors mlx_impl/tp.py.
 """
 from __future__ import annotations
 
-from typing import Iterator, Mapping
+from typing import Iterator, Mapping, cast
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                parallelize_module)
 
@@ -35,7 +35,7 @@ from .comm import AllReduceCounter, CommCounter, Watch
 from .grads import norm_dtype, sum_of_squares
 from .load import load_local
 from .microsteps import Grads, MicroSteps
-from .model import Llama
+from .model import Attention, Llama
 from .rank_state import as_float32, local_numpy
 
 
@@ -66,7 +66,7 @@ class TensorParallel(MicroSteps):
                 "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
                 "mlp.down_proj": RowwiseParallel(),
             })
-            attn = block.self_attn
+            attn = cast(Attention, block.self_attn)
             attn.n_heads, attn.n_kv_heads = attn.n_heads // self.size, attn.n_kv_heads // self.size
         load_local(model, self.device, source, self.local_index)
         return model
@@ -79,16 +79,14 @@ class TensorParallel(MicroSteps):
         """The whole model's gradient norm: the squares of sharded gradients summed over ranks, those of
         replicated ones (the same on every rank) counted once."""
         dtype = norm_dtype(self.device)
-        tagged = [(g, isinstance(g, DTensor)) for g in grads]
-        local = [g.to_local() if sharded else g for g, sharded in tagged]
 
-        def squares(tensors):
+        def squares(tensors: list[torch.Tensor]) -> torch.Tensor:
             return torch.stack([sum_of_squares(t, dtype) for t in tensors]).sum() if tensors else \
                 torch.zeros((), dtype=dtype)
 
-        sharded = squares([t for t, (_, is_sharded) in zip(local, tagged) if is_sharded])
+        sharded = squares([g.to_local() for g in grads if isinstance(g, DTensor)])
         dist.all_reduce(sharded)
-        return (squares([t for t, (_, is_sharded) in zip(local, tagged) if not is_sharded]) + sharded).sqrt()
+        return (squares([g for g in grads if not isinstance(g, DTensor)]) + sharded).sqrt()
 
     def export_state(self, weights: Mapping[str, torch.Tensor], exp_avg: Mapping[str, torch.Tensor],
                      exp_avg_sq: Mapping[str, torch.Tensor]) -> tuple[StateStream, StateStream, StateStream]:
@@ -98,7 +96,7 @@ class TensorParallel(MicroSteps):
                     exp_avg: Mapping[str, torch.Tensor], exp_avg_sq: Mapping[str, torch.Tensor]) -> LocalState:
         """--checkpoint-format sharded (common/checkpoint/sharded.py): (weights, exp_avg, exp_avg_sq, where) of
         what this rank writes, under HF names; no collectives."""
-        axes = {name: p.placements[0].dim if isinstance(p, DTensor) else None for name, p in weights.items()}
+        axes = {name: cast(Shard, p.placements[0]).dim if isinstance(p, DTensor) else None for name, p in weights.items()}
         return local_pieces(self.rank, (local_numpy(weights), local_numpy(exp_avg), local_numpy(exp_avg_sq)), axes,
                             shapes)
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Generic, Iterator, Mapping, Protocol, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Generic, Iterator, Mapping, Protocol, Sequence, TypeVar
 
 import numpy as np
 
@@ -51,7 +51,7 @@ class World:
     `device` names where the rank computes ("cpu", "gpu", "cuda:0")."""
     rank: int = 0
     size: int = 1
-    group: object = None
+    group: Any = None  # mx.distributed.Group: common/ cannot name the framework's type
     device: str = "cpu"
     collectives: Callable[[], Collectives] | None = None  # for the probe of the job's all-reduce (costmodel/probe.py)
 
@@ -199,8 +199,9 @@ class Trainer(Protocol):
     def local_state(self) -> LocalState:
         """strategy.local_state of this rank's parameters and moments: what it writes of a sharded checkpoint."""
 
-    def import_optimizer(self, exp_avg: TensorSource, exp_avg_sq: TensorSource, step: int) -> None:
-        """AdamW's moments under HF names, on every rank; each reads only the slices it keeps
+    def import_optimizer(self, exp_avg: TensorSource | Mapping[str, np.ndarray],
+                         exp_avg_sq: TensorSource | Mapping[str, np.ndarray], step: int) -> None:
+        """AdamW's moments under HF names (sources, or dicts of whole arrays), on every rank; each reads only the slices it keeps
         (strategy.local_index), as for the weights."""
 
     def peak_memory_bytes(self) -> int:
