@@ -65,7 +65,7 @@ def strategy_for(cfg: RunConfig, world: World, comm: CommCounter) -> StepStrateg
     return STRATEGIES[cfg.strategy](cfg, world, comm)
 
 
-def param_groups(model: nn.Module) -> list[dict[str, list[nn.Parameter]]]:
+def _param_groups(model: nn.Module) -> list[dict[str, list[nn.Parameter]]]:
     """AdamW's parameter groups: sharded DTensors and plain tensors apart, since foreach kernels take one kind at
     a time (tp has both; every other strategy one kind, so one group)."""
     groups = [{"params": [p for p in model.parameters() if isinstance(p, DTensor) == sharded]}
@@ -95,7 +95,7 @@ class Trainer:
         self.wrapped: nn.Module = self.strategy.wrap(self.model, as_source(weights))
         if cfg.torch_compile:
             self.wrapped = cast(nn.Module, torch.compile(self.wrapped))  # an OptimizedModule
-        self.optimizer = torch.optim.AdamW(param_groups(self.model), lr=cfg.lr,
+        self.optimizer = torch.optim.AdamW(_param_groups(self.model), lr=cfg.lr,
                                            betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
                                            weight_decay=cfg.weight_decay)
         self.names = {p: n for n, p in self.model.named_parameters()}
