@@ -33,14 +33,15 @@ def torch_steps(a, spec, weights, tokens):
     from common.config import RunConfig
     from common.train.loop import World
     from torch_impl import ddp
+    from torch_impl.grads import norm_dtype
     from torch_impl.model import Llama, load_weights
     from torch_impl.step import Trainer
 
     torch.set_num_threads(a.threads)
     if a.norm == "float64-cast":
-        def global_norm(self, params, dtype):
-            return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad, dtype=dtype)
-                                                         for p in params if p.grad is not None]))
+        def global_norm(self, grads):
+            dtype = norm_dtype(self.device)
+            return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=dtype) for g in grads]))
         ddp.Replicated.global_norm = global_norm
     cfg = RunConfig(framework="torch", preset=a.preset, seq_len=a.seq_len, global_batch_size=a.batch, lr=3e-4)
     trainer = Trainer(cfg, spec, weights, World(rank=0, size=1, group=None, device="cpu"))

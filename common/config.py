@@ -144,7 +144,7 @@ class RunConfig:
         for key in values:
             if key not in known:
                 raise UserError(f"unknown config field {key!r}; allowed: {', '.join(sorted(known))}")
-        typed = {k: _coerce(k, v, known[k].type, cls) for k, v in values.items()}
+        typed = {k: _coerce(k, v, str(known[k].type), cls) for k, v in values.items()}
         cfg = cls(**typed)
         cfg.validate()
         return cfg

@@ -17,6 +17,7 @@ import os
 import resource
 import sys
 import time
+from typing import Any
 from pathlib import Path
 
 import numpy as np
@@ -50,7 +51,7 @@ class MetricsWriter:
 def read_jsonl(path: Path) -> list:
     """The rows of a JSON Lines file written as a process ran (none where it does not exist); a line torn by
     the process's end (a killed run, a stopped probe) is left out."""
-    rows = []
+    rows: list = []
     if not Path(path).exists():
         return rows
     for line in Path(path).read_text().splitlines():
@@ -63,7 +64,8 @@ def read_jsonl(path: Path) -> list:
 
 def read_metrics(path: Path) -> tuple[list[dict], list[dict]]:
     """(train rows, eval rows) of a metrics.jsonl; a torn last line from a killed run is ignored."""
-    train, evals = [], []
+    train: list[dict] = []
+    evals: list[dict] = []
     for row in read_jsonl(path):
         (evals if "eval_loss" in row else train).append(row)
     return train, evals
@@ -159,7 +161,7 @@ class RankStatus:
     def __init__(self, run_dir: Path, rank: int):
         self.path = Path(run_dir) / "ranks" / f"rank{rank}.json"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.data = {"rank": rank, "pid": os.getpid(), "host": os.uname().nodename, "status": "starting",
+        self.data: dict[str, Any] = {"rank": rank, "pid": os.getpid(), "host": os.uname().nodename, "status": "starting",
                      "step": 0, "heartbeat": time.time()}
         self._last_write = 0.0
         self.flush()

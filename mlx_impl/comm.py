@@ -15,6 +15,8 @@ NCCL on its own CUDA streams, which have no watchdog).
 """
 from __future__ import annotations
 
+from typing import Callable, Iterable, TypeVar, cast
+
 from common.costmodel.probe import Collectives
 
 import mlx.core as mx
@@ -22,6 +24,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 STREAM_CHOICES = ("auto", "cpu", "default")
+F = TypeVar("F", bound=Callable)
 
 
 def communication_stream(cfg):
@@ -54,27 +57,34 @@ def average_gradients(grads, group, all_reduce_size: int, stream=None):
 
 
 class CommCounter:
-    """Bytes given to all-reduce, counted as collectives are traced, attributed to the compiled function
-    whose trace issued them (`per_call`): a compiled function issues the same ones at every call."""
+    """The step's communication as a strategy sees it (the `comm` every strategy is built with, as in
+    torch_impl/comm.py): the stream collectives run on, and the bytes given to all-reduce, counted as
+    collectives are traced and attributed to the compiled function whose trace issued them (`per_call`): a
+    compiled function issues the same ones at every call."""
 
-    def __init__(self):
-        self.traced_bytes, self.per_call = 0, {}
+    def __init__(self, stream: mx.Stream | mx.DeviceType | None = None):
+        self.stream = stream  # communication_stream(cfg): the CPU stream on a Metal GPU, else None
+        self.traced_bytes, self.per_call = 0, dict[str, int]()
 
     def add(self, x: mx.array) -> None:
         self.traced_bytes += x.size * x.dtype.size
 
-    def add_all(self, arrays) -> None:
+    def add_all(self, arrays: Iterable[mx.array]) -> None:
         for x in arrays:
             self.add(x)
 
-    def attribute(self, name: str, fn):
+    def attribute(self, name: str, fn: F) -> F:
         def call(*args):
             before = self.traced_bytes
             out = fn(*args)
             if self.traced_bytes > before:  # traced just now
                 self.per_call[name] = self.traced_bytes - before
             return out
-        return call
+        return cast(F, call)
+
+    def bytes_per_step(self, grad_accum: int) -> int | None:
+        """Bytes given to all-reduce by one step's micro-steps and update (scalars left out)."""
+        return self.per_call.get("micro_step", 0) * grad_accum + self.per_call.get("update", 0)
 
 
 def collectives_of(group, stream, device: str) -> Collectives:
@@ -95,7 +105,7 @@ def collectives_of(group, stream, device: str) -> Collectives:
 
     def from_rank0(value: float) -> float:
         mine = mx.array([value if rank == 0 else 0.0], dtype=mx.float32)
-        return mx.distributed.all_sum(mine, group=group, stream=stream).item()
+        return cast(float, mx.distributed.all_sum(mine, group=group, stream=stream).item())  # a float32 array
 
     return Collectives(rank=rank, size=group.size(), device=device, buffer=buffer, all_reduce=all_reduce,
                        from_rank0=from_rank0, all_gather=all_gather)

@@ -6,6 +6,7 @@ bug in this framework's model or optimizer.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -24,7 +25,9 @@ def module_outputs(model: nn.Module, tokens: np.ndarray) -> list[tuple[str, np.n
 
     MLX has no forward hooks: each module's class is swapped for a subclass that records its output
     while this forward runs, and put back afterwards."""
-    records, names, swapped = [], {}, []
+    records: list[tuple[str, mx.array]] = []
+    names: dict[int, str] = {}
+    swapped: list = []
     for name, module in model.named_modules():
         if name:
             names[id(module)] = name
@@ -76,7 +79,7 @@ def inject_bug(trainer: Trainer, bug: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     plan, out_dir = sys.argv[1:] if argv is None else argv
-    run_worker(plan, out_dir, start_world, sys.modules[__name__])
+    run_worker(Path(plan), Path(out_dir), start_world, sys.modules[__name__])
     return 0
 
 

@@ -11,10 +11,10 @@ What each rank holds (torch_impl/fsdp.py does the same with FSDP2):
   token has their id) and the head's logits lose their pad columns before the loss (`VocabShard`), so
   their gradients are zero and AdamW keeps them zero; export_state drops them again, so checkpoints hold
   the true vocabulary. The final norm stays replicated: one vector is not worth a collective of its own.
-  common/parallel/strategy.py refuses, before the run starts, a block that does not divide.
+  common/parallel/fsdp.py refuses, before the run starts, a block that does not divide.
 - Nothing whole is ever materialised: the model arrives unevaluated (MLX is lazy), the padding and
   fully_shard's split slice the lazy init, and `wrap` then loads only this rank's rows from the source
-  (mlx_impl/load.py, common/parallel/strategy.py's fsdp_rows), so the rank never evaluates a tensor it does not keep.
+  (mlx_impl/load.py, common/parallel/fsdp.py's fsdp_rows), so the rank never evaluates a tensor it does not keep.
 
 Reduce-scatter. `fully_shard`'s backward calls `mx.distributed.sum_scatter`, which the ring and MPI
 backends of mlx 0.32.4 do not implement ("[ring] sum_scatter not supported"; upstream reports a group that
@@ -37,7 +37,7 @@ gradients accumulate locally and are averaged once per step, as under DDP.
 from __future__ import annotations
 
 from functools import reduce
-from typing import Iterator
+from typing import Iterator, Mapping
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -45,18 +45,19 @@ import numpy as np
 from mlx.nn.layers.distributed import FullyShardedModule
 from mlx.utils import tree_flatten, tree_unflatten
 
-from common.checkpoint.sharded import local_pieces
-from common.parallel.strategy import fsdp_rows
+from common.checkpoint.sharded import LocalState, local_pieces
+from common.checkpoint.tensorsource import Index, TensorSource
+from common.config import RunConfig
+from common.parallel.fsdp import fsdp_rows, reduce_scatter_kind
+from common.train.protocols import StateStream, World
 
 from .comm import CommCounter, average_gradients
-from .ddp import MicroSteps, as_float32, moments, sum_of_squares
+from .grads import sum_of_squares
 from .load import SHARD, hf_name, load_local
+from .microsteps import Grads, MicroSteps
+from .rank_state import as_float32, local_numpy
 
-NATIVE_REDUCE_SCATTER = ("nccl",)  # the mlx 0.32.4 backends that implement mx.distributed.sum_scatter
 
-
-def reduce_scatter_kind(backend: str) -> str:
-    return "native" if backend in NATIVE_REDUCE_SCATTER else "all_sum_slice"
 
 
 def shard_model(model, group, kind: str, compute_dtype=None, stream=None) -> dict[str, int]:
@@ -111,12 +112,13 @@ class Sharding(MicroSteps):
     full_state_on_every_rank = False  # rank 0 gathers the state, the checkpoint's one writer
     communicates = True               # the replicated gradients, averaged after the backward
 
-    def __init__(self, cfg, world, comm: CommCounter, stream=None):
-        self.group, self.size, self.rank, self.stream = world.group, world.group.size(), world.group.rank(), stream
-        self.reduce_scatter = reduce_scatter_kind(cfg.resolved_backend)
+    def __init__(self, cfg: RunConfig, world: World, comm: CommCounter):
+        group = world.group
+        self.group, self.size, self.rank, self.stream = group, group.size(), group.rank(), comm.stream
+        self.reduce_scatter = reduce_scatter_kind("mlx", cfg.resolved_backend)
         self.reduce_bytes = int(cfg.all_reduce_size_mb * 2**20)
 
-    def wrap(self, model, source):
+    def wrap(self, model: nn.Module, source: TensorSource) -> nn.Module:
         """Shard the unevaluated model, then load this rank's rows of each sharded tensor (padded where the
         vocabulary runs short) and the replicated ones whole."""
         self.vocab_rows = shard_model(model, self.group, self.reduce_scatter, stream=self.stream)
@@ -124,21 +126,21 @@ class Sharding(MicroSteps):
         load_local(model, source, self.local_index)
         return model
 
-    def local_index(self, name: str, shape: tuple) -> tuple:
+    def local_index(self, name: str, shape: tuple[int, ...]) -> Index:
         return (fsdp_rows(shape[0], self.rank, self.size),) if name in self.sharded else ()
 
     @staticmethod
     def is_sharded(path: str) -> bool:
         return SHARD in path
 
-    def reduce_gradients(self, grads: dict) -> dict:
+    def reduce_gradients(self, grads: Grads) -> Grads:
         """Average the replicated gradients over the ranks; the shards were reduce-scattered already."""
         flat = tree_flatten(grads)
         replicated = [(k, g) for k, g in flat if not self.is_sharded(k)]
         averaged = tree_flatten(average_gradients(dict(replicated), self.group, self.reduce_bytes, self.stream))
         return tree_unflatten(averaged + [(k, g) for k, g in flat if self.is_sharded(k)])
 
-    def global_norm(self, grads: dict) -> mx.array:
+    def global_norm(self, grads: Grads) -> mx.array:
         """The global gradient norm: replicated gradients counted once, the shards summed over the ranks.
 
         nn.utils.clip_grad_norm_sharded would all-sum the replicated ones too, counting them N times."""
@@ -147,21 +149,22 @@ class Sharding(MicroSteps):
         sharded_sq = sum((sum_of_squares(g) for k, g in flat if self.is_sharded(k)), mx.array(0.0))
         return mx.sqrt(replicated_sq + mx.distributed.all_sum(sharded_sq, group=self.group, stream=self.stream))
 
-    def export_state(self, weights: dict, optimizer: dict):
-        return (self.full(weights), *(self.full({key: optimizer[f"{key}.{moment}"] for key in weights})
-                                      for moment in ("m", "v")))
+    def export_state(self, weights: Mapping[str, mx.array], exp_avg: Mapping[str, mx.array],
+                     exp_avg_sq: Mapping[str, mx.array]) -> tuple[StateStream, StateStream, StateStream]:
+        return self.full(weights), self.full(exp_avg), self.full(exp_avg_sq)
 
-    def local_state(self, shapes: dict, weights: dict, optimizer: dict):
+    def local_state(self, shapes: Mapping[str, tuple[int, ...]], weights: Mapping[str, mx.array],
+                    exp_avg: Mapping[str, mx.array], exp_avg_sq: Mapping[str, mx.array]) -> LocalState:
         """--checkpoint-format sharded (common/checkpoint/sharded.py): (weights, exp_avg, exp_avg_sq, where) of
         what this rank writes, under HF names; no collectives. A padded vocabulary's last shard is cut to
         the true vocabulary there (shardedcheckpoint.trim)."""
-        def hf(flat):
-            return {key.replace(SHARD, "."): value for key, value in flat.items()}
+        def hf(flat: Mapping[str, mx.array]) -> dict[str, np.ndarray]:
+            return {key.replace(SHARD, "."): value for key, value in local_numpy(flat).items()}
 
         axes = {key.replace(SHARD, "."): 0 if self.is_sharded(key) else None for key in weights}
-        return local_pieces(self.rank, tuple(map(hf, (weights, *moments(weights, optimizer)))), axes, shapes)
+        return local_pieces(self.rank, (hf(weights), hf(exp_avg), hf(exp_avg_sq)), axes, shapes)
 
-    def full(self, flat: dict) -> Iterator[tuple[str, np.ndarray | None]]:
+    def full(self, flat: Mapping[str, mx.array]) -> Iterator[tuple[str, np.ndarray | None]]:
         """Arrays under this rank's parameter paths -> (HF name, whole numpy array) one at a time, the array on
         rank 0 only (the checkpoint's writer), None elsewhere; every rank iterates it (collectives). The
         other ranks drop each gathered array at once. The vocabulary's pad rows are dropped: files hold the

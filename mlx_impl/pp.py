@@ -24,35 +24,40 @@ Exact loss: the last stage holds the masked token losses of the whole batch, the
 sums the loss over the world (`loss_over`). Gradients are those of (sum of token losses) x scale, scale =
 1 / global tokens, as under ddp at one rank (nothing is averaged: the data-parallel size is 1). The global
 norm adds each stage's sum of squares over the ranks (every parameter lives on exactly one stage; tied
-embeddings are refused before the run starts, common/parallel/strategy.py). Checkpoints are whole HF-named files: the
+embeddings are refused before the run starts, common/parallel/pp.py). Checkpoints are whole HF-named files: the
 stages' parameters keep their HF names (blocks of other stages are empty placeholders in the layer list), and
 export_state sums the stages' dicts (zeros where a stage holds nothing) so every rank has the whole state.
 
-The bubble: every training step runs between two barriers (a one-element all_sum), so all stages see the same
-window; the time a stage spends outside its own forward and backward computations inside that window, over
-the window, is its measured idle fraction, reported beside (p - 1) / (M + p - 1). Mirrors torch_impl/pp.py.
+The bubble, the layers and tensors a stage holds and its figures are common/parallel/pipeline_stage.py's
+(`StageBookkeeping`, which `Pipeline` extends); the barriers around each training step are one-element all_sums.
+Mirrors torch_impl/pp.py.
 """
 from __future__ import annotations
 
-import time
-from typing import Iterator
+import contextlib
+from typing import Callable, Mapping, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from common.parallel.pipeline import bubble_fraction, stage_layers, stage_of, stage_ops
-from common.train.protocols import no_phase
-from common.checkpoint.sharded import local_pieces
+from common.checkpoint.sharded import LocalState, local_pieces
+from common.checkpoint.tensorsource import TensorSource
+from common.config import RunConfig
+from common.parallel.pipeline import stage_ops
+from common.parallel.pipeline_stage import StageBookkeeping
+from common.train.protocols import Batch, ForwardBackwardResult, Phase, StateStream, World, no_phase
 
 from .comm import CommCounter
-from .ddp import as_float32, moments, sum_of_squares, wait_for
+from .grads import sum_of_squares
 from .load import load_local
+from .microsteps import Grads, Losses, StepFunctions, wait_for
 from .model import cross_entropy
+from .rank_state import as_float32, local_numpy
 
 
-class Pipeline:
+class Pipeline(StageBookkeeping):
     """The pp strategy (common/train/protocols.py): this rank's stage, its schedule, and the state across stages."""
 
     reduce_scatter = None
@@ -60,23 +65,20 @@ class Pipeline:
     communicates = False             # no gradient is averaged; activations move inside forward_backward
     loss_over = "world"              # the last stage holds the loss sum
 
-    def __init__(self, cfg, world, comm: CommCounter, stream=None):
-        self.group, self.comm, self.stream = world.group, comm, stream
-        self.stage, self.n_stages = self.group.rank(), self.group.size()
-        self.first, self.last = self.stage == 0, self.stage == self.n_stages - 1
-        self.n_micro, self.schedule = cfg.pp_microbatches, cfg.pp_schedule
+    def __init__(self, cfg: RunConfig, world: World, comm: CommCounter):
+        self.group, self.comm, self.stream = world.group, comm, comm.stream
+        super().__init__(cfg, self.group.rank(), self.group.size())
         self.ops = stage_ops(self.schedule, self.stage, self.n_stages, self.n_micro)
         # gpipe's last stage runs every forward before any backward, like the others: its fused compiled
         # forward-and-backward at F would make each piece cost F + B there while the stage above waits for the
         # first gradient until the last activation is in (simulated idle 0.41 at p=2, M=8; measured 0.39-0.43).
         self.defers_backward = self.last and self.schedule == "gpipe"
-        self.idle: list[float] = []  # per training step: this stage's measured idle fraction
 
-    def wrap(self, model, source):
+    def wrap(self, model: nn.Module, source: TensorSource) -> nn.Module:
         """Keep this stage's part of the unevaluated model, in place, and read only its tensors from the
         source (mlx_impl/load.py); the names stay HF's."""
         spec, inner = model.spec, model.model
-        self.n_layers, self.layers = spec.n_layers, stage_layers(spec.n_layers, self.n_stages, self.stage)
+        self.place(spec)
         inner.layers = [layer if i in self.layers else nn.Module() for i, layer in enumerate(inner.layers)]
         if not self.first:
             inner.pop("embed_tokens")
@@ -92,40 +94,52 @@ class Pipeline:
         load_local(model, source, self.local_index)
         return model
 
-    def local_index(self, name: str, shape: tuple) -> tuple | None:
-        return () if stage_of(name, self.n_layers, self.n_stages) == self.stage else None
-
     # ---- the schedule ---------------------------------------------------------------------------------------
-    def forward_backward(self, trainer, batches, scale, phase=no_phase, wait=False, backward=True):
+    def forward_backward(self, step: StepFunctions, batches: Sequence[Batch], scale: float,
+                         phase: Phase = no_phase, wait: bool = False,
+                         sync: bool = True) -> ForwardBackwardResult[Losses, Grads]:
         """-> (the token losses of every micro-batch on the last stage, [] elsewhere; this stage's gradients
-        of (sum of token losses) x scale, or None when backward=False, eval)."""
-        if backward:
-            self._barrier()
-        start, busy, sent = time.perf_counter(), 0.0, 0
-        token_losses, grads = [], None
-        for inputs, targets, mask in batches:
-            losses, flush_grads, seconds, nbytes = self._flush(inputs, targets, mask, scale, phase, backward)
-            token_losses += losses
-            busy, sent = busy + seconds, sent + nbytes
-            if flush_grads is not None:
-                grads = flush_grads if grads is None else tree_map(mx.add, grads, flush_grads)
-        if backward:
-            self._barrier()
-            window = time.perf_counter() - start
-            if not wait:  # the time breakdown's instrumented steps wait after every phase: not a bubble
-                self.idle.append(max(0.0, 1.0 - busy / window) if window > 0 else 0.0)
-            self.comm.per_call.setdefault("micro_step", sent // len(batches))  # bytes this stage sends per flush
-            wait_for(wait, grads)
-        return token_losses, grads
+        of (sum of token losses) x scale). `step` goes unused: the stage runs its own compiled functions."""
+        scale_array = mx.array(scale, dtype=mx.float32)  # as the Trainer's micro-step takes it (microsteps.py)
+        token_losses: Losses = []
+        grads: Grads | None = None
+        sent = 0
+        with self.step_window(self._barrier, instrumented=wait) as clock:
+            for inputs, targets, mask in batches:
+                losses, flush_grads, nbytes = self._flush(inputs, targets, mask, scale_array, phase, clock.busy)
+                token_losses += losses
+                sent += nbytes
+                if flush_grads is not None:
+                    grads = flush_grads if grads is None else tree_map(mx.add, grads, flush_grads)
+        self.comm.per_call.setdefault("micro_step", sent // len(batches))  # bytes this stage sends per flush
+        assert grads is not None, "a step has at least one micro-batch"
+        wait_for(wait, grads)
+        return ForwardBackwardResult(token_losses, grads)
 
-    def _flush(self, inputs, targets, mask, scale, phase, backward):
-        """One pass of the schedule over one micro-step's batch, cut into M micro-batches; eval (forward only)
-        takes the batch as one piece, whatever its size (the last eval batch may be short)."""
+    def eval_losses(self, step: StepFunctions, batches: Sequence[Batch]) -> Losses:
+        """The forward alone, each batch as one piece: the token losses on the last stage, [] elsewhere."""
+        token_losses: Losses = []
+        for inputs, targets, mask in batches:
+            token_losses += self._flush(inputs, targets, mask, None, no_phase, None)[0]
+        return token_losses
+
+    def _flush(self, inputs, targets, mask, scale: mx.array | None, phase: Phase,
+               busy: Callable[[], contextlib.AbstractContextManager[None]] | None):
+        """One pass of the schedule over one micro-step's batch, cut into M micro-batches, each computation timed
+        by `busy`; eval (busy None: forward only) takes the batch as one piece, whatever its size (the last eval
+        batch may be short). -> (token losses, gradients, bytes sent)."""
+        backward = busy is not None
+        busy = busy or contextlib.nullcontext
         pieces = self.n_micro if backward else 1
         xs, ys, ms = (np.split(np.asarray(a), pieces) for a in (inputs, targets, mask))
         shape = (xs[0].shape[0], xs[0].shape[1], self.dim)
-        acts, cots, outputs, dx, losses, grads = {}, {}, {}, {}, {}, None
-        busy, sent = 0.0, 0
+        acts: dict[int, mx.array] = {}     # received activations, by micro-batch
+        outputs: dict[int, mx.array] = {}  # activations to send
+        dx: dict[int, mx.array] = {}       # input gradients to send
+        losses: dict[int, mx.array] = {}   # the last stage's token losses
+        cots: dict[int, tuple[mx.array | None, list[mx.array]]] = {}  # (the gradient's receive, the vjps) for B
+        grads: Grads | None = None
+        sent = 0
         ops = self.ops if backward else [op for op in stage_ops(self.schedule, self.stage, self.n_stages, 1)
                                          if op[0] in ("recv_act", "F", "send_act")]
         for op in ops:
@@ -139,8 +153,7 @@ class Pipeline:
                 sent += out.nbytes
                 self._send(out, op[2])
             elif kind == "F":
-                t0 = time.perf_counter()
-                with phase("forward"):
+                with busy(), phase("forward"):
                     x = mx.array(xs[i]) if self.first else acts.pop(i)
                     if not self.last and backward:
                         # The backward's graph is built now, on a receive not yet run (MLX is lazy): the
@@ -166,10 +179,8 @@ class Pipeline:
                         if dx_i is not None:
                             dx[i] = dx_i
                         mx.eval(losses[i], grads, *([] if dx_i is None else [dx_i]))
-                busy += time.perf_counter() - t0
             elif not self.last or self.defers_backward:  # "B"; on the last stage of 1f1b it was done at F
-                t0 = time.perf_counter()
-                with phase("backward"):
+                with busy(), phase("backward"):
                     _, vjps = cots.pop(i)
                     n = len(self.keys)
                     g = tree_unflatten(list(zip(self.keys, vjps[:n])))
@@ -178,8 +189,7 @@ class Pipeline:
                     if dx_i is not None:
                         dx[i] = dx_i
                     mx.eval(grads, *([] if dx_i is None else [dx_i]))
-                busy += time.perf_counter() - t0
-        return [losses[i] for i in sorted(losses)], grads, busy, sent
+        return [losses[i] for i in sorted(losses)], grads, sent
 
     def _forward(self, x):
         """This stage's part of Llama.__call__ (mlx_impl/model.py): tokens or activations in, activations or
@@ -278,40 +288,28 @@ class Pipeline:
     def _barrier(self):
         mx.eval(mx.distributed.all_sum(mx.zeros((1,)), group=self.group, stream=self.stream))
 
-    # ---- the rest of the Strategy protocol -------------------------------------------------------------------
-    def reduce_gradients(self, grads):
+    # ---- the rest of the Strategy protocol (local_index and figures: StageBookkeeping's) -------------------------
+    def reduce_gradients(self, grads: Grads) -> Grads:
         return grads  # nothing to average: one replica
 
-    def global_norm(self, grads) -> mx.array:
+    def global_norm(self, grads: Grads) -> mx.array:
         """Each stage's sum of squares, summed over the stages: every parameter lives on exactly one."""
         squares = sum((sum_of_squares(g) for _, g in tree_flatten(grads)), mx.array(0.0))
         return mx.sqrt(mx.distributed.all_sum(squares, group=self.group))
 
-    def export_state(self, weights: dict, optimizer: dict):
-        return tuple(self.gather(part) for part in (weights, *moments(weights, optimizer)))
+    def export_state(self, weights: Mapping[str, mx.array], exp_avg: Mapping[str, mx.array],
+                     exp_avg_sq: Mapping[str, mx.array]) -> tuple[StateStream, StateStream, StateStream]:
+        return self.gather(weights, self._all_sum), self.gather(exp_avg, self._all_sum), \
+            self.gather(exp_avg_sq, self._all_sum)
 
-    def local_state(self, shapes: dict, weights: dict, optimizer: dict):
+    def local_state(self, shapes: Mapping[str, tuple[int, ...]], weights: Mapping[str, mx.array],
+                    exp_avg: Mapping[str, mx.array], exp_avg_sq: Mapping[str, mx.array]) -> LocalState:
         """--checkpoint-format sharded (common/checkpoint/sharded.py): (weights, exp_avg, exp_avg_sq, where) of
         this stage's own tensors, whole, under HF names; no collectives."""
-        return local_pieces(self.stage, (weights, *moments(weights, optimizer)), {}, shapes)
+        return local_pieces(self.stage, (local_numpy(weights), local_numpy(exp_avg), local_numpy(exp_avg_sq)), {},
+                            shapes)
 
-    def gather(self, named: dict) -> Iterator[tuple[str, np.ndarray]]:
-        """The whole model's arrays on every rank from each stage's own: an all_sum per array, zeros from the
-        stages that do not hold it (x + 0 is exact). Every rank calls it: collectives, in one order."""
-        from common.model.weights import parameter_shapes
-
-        for name, shape in parameter_shapes(self.model.spec).items():
-            mine = stage_of(name, self.n_layers, self.n_stages) == self.stage
-            value = mx.array(as_float32(named[name])) if mine else mx.zeros(shape, dtype=mx.float32)
-            summed = mx.distributed.all_sum(value, group=self.group)
-            yield name, np.array(summed)
-
-    def figures(self) -> dict:
-        """The bubble: this stage's median idle fraction over the steps after the first (compilation and warm
-        caches; the time breakdown's uninstrumented steps count too), beside the analytic value; and what the
-        stage held."""
-        steady = self.idle[1:] or self.idle
-        return {"pp_bubble": float(np.median(steady)) if steady else None,
-                "pp_bubble_analytic": bubble_fraction(self.n_stages, self.n_micro),
-                "pp_schedule": self.schedule, "pp_microbatches": self.n_micro,
-                "pp_layers": [self.layers.start, self.layers.stop]}
+    def _all_sum(self, value: mx.array | None, shape: tuple[int, ...]) -> np.ndarray:
+        """One tensor of export_state summed over the stages (StageBookkeeping.gather): zeros where not held."""
+        mine = mx.array(as_float32(value)) if value is not None else mx.zeros(shape, dtype=mx.float32)
+        return np.array(mx.distributed.all_sum(mine, group=self.group))

@@ -6,6 +6,7 @@ runs it after training and writes the run's sample.json.
 from __future__ import annotations
 
 import sys
+from typing import cast
 
 import mlx.core as mx
 
@@ -16,7 +17,7 @@ from .model import from_pretrained
 
 def next_token(model, window: list[int]) -> int:
     logits = model(mx.array([window]))[0, -1]
-    return int(mx.argmax(logits.astype(mx.float32)).item())
+    return cast(int, mx.argmax(logits.astype(mx.float32)).item())  # an integer array
 
 
 def main(argv: list[str] | None = None) -> int:

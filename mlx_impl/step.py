@@ -6,7 +6,9 @@ gradients, their all-reduce and the AdamW state are float32 whatever the dtype.
 The Trainer holds one strategy (common/train/protocols.py; `STRATEGIES` below is the only place that maps names
 to classes): ddp replicates the model (ddp.py), fsdp shards it (fsdp.py: sharded gradients arrive
 reduce-scattered from the backward, only the replicated ones are averaged after it), tp splits each layer
-(tp.py). The step asks the strategy, never which one it is.
+(tp.py), pp splits the layers into stages (pp.py). The step asks the strategy, never which one it is; the
+strategy runs the Trainer's compiled micro-step and eval (`micro_step`, `eval_step`: microsteps.py's
+StepFunctions).
 
 The loss of a step is (sum of masked token losses on all ranks) / (global count of real target tokens),
 so DP is exact even when ranks hold different numbers of real tokens (padding mode). Each rank scales
@@ -22,34 +24,55 @@ holds the full gradient of its own pieces, so nothing is averaged.
 """
 from __future__ import annotations
 
+from typing import Mapping, Protocol, Sequence
+
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from common.train.protocols import no_phase
-from common.checkpoint.tensorsource import as_source
+from common.checkpoint.sharded import LocalState
+from common.checkpoint.tensorsource import TensorSource, as_source
+from common.config import RunConfig
+from common.model.spec import ModelSpec
 from common.model.weights import parameter_shapes
+from common.train.protocols import Batch, Phase, StateStream, Strategy, StrategyClass, World, no_phase
 
 from .comm import CommCounter, communication_stream
-from .ddp import Replicated, as_float32, clip_by_norm, state_bytes
+from .ddp import Replicated
 from .fsdp import Sharding
+from .grads import clip_by_norm
 from .load import read_local
+from .microsteps import Grads, Losses, StepFunctions
 from .model import Llama, cross_entropy, load_weights, token_loss_sum, weights_of  # noqa: F401 (benchmarks, tests)
 from .pp import Pipeline
+from .rank_state import state_bytes
 from .tp import TensorParallel
 from .trace import Tracer
 
 FRAMEWORK = "mlx"
-STRATEGIES = {"ddp": Replicated, "fsdp": Sharding, "tp": TensorParallel, "pp": Pipeline}
 
 
-def strategy_for(cfg, world, comm: CommCounter, stream=None):
-    return STRATEGIES[cfg.strategy](cfg, world, comm, stream)
+class StepStrategy(Strategy[nn.Module, nn.Module, StepFunctions, Losses, Grads, mx.array], Protocol):
+    """The Strategy protocol with MLX's types, and the member only MLX's step asks: the gradient reduction,
+    which MLX runs after the backward (in the compiled update, or as the communication phase of its own)."""
+
+    def reduce_gradients(self, grads: Grads) -> Grads:
+        """The step's gradient reduction (ddp: all of them; fsdp: the replicated ones; tp, pp: none)."""
+        ...
 
 
-def _exact_sum(arrays) -> float:
+# Typed so that mypy (`make lint`) checks every class's constructor and members against StepStrategy.
+STRATEGIES: dict[str, StrategyClass[CommCounter, StepStrategy]] = {
+    "ddp": Replicated, "fsdp": Sharding, "tp": TensorParallel, "pp": Pipeline}
+
+
+def strategy_for(cfg: RunConfig, world: World, comm: CommCounter) -> StepStrategy:
+    return STRATEGIES[cfg.strategy](cfg, world, comm)
+
+
+def _exact_sum(arrays: Losses) -> float:
     return float(sum(np.array(a, dtype=np.float64).sum() for a in arrays))
 
 
@@ -57,14 +80,15 @@ class Trainer:
     framework = FRAMEWORK
     tracer = Tracer  # --trace (common/train/trace.py)
 
-    def __init__(self, cfg, spec, weights, world):
+    def __init__(self, cfg: RunConfig, spec: ModelSpec, weights: TensorSource, world: World):
         self.rank, self.world_size, self.group = world.rank, world.size, world.group
         # Ranks that read different samples and average gradients: all of them, except under tp.
         self.dp_size = cfg.data_parallel_size
-        self.comm = CommCounter()
         self.device = "gpu" if mx.default_device() == mx.gpu else "cpu"
-        self.stream = communication_stream(cfg)  # the CPU stream on a Metal GPU (mlx_impl/comm.py)
-        self.strategy = strategy = strategy_for(cfg, world, self.comm, self.stream)
+        # Collectives run on the CPU stream on a Metal GPU (mlx_impl/comm.py); the comm counts their bytes.
+        self.comm = CommCounter(communication_stream(cfg))
+        self.stream = self.comm.stream
+        self.strategy = strategy = strategy_for(cfg, world, self.comm)
         # Built unevaluated (MLX is lazy): the strategy cuts it to this rank's part and loads only that
         # from the source (mlx_impl/load.py), so the whole model is never materialised on a sharded rank.
         self.model = Llama(spec, compute_dtype=cfg.dtype)
@@ -96,13 +120,15 @@ class Trainer:
         # value_and_grad swaps traced parameters into the model, so every compiled function lists the
         # state as an output too: otherwise the model would be left holding placeholders.
         state = [self.model.state, self.optimizer.state]
-        self._micro_step = self.comm.attribute("micro_step", mx.compile(micro_step, inputs=state, outputs=state))
+        # The StepFunctions (microsteps.py) the strategies run.
+        self.micro_step = self.comm.attribute("micro_step", mx.compile(micro_step, inputs=state, outputs=state))
+        self.eval_step = mx.compile(lambda x, y, m: token_loss_sum(self.model, x, y, m)[1], inputs=state,
+                                    outputs=state)
         self._update = {True: self.comm.attribute("update", mx.compile(make_update(True), inputs=state, outputs=state)),
                         False: mx.compile(make_update(False), inputs=state, outputs=state)}
-        self._eval_losses = mx.compile(lambda x, y, m: token_loss_sum(self.model, x, y, m)[1], inputs=state,
-                                       outputs=state)
 
-    def train_step(self, batches, lr, global_tokens, sync=True, phase=no_phase, wait=False):
+    def train_step(self, batches: Sequence[Batch], lr: float, global_tokens: int, sync: bool = True,
+                   phase: Phase = no_phase, wait: bool = False) -> tuple[float, float]:
         """sync=False skips the gradient sync (time breakdown only: the ranks' weights part ways).
         `phase(name)` wraps each phase (common/train/protocols.py); wait=True ends each in mx.eval: forward (a
         micro-batch's losses), backward (the rest of its gradients: the compiled micro-step's graph is then
@@ -110,9 +136,9 @@ class Trainer:
         gradient sync, run apart from the update to time it, uncompiled so that it stays out of the per-call
         byte counts of comm_bytes_per_step; under fsdp the shards' reduce-scatter is in backward), optimizer."""
         # scale = N / T (N data-parallel ranks): after averaging, the gradient is that of (sum of losses) / T.
-        scale = mx.array(self.dp_size / global_tokens, dtype=mx.float32)
-        # The micro-batches' forward and backward: one after another (ddp.py's MicroSteps), or pp's schedule.
-        token_losses, grads = self.strategy.forward_backward(self, batches, scale, phase, wait)
+        # The micro-batches' forward and backward: one after another (microsteps.py), or pp's schedule.
+        passes = self.strategy.forward_backward(self, batches, self.dp_size / global_tokens, phase, wait, sync)
+        token_losses, grads = passes.losses, passes.grads
         update_syncs = sync
         if wait and sync and self.strategy.communicates:
             with phase("communication"):
@@ -127,12 +153,11 @@ class Trainer:
         loss_sum = (self.all_sum(local, over=self.strategy.loss_over) if sync else local)[0]
         return float(loss_sum / global_tokens), grad_norm.item()
 
-    def eval_loss_sum(self, inputs, targets, mask):
+    def eval_loss_sum(self, inputs: np.ndarray, targets: np.ndarray, mask: np.ndarray) -> float:
         """This rank's part of the sum (under pp: the last stage's, 0 elsewhere; strategy.loss_over)."""
-        token_losses, _ = self.strategy.forward_backward(self, [(inputs, targets, mask)], None, backward=False)
-        return _exact_sum(token_losses)
+        return _exact_sum(self.strategy.eval_losses(self, [(inputs, targets, mask)]))
 
-    def all_sum(self, values, over="data"):
+    def all_sum(self, values: np.ndarray, over: str = "data") -> np.ndarray:
         """Sum over the data-parallel ranks (under tp: this rank alone, which holds the whole sum), or
         over="world": over every rank."""
         values = np.asarray(values, dtype=np.float64)
@@ -147,20 +172,25 @@ class Trainer:
         summed = mx.distributed.all_sum(mx.array(slots), group=self.group, stream=self.stream)
         return np.array(summed, dtype=np.float64).sum(axis=(0, 1))
 
-    def export_state(self):
+    def export_state(self) -> tuple[StateStream, StateStream, StateStream]:
         """HF-named weights and AdamW moments, full (strategy.full_state_on_every_rank says on which ranks).
         Every rank calls it: collectives."""
-        return self.strategy.export_state(dict(tree_flatten(self.model.parameters())),
-                                          dict(tree_flatten(self.optimizer.state)))
+        return self.strategy.export_state(*self._named_state())
 
-    def local_state(self):
-        """This rank's own pieces of the state, for a sharded checkpoint (strategy.local_state): no collectives."""
-        # views of the rank's own arrays (as_float32), not a copy of them: saving adds nothing to the peak
-        return self.strategy.local_state(parameter_shapes(self.model.spec),
-                                         {k: as_float32(v) for k, v in tree_flatten(self.model.parameters())},
-                                         dict(tree_flatten(self.optimizer.state)))
+    def local_state(self) -> LocalState:
+        """This rank's own pieces of the state, for a sharded checkpoint (strategy.local_state): no collectives.
+        The strategy hands on float32 numpy views of the rank's own arrays, not copies: saving adds nothing to
+        the peak."""
+        return self.strategy.local_state(parameter_shapes(self.model.spec), *self._named_state())
 
-    def import_optimizer(self, exp_avg, exp_avg_sq, step):
+    def _named_state(self) -> tuple[dict[str, mx.array], dict[str, mx.array], dict[str, mx.array]]:
+        """(parameters, exp_avg, exp_avg_sq) as this rank holds them, under its parameter paths."""
+        weights = dict(tree_flatten(self.model.parameters()))
+        state = dict(tree_flatten(self.optimizer.state))
+        return weights, {k: state[f"{k}.m"] for k in weights}, {k: state[f"{k}.v"] for k in weights}
+
+    def import_optimizer(self, exp_avg: TensorSource | Mapping[str, np.ndarray],
+                         exp_avg_sq: TensorSource | Mapping[str, np.ndarray], step: int) -> None:
         """The moments' slices this rank keeps, read as its weights were (strategy.local_index)."""
         shapes = {k: v.shape for k, v in tree_flatten(self.model.parameters())}  # this rank's paths and shapes
         moments = [(f"{path}.{key}", mx.array(value))
@@ -172,16 +202,15 @@ class Trainer:
         state["step"] = mx.array(step, dtype=mx.uint64)
         mx.eval(state)
 
-    def peak_memory_bytes(self):
+    def peak_memory_bytes(self) -> int:
         return int(mx.get_peak_memory())
 
-    def state_bytes(self):
+    def state_bytes(self) -> dict[str, int]:
         return state_bytes(self.model, self.optimizer)
 
-    def comm_bytes_per_step(self):
+    def comm_bytes_per_step(self) -> int | None:
         """Bytes given to all-reduce by one step's micro-steps and update (scalars left out)."""
-        calls = self.comm.per_call
-        return calls.get("micro_step", 0) * self.grad_accum + calls.get("update", 0)
+        return self.comm.bytes_per_step(self.grad_accum)
 
 
 def _set_path(tree, path, value):

@@ -1,11 +1,11 @@
-"""Tensor parallelism in MLX (Megatron), on `mx.distributed.all_sum`: the split is common/parallel/strategy.py's.
+"""Tensor parallelism in MLX (Megatron), on `mx.distributed.all_sum`: the split is common/parallel/tp.py's.
 
 q/k/v and gate/up keep their output features 1/N per rank (column-parallel, plain Linear on a slice),
 o_proj and down_proj their input features (row-parallel: `ShardedToAllLinear`, whose all_sum adds the
 partial outputs). The gradient flowing back into the column-parallel layers is summed over ranks once
 per attention and once per MLP, at the norm that feeds them (Megatron's "f"; MLX's own
 AllToShardedLinear would do it in each of q, k and v: three all-reduces instead of one). Embedding,
-norms and lm_head are replicated (why: common/parallel/strategy.py); their inputs and incoming gradients are the
+norms and lm_head are replicated (why: common/parallel/tp.py); their inputs and incoming gradients are the
 same on every rank, so are their gradients, and nothing averages them.
 
 Bytes all-reduced are counted here, in these layers' collectives, when MLX traces them: the step is
@@ -14,7 +14,7 @@ Mirrors torch_impl/tp.py.
 """
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterator, Mapping
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -22,13 +22,18 @@ import numpy as np
 from mlx.nn.layers.distributed import ShardedToAllLinear
 from mlx.utils import tree_flatten, tree_unflatten
 
-from common.checkpoint.sharded import local_pieces
-from common.parallel.strategy import tp_index, tp_split_axis
+from common.checkpoint.sharded import LocalState, local_pieces
+from common.checkpoint.tensorsource import Index, TensorSource
+from common.config import RunConfig
+from common.parallel.tp import tp_index, tp_split_axis
+from common.train.protocols import StateStream, World
 
 from .comm import CommCounter
-from .ddp import MicroSteps, as_float32, moments, sum_of_squares
+from .grads import sum_of_squares
 from .load import load_local
+from .microsteps import Grads, MicroSteps
 from .model import RMSNorm
+from .rank_state import as_float32, local_numpy
 
 
 class TensorParallel(MicroSteps):
@@ -39,7 +44,7 @@ class TensorParallel(MicroSteps):
     full_state_on_every_rank = True
     communicates = False
 
-    def __init__(self, cfg, world, comm: CommCounter, stream=None):
+    def __init__(self, cfg: RunConfig, world: World, comm: CommCounter):
         group = world.group
         self.group, self.rank, self.size, self.counter = group, group.rank(), group.size(), comm
 
@@ -54,7 +59,7 @@ class TensorParallel(MicroSteps):
 
         self.grad_sum = grad_sum
 
-    def wrap(self, model, source):
+    def wrap(self, model: nn.Module, source: TensorSource) -> nn.Module:
         """Shard the unevaluated model in place: each split weight becomes this rank's block (the lazy init
         sliced, then replaced by the block read from the source: mlx_impl/load.py), then the layers that
         communicate take the place of the plain ones."""
@@ -71,13 +76,13 @@ class TensorParallel(MicroSteps):
             block.post_attention_layernorm = GradSumRMSNorm.from_norm(block.post_attention_layernorm, self)
         return model
 
-    def local_index(self, name: str, shape: tuple) -> tuple:
+    def local_index(self, name: str, shape: tuple[int, ...]) -> Index:
         return tp_index(name, shape, self.rank, self.size)
 
-    def reduce_gradients(self, grads):
+    def reduce_gradients(self, grads: Grads) -> Grads:
         return grads  # every rank holds the whole gradient of its pieces
 
-    def global_norm(self, grads) -> mx.array:
+    def global_norm(self, grads: Grads) -> mx.array:
         """The whole model's gradient norm: the squares of sharded gradients summed over ranks, those of
         replicated ones (the same on every rank) counted once."""
         flat = tree_flatten(grads)
@@ -85,16 +90,19 @@ class TensorParallel(MicroSteps):
         replicated = sum((sum_of_squares(g) for k, g in flat if tp_split_axis(k) is None), mx.array(0.0))
         return mx.sqrt(replicated + mx.distributed.all_sum(sharded, group=self.group))
 
-    def export_state(self, weights: dict, optimizer: dict):
-        return tuple(self.gather(part) for part in (weights, *moments(weights, optimizer)))
+    def export_state(self, weights: Mapping[str, mx.array], exp_avg: Mapping[str, mx.array],
+                     exp_avg_sq: Mapping[str, mx.array]) -> tuple[StateStream, StateStream, StateStream]:
+        return self.gather(weights), self.gather(exp_avg), self.gather(exp_avg_sq)
 
-    def local_state(self, shapes: dict, weights: dict, optimizer: dict):
+    def local_state(self, shapes: Mapping[str, tuple[int, ...]], weights: Mapping[str, mx.array],
+                    exp_avg: Mapping[str, mx.array], exp_avg_sq: Mapping[str, mx.array]) -> LocalState:
         """--checkpoint-format sharded (common/checkpoint/sharded.py): (weights, exp_avg, exp_avg_sq, where) of
         what this rank writes, under HF names; no collectives."""
         axes = {name: tp_split_axis(name) for name in weights}
-        return local_pieces(self.rank, (weights, *moments(weights, optimizer)), axes, shapes)
+        return local_pieces(self.rank, (local_numpy(weights), local_numpy(exp_avg), local_numpy(exp_avg_sq)), axes,
+                            shapes)
 
-    def gather(self, named: dict) -> Iterator[tuple[str, np.ndarray]]:
+    def gather(self, named: Mapping[str, mx.array]) -> Iterator[tuple[str, np.ndarray]]:
         """Whole arrays from this rank's pieces, one at a time (every rank iterates it: collectives)."""
         for name, piece in named.items():
             axis = tp_split_axis(name)

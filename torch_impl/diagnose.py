@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 import types
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -42,7 +43,7 @@ def gradients(model: nn.Module, inputs, targets, mask, scale: float) -> dict[str
     loss = token_loss_sum(model, torch.from_numpy(inputs).long().to(device),
                           torch.from_numpy(targets).long().to(device), torch.from_numpy(mask).to(device))
     (loss * scale).backward()
-    grads = {name: p.grad.float().cpu().numpy().copy() for name, p in model.named_parameters()}
+    grads = {name: p.grad.float().cpu().numpy().copy() for name, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     return grads
 
@@ -59,7 +60,7 @@ def inject_bug(trainer: Trainer, bug: str) -> None:
             if isinstance(m, RoPE):
                 m.traditional = True
     elif bug == "adamw_bias_correction":
-        trainer.optimizer.step = types.MethodType(_adamw_without_bias_correction, trainer.optimizer)
+        setattr(trainer.optimizer, "step", types.MethodType(_adamw_without_bias_correction, trainer.optimizer))
     else:
         raise ValueError(f"no {bug!r} bug for torch")
 
@@ -83,7 +84,7 @@ def _adamw_without_bias_correction(self, closure=None):
 
 def main(argv: list[str] | None = None) -> int:
     plan, out_dir = sys.argv[1:] if argv is None else argv
-    run_worker(plan, out_dir, start_world, sys.modules[__name__])
+    run_worker(Path(plan), Path(out_dir), start_world, sys.modules[__name__])
     return 0
 
 

@@ -15,7 +15,7 @@ would not see. FSDP2 pads an axis that does not divide by N (a 50257-token vocab
 mlx_impl/fsdp.py does by hand.
 
 Nothing whole is ever allocated: the model is built on the meta device, sharded there, and `wrap` then
-allocates (to_empty) and loads only this rank's rows of each tensor (torch_impl/load.py, common/parallel/strategy.py's
+allocates (to_empty) and loads only this rank's rows of each tensor (torch_impl/load.py, common/parallel/fsdp.py's
 fsdp_rows, which is torch.chunk's split as FSDP2 uses it). The mesh is a CPU mesh over gloo or a CUDA mesh
 over nccl, whichever process group the job runs.
 
@@ -31,7 +31,7 @@ gradients accumulate locally and are reduce-scattered once per step (the same as
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Iterator, Mapping, Sequence, cast
 
 import numpy as np
 
@@ -41,17 +41,20 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
+from common.checkpoint.sharded import LocalState, local_pieces
+from common.checkpoint.tensorsource import Index, TensorSource
+from common.config import RunConfig
+from common.parallel.fsdp import fsdp_rows, reduce_scatter_kind
 from common.train.heap import release_freed_heap
-from common.parallel.strategy import fsdp_rows
+from common.train.protocols import Batch, StateStream, World
 
-from common.checkpoint.sharded import local_pieces
-
-from .ddp import FixedCount, MicroSteps, _local_numpy, as_float32, sum_of_squares
+from .comm import CommCounter, FixedCount, Watch
+from .grads import norm_dtype, sum_of_squares
 from .load import load_local
+from .microsteps import Grads, MicroSteps, StepFunctions
+from .model import Llama
+from .rank_state import as_float32, local_numpy
 
-
-def reduce_scatter_kind(backend: str) -> str:
-    return "native"  # gloo and nccl both implement reduce_scatter_tensor, which FSDP2 calls
 
 
 def shard_model(model, device: torch.device, backend: str, *, release_heap: bool) -> None:
@@ -102,71 +105,73 @@ class Sharding(MicroSteps):
     communicates = False              # the reduce-scatter runs inside the backward (FSDP2's hooks)
     keeps_grads = False               # FSDP2 frees its sharded gradients
 
-    def __init__(self, cfg, world, device: torch.device):
-        self.device, self.backend, self.rank, self.size = device, cfg.resolved_backend, dist.get_rank(), dist.get_world_size()
-        self.reduce_scatter = reduce_scatter_kind(self.backend)
+    def __init__(self, cfg: RunConfig, world: World, comm: CommCounter):
+        self.device, self.comm = torch.device(world.device), comm
+        self.backend, self.rank, self.size = cfg.resolved_backend, dist.get_rank(), dist.get_world_size()
+        self.reduce_scatter = reduce_scatter_kind("torch", self.backend)
         # The host heap is what a CPU rank's tensors live in; on a GPU the trim would only cost time.
         # --tune-malloc keeps freed memory on purpose (common/train/heap.py).
-        self.release_heap = device.type == "cpu" and not cfg.tune_malloc
+        self.release_heap = self.device.type == "cpu" and not cfg.tune_malloc
 
-    def wrap(self, model, source):
+    def wrap(self, model: Llama, source: TensorSource) -> Llama:
         """Shard the model while it is on the meta device, then allocate and load only this rank's shards."""
         shard_model(model, self.device, self.backend, release_heap=self.release_heap)
         load_local(model, self.device, source, self.local_index)
         self.model = model
         return model
 
-    def local_index(self, name: str, shape: tuple) -> tuple:
+    def local_index(self, name: str, shape: tuple[int, ...]) -> Index:
         """Every parameter's rows as FSDP2 splits them (torch.chunk: the last shards run short)."""
         return (fsdp_rows(shape[0], self.rank, self.size),)
 
-    def forward_backward(self, trainer, batches, scale, *args, backward=True, **kwargs):
-        loss_sum = super().forward_backward(trainer, batches, scale, *args, backward=backward, **kwargs)
-        if not backward:  # an evaluation: the units kept gathered after a forward (the head, the root) are
-            # otherwise freed only by the next backward, and a checkpoint saved meanwhile would hold them whole
-            for module in self.model.modules():
-                if isinstance(module, FSDPModule):
-                    module.reshard()
+    def eval_losses(self, step: StepFunctions, batches: Sequence[Batch]) -> torch.Tensor:
+        loss_sum = super().eval_losses(step, batches)
+        # The units kept gathered after a forward (the head, the root) are otherwise freed only by the next
+        # backward, and a checkpoint saved meanwhile would hold them whole.
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
         return loss_sum
 
-    def param_groups(self, model) -> list[dict]:
-        return [{"params": list(model.parameters())}]
-
-    def comm_counter(self):
-        return FixedCount(None)  # not counted: FSDP2's collectives are reduce-scatters and all-gathers
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """DDP's no_sync for FSDP2: gradients accumulate unsharded, unreduced, until the context ends."""
-        self.model.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            self.model.set_requires_gradient_sync(True)
-
-    def global_norm(self, parameters, dtype: torch.dtype) -> torch.Tensor:
-        """The global gradient norm, computed in `dtype` from this rank's shards and summed over the ranks:
+    def global_norm(self, grads: Grads) -> torch.Tensor:
+        """The global gradient norm, computed in norm_dtype (grads.py) from this rank's shards and summed over the ranks:
         every element lives on exactly one rank (FSDP2 pads uneven shards with zeros)."""
-        local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in parameters
-                 if p.grad is not None]
+        dtype = norm_dtype(self.device)
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
         squares = torch.stack([sum_of_squares(g, dtype) for g in local]).sum()
         dist.all_reduce(squares)
         return squares.sqrt()
 
-    def export_state(self, params: dict, exp_avg: dict, exp_avg_sq: dict):
-        return self.full(params), self.full(exp_avg), self.full(exp_avg_sq)
+    def export_state(self, weights: Mapping[str, torch.Tensor], exp_avg: Mapping[str, torch.Tensor],
+                     exp_avg_sq: Mapping[str, torch.Tensor]) -> tuple[StateStream, StateStream, StateStream]:
+        return self.full(weights), self.full(exp_avg), self.full(exp_avg_sq)
 
-    def local_state(self, shapes: dict, params: dict, exp_avg: dict, exp_avg_sq: dict):
+    def local_state(self, shapes: Mapping[str, tuple[int, ...]], weights: Mapping[str, torch.Tensor],
+                    exp_avg: Mapping[str, torch.Tensor], exp_avg_sq: Mapping[str, torch.Tensor]) -> LocalState:
         """--checkpoint-format sharded (common/checkpoint/sharded.py): (weights, exp_avg, exp_avg_sq, where) of
         what this rank writes, under HF names; no collectives."""
-        axes = {name: 0 if isinstance(p, DTensor) else None for name, p in params.items()}
+        axes = {name: 0 if isinstance(p, DTensor) else None for name, p in weights.items()}
         # FSDP2 splits axis 0 as torch.chunk does: ceil(rows / N) per rank, the last ones shorter or empty.
         size = dist.get_world_size()
         offsets = {name: min(self.rank * -(-shapes[name][0] // size), shapes[name][0])
                    for name, axis in axes.items() if axis == 0}
-        return local_pieces(self.rank, tuple(map(_local_numpy, (params, exp_avg, exp_avg_sq))), axes, shapes, offsets)
+        return local_pieces(self.rank, (local_numpy(weights), local_numpy(exp_avg), local_numpy(exp_avg_sq)), axes,
+                            shapes, offsets)
 
-    def full(self, flat: dict) -> Iterator[tuple[str, np.ndarray | None]]:
+    @contextlib.contextmanager
+    def _no_sync(self) -> Iterator[None]:
+        """DDP's no_sync for FSDP2: gradients accumulate unsharded, unreduced, until the context ends."""
+        model = cast(FSDPModule, self.model)  # shard_model made it one
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+
+    def _watch_collectives(self) -> Watch:
+        return FixedCount(None)  # not counted: FSDP2's collectives are reduce-scatters and all-gathers
+
+    def full(self, flat: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, np.ndarray | None]]:
         """Tensors (DTensor shards or plain) -> (name, whole numpy array) one at a time, the array on rank 0
         only (the checkpoint's writer), None elsewhere; every rank iterates it (collectives)."""
         for key, value in flat.items():

@@ -60,13 +60,13 @@ def measure_matmul_flops(n: int | None = None, repeats: int = 10, threads: int =
             sync()
             best_s = min(best_s, (time.perf_counter() - start) / batch)
     result = {"flops": 2.0 * n ** 3 / best_s, "device": str(dev), "threads": threads, "n": n,
-              "matmul_s": best_s, "framework": "torch", "version": torch.__version__, "blas": blas()}
+              "matmul_s": best_s, "framework": "torch", "version": torch.__version__, "blas": _blas()}
     if dev.type == "cuda":
         result["device_name"] = torch.cuda.get_device_name(dev)
     return result
 
 
-def blas() -> str:
+def _blas() -> str:
     """The BLAS torch was built with, from its build configuration (CPU matmuls only)."""
     import torch
 

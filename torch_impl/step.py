@@ -6,7 +6,9 @@ gradients, their all-reduce, the loss and the AdamW state are float32 whatever t
 The Trainer holds one strategy (common/train/protocols.py; `STRATEGIES` below is the only place that maps names
 to classes): ddp wraps the model in DDP (ddp.py); fsdp shards it with FSDP2 (fsdp.py), which averages the
 gradients the same way (a reduce-scatter divided by N instead of an all-reduce divided by N); tp splits
-each layer (tp.py). The step asks the strategy, never which one it is.
+each layer (tp.py), pp splits the layers into stages (pp.py). The step asks the strategy, never which one it
+is; the strategy runs the Trainer's model, bare or as wrapped (`model`, `wrapped`: microsteps.py's
+StepFunctions).
 
 The loss of a step is (sum of masked token losses on all ranks) / (global count of real target tokens),
 so DP is exact even when ranks hold different numbers of real tokens (padding mode). Each rank scales
@@ -16,106 +18,123 @@ holds the full gradient of its own pieces, so nothing is averaged.
 """
 from __future__ import annotations
 
-import contextlib
+from typing import Mapping, Protocol, Sequence, cast
 
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
-from common.train.protocols import no_phase
-from common.checkpoint.tensorsource import as_source
+from common.checkpoint.sharded import LocalState
+from common.checkpoint.tensorsource import TensorSource, as_source
+from common.config import RunConfig
+from common.model.spec import ModelSpec
 from common.model.weights import parameter_shapes
+from common.train.protocols import Batch, Phase, StateStream, Strategy, StrategyClass, World, no_phase
 
-from .comm import communication_stream
-from .ddp import Replicated, clip_by_norm, state_bytes
+from .comm import CommCounter, communication_stream
+from .ddp import Replicated
 from .fsdp import Sharding
+from .grads import clip_by_norm
 from .load import filled_like, read_local
+from .microsteps import Grads, StepFunctions, wait_for
 from .model import Llama, cross_entropy, load_weights, token_loss_sum  # noqa: F401 (diagnose, tests)
 from .pp import Pipeline
+from .rank_state import state_bytes
 from .tp import TensorParallel
 from .trace import Tracer
 
 FRAMEWORK = "torch"
-STRATEGIES = {"ddp": Replicated, "fsdp": Sharding, "tp": TensorParallel, "pp": Pipeline}
 
 
-def strategy_for(cfg, world, device: torch.device):
-    return STRATEGIES[cfg.strategy](cfg, world, device)
+class StepStrategy(Strategy[Llama, nn.Module, StepFunctions, torch.Tensor, Grads, torch.Tensor], Protocol):
+    """The Strategy protocol with torch's types, and the member only torch's step asks: whether the gradients
+    must stay allocated between steps (DDP's bucket views), since DDP and FSDP2 reduce inside the backward."""
+
+    @property
+    def keeps_grads(self) -> bool: ...
+
+
+# Typed so that mypy (`make lint`) checks every class's constructor and members against StepStrategy.
+STRATEGIES: dict[str, StrategyClass[CommCounter, StepStrategy]] = {
+    "ddp": Replicated, "fsdp": Sharding, "tp": TensorParallel, "pp": Pipeline}
+
+
+def strategy_for(cfg: RunConfig, world: World, comm: CommCounter) -> StepStrategy:
+    return STRATEGIES[cfg.strategy](cfg, world, comm)
+
+
+def _param_groups(model: nn.Module) -> list[dict[str, list[nn.Parameter]]]:
+    """AdamW's parameter groups: sharded DTensors and plain tensors apart, since foreach kernels take one kind at
+    a time (tp has both; every other strategy one kind, so one group)."""
+    groups = [{"params": [p for p in model.parameters() if isinstance(p, DTensor) == sharded]}
+              for sharded in (False, True)]
+    return [g for g in groups if g["params"]]
 
 
 class Trainer:
     framework = FRAMEWORK
     tracer = Tracer  # --trace (common/train/trace.py)
 
-    def __init__(self, cfg, spec, weights, world):
+    def __init__(self, cfg: RunConfig, spec: ModelSpec, weights: TensorSource, world: World):
         self.rank, self.world_size, self.group = world.rank, world.size, world.group
         # Ranks that read different samples and average gradients: all of them, except under tp.
         self.dp_size = cfg.data_parallel_size
         self.device = torch.device(world.device)
-        self.strategy = strategy_for(cfg, world, self.device)
+        # None: gloo and NCCL choose their own streams (torch_impl/comm.py); the comm counts the first step's bytes.
+        self.comm = CommCounter(communication_stream(cfg))
+        self.stream = self.comm.stream
+        self.strategy = strategy_for(cfg, world, self.comm)
         # Built on the meta device: the strategy shards it there, then allocates and loads only this rank's
         # part from the source (torch_impl/load.py), so a sharded rank never holds the whole model.
         with torch.device("meta"):
             self.model = Llama(spec, compute_dtype=cfg.dtype)
         self.grad_accum, self.grad_clip = cfg.grad_accum, cfg.grad_clip
-        self.stream = communication_stream(cfg)  # None: gloo and NCCL choose their own (torch_impl/comm.py)
-        self.wrapped = self.strategy.wrap(self.model, as_source(weights))
+        # The StepFunctions (microsteps.py) the strategies run: the bare model and what the step runs.
+        self.wrapped: nn.Module = self.strategy.wrap(self.model, as_source(weights))
         if cfg.torch_compile:
-            self.wrapped = torch.compile(self.wrapped)
-        self.optimizer = torch.optim.AdamW(self.strategy.param_groups(self.model), lr=cfg.lr,
+            self.wrapped = cast(nn.Module, torch.compile(self.wrapped))  # an OptimizedModule
+        self.optimizer = torch.optim.AdamW(_param_groups(self.model), lr=cfg.lr,
                                            betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
                                            weight_decay=cfg.weight_decay)
         self.names = {p: n for n, p in self.model.named_parameters()}
-        self.comm_bytes = None  # counted on the first step
 
-    def train_step(self, batches, lr, global_tokens, sync=True, phase=no_phase, wait=False):
+    def train_step(self, batches: Sequence[Batch], lr: float, global_tokens: int, sync: bool = True,
+                   phase: Phase = no_phase, wait: bool = False) -> tuple[float, float]:
         """sync=False runs the bare model, whose gradient hooks never sync (time breakdown only: the ranks'
         weights part ways). `phase(name)` wraps each phase (common/train/protocols.py); wait=True ends each in a
         device sync: forward and backward per micro-batch, optimizer. DDP and FSDP sync the gradients inside
         the backward (their hooks), so there is no communication phase; the profiler shows it there."""
-        scale = self.dp_size / global_tokens
-        counter = self.strategy.comm_counter() if self.comm_bytes is None else contextlib.nullcontext()
-        # The micro-batches' forward and backward: one after another (ddp.py's MicroSteps), or pp's schedule.
-        loss_sum = self.strategy.forward_backward(self, batches, scale, phase, wait, sync=sync, counter=counter)
-        if self.comm_bytes is None:
-            self.comm_bytes = counter.bytes
+        # The micro-batches' forward and backward: one after another (microsteps.py), or pp's schedule.
+        passes = self.strategy.forward_backward(self, batches, self.dp_size / global_tokens, phase, wait, sync)
+        loss_sum = passes.losses
         with phase("optimizer"):
-            grad_norm = self._update(lr)
-            self.wait(wait)
+            grad_norm = self._update(passes.grads, lr)
+            wait_for(wait, self.device)
         if sync and (self.dp_size if self.strategy.loss_over == "data" else self.world_size) > 1:
             dist.all_reduce(loss_sum)  # pp: the last stage holds the sum, the others add 0
         loss = (loss_sum / global_tokens).item()  # .item() waits for the device: the step is done
         return loss, grad_norm.item()
 
-    def _update(self, lr):
-        # The norm in float64: clip_grad_norm_'s float32 norm of a big embedding gradient is off by ~3e-5
-        # (measured on `small`), and the clip coefficient with it. MPS has no float64.
-        wide = torch.float32 if self.device.type == "mps" else torch.float64
-        params = list(self.model.parameters())
-        # One global norm: replicated gradients counted once, shards and tp slices summed over ranks.
-        grad_norm = self.strategy.global_norm(params, wide)
+    def _update(self, grads: Grads, lr: float) -> torch.Tensor:
+        # One global norm, in float64 (grads.py's norm_dtype): replicated gradients counted once, shards and tp
+        # slices summed over ranks.
+        grad_norm = self.strategy.global_norm(grads)
         if self.grad_clip > 0:
-            clip_by_norm(params, self.grad_clip, grad_norm)
+            clip_by_norm(grads, self.grad_clip, grad_norm)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=not self.strategy.keeps_grads)
         return grad_norm
 
-    def wait(self, wait=True):
-        if not wait:
-            return
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        elif self.device.type == "mps":
-            torch.mps.synchronize()
-
     @torch.no_grad()
-    def eval_loss_sum(self, inputs, targets, mask):
+    def eval_loss_sum(self, inputs: np.ndarray, targets: np.ndarray, mask: np.ndarray) -> float:
         """This rank's part of the sum (under pp: the last stage's, 0 elsewhere; strategy.loss_over)."""
-        return self.strategy.forward_backward(self, [(inputs, targets, mask)], None, backward=False).item()
+        return self.strategy.eval_losses(self, [(inputs, targets, mask)]).item()
 
-    def all_sum(self, values, over="data"):
+    def all_sum(self, values: np.ndarray, over: str = "data") -> np.ndarray:
         """Sum over the data-parallel ranks (under tp: this rank alone, which holds the whole sum), or
         over="world": over every rank."""
         if (self.dp_size if over == "data" else self.world_size) == 1:
@@ -124,16 +143,16 @@ class Trainer:
         dist.all_reduce(tensor)
         return tensor.cpu().numpy()
 
-    def export_state(self):
+    def export_state(self) -> tuple[StateStream, StateStream, StateStream]:
         """HF-named weights and AdamW moments, full (strategy.full_state_on_every_rank says on which ranks).
         Every rank calls it: collectives."""
         return self.strategy.export_state(*self._named_state())
 
-    def local_state(self):
+    def local_state(self) -> LocalState:
         """This rank's own pieces of the state, for a sharded checkpoint (strategy.local_state): no collectives."""
         return self.strategy.local_state(parameter_shapes(self.model.spec), *self._named_state())
 
-    def _named_state(self):
+    def _named_state(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """(parameters, exp_avg, exp_avg_sq) as this rank holds them, under HF names."""
         exp_avg, exp_avg_sq = {}, {}
         for param, name in self.names.items():
@@ -142,7 +161,8 @@ class Trainer:
             exp_avg[name], exp_avg_sq[name] = state["exp_avg"], state["exp_avg_sq"]
         return {name: param for param, name in self.names.items()}, exp_avg, exp_avg_sq
 
-    def import_optimizer(self, exp_avg, exp_avg_sq, step):
+    def import_optimizer(self, exp_avg: TensorSource | Mapping[str, np.ndarray],
+                         exp_avg_sq: TensorSource | Mapping[str, np.ndarray], step: int) -> None:
         """The moments' slices this rank keeps, read as its weights were (strategy.local_index) and placed as
         the parameters are (DTensor shards or plain tensors)."""
         exp_avg, exp_avg_sq = as_source(exp_avg), as_source(exp_avg_sq)
@@ -154,19 +174,15 @@ class Trainer:
                 "exp_avg_sq": filled_like(param, read_local(exp_avg_sq, name, param, index)),
             }
 
-    def peak_memory_bytes(self):
+    def peak_memory_bytes(self) -> int:
         if self.device.type == "cuda":
             return int(torch.cuda.max_memory_allocated(self.device))
         from common.metrics import peak_rss_bytes
         return peak_rss_bytes()  # on CPU the process's peak RSS is torch's peak
 
-    def state_bytes(self):
+    def state_bytes(self) -> dict[str, int]:
         return state_bytes(self.model, self.optimizer)
 
-    def comm_bytes_per_step(self):
-        """Bytes given to all-reduce by one step's forward and backward passes (scalars left out)."""
-        return self.comm_bytes
-
-    def to_device(self, inputs, targets, mask):
-        return (torch.from_numpy(inputs).long().to(self.device), torch.from_numpy(targets).long().to(self.device),
-                torch.from_numpy(mask).to(self.device))
+    def comm_bytes_per_step(self) -> int | None:
+        """Bytes given to collectives by one step's forward and backward passes (scalars left out)."""
+        return self.comm.bytes_per_step(self.grad_accum)

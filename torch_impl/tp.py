@@ -1,5 +1,5 @@
 """Tensor parallelism in PyTorch (Megatron), with DTensor's `parallelize_module`: the split is
-common/parallel/strategy.py's.
+common/parallel/tp.py's.
 
 q/k/v and gate/up are `ColwiseParallel` (weights Shard(0): output features 1/N per rank), o_proj and
 down_proj `RowwiseParallel` (Shard(1): input features; the partial outputs are all-reduced). The gradient
@@ -7,7 +7,7 @@ flowing back into the column-parallel layers is summed over ranks once per atten
 `PrepareModuleInput` hands the attention and the MLP a replicated DTensor, so q, k and v add their partial
 input gradients as DTensors and one all-reduce happens where it turns back into a plain tensor (Megatron's
 "f"; ColwiseParallel alone would all-reduce in each of q, k and v). Embedding, norms and lm_head stay plain
-replicated tensors (why: common/parallel/strategy.py); their inputs and incoming gradients are the same on every
+replicated tensors (why: common/parallel/tp.py); their inputs and incoming gradients are the same on every
 rank, so are their gradients, and nothing averages them.
 
 Bytes all-reduced are counted in the collectives the first step issues (a dispatch mode sees every one;
@@ -15,23 +15,28 @@ the step's shapes are those of every step). Mirrors mlx_impl/tp.py.
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator
+from typing import Iterator, Mapping, cast
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                parallelize_module)
 
-from common.checkpoint.sharded import local_pieces
-from common.parallel.strategy import tp_index
+from common.checkpoint.sharded import LocalState, local_pieces
+from common.checkpoint.tensorsource import Index, TensorSource
+from common.config import RunConfig
+from common.parallel.tp import tp_index
+from common.train.protocols import StateStream, World
 
-from .comm import CommCounter
-from .ddp import MicroSteps, _local_numpy, as_float32, sum_of_squares
+from .comm import AllReduceCounter, CommCounter, Watch
+from .grads import norm_dtype, sum_of_squares
 from .load import load_local
+from .microsteps import Grads, MicroSteps
+from .model import Attention, Llama
+from .rank_state import as_float32, local_numpy
 
 
 class TensorParallel(MicroSteps):
@@ -43,11 +48,12 @@ class TensorParallel(MicroSteps):
     communicates = False
     keeps_grads = False
 
-    def __init__(self, cfg, world, device: torch.device):
+    def __init__(self, cfg: RunConfig, world: World, comm: CommCounter):
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
-        self.mesh, self.device = init_device_mesh(device.type, (self.size,)), device
+        self.device, self.comm = torch.device(world.device), comm
+        self.mesh = init_device_mesh(self.device.type, (self.size,))
 
-    def wrap(self, model, source):
+    def wrap(self, model: Llama, source: TensorSource) -> Llama:
         """Shard the model while it is on the meta device (the sharded weights become DTensors, under the same
         names), then allocate and load only this rank's blocks (torch_impl/load.py)."""
         for block in model.model.layers:
@@ -60,51 +66,44 @@ class TensorParallel(MicroSteps):
                 "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
                 "mlp.down_proj": RowwiseParallel(),
             })
-            attn = block.self_attn
+            attn = cast(Attention, block.self_attn)
             attn.n_heads, attn.n_kv_heads = attn.n_heads // self.size, attn.n_kv_heads // self.size
         load_local(model, self.device, source, self.local_index)
         return model
 
-    def local_index(self, name: str, shape: tuple) -> tuple:
+    def local_index(self, name: str, shape: tuple[int, ...]) -> Index:
         return tp_index(name, shape, self.rank, self.size)
 
-    def no_sync(self):
-        return contextlib.nullcontext()  # nothing to defer: no gradient is averaged
-
-    def param_groups(self, model) -> list[dict]:
-        """Sharded DTensors and plain tensors apart: foreach kernels take one kind at a time."""
-        groups = [{"params": [p for p in model.parameters() if isinstance(p, DTensor) == sharded]}
-                  for sharded in (False, True)]
-        return [g for g in groups if g["params"]]
-
-    def comm_counter(self):
-        return CommCounter()  # the first step's collectives: its shapes are those of every step
-
     @torch.no_grad()
-    def global_norm(self, params, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def global_norm(self, grads: Grads) -> torch.Tensor:
         """The whole model's gradient norm: the squares of sharded gradients summed over ranks, those of
         replicated ones (the same on every rank) counted once."""
-        grads = [(p.grad, isinstance(p.grad, DTensor)) for p in params if p.grad is not None]
-        local = [g.to_local() if sharded else g for g, sharded in grads]
+        dtype = norm_dtype(self.device)
 
-        def squares(tensors):
+        def squares(tensors: list[torch.Tensor]) -> torch.Tensor:
             return torch.stack([sum_of_squares(t, dtype) for t in tensors]).sum() if tensors else \
                 torch.zeros((), dtype=dtype)
 
-        sharded = squares([t for t, (_, is_sharded) in zip(local, grads) if is_sharded])
+        sharded = squares([g.to_local() for g in grads if isinstance(g, DTensor)])
         dist.all_reduce(sharded)
-        return (squares([t for t, (_, is_sharded) in zip(local, grads) if not is_sharded]) + sharded).sqrt()
+        return (squares([g for g in grads if not isinstance(g, DTensor)]) + sharded).sqrt()
 
-    def export_state(self, params: dict, exp_avg: dict, exp_avg_sq: dict):
-        return self.gather(params), self.gather(exp_avg), self.gather(exp_avg_sq)
+    def export_state(self, weights: Mapping[str, torch.Tensor], exp_avg: Mapping[str, torch.Tensor],
+                     exp_avg_sq: Mapping[str, torch.Tensor]) -> tuple[StateStream, StateStream, StateStream]:
+        return self.gather(weights), self.gather(exp_avg), self.gather(exp_avg_sq)
 
-    def local_state(self, shapes: dict, params: dict, exp_avg: dict, exp_avg_sq: dict):
+    def local_state(self, shapes: Mapping[str, tuple[int, ...]], weights: Mapping[str, torch.Tensor],
+                    exp_avg: Mapping[str, torch.Tensor], exp_avg_sq: Mapping[str, torch.Tensor]) -> LocalState:
         """--checkpoint-format sharded (common/checkpoint/sharded.py): (weights, exp_avg, exp_avg_sq, where) of
         what this rank writes, under HF names; no collectives."""
-        axes = {name: p.placements[0].dim if isinstance(p, DTensor) else None for name, p in params.items()}
-        return local_pieces(self.rank, tuple(map(_local_numpy, (params, exp_avg, exp_avg_sq))), axes, shapes)
+        axes = {name: cast(Shard, p.placements[0]).dim if isinstance(p, DTensor) else None for name, p in weights.items()}
+        return local_pieces(self.rank, (local_numpy(weights), local_numpy(exp_avg), local_numpy(exp_avg_sq)), axes,
+                            shapes)
 
-    def gather(self, named: dict[str, torch.Tensor]) -> Iterator[tuple[str, np.ndarray]]:
+    def _watch_collectives(self) -> Watch:
+        return AllReduceCounter()  # the first step's all-reduces: its shapes are those of every step
+
+    def gather(self, named: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, np.ndarray]]:
         """Whole arrays from this rank's pieces, one at a time (every rank iterates it: collectives)."""
         for name, t in named.items():
             yield name, as_float32(t.full_tensor() if isinstance(t, DTensor) else t)

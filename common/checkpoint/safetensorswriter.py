@@ -30,7 +30,9 @@ class SafetensorsWriter:
     def __init__(self, path: Path, shapes: dict[str, tuple[int, ...]], dtype=np.float32,
                  metadata: dict[str, str] | None = None):
         self.path, self.dtype = Path(path), np.dtype(dtype)
-        header, self.ranges, offset = {}, {}, 0
+        header: dict[str, object] = {}
+        self.ranges: dict[str, tuple[int, int, tuple[int, ...]]] = {}
+        offset = 0
         if metadata:
             header["__metadata__"] = dict(metadata)
         for name, shape in shapes.items():  # byte ranges in the order given: contiguous, as the format requires
@@ -57,7 +59,7 @@ class SafetensorsWriter:
         if array.shape != shape:
             raise ValueError(f"{self.path.name}: {name!r} has shape {array.shape}, the header says {shape}")
         self.file.seek(self.data_start + offset)
-        self.file.write(memoryview(array).cast("B"))
+        self.file.write(array.data.cast("B"))
         self.written.add(name)
 
     def close(self) -> None:

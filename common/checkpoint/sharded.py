@@ -29,7 +29,7 @@ import json
 import math
 import shutil
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -42,7 +42,10 @@ KINDS = ("weights", "exp_avg", "exp_avg_sq")
 FORMAT = "dpcompare-sharded"
 VERSION = 1
 
-Where = tuple  # (axis, start, stop) of the global tensor, or None: the whole tensor
+Where = tuple[int, int, int] | None  # (axis, start, stop) of the global tensor, or None: the whole tensor
+Named = dict[str, np.ndarray]  # numpy tensors under HF names
+# A strategy's local_state: (weights, exp_avg, exp_avg_sq, where) of what this rank writes
+LocalState = tuple[Named, Named, Named, dict[str, Where]]
 
 
 def rank_file(rank: int) -> str:
@@ -62,7 +65,7 @@ def write_safetensors(path: Path, shapes: dict[str, tuple], read: Callable[[str]
             out.write(name, read(name))
 
 
-def write_rank_file(directory: Path, rank: int, state: tuple[dict, dict, dict], where: dict[str, Where]) -> Path:
+def write_rank_file(directory: Path, rank: int, state: tuple[Named, Named, Named], where: dict[str, Where]) -> Path:
     """This rank's pieces (state: weights, exp_avg, exp_avg_sq under HF names; `where` their places)."""
     arrays = {f"{kind}.{name}": part[name] for kind, part in zip(KINDS, state) for name in where}
     path = Path(directory) / rank_file(rank)
@@ -94,7 +97,7 @@ def write_index(directory: Path, shapes: dict[str, tuple], world_size: int, extr
 
 
 def save_sharded(run_dir: Path, step: int, rank: int, world_size: int, barrier: Callable[[], None],
-                 local_state: tuple[dict, dict, dict, dict], shapes: dict[str, tuple],
+                 local_state: LocalState, shapes: dict[str, tuple],
                  finish: Callable[[Path], Path]) -> Path | None:
     """Every rank calls it. local_state: (weights, exp_avg, exp_avg_sq, where) of this rank; `finish(tmp)`
     (rank 0) writes config.json and state.json and commits the directory (common/checkpoint/store.py's
@@ -105,8 +108,8 @@ def save_sharded(run_dir: Path, step: int, rank: int, world_size: int, barrier: 
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / SHARDS).mkdir(parents=True)
     barrier()
-    *state, where = local_state
-    write_rank_file(tmp / SHARDS, rank, tuple(state), where)
+    weights, exp_avg, exp_avg_sq, where = local_state
+    write_rank_file(tmp / SHARDS, rank, (weights, exp_avg, exp_avg_sq), where)
     barrier()
     if rank != 0:
         return None
@@ -115,14 +118,14 @@ def save_sharded(run_dir: Path, step: int, rank: int, world_size: int, barrier: 
     return finish(tmp)
 
 
-def pieces_of(rank: int, named: dict, axes: dict[str, int | None], shapes: dict[str, tuple],
+def pieces_of(rank: int, named: dict, axes: dict[str, int | None], shapes: Mapping[str, tuple],
               offsets: dict[str, int] | None = None) -> dict[str, Where]:
     """Where each of this rank's tensors lies in the global one, for a strategy's local_state: a tensor split
     along axes[name] starts at offsets[name] (default: rank x its local length, an even split; a padded last
     shard is cut to the global length by `trim`), and a tensor not split (axis None) that every rank holds
     whole is written by rank 0 alone (`axes` lists only the tensors every rank replicates; pp's stages hold
     disjoint tensors and give no axes). A piece that holds nothing (a padded shard past the end) is left out."""
-    where = {}
+    where: dict[str, Where] = {}
     for name, array in named.items():
         if name not in axes:
             where[name] = None
@@ -155,11 +158,12 @@ def trim(named: dict, where: dict[str, Where]) -> dict:
     return out
 
 
-def local_pieces(rank: int, state: tuple[dict, dict, dict], axes: dict, shapes: dict,
-                 offsets: dict | None = None) -> tuple[dict, dict, dict, dict]:
+def local_pieces(rank: int, state: tuple[Named, Named, Named], axes: dict, shapes: Mapping[str, tuple],
+                 offsets: dict | None = None) -> LocalState:
     """(weights, exp_avg, exp_avg_sq, where) of what this rank writes: a strategy's local_state."""
-    where = pieces_of(rank, state[0], axes, shapes, offsets)
-    return (*(trim(part, where) for part in state), where)
+    weights, exp_avg, exp_avg_sq = state
+    where = pieces_of(rank, weights, axes, shapes, offsets)
+    return trim(weights, where), trim(exp_avg, where), trim(exp_avg_sq, where), where
 
 
 # ---- reading ------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping
 
 import numpy as np
 
@@ -160,7 +160,7 @@ class CheckpointSources:
         return {"weights": self.weights, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
 
 
-def checkpoint_sources(path: Path) -> dict[str, TensorSource]:
+def checkpoint_sources(path: Path) -> Mapping[str, TensorSource]:
     """{"weights", "exp_avg", "exp_avg_sq"} of a checkpoint of either format, as TensorSources that read one
     slice at a time (the format is the directory's: shards/index.json or the whole HF files)."""
     path = Path(path)

@@ -24,6 +24,7 @@ import json
 import os
 import secrets
 import shutil
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -204,6 +205,7 @@ def prepare_tokens(dataset: str, tokenizer, *, cache_dir: Path, split: str = "tr
     every = validation_every(val_fraction)
     cache_dir = Path(cache_dir)
     identity = source_identity(dataset, split=split, text_field=text_field, builtin_bytes=builtin_bytes, seed=seed)
+    tokenizer_key: str | dict[str, object]
     if isinstance(tokenizer, TokenizerInfo):
         info, tokenizer_key = tokenizer, tokenizer.fingerprint
     elif tokenizer == "builtin":
@@ -219,8 +221,8 @@ def prepare_tokens(dataset: str, tokenizer, *, cache_dir: Path, split: str = "tr
     if cached := _reusable(final, fingerprint):
         return cached
 
-    documents = load_documents(dataset, split=split, text_field=text_field, streaming=streaming,
-                               builtin_bytes=builtin_bytes, seed=seed).documents
+    documents: Iterable[str] = load_documents(dataset, split=split, text_field=text_field, streaming=streaming,
+                                              builtin_bytes=builtin_bytes, seed=seed).documents
     total_documents = len(documents) if isinstance(documents, list) else None
     if info is None:
         documents, sample = training_sample(documents, every)

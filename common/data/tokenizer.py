@@ -19,11 +19,15 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from common.data.corpus import DEFAULT_CORPUS_BYTES, generate_stories
 from common.errors import UserError
 from common.fsutil import atomic_write_text
 from common.data.sources import hub_offline_if_unreachable, looks_like_path
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 EOS_TOKEN = "<|endoftext|>"
 # End-of-sequence spellings of common tokenizers, tried when a tokenizer.json does not say which it uses.
@@ -42,7 +46,7 @@ class TokenizerInfo:
     eos_id: int
     pad_id: int
     fingerprint: str  # sha256 of the serialized tokenizer
-    backend: object = field(repr=False, compare=False)  # tokenizers.Tokenizer
+    backend: Tokenizer = field(repr=False, compare=False)
     bos_id: int | None = None  # put before every document; None: the tokenizer adds no BOS
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:

@@ -8,6 +8,7 @@ presets have always computed, so a preset's seed weights and numbers do not chan
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
+from typing import Iterable
 
 from common.errors import UserError
 from common.model.rope import check_scaling
@@ -27,7 +28,7 @@ class ModelSpec:
     tie_embeddings: bool = False
     attention_head_dim: int = 0       # 0: dim / n_heads; else HF's head_dim where it differs from that
     # HF's rope_scaling as sorted (key, value) pairs: frozen and hashable (common/model/rope.py); () = plain RoPE.
-    rope_scaling: tuple = ()
+    rope_scaling: tuple | dict = ()  # a dict (config.json, TOML) becomes pairs in __post_init__
     attention_bias: bool = False      # q, k, v and o projections with a bias (HF attention_bias)
     mlp_bias: bool = False            # gate, up and down projections with a bias (HF mlp_bias)
 
@@ -80,6 +81,7 @@ def _scaling_pairs(value) -> tuple:
     """rope_scaling as sorted (key, value) pairs, from a dict (config.json, TOML) or pairs (a frozen spec)."""
     if value is None:
         return ()
+    items: Iterable
     if isinstance(value, dict):
         items = value.items()
     elif isinstance(value, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in value):

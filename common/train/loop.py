@@ -26,11 +26,11 @@ from common.checkpoint.store import (STATE_KINDS, HFCheckpointWriter, commit_che
                          resume_fingerprints, write_state_json)
 from common.config import RunConfig
 from common.errors import UserError
-from common.costmodel.probe import Collectives, probe_allreduce
+from common.costmodel.probe import probe_allreduce
 from common.model.hfconfig import to_hf_config
 from common.metrics import MetricsWriter, RankStatus, peak_rss_bytes, rss_bytes, truncate_metrics
 from common.runplan import RunPlan
-from common.train.protocols import Trainer
+from common.train.protocols import Trainer, TrainerClass, World
 from common.data.sampler import GlobalSampler, micro_batches, rank_slice
 from common.train.lr_schedule import lr_for
 from common.data.sequences import SequenceView
@@ -50,17 +50,7 @@ from common.model.weights import parameter_shapes
 _live_status: RankStatus | None = None
 
 
-@dataclass
-class World:
-    """Who this process is in the job. `group` is the framework's communicator (MLX) or None (torch)."""
-    rank: int = 0
-    size: int = 1
-    group: object = None
-    device: str = "cpu"
-    collectives: Callable[[], Collectives] | None = None  # for the probe of the job's all-reduce (fabric.py)
-
-
-def rank_main(run_dir: str, start_world, trainer_cls) -> int:
+def rank_main(run_dir: str, start_world: Callable[[RunConfig], World], trainer_cls: TrainerClass) -> int:
     """Run one rank; every failure lands in ranks/rank{r}.json and one line on stderr, never a hang.
 
     `start_world(cfg) -> World` initialises the framework's distributed state (the only part that
@@ -71,7 +61,7 @@ def rank_main(run_dir: str, start_world, trainer_cls) -> int:
     def on_sigterm(signum, frame):
         # Launchers SIGTERM the survivors when a rank dies; say so, so the watchdog blames the right rank.
         # But when dpcompare itself was stopped (ranks/stop.json) or is gone, this is no failure.
-        reason = stop_reason(run_dir)
+        reason = stop_reason(Path(run_dir))
         (_live_status or RankStatus.existing(Path(run_dir), rank)).update(
             force=True, **({"status": "interrupted", "error": f"stopped: {reason}"} if reason else
                            {"status": "failed", "error": "terminated by SIGTERM (the launcher stops the job when "
@@ -101,7 +91,7 @@ def rank_main(run_dir: str, start_world, trainer_cls) -> int:
         if isinstance(err, KeyboardInterrupt):
             message = "interrupted"
         status = _live_status or RankStatus.existing(Path(run_dir), rank)
-        reason = stop_reason(run_dir)  # a peer stopped by dpcompare makes this rank's collective fail
+        reason = stop_reason(Path(run_dir))  # a peer stopped by dpcompare makes this rank's collective fail
         status.update(force=True, status="interrupted" if reason else "failed",
                       error=f"stopped: {reason} ({message})" if reason else message,
                       traceback=traceback.format_exc()[-4000:])
@@ -141,7 +131,7 @@ class Run:
         return batches, lr_for(self.cfg, step), self.train_view.real_target_count(indices)
 
 
-def train(run_dir: Path, world: World, trainer_cls) -> None:
+def train(run_dir: Path, world: World, trainer_cls: TrainerClass) -> None:
     """Set up, train cfg.steps steps (from a checkpoint with --resume), then the profile and trace steps."""
     run = setup_run(Path(run_dir), world, trainer_cls)
     try:
@@ -151,7 +141,7 @@ def train(run_dir: Path, world: World, trainer_cls) -> None:
     finish_run(run, world.size)
 
 
-def setup_run(run_dir: Path, world: World, trainer_cls) -> Run:
+def setup_run(run_dir: Path, world: World, trainer_cls: TrainerClass) -> Run:
     """Read the plan and the data, build the Trainer from the seed checkpoint (or the one resumed)."""
     plan = RunPlan.read(run_dir)
     cfg, spec, rank = plan.config, plan.spec, world.rank
@@ -187,7 +177,7 @@ def setup_run(run_dir: Path, world: World, trainer_cls) -> Run:
                launch_time=float(os.environ.get("DPCOMPARE_LAUNCH_TIME", time.time())))
 
 
-def start_trainer(plan: RunPlan, run_dir: Path, world: World, trainer_cls, fingerprints: dict,
+def start_trainer(plan: RunPlan, run_dir: Path, world: World, trainer_cls: TrainerClass, fingerprints: dict,
                   status: RankStatus) -> tuple[Trainer, int]:
     """(the Trainer, the step it starts after): the latest checkpoint's state with --resume, else the seed's.
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import select
+import sys
 import threading
 import time
 from pathlib import Path
@@ -107,6 +108,8 @@ def watch_supervisor(on_gone) -> bool:
 
 def _wait_kqueue(pid: int) -> bool:
     """macOS/BSD: block until process `pid` exits (True); False on any error, and the caller polls."""
+    if sys.platform == "linux":  # no kqueue (the caller asks first); this line tells mypy too
+        return False
     try:
         queue = select.kqueue()
         event = select.kevent(pid, filter=select.KQ_FILTER_PROC,

@@ -61,7 +61,8 @@ class Timeline:
     perf_counter), so the files of ranks on one host share a time axis and can be concatenated."""
 
     def __init__(self, rank: int, label: str):
-        self.rank, self.label, self.events = rank, label, []
+        self.rank, self.label = rank, label
+        self.events: list[dict] = []
         self._wall0, self._perf0 = time.time(), time.perf_counter()
 
     def _now_us(self) -> float:

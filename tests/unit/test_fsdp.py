@@ -40,6 +40,7 @@ def test_mlx_fsdp_runs_every_collective_on_the_communication_stream(backend, mon
 
     from common.checkpoint.tensorsource import DictSource
     from common.model.weights import init_weights
+    from mlx_impl.comm import CommCounter
     from mlx_impl.fsdp import Sharding
     from mlx_impl.model import Llama
 
@@ -55,7 +56,7 @@ def test_mlx_fsdp_runs_every_collective_on_the_communication_stream(backend, mon
     fake("all_sum", lambda x: 2 * x)
     fake("sum_scatter", lambda x: 2 * x[:x.shape[0] // 2])
     cfg = SimpleNamespace(resolved_backend=backend, all_reduce_size_mb=25)
-    sharding = Sharding(cfg, SimpleNamespace(group=_TwoRanks()), comm=None, stream=mx.cpu)
+    sharding = Sharding(cfg, SimpleNamespace(group=_TwoRanks()), CommCounter(stream=mx.cpu))
     model = sharding.wrap(Llama(preset("tiny")), DictSource(init_weights(preset("tiny"), 0)))
     tokens = mx.zeros((1, 8), dtype=mx.int32)
     _, grads = nn.value_and_grad(model, lambda m, x: m(x).sum())(model, tokens)
@@ -99,6 +100,7 @@ def test_an_mlx_sharded_rank_evaluates_only_what_it_keeps(strategy, rank):
     from common.model.spec import ModelSpec
     from common.parallel.tp import tp_split_axis
     from common.model.weights import num_parameters, parameter_shapes
+    from mlx_impl.comm import CommCounter
     from mlx_impl.fsdp import Sharding
     from mlx_impl.model import Llama
     from mlx_impl.tp import TensorParallel
@@ -114,7 +116,7 @@ def test_an_mlx_sharded_rank_evaluates_only_what_it_keeps(strategy, rank):
     before = mx.get_active_memory()
     mx.reset_peak_memory()
     strategy_cls = {"fsdp": Sharding, "tp": TensorParallel}[strategy]
-    model = strategy_cls(cfg, world, comm=None).wrap(Llama(spec), source)
+    model = strategy_cls(cfg, world, CommCounter()).wrap(Llama(spec), source)
     held = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
     pad = 64 * 4 * 2 if strategy == "fsdp" and rank == 1 else 0  # one zero row each in the embedding and head
     assert source.bytes_read == held - pad
@@ -189,11 +191,10 @@ def test_torch_fsdp_gathers_a_block_twice_and_every_other_unit_once_per_micro_st
         assert modelled.calls == len(gathered)
 
         strategy = Sharding.__new__(Sharding)
-        strategy.model = model
+        strategy.model, strategy.device = model, torch.device("cpu")
         backward.clear()
         with torch.no_grad():
-            strategy.forward_backward(SimpleNamespace(model=model, device=torch.device("cpu"), to_device=lambda *t: t),
-                                      [batch], None, backward=False)
+            strategy.eval_losses(SimpleNamespace(model=model), [tuple(t.numpy() for t in batch)])
         assert all(isinstance(p, DTensor) for p in model.parameters()), "a unit stayed gathered after an evaluation"
         assert "release" not in backward  # an evaluation has no backward to release before
     finally:

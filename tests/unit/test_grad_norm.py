@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from torch_impl.ddp import sum_of_squares
+from torch_impl.grads import sum_of_squares
 
 
 def test_torch_sum_of_squares_is_float64_exact_where_a_flat_float32_norm_drifts():

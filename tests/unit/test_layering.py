@@ -40,40 +40,111 @@ def test_preparing_a_run_loads_no_framework_even_indirectly(tmp_path):
     assert out.stdout.strip() == "[]"
 
 
+# ---- the two backends mirror each other: the same files, public names, class members and method parameters ------
 def public_names(path: Path) -> set[str]:
     tree = ast.parse(path.read_text())
     return {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and not n.name.startswith("_")}
 
 
+def class_members(path: Path) -> dict[str, dict[str, tuple[str, ...] | None]]:
+    """{public class: {member: its parameter names (a method), or None (an attribute)}}. The members are the
+    public methods, properties (attributes to a caller) and class attributes with a value, and __init__ (the
+    constructor's shape is part of the mirror); bare annotations are declarations for the type checker."""
+    classes = {}
+    for node in ast.parse(path.read_text()).body:
+        if not isinstance(node, ast.ClassDef) or node.name.startswith("_"):
+            continue
+        members: dict[str, tuple[str, ...] | None] = {}
+        for item in node.body:
+            if isinstance(item, ast.FunctionDef) and (not item.name.startswith("_") or item.name == "__init__"):
+                args = item.args
+                is_property = any(isinstance(d, ast.Name) and d.id == "property" for d in item.decorator_list)
+                members[item.name] = None if is_property else \
+                    tuple(a.arg for a in args.posonlyargs + args.args + args.kwonlyargs)
+            elif isinstance(item, ast.Assign):
+                members.update({t.id: None for t in item.targets if isinstance(t, ast.Name) and not t.id.startswith("_")})
+            elif isinstance(item, ast.AnnAssign) and item.value is not None and isinstance(item.target, ast.Name) \
+                    and not item.target.id.startswith("_"):
+                members[item.target.id] = None
+        classes[node.name] = members
+    return classes
+
+
 # Files with no counterpart in the other framework, and why (each file's docstring says more).
 FRAMEWORK_ONLY = {"mlx_impl": set(), "torch_impl": set()}
-# Public names with no counterpart: torch averages gradients inside DDP, MLX in mlx_impl/comm.py; MLX's
-# ddp.py holds the helpers its fsdp.py and tp.py share on gradient trees and the flat optimizer state,
-# torch's the fixed byte count of DDP's buckets (fsdp.py reuses it); MLX's `wait_for` ends a phase in mx.eval
-# (torch's Trainer.wait does it there). pp.py: torch hands torch.distributed.pipelining a stage module
-# (`Stage`), times its backward with autograd marks (`BackwardMark`) and counts point-to-point sends in a
-# dispatch mode (`SendCounter`, `NoCount`); MLX writes the schedule out and needs none of them. fsdp.py: MLX
-# pads an uneven vocabulary itself and slices the pad logits off (`VocabShard`); FSDP2 pads inside; torch
-# returns glibc's freed heap in the backward (`release_heap_in_backward`), where its peak comes; MLX evaluates
-# the step as one lazy graph, with no hook inside its backward, and its fsdp meets the target without it
-# (docs/benchmarks.md). load.py:
-# MLX maps fsdp's wrapped paths to HF names (`hf_name`); torch reads a DTensor's shard (`local`) and places
-# AdamW's moments as the parameters are (`filled_like`).
-NAME_ONLY = {"comm.py": {"average_gradients"}, "ddp.py": {"sum_of_squares", "moments", "FixedCount", "wait_for"},
-             "pp.py": {"Stage", "BackwardMark", "SendCounter", "NoCount"}, "fsdp.py": {"VocabShard", "release_heap_in_backward"},
-             "load.py": {"hf_name", "local", "filled_like"}}
+# Public names that only one framework has, per file: (the names, why).
+NAME_ONLY = {
+    "comm.py": ({"average_gradients", "Watch", "FixedCount", "AllReduceCounter", "SendCounter"},
+                "MLX averages the gradients itself (torch's DDP and FSDP2 do it in their hooks); torch counts a step's "
+                "collectives with what sees them: dispatch modes for all-reduces and sends, a fixed count for DDP's "
+                "C++ buckets (MLX counts them as its compiled functions are traced)"),
+    "microsteps.py": ({"to_device"}, "an MLX array needs no move to a device: mx.array(batch) is all"),
+    "grads.py": ({"norm_dtype"}, "torch sums the norm in float64, which MPS lacks; MLX sums float32 trees"),
+    "tp.py": ({"RowParallelLinear", "GradSumRMSNorm"}, "MLX writes Megatron's g and f layers out; torch's DTensor "
+              "ColwiseParallel, RowwiseParallel and PrepareModuleInput are them"),
+    "pp.py": ({"Stage", "BackwardMark"}, "torch hands torch.distributed.pipelining a stage module and times its "
+              "backward with autograd marks; MLX writes the schedule out and times it there"),
+    "fsdp.py": ({"VocabShard", "release_heap_in_backward"}, "MLX pads an uneven vocabulary itself and slices the pad "
+                "logits off (FSDP2 pads inside); torch returns glibc's freed heap in the backward, where its peak "
+                "comes, and MLX, one lazy graph with no hook inside its backward, meets the target without it "
+                "(docs/benchmarks.md)"),
+    "load.py": ({"hf_name", "local", "filled_like"}, "MLX maps fsdp's wrapped paths to HF names; torch reads a "
+                "DTensor's shard and places AdamW's moments as the parameters are"),
+}
+# Public class members that only one framework has, per "file:class" ("file:*": every class of the file).
+STRATEGIES = ("ddp.py:Replicated", "fsdp.py:Sharding", "tp.py:TensorParallel", "pp.py:Pipeline", "step.py:StepStrategy")
+MEMBER_ONLY = [
+    (STRATEGIES, {"reduce_gradients", "keeps_grads"}, "where the gradients are reduced: MLX after the backward "
+     "(reduce_gradients), torch inside it, where DDP's bucket views must stay allocated (common/train/protocols.py)"),
+    (("fsdp.py:Sharding",), {"is_sharded"}, "MLX tells a shard by its parameter path (fully_shard's wrapper); "
+     "torch's shards are DTensors"),
+    (("fsdp.py:Sharding",), {"eval_losses"}, "torch frees the units FSDP2 keeps gathered after an eval's forward; "
+     "MLX gathers inside its lazy graph and keeps nothing"),
+    (("comm.py:CommCounter",), {"add", "add_all", "attribute", "first_step"}, "MLX counts collectives as its "
+     "compiled functions are traced; torch counts a strategy's first step under what sees them"),
+    (("microsteps.py:StepFunctions",), {"micro_step", "eval_step", "model", "wrapped"}, "what a strategy runs of the "
+     "Trainer: MLX its compiled micro-step and eval, torch its model, bare and as the step runs it"),
+    (("model.py:*",), {"forward"}, "a torch module's entry point; MLX's is __call__"),
+]
+
+
+def backend_files() -> list[str]:
+    return sorted(p.name for p in (ROOT / "mlx_impl").glob("*.py") if p.name not in FRAMEWORK_ONLY["mlx_impl"])
+
+
+def member_only(file: str, cls: str) -> set[str]:
+    return set().union(*(names for keys, names, _ in MEMBER_ONLY if f"{file}:{cls}" in keys or f"{file}:*" in keys))
 
 
 def test_mlx_impl_and_torch_impl_mirror_file_for_file_and_name_for_name():
-    mlx_files = sorted(p.name for p in (ROOT / "mlx_impl").glob("*.py") if p.name not in FRAMEWORK_ONLY["mlx_impl"])
-    torch_files = sorted(p.name for p in (ROOT / "torch_impl").glob("*.py")
-                         if p.name not in FRAMEWORK_ONLY["torch_impl"])
-    assert mlx_files == torch_files
-    for name in ("step.py", "launch.py", "probe.py", "ddp.py", "fsdp.py", "pp.py", "comm.py", "trace.py", "load.py"):
-        only = NAME_ONLY.get(name, set())
-        assert public_names(ROOT / "mlx_impl" / name) - only == public_names(ROOT / "torch_impl" / name) - only, name
-    # model.py: the same classes and functions (both RoPEs read common/model/rope.py's tables).
-    assert public_names(ROOT / "mlx_impl" / "model.py") == public_names(ROOT / "torch_impl" / "model.py")
+    torch_files = sorted(p.name for p in (ROOT / "torch_impl").glob("*.py") if p.name not in FRAMEWORK_ONLY["torch_impl"])
+    assert backend_files() == torch_files
+    for name in backend_files():
+        only = NAME_ONLY.get(name, (set(), ""))[0]
+        mlx, torch = public_names(ROOT / "mlx_impl" / name), public_names(ROOT / "torch_impl" / name)
+        assert mlx - only == torch - only, (name, sorted(mlx ^ torch))
+        # An entry that no longer names a framework-only name is stale: it would hide the next one.
+        assert only <= mlx ^ torch, (name, sorted(only - (mlx ^ torch)))
+
+
+def test_every_mirrored_class_has_the_same_public_members_and_method_parameters():
+    """Replicated, Sharding, TensorParallel, Pipeline, the Trainer, CommCounter, the model's modules...: a member
+    added on one side only, or a method whose parameters differ, fails here; MEMBER_ONLY above lists the few true
+    framework differences, each with its reason."""
+    differences, used = [], set()
+    for name in backend_files():
+        mlx, torch = class_members(ROOT / "mlx_impl" / name), class_members(ROOT / "torch_impl" / name)
+        for cls in sorted(mlx.keys() & torch.keys()):
+            only = member_only(name, cls)
+            one_sided = (mlx[cls].keys() ^ torch[cls].keys())
+            differences += [f"{name}:{cls}.{m} on one side only" for m in sorted(one_sided - only)]
+            used |= {(name, cls, m) for m in one_sided & only}
+            differences += [f"{name}:{cls}.{m}{mlx[cls][m]} vs {torch[cls][m]}"
+                            for m in sorted(mlx[cls].keys() & torch[cls].keys()) if mlx[cls][m] != torch[cls][m]]
+    assert not differences, differences
+    stale = [(keys, m) for keys, names, _ in MEMBER_ONLY for m in names
+             if not any(m == used_m and (f"{f}:{c}" in keys or f"{f}:*" in keys) for f, c, used_m in used)]
+    assert not stale, stale
 
 
 # ---- the import graph of the four packages: no cycle, nothing imported from a layer above --------------
