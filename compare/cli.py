@@ -16,7 +16,7 @@ from common.config import RunConfig, read_toml
 from common.errors import ParityError, UserError
 
 from .flags import add_baseline_flags, add_run_flags, add_tolerance_flags, config_from_args
-from .launch.submit import add_submit_flags
+from .submit import add_submit_flags
 from .launch.watchdog import install_stop_handlers, restore_handlers
 
 

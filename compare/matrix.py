@@ -22,7 +22,7 @@ from .launch.hosts import check_hostfile
 from .launch.runner import check_run_dir, launch, prepare_inputs
 from .launch import slurm
 from .launch.netns import check_can_emulate
-from .launch.submit import print_scripts, submit_options, submit_runs
+from .submit import print_scripts, submit_options, submit_runs
 from .machine.backends import check_available
 
 
@@ -51,7 +51,7 @@ def run_matrix(args) -> int:
     strategies = parse_list(args.strategies or args.strategy or toml.get("strategy", "ddp"), "strategies",
                             allowed=STRATEGIES)
     dtypes = parse_list(args.dtypes or args.dtype or toml.get("dtype", "float32"), "dtypes", allowed=DTYPES)
-    submit = submit_options(args)  # --submit slurm: one sbatch job per run (compare/launch/submit.py)
+    submit = submit_options(args)  # --submit slurm: one sbatch job per run (compare/submit.py)
     # The backend flag names one framework's backend; `auto` lets each framework pick its own.
     base = config_from_args(args, framework=frameworks[0], nproc=max(world_sizes), strategy="ddp",
                             dtype="float32", launcher="slurm" if submit else None)

@@ -22,9 +22,9 @@ from common.config import RunConfig
 from common.errors import UserError
 from common.metrics import read_json
 
-from ..flags import RUN_FLAGS
-from ..machine.environment import PROJECT_ROOT
-from .watchdog import progress_bar
+from .flags import RUN_FLAGS
+from .machine.environment import PROJECT_ROOT
+from .launch.watchdog import progress_bar
 
 SCRIPT = "job.sbatch"
 POLL_S = 1.0
