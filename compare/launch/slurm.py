@@ -136,9 +136,17 @@ def mpi_plugin() -> str:
     return "pmix" if "pmix" in offered else "pmi2"
 
 
-def address_of(host: str) -> str:
-    """An IPv4 address of `host` for the MLX ring, which connects to addresses; the name where it resolves to
-    none from here (the ranks resolve it on their own nodes)."""
+def is_this_host(node: str) -> bool:
+    name = socket.gethostname()
+    return node in (name, name.split(".")[0])
+
+
+def address_of(host: str, single_host: bool) -> str:
+    """The address ranks reach `host` at: loopback when every rank runs on this host (its name need not
+    resolve, or may resolve to a loopback alias such as Debian's 127.0.1.1), else an IPv4 address of the name,
+    or the name where it resolves to none from here (the MLX ring connects to addresses)."""
+    if single_host and is_this_host(host):
+        return "127.0.0.1"
     try:
         return socket.gethostbyname(host)
     except OSError:
@@ -172,11 +180,12 @@ def srun_job(job) -> list[str]:
         # for other nodes; a port that is taken there fails the job at start.
         base = env.free_port_block(cfg.nproc)
         run_dir.mkdir(parents=True, exist_ok=True)
-        ring = [[f"{address_of(host)}:{base + rank}"] for rank, host in enumerate(hosts)]
+        ring = [[f"{address_of(host, len(nodes) == 1)}:{base + rank}"] for rank, host in enumerate(hosts)]
         (run_dir / RING_HOSTFILE).write_text(json.dumps(ring))
         job.env[RING_HOSTFILE_ENV] = str(run_dir / RING_HOSTFILE)
     elif cfg.world_size > 1:  # torch: env:// rendezvous, the store on rank 0's host
-        job.env.update(MASTER_ADDR=hosts[0], MASTER_PORT=str(env.free_port_block(1)))
+        master = address_of(hosts[0], True) if len(nodes) == 1 else hosts[0]  # each node resolves the name
+        job.env.update(MASTER_ADDR=master, MASTER_PORT=str(env.free_port_block(1)))
     return argv + [sys.executable, "-m", "compare.launch.slurm_rank", *job.rank_argv]
 
 
@@ -188,8 +197,7 @@ def this_host_only(cfg: RunConfig) -> bool:
         nodes = allocation().nodes
     except UserError:
         return True
-    here = {socket.gethostname(), socket.gethostname().split(".")[0]}
-    return all(node in here for node in nodes)
+    return all(is_this_host(node) for node in nodes)
 
 
 def allocation_revoked(cfg: RunConfig) -> bool:

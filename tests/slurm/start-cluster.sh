@@ -64,6 +64,7 @@ TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
+SchedulerParameters=batch_sched_delay=0
 MpiDefault=none
 ReturnToService=2
 JobAcctGatherType=jobacct_gather/none

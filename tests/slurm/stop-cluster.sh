@@ -24,20 +24,33 @@ if alive "$(pid_of slurmctld)"; then
 fi
 
 status=0
+# A step daemon of this cluster still running after its jobs were given 20 s: slurmd starts every slurmstepd
+# in its log directory, which is this cluster's, so no other cluster's step is touched.
+for pid in $(pgrep -x slurmstepd); do
+  case "$(readlink "/proc/$pid/cwd" 2>/dev/null)" in
+    "$dir"/*) kill -KILL "$pid" 2>/dev/null && echo "stop-cluster: killed slurmstepd $pid" >&2 ;;
+  esac
+done
+# The daemons together (each takes 1.5-2 s to exit on SIGTERM), SIGKILL for any still running after 10 s.
+pids=()
 for daemon in slurmd slurmctld munged; do
   pid=$(pid_of "$daemon")
-  alive "$pid" || continue
-  kill -TERM "$pid"
-  for _ in $(seq 1 100); do
-    alive "$pid" || break
-    sleep 0.1
-  done
+  alive "$pid" && kill -TERM "$pid" && pids+=("$daemon:$pid")
+done
+for _ in $(seq 1 100); do
+  running=0
+  for entry in "${pids[@]}"; do alive "${entry#*:}" && running=1; done
+  [ "$running" = 0 ] && break
+  sleep 0.1
+done
+for entry in "${pids[@]}"; do
+  pid=${entry#*:}
   if alive "$pid"; then
     kill -KILL "$pid"
     sleep 0.2
   fi
   if alive "$pid"; then
-    echo "stop-cluster: $daemon (pid $pid) is still running" >&2
+    echo "stop-cluster: ${entry%%:*} (pid $pid) is still running" >&2
     status=1
   fi
 done

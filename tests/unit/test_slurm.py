@@ -93,9 +93,12 @@ def test_torch_ranks_meet_at_a_store_on_the_first_host_of_the_node_list(allocati
 
 
 def test_an_mlx_ring_gets_one_address_per_rank_written_from_the_node_list(allocation, tmp_path):
-    allocation("localhost", "2")
+    import socket
+
+    here = socket.gethostname()
+    allocation(here, "2")  # this host, whatever its name resolves to: loopback
     argv, extra = step_for(tmp_path, framework="mlx", nproc=2)
-    assert "--nodelist=localhost" in argv and "--mpi=pmix" not in " ".join(argv)
+    assert f"--nodelist={here}" in argv and "--mpi=pmix" not in " ".join(argv)
     ring = json.loads(Path(extra[slurm.RING_HOSTFILE_ENV]).read_text())
     ports = [int(entry[0].rsplit(":", 1)[1]) for entry in ring]
     assert [entry[0].rsplit(":", 1)[0] for entry in ring] == ["127.0.0.1", "127.0.0.1"]
