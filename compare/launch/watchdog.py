@@ -208,7 +208,9 @@ def stop_job(proc: subprocess.Popen, run_dir: Path, reason: str | None = None) -
     they record "interrupted", and ranks killed before they could say so are marked so afterwards."""
     if reason:
         request_stop(run_dir, reason)
-    pids = {info.get("pid") for info in read_ranks(run_dir, 4096).values()} - {None}
+    # Only ranks on this host: another host's pid (srun over several nodes, a hostfile) names another process here.
+    here = os.uname().nodename
+    pids = {info.get("pid") for info in read_ranks(run_dir, 4096).values() if info.get("host", here) == here} - {None}
     targets = [("group", proc.pid)] + [("pid", p) for p in pids]
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for kind, ident in targets:
