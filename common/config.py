@@ -40,6 +40,7 @@ MLX_CPU_JIT = ("auto", "native", "baseline")
 DTYPES = ("float32", "bfloat16")
 CHECKPOINT_FORMATS = ("hf", "sharded")  # common/checkpoint/store.py, common/checkpoint/sharded.py
 TRACKERS = ("tensorboard", "wandb", "trackio")  # --report-to (compare/report/tracking.py)
+LAUNCHERS = ("auto", "local", "slurm")  # auto: srun inside a Slurm allocation (compare/launch/slurm.py)
 
 
 def default_cache_dir() -> Path:
@@ -114,6 +115,7 @@ class RunConfig:
     init_from: str = ""              # an HF-format Llama dir to start from instead of the seeded init
     collective_timeout_s: float = 60.0
     link: str = ""                   # emulate a link of this rate between local ranks (compare/launch/netns.py)
+    launcher: str = "auto"           # LAUNCHERS: srun inside a Slurm allocation, or this machine's own launchers
     timing_warmup_steps: int = 3
     profile_steps: int = 8           # rounds of extra steps after the run for the time breakdown (common/train/breakdown.py); 0 = none
     trace: bool = False              # then a timeline of 2 more steps per rank in RUN_DIR/trace/ (common/train/trace.py)
@@ -236,6 +238,7 @@ class RunConfig:
         _choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
         _choice("checkpoint_format", self.checkpoint_format, CHECKPOINT_FORMATS)
         _choice("communication_stream", self.communication_stream, COMMUNICATION_STREAMS)
+        _choice("launcher", self.launcher, LAUNCHERS)
         for tracker in filter(None, (t.strip() for t in self.report_to.split(","))):
             _choice("report_to", tracker, ("none",) + TRACKERS)
         for name in ("seq_len", "global_batch_size", "grad_accum", "steps", "nproc", "threads_per_rank",
@@ -274,6 +277,9 @@ class RunConfig:
             if self.resolved_backend not in LINK_BACKENDS[self.framework]:
                 raise UserError(f"--link {self.link}: the {self.resolved_backend} backend does not talk over "
                                 f"TCP; emulated links work with {', '.join(LINK_BACKENDS[self.framework])}")
+        if self.launcher == "slurm" and (self.hostfile or self.nnodes > 1 or self.link):
+            raise UserError("--launcher slurm starts the ranks on the allocation's nodes; it cannot be combined with "
+                            "--hostfile, --nnodes or --link")
         if not 0 <= self.node_rank < self.nnodes:
             raise UserError(f"node_rank {self.node_rank} must be in [0, nnodes={self.nnodes})")
         if not 0 <= self.val_fraction < 1:

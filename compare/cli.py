@@ -12,12 +12,13 @@ import signal
 import sys
 from pathlib import Path
 
-from common.config import RunConfig
+from common.config import RunConfig, read_toml
 from common.errors import ParityError, UserError
 
 from . import __version__
 from .flags import (BASELINE_PATHS, RUN_PATHS, add_baseline_flags, add_run_flags, add_tolerance_flags,
                     config_from_args, resolve_paths)
+from .submit import add_submit_flags
 from .launch.watchdog import install_stop_handlers, restore_handlers
 
 
@@ -106,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_tolerance_flags(compare)
     add_baseline_flags(compare)
     add_run_flags(compare)
+    add_submit_flags(compare)
     compare.set_defaults(handler=cmd_compare, paths={**RUN_PATHS, **BASELINE_PATHS})
 
     report = sub.add_parser(
@@ -208,6 +210,11 @@ def cmd_run(args) -> int:
     from .launch.runner import launch, prepare_inputs
 
     cfg = config_from_args(args)
+    from .launch import slurm
+
+    # Inside a Slurm allocation, as many ranks as the job has tasks unless --nproc (or the TOML) says otherwise.
+    cfg = slurm.sized_to_allocation(cfg, nproc_given=args.nproc is not None or "nproc" in
+                                    (read_toml(args.config) if args.config else {}))
     run_dir = Path(cfg.out or args.start_dir / default_out(cfg))
     from .machine.backends import check_available
     from .launch.netns import check_can_emulate
@@ -216,6 +223,7 @@ def cmd_run(args) -> int:
     check_run_dir(run_dir, cfg.resume, cfg.overwrite)
     check_hostfile(cfg)
     check_available(cfg)
+    slurm.check(cfg)
     if cfg.link:  # before the data is prepared, as compare does; one rank has no link to shape
         if cfg.world_size == 1:
             raise UserError(f"--link {cfg.link} shapes the link between ranks, and --nproc 1 has none: "

@@ -46,6 +46,8 @@ RUN_FLAGS = [
     ("--rdzv-endpoint", str, "torch: rendezvous HOST:PORT for several nodes"),
     ("--link", str, "emulate a link of this rate between the local ranks: 200mbit, 1gbit, 10gbit (root, Linux; "
                     "each rank in a network namespace, tc-shaped both ways)"),
+    ("--launcher", str, "auto (srun inside a Slurm allocation, else this machine's launchers), local, or slurm "
+                       "(docs/clusters.md)"),
     ("--collective-timeout-s", float, "seconds without progress before a job is declared hung"),
     ("--eval-every", int, "steps between eval losses (0: only at the end)"),
     ("--checkpoint-every", int, "steps between checkpoints (0: only at the end)"),

@@ -20,7 +20,9 @@ from .plan import add_memory_predictions, add_predictions
 from .report.labels import run_dirname, run_label
 from .launch.hosts import check_hostfile
 from .launch.runner import check_run_dir, launch, prepare_inputs
+from .launch import slurm
 from .launch.netns import check_can_emulate
+from .submit import print_scripts, submit_options, submit_runs
 from .machine.backends import check_available
 
 
@@ -49,16 +51,39 @@ def run_matrix(args) -> int:
     strategies = parse_list(args.strategies or args.strategy or toml.get("strategy", "ddp"), "strategies",
                             allowed=STRATEGIES)
     dtypes = parse_list(args.dtypes or args.dtype or toml.get("dtype", "float32"), "dtypes", allowed=DTYPES)
+    submit = submit_options(args)  # --submit slurm: one sbatch job per run (compare/submit.py)
     # The backend flag names one framework's backend; `auto` lets each framework pick its own.
     base = config_from_args(args, framework=frameworks[0], nproc=max(world_sizes), strategy="ddp",
-                            dtype="float32")
+                            dtype="float32", launcher="slurm" if submit else None)
     out = Path(base.out or args.start_dir / "runs/compare")
     check_run_dir_for_compare(out, base.overwrite)
     configs, left_out = expand_matrix(base, frameworks, strategies, dtypes, world_sizes, out)
     for reason in left_out:
         print(f"dpcompare: note: {reason}", file=sys.stderr)
+    if submit and submit.dry_run:
+        return print_scripts(configs, submit)
+    for cfg in configs.values() if not submit else ():
+        slurm.check(cfg)  # inside an allocation: srun, and enough tasks for every run
     inputs = prepare_inputs(base)
     out.mkdir(parents=True, exist_ok=True)
+    if submit:
+        try:
+            run_dirs, failed = submit_runs(configs, submit)
+        except KeyboardInterrupt as stop:
+            raise matrix_interrupted(stop, stop.run_dirs, out, args, [])
+    else:
+        run_dirs, failed = run_here(configs, inputs, out, args)
+    command = "dpcompare " + shlex.join(sys.argv[1:]) if sys.argv else ""
+    # A failed cross-framework verdict is followed by a diagnosis: where the frameworks first part.
+    diagnose_failures(run_dirs, out, tolerances_from_args(args))
+    write_samples(run_dirs, args)
+    add_predictions(run_dirs)  # the cost model's step for every N > 1 run, from its N=1 run (compare/plan.py)
+    add_memory_predictions(run_dirs)  # and every run's peak memory per rank from the shapes
+    return finish(run_dirs, out, args, {"command": command}, failed)
+
+
+def run_here(configs: dict, inputs, out: Path, args) -> tuple[list[Path], list[tuple[str, str]]]:
+    """Every run, one after another, from this process: (run directories, [(label, error)] of failed runs)."""
     run_dirs, failed = [], []
     for (label, run_dir), cfg in configs.items():
         where = cfg.resolved_backend if cfg.world_size > 1 else "single process"
@@ -73,13 +98,7 @@ def run_matrix(args) -> int:
             failed.append((label, summary.get("error")))
             print(f"   failed: {summary.get('error')}", file=sys.stderr, flush=True)
         run_dirs.append(run_dir)
-    command = "dpcompare " + shlex.join(sys.argv[1:]) if sys.argv else ""
-    # A failed cross-framework verdict is followed by a diagnosis: where the frameworks first part.
-    diagnose_failures(run_dirs, out, tolerances_from_args(args))
-    write_samples(run_dirs, args)
-    add_predictions(run_dirs)  # the cost model's step for every N > 1 run, from its N=1 run (compare/plan.py)
-    add_memory_predictions(run_dirs)  # and every run's peak memory per rank from the shapes
-    return finish(run_dirs, out, args, {"command": command}, failed)
+    return run_dirs, failed
 
 
 def expand_matrix(base, frameworks, strategies, dtypes, world_sizes, out: Path) -> tuple[dict, list[str]]:

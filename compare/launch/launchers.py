@@ -8,6 +8,7 @@ torch on one machine through `compare.launch.spawn` too (torchrun's agent costs 
 hosts through `torchrun`. Several nodes (`--nnodes N --node-rank R`, one `dpcompare run` per node):
 torch uses torchrun's static rendezvous, so ranks follow --node-rank; an MLX ring node starts its rank
 directly with MLX_RANK and MLX_HOSTFILE exactly as `mlx.launch` sets them, so no ssh is needed.
+Inside a Slurm allocation every rank is a task of one `srun` step, whatever the framework (slurm.py).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from common.errors import UserError
 from ..machine import environment as env
 from .hosts import RING_HOSTFILE, effective_backend, interface_toward
 from .netns import EmulatedLink
+from .slurm import srun_job, uses_slurm
 
 
 @dataclass
@@ -139,6 +141,7 @@ def mlx_launch(job: Job) -> list[str]:
 # (when it applies, given the config and the effective backend; the launcher): the first row that applies
 # starts the job, so the order matters (a torch job across nodes is torchrun whatever its backend).
 LAUNCHERS: tuple[tuple[Callable[[RunConfig, str], bool], Callable[[Job], list[str]]], ...] = (
+    (lambda cfg, backend: uses_slurm(cfg), srun_job),  # inside a Slurm allocation: one srun step (slurm.py)
     (lambda cfg, backend: cfg.nproc == 1 and not cfg.hostfile and cfg.nnodes == 1, plain_python),
     (lambda cfg, backend: cfg.framework == "mlx" and cfg.nnodes > 1, mlx_ring_node),
     (lambda cfg, backend: cfg.framework == "torch" and cfg.nnodes == 1, torch_spawner),

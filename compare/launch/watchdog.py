@@ -18,6 +18,8 @@ from common.config import RunConfig
 from common.metrics import read_json, write_json
 from common.train.supervisor import request_stop
 
+from .slurm import allocation_revoked, this_host_only
+
 POLL_S = 0.2
 KILL_GRACE_S = 3.0
 STARTUP_GRACE_S = 120.0  # imports and data opening before a rank's first heartbeat
@@ -36,7 +38,7 @@ def watch(proc: subprocess.Popen, run_dir: Path, cfg: RunConfig) -> dict | None:
     With --nnodes > 1 only this node's ranks are watched (they are local processes); the others are
     watched by their own node's dpcompare, and a peer that is gone shows here as a stall or a timeout."""
     expected = watched_ranks(cfg) if cfg.nnodes > 1 else list(range(cfg.nproc * cfg.nnodes))
-    local = cfg.nnodes > 1 or not cfg.hostfile
+    local = (cfg.nnodes > 1 or not cfg.hostfile) and this_host_only(cfg)  # else rank pids mean nothing here
     lead = expected[0]
     bar = progress_bar(cfg)
     last_progress, last_seen = time.time(), None
@@ -74,6 +76,10 @@ def watch(proc: subprocess.Popen, run_dir: Path, cfg: RunConfig) -> dict | None:
         if failure is not None and cfg.nnodes > 1 and (stall or is_peer_error(failure["error"])):
             failure["error"] += (f" [node {cfg.node_rank} of {cfg.nnodes}: a rank on another node may have "
                                  "failed, or the network between the nodes is down; see their logs]")
+        if failure is not None and allocation_revoked(cfg):  # scancel, a time limit: a stop, not a failure
+            if bar is not None:
+                bar.close()
+            raise Interrupted(signal.SIGTERM)
         if failure is not None:
             if bar is not None:
                 bar.close()
@@ -202,7 +208,9 @@ def stop_job(proc: subprocess.Popen, run_dir: Path, reason: str | None = None) -
     they record "interrupted", and ranks killed before they could say so are marked so afterwards."""
     if reason:
         request_stop(run_dir, reason)
-    pids = {info.get("pid") for info in read_ranks(run_dir, 4096).values()} - {None}
+    # Only ranks on this host: another host's pid (srun over several nodes, a hostfile) names another process here.
+    here = os.uname().nodename
+    pids = {info.get("pid") for info in read_ranks(run_dir, 4096).values() if info.get("host", here) == here} - {None}
     targets = [("group", proc.pid)] + [("pid", p) for p in pids]
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for kind, ident in targets:
