@@ -112,7 +112,7 @@ def train_once(root: Path, name: str, args: tuple, cache_dir: Path) -> Path:
 # world size) for the whole session (ddp's also give test_faults.py's resume its reference, fsdp's
 # test_fsdp.py its packing case, and tp x2 and pp x2 against ddp x1 test_tp.py's and test_pp.py's packing
 # cases). Each keeps its step-10 checkpoint: the first half of a switch (rewound). pp cuts each batch into 8
-# micro-batches (1f1b, the default schedule): test_pp.py's case of M = 8.
+# micro-batches (1f1b, the default schedule): test_pp.py's case of M = 8. conftest.py's `uninterrupted` trains them.
 HORIZON = ("--lr-decay-steps", 20, "--lr", "1e-3")
 HALF = 10
 PP_MICROBATCHES = 8

@@ -48,7 +48,7 @@ def train_losses(framework: str, dtype: str, steps: int = 4) -> list[float]:
 @pytest.fixture
 def mlx_uncompiled():
     """MLX without mx.compile for one test. On a CPU every kernel mx.compile fuses is C++ that MLX builds with
-    g++ (about 0.9 s each, 55 for an fp32 and a bf16 trainer: 42 s of a cold unit lane, AMD EPYC Zen 4) and
+    g++ (about 0.8 s each, 55 for an fp32 and a bf16 trainer: 42 s of a cold unit lane, AMD EPYC Zen 4) and
     keeps under $TMPDIR/mlx/. Compiled or not, the same operations round to the same dtypes (a fused
     kernel keeps each bf16 intermediate in bf16), so what the trainer computes in which dtype is tested
     without them; the compiled bf16 path against float32 is tests/integration/test_bf16.py's
@@ -61,8 +61,9 @@ def mlx_uncompiled():
 
 # ---- fast: in-process ---------------------------------------------------------------------------------
 
+@pytest.mark.usefixtures("mlx_uncompiled")
 @pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_a_bfloat16_trainer_computes_something_else_than_float32(framework, mlx_uncompiled):
+def test_a_bfloat16_trainer_computes_something_else_than_float32(framework):
     """The silent-fp32 bug: a bf16 run whose losses equal the fp32 run's to the last digit."""
     fp32, bf16 = train_losses(framework, "float32"), train_losses(framework, "bfloat16")
     assert np.abs(np.subtract(bf16, fp32)).max() > 1e-6, "bfloat16 computed in float32"
