@@ -14,7 +14,7 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 LANES = ("unit", "integration")
-sys.path.insert(0, str(HERE))  # `from helpers import ...`, `from unit.test_parity import ...`
+sys.path.insert(0, str(HERE))  # `from helpers import ...`, `from unit.fake_runs import ...`
 
 
 def pytest_collect_file(file_path, parent):
@@ -101,7 +101,7 @@ def pytest_sessionstart(session):
             or not runs_integration(config):
         return
     from helpers import can_emulate_links
-    from integration.conftest import LINK_RUN_ENV, MATRIX_ENV, build_link_run, build_matrix
+    from integration.runs import LINK_RUN_ENV, MATRIX_ENV, build_link_run, build_matrix
 
     base = config._tmp_path_factory.getbasetemp()
     cache = base / "dpcompare-cache"

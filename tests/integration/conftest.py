@@ -1,58 +1,15 @@
-"""The session's shared training runs. A new slow test reads `matrix` (or extends its flags), or one of the
-`uninterrupted` and `ddp_one` runs, before it starts a run of its own: each `dpcompare compare` costs a minute
-on the slow CI machine. Each is trained once per session, under pytest-xdist too (the matrix by the xdist
-controller before the workers start, the others by whichever worker asks first: train_once)."""
-import json
-import os
-from dataclasses import dataclass
+"""The session's shared training runs, as fixtures (how each is trained, and the helpers that read them:
+runs.py). A new slow test reads `matrix` (or extends its flags), or one of the `uninterrupted` and `ddp_one`
+runs, before it starts a run of its own: each `dpcompare compare` costs a minute on the slow CI machine. Each is
+trained once per session, under pytest-xdist too (the matrix by the xdist controller before the workers start,
+the others by whichever worker asks first: runs.train_once)."""
 from pathlib import Path
 
 import pytest
 
-from helpers import FAST, dpcompare, losses
-
-# Both frameworks at 1 and 2 ranks, every output switched on. The shape (steps of ~50-200 ms on 2 cores,
-# 8 profile steps of each kind) keeps the time breakdown's timer noise small next to a step.
-STEPS, EVAL_EVERY, LR = 8, 4, "1e-3"
-SETUP = (*FAST, "--seq-len", 128, "--global-batch-size", 32, "--steps", STEPS, "--lr", LR, "--eval-every", EVAL_EVERY,
-         "--profile-steps", 8, "--report-to", "tensorboard")
-
-
-@dataclass(frozen=True)
-class Matrix:
-    out: Path          # the compare's directory: mlx-n1, mlx-n2, torch-n1, torch-n2, report.*, summary.json
-    baseline: Path     # --save-baseline of all four runs
-    setup: tuple       # the flags every run got (a test re-running one of them passes these)
-    stdout: str
-    steps: int = STEPS
-    eval_every: int = EVAL_EVERY
-    lr: str = LR
-
-    def run(self, framework: str, world_size: int) -> Path:
-        return self.out / f"{framework}-n{world_size}"
-
-    @property
-    def summary(self) -> dict:
-        return json.loads((self.out / "summary.json").read_text())
-
-
-MATRIX_ENV = "DPCOMPARE_TEST_MATRIX"  # set by tests/conftest.py when it built the matrix before the workers
-LINK_RUN_ENV = "DPCOMPARE_TEST_LINK_RUN"  # likewise for the shaped-link compare (shaped_link_run)
-
-
-def build_matrix(root: Path, cache_dir: Path) -> Matrix:
-    """`dpcompare compare` of mlx and torch at N=1,2 with eval, profile steps, --trace, tensorboard and a
-    saved baseline, into `root`; what it printed is kept beside it (root/stdout.txt), or why it failed
-    (root/error.txt: every reader then fails with that message)."""
-    out, baseline = root / "cmp", root / "golden.json"
-    try:
-        proc = dpcompare("compare", *SETUP, "--trace", "--frameworks", "mlx,torch", "--nproc", "1,2", "--out", out,
-                         "--save-baseline", baseline, cache_dir=cache_dir)
-    except AssertionError as err:
-        (root / "error.txt").write_text(str(err))
-        raise
-    (root / "stdout.txt").write_text(proc.stdout)
-    return Matrix(out, baseline, SETUP, proc.stdout)
+from helpers import FAST
+from integration.runs import (HALF, HORIZON, LINK_RUN_ENV, MATRIX_ENV, PP_MICROBATCHES, SETUP, Matrix, build_link_run,
+                              build_matrix, reference_flags, shared_root, train_once, train_padded, trained_alone)
 
 
 @pytest.fixture(scope="session")
@@ -66,36 +23,6 @@ def matrix(cache_dir, tmp_path_factory) -> Matrix:
     return build_matrix(tmp_path_factory.mktemp("matrix"), cache_dir)
 
 
-def trained_alone(env_name: str) -> Path | None:
-    """The folder tests/conftest.py trained a run into before the workers started (None where it did not);
-    the run's failure, written to its error.txt, fails the reader."""
-    if not os.environ.get(env_name):
-        return None
-    root = Path(os.environ[env_name])
-    if (root / "error.txt").exists():
-        raise AssertionError((root / "error.txt").read_text())
-    return root
-
-
-# torch at N=1 and 2 over an emulated 20 Mbit/s link (tests/integration/test_link.py judges the cost model's
-# prediction of the 2-rank step to 15 %). Trained alone, like the matrix: beside the other worker's ranks on
-# the same 2 cores its measured step moved by -17 % (CI) to +21 % (here) against the prediction. 10 steps, so
-# the median is over 8: alone, single steps still ran 30-65 ms long (311 and 296 of 6 steps once gave -12.7 %);
-# over 8 the error was -5.1 % to +3.3 % in six runs (AMD EPYC Zen 5, one after another).
-LINK_RATE, LINK_RATE_BPS = "20mbit", 20e6
-LINK_ARGS = (*FAST, "--frameworks", "torch", "--nproc", "1,2", "--steps", 10, "--link", LINK_RATE, "--no-samples")
-
-
-def build_link_run(root: Path, cache_dir: Path) -> Path:
-    """The shaped-link compare into root/cmp; why it failed goes to root/error.txt (its reader fails with it)."""
-    try:
-        dpcompare("compare", *LINK_ARGS, "--out", root / "cmp", cache_dir=cache_dir)
-    except AssertionError as err:
-        (root / "error.txt").write_text(str(err))
-        raise
-    return root / "cmp"
-
-
 @pytest.fixture(scope="session")
 def shaped_link_run(cache_dir, tmp_path_factory) -> Path:
     """The shaped-link compare's directory (torch-n1, torch-n2), once for the session; skipped where links
@@ -105,42 +32,6 @@ def shaped_link_run(cache_dir, tmp_path_factory) -> Path:
     skip_unless_links()
     root = trained_alone(LINK_RUN_ENV)
     return root / "cmp" if root is not None else build_link_run(tmp_path_factory.mktemp("shaped-link"), cache_dir)
-
-
-def shared_root(tmp_path_factory) -> Path:
-    """Where the session's shared runs live: under pytest-xdist one folder for every worker (a worker's
-    basetemp is popen-gwN), so a run one worker trained is read, not trained again, by the other."""
-    base = tmp_path_factory.getbasetemp()
-    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared-runs"
-    root.mkdir(exist_ok=True)
-    return root
-
-
-def train_once(root: Path, name: str, args: tuple, cache_dir: Path) -> Path:
-    """`dpcompare run ARGS --out root/name`, once for the whole session whichever worker asks first: the
-    others wait on its lock and read the finished run (a run that failed is trained again by the next)."""
-    import fcntl
-    import shutil
-
-    out = root / name
-    with open(root / f"{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (out / ".trained").exists():
-            shutil.rmtree(out, ignore_errors=True)
-            dpcompare("run", *args, "--out", out, cache_dir=cache_dir)
-            (out / ".trained").write_text("")
-    return out
-
-
-# The uninterrupted curve a switch at a checkpoint must continue, and what the cross-framework agreement
-# tests of tp and fsdp compare: 20 steps at lr 1e-3 on a 20-step cosine, one run per (framework, strategy,
-# world size) for the whole session (ddp's also give test_faults.py's resume its reference, fsdp's
-# test_fsdp.py its packing case, and tp x2 and pp x2 against ddp x1 test_tp.py's and test_pp.py's packing
-# cases). Each keeps its step-10 checkpoint: the first half of a switch (rewound). pp cuts each batch into 8
-# micro-batches (1f1b, the default schedule): test_pp.py's case of M = 8.
-HORIZON = ("--lr-decay-steps", 20, "--lr", "1e-3")
-HALF = 10
-PP_MICROBATCHES = 8
 
 
 @pytest.fixture(scope="session")
@@ -155,38 +46,6 @@ def uninterrupted(cache_dir, tmp_path_factory):
                            "--nproc", nproc, "--checkpoint-every", HALF, *pp), cache_dir)
 
     return run
-
-
-def rewound(run_dir: Path, to: Path, step: int = HALF) -> Path:
-    """A copy of a session run at `to` with its checkpoints after `step` removed: what a run stopped at
-    `step` leaves (the step-`step` checkpoint is the one it wrote on its way; --resume truncates the metrics
-    after it). A test resumes it, in another framework or strategy or the same, instead of training the
-    first `step` steps again."""
-    import shutil
-
-    from common.checkpoint.store import latest_checkpoint
-
-    shutil.copytree(run_dir, to, ignore=shutil.ignore_patterns(".trained"))
-    for checkpoint in (to / "checkpoints").glob("step_*"):
-        if int(checkpoint.name.split("_")[1]) > step:
-            shutil.rmtree(checkpoint)
-    assert latest_checkpoint(to).name == f"step_{step:06d}", sorted((to / "checkpoints").iterdir())
-    return to
-
-
-def reference_flags(framework: str, sequence: str) -> tuple:
-    """The 10-step run a tp or pp job must equal at one ddp rank. grad_clip below the norms (~0.9): the
-    clipped update depends on the global norm summed over the ranks' shares (stages, or split layers)."""
-    return ("--framework", framework, "--steps", 10, "--sequence", sequence, "--eval-every", 10,
-            "--set", "grad_clip=0.5")
-
-
-def train_padded(root: Path, cache_dir: Path, framework: str, nproc: int, grad_accum: int, strategy: str = "ddp"):
-    """The padded runs: reference_flags(framework, "padding") (10 steps, grad_clip 0.5, an eval at step 10) at
-    these ranks, accumulation and strategy. ddp x1 without accumulation is ddp_one's padding reference."""
-    return train_once(root, f"padded-{framework}-{strategy}-n{nproc}-accum{grad_accum}",
-                      (*FAST, *reference_flags(framework, "padding"), "--nproc", nproc, "--grad-accum", grad_accum,
-                       "--strategy", strategy), cache_dir)
 
 
 @pytest.fixture(scope="session")
@@ -220,37 +79,3 @@ def padded(cache_dir, tmp_path_factory):
         return train_padded(root, cache_dir, framework, nproc, grad_accum, strategy)
 
     return get
-
-
-def resumed_from(run_dir: Path) -> int:
-    """The step the last run in `run_dir` started after (its rank 0's status)."""
-    return json.loads((run_dir / "ranks" / "rank0.json").read_text())["start_step"]
-
-
-def switched_at_a_checkpoint(first: str, second: str, flags: dict, uninterrupted, cache_dir, tmp_path) -> tuple:
-    """(losses of a run trained 10 steps as `first` then resumed to 20 as `second`, losses of the uninterrupted
-    20-step `second` run). `first`/`second` are "FRAMEWORK STRATEGY"; flags[strategy] are its run flags
-    (e.g. ("--strategy", "tp", "--nproc", 2)), on the uninterrupted runs' LR horizon. Where `first`'s flags
-    are only its strategy and ranks, its 10 steps are the session's uninterrupted run rewound to step 10."""
-    def args(which):
-        framework, strategy = which.split()
-        return ("--framework", framework, *flags[strategy], *HORIZON)
-
-    def world(strategy):
-        return dict(zip(flags[strategy][::2], flags[strategy][1::2])).get("--nproc", 1)
-
-    def plain(strategy):
-        pairs = zip(flags[strategy][::2], flags[strategy][1::2])
-        return all(k in ("--strategy", "--nproc") or (k == "--set" and str(v).startswith("strategy="))
-                   for k, v in pairs)
-
-    framework, strategy = second.split()
-    switched = tmp_path / "switched"
-    if plain(first.split()[1]):
-        rewound(uninterrupted(first.split()[0], first.split()[1], world(first.split()[1])), switched)
-    else:
-        dpcompare("run", *FAST, "--out", switched, *args(first), "--steps", HALF, cache_dir=cache_dir)
-    dpcompare("run", *FAST, "--out", switched, *args(second), "--steps", 20, "--resume", cache_dir=cache_dir)
-    assert resumed_from(switched) == HALF
-    straight = losses(uninterrupted(framework, strategy, world(strategy)))  # 20 steps on the same horizon
-    return losses(switched), straight

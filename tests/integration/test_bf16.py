@@ -11,7 +11,7 @@ from safetensors.numpy import load_file
 from common.model.precision import DEFAULT_TOLERANCES
 from compare.report.parity import moving_average
 from helpers import FAST, dpcompare, losses, summary
-from integration.conftest import resumed_from, rewound
+from integration.runs import resumed_from, rewound
 
 BF16 = DEFAULT_TOLERANCES["bfloat16"]
 FRAMEWORKS = ["mlx", "torch"]
@@ -115,7 +115,7 @@ def test_dp_invariance_in_bf16_two_ranks_match_one_within_the_bf16_tolerance(fra
 @pytest.mark.slow
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_a_bf16_run_resumes_exactly_from_its_float32_checkpoint(framework, runs, cache_dir, tmp_path):
-    # The compare's bf16 run, as if stopped at step 10 (its first 10 steps: integration/conftest.py's rewound),
+    # The compare's bf16 run, as if stopped at step 10 (its first 10 steps: integration/runs.py's rewound),
     # resumed in a new process to step 20, must give that uninterrupted run's losses.
     straight = runs[framework, "bfloat16", 1]
     resumed = rewound(straight, tmp_path / "resumed")

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from helpers import dpcompare
-from integration.conftest import switched_at_a_checkpoint
+from integration.runs import switched_at_a_checkpoint
 
 SHARDED = ("--checkpoint-format", "sharded")
 STRATEGY = {"fsdp": ("--strategy", "fsdp", "--nproc", 2, *SHARDED), "tp": ("--strategy", "tp", "--nproc", 2, *SHARDED)}

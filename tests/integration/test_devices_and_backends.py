@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from helpers import FAST, ROOT, dpcompare, losses
-from integration.conftest import HORIZON
+from integration.runs import HORIZON
 
 
 # ---- the communication stream -------------------------------------------------------------------

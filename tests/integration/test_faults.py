@@ -3,64 +3,23 @@ stops the run and keeps the last good checkpoint; resume is exact; checkpoints a
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 
-from compare.machine import environment
-from helpers import FAST, ROOT, can_emulate_links, dpcompare, losses, namespaces, summary
-from integration.conftest import HORIZON, resumed_from, rewound
+from helpers import FAST, can_emulate_links, dpcompare, losses, namespaces, summary
+from integration.jobs import LAUNCHES, alive, all_rank_pids, skip_unless_available, start, wait_for_rank
+from integration.runs import HORIZON, resumed_from, rewound
 
 pytestmark = pytest.mark.slow
 
-LAUNCHES = [("mlx", "ring"), ("mlx", "mpi"), ("torch", "gloo")]
-
-
-def start(cache_dir, out, *args):
-    cmd = [sys.executable, "-m", "compare.cli", "run", *FAST, "--out", str(out), *map(str, args)]
-    env = {**os.environ, "DPCOMPARE_CACHE": str(cache_dir)}
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def wait_for_rank(out, rank, min_step=2, timeout=90):
-    path = out / "ranks" / f"rank{rank}.json"
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            info = json.loads(path.read_text())
-            if info.get("step", 0) >= min_step:
-                return info
-        except (OSError, json.JSONDecodeError):
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"rank {rank} never reached step {min_step}")
-
-
-def alive(pid):
-    try:
-        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
-        return state != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def all_rank_pids(out):
-    return [json.loads(p.read_text())["pid"] for p in (out / "ranks").glob("rank*.json")]
-
-
-def skip_unless_available(framework, backend):
-    if backend == "mpi" and environment.mpirun() is None:
-        pytest.skip("Open MPI (mpirun) is not installed")
-
-
 @pytest.mark.parametrize("framework, backend", LAUNCHES)
 def test_a_killed_rank_ends_the_job_within_60_s_naming_the_rank(framework, backend, cache_dir, tmp_path):
-    skip_unless_available(framework, backend)
+    skip_unless_available(backend)
     out = tmp_path / "run"
-    proc = start(cache_dir, out, "--framework", framework, "--nproc", 2, "--backend", backend, "--steps", 100000)
+    proc = start(cache_dir, "run", "--out", out, "--framework", framework, "--nproc", 2, "--backend", backend,
+                 "--steps", 100000)
     victim = wait_for_rank(out, 1)
     killed_at = time.time()
     os.kill(victim["pid"], signal.SIGKILL)
@@ -76,10 +35,10 @@ def test_a_killed_rank_ends_the_job_within_60_s_naming_the_rank(framework, backe
 
 @pytest.mark.parametrize("framework, backend", LAUNCHES)
 def test_a_stopped_rank_ends_the_job_after_the_collective_timeout(framework, backend, cache_dir, tmp_path):
-    skip_unless_available(framework, backend)
+    skip_unless_available(backend)
     out = tmp_path / "run"
-    proc = start(cache_dir, out, "--framework", framework, "--nproc", 2, "--backend", backend, "--steps", 100000,
-                 "--collective-timeout-s", 5)
+    proc = start(cache_dir, "run", "--out", out, "--framework", framework, "--nproc", 2, "--backend", backend,
+                 "--steps", 100000, "--collective-timeout-s", 5)
     victim = wait_for_rank(out, 1)
     stopped_at = time.time()
     os.kill(victim["pid"], signal.SIGSTOP)
@@ -161,7 +120,7 @@ def test_an_interrupted_save_leaves_the_previous_checkpoint_as_latest(uninterrup
 def test_a_crashing_rank_ends_the_job_with_its_error_naming_the_rank(framework, backend, cache_dir, tmp_path):
     """torch's ranks talk over an emulated link where this machine can make one (root, iproute2): a failed
     rank must also leave no network namespace behind, and the summary records the shaped path."""
-    skip_unless_available(framework, backend)
+    skip_unless_available(backend)
     link = ["--link", "1gbit"] if backend == "gloo" and can_emulate_links() else []
     out = tmp_path / "run"
     started = time.time()
@@ -182,7 +141,7 @@ def test_a_crashing_rank_ends_the_job_with_its_error_naming_the_rank(framework, 
 
 
 def test_two_runs_at_once_do_not_collide(cache_dir, tmp_path):
-    procs = [start(cache_dir, tmp_path / f"run{i}", "--framework", fw, "--nproc", 2, "--steps", 8)
+    procs = [start(cache_dir, "run", "--out", tmp_path / f"run{i}", "--framework", fw, "--nproc", 2, "--steps", 8)
              for i, fw in enumerate(["mlx", "mlx", "torch", "torch"])]
     for proc in procs:
         _, stderr = proc.communicate(timeout=300)

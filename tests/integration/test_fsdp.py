@@ -6,7 +6,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from helpers import FAST, dpcompare, losses, summary
-from integration.conftest import resumed_from, rewound
+from integration.runs import resumed_from, rewound
 
 FRAMEWORKS = ["mlx", "torch"]
 

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from helpers import dpcompare, namespaces, skip_unless_links, summary
-from integration.conftest import LINK_RATE, LINK_RATE_BPS
+from integration.runs import LINK_RATE, LINK_RATE_BPS
 
 RATE, RATE_BPS = "400mbit", 400e6
 # The target for the cost model. Measured here: -1.3 % and -0.5 % (torch x2, tiny, 100mbit: 63.5 ms

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from helpers import FAST, ROOT, losses, summary
-from integration.conftest import HORIZON
+from integration.runs import HORIZON
 
 _pairs = itertools.count()
 

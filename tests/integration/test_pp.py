@@ -14,8 +14,8 @@ from common.parallel.pipeline import bubble_fraction, stage_of
 from common.model.spec import ModelSpec
 from common.model.weights import parameter_shapes
 from helpers import FAST, dpcompare, losses, summary
-from integration import test_faults as faults, test_stop as stop  # their helpers (no test is imported by name)
-from integration.conftest import PP_MICROBATCHES, reference_flags, switched_at_a_checkpoint
+from integration import jobs
+from integration.runs import PP_MICROBATCHES, reference_flags, switched_at_a_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -99,8 +99,9 @@ def test_three_uneven_stages_equal_one_ddp_rank(cache_dir, tmp_path):
 def test_a_killed_stage_ends_the_job_and_leaves_nothing_running(framework, backend, cache_dir, tmp_path):
     out = tmp_path / "run"
     # The default collective timeout: a first step that compiles MLX's kernels into a cold cache took 34 s here.
-    proc = faults.start(cache_dir, out, "--framework", framework, "--backend", backend, *PP, "--steps", 100000)
-    victim = faults.wait_for_rank(out, 1, timeout=180)
+    proc = jobs.start(cache_dir, "run", "--out", out, "--framework", framework, "--backend", backend, *PP,
+                      "--steps", 100000)
+    victim = jobs.wait_for_rank(out, 1, timeout=180)
     killed_at = time.time()
     os.kill(victim["pid"], signal.SIGKILL)
     _, stderr = proc.communicate(timeout=90)
@@ -108,7 +109,7 @@ def test_a_killed_stage_ends_the_job_and_leaves_nothing_running(framework, backe
     print(f"{framework} pp: kill -> exit in {elapsed:.1f} s")
     assert proc.returncode == 1 and elapsed < 60, (proc.returncode, elapsed, stderr)  # within the collective timeout
     assert "rank 1" in stderr, stderr
-    assert not any(faults.alive(pid) for pid in faults.all_rank_pids(out)), "no process of the job is left"
+    assert not any(jobs.alive(pid) for pid in jobs.all_rank_pids(out)), "no process of the job is left"
 
 
 # SIGHUP (a closed ssh session) for torch: test_stop.py stops torch's gloo launcher with SIGTERM only.
@@ -117,15 +118,15 @@ def test_a_killed_stage_ends_the_job_and_leaves_nothing_running(framework, backe
 def test_a_stop_signal_to_dpcompare_ends_a_pipeline_and_leaves_nothing_running(framework, backend, sig, cache_dir,
                                                                                tmp_path):
     out = tmp_path / "run"
-    proc = stop.start(cache_dir, "run", "--framework", framework, "--backend", backend, *PP, *stop.ENDLESS,
+    proc = jobs.start(cache_dir, "run", "--framework", framework, "--backend", backend, *PP, *jobs.ENDLESS,
                       "--out", out)
-    stop.wait_for_ranks(out)
-    exited, gone, stderr = stop.signal_and_time(proc, out, sig)  # asserts that nothing is left
+    jobs.wait_for_ranks(out)
+    exited, gone, stderr = jobs.signal_and_time(proc, out, sig)  # asserts that nothing is left
     assert proc.returncode == 128 + sig, stderr
-    assert exited < stop.STOP_LIMIT_S and gone < stop.STOP_LIMIT_S
+    assert exited < jobs.STOP_LIMIT_S and gone < jobs.STOP_LIMIT_S
     assert f"interrupted by {sig.name}" in stderr and len(stderr.strip().splitlines()) == 1, stderr
-    assert stop.summary(out)["status"] == "interrupted"
-    assert stop.rank_statuses(out) == ["interrupted", "interrupted"]
+    assert summary(out)["status"] == "interrupted"
+    assert jobs.rank_statuses(out) == ["interrupted", "interrupted"]
 
 
 # ---- the shared 20-step runs of tests/integration/conftest.py (`uninterrupted`: --pp-microbatches 8, 1f1b) ----

@@ -2,101 +2,18 @@
 session, the OOM killer) ends the whole job within 10 s: launcher and ranks, with the run marked
 interrupted and the last complete checkpoint kept, from which --resume continues exactly."""
 import json
-import os
 import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from common.checkpoint.store import latest_checkpoint
 from common.metrics import read_metrics
-from compare.machine import environment
-from helpers import FAST, ROOT, can_emulate_links, dpcompare, losses, namespaces, summary
+from helpers import FAST, can_emulate_links, dpcompare, losses, namespaces, summary
+from integration.jobs import (ENDLESS, LAUNCHES, STOP_LIMIT_S, rank_statuses, signal_and_time, skip_unless_available,
+                              start, wait_for_ranks)
 
-LAUNCHES = [("mlx", "ring"), ("mlx", "mpi"), ("torch", "gloo")]
-STOP_LIMIT_S = 10.0
-# Runs are long enough never to finish on their own; the LR horizon is fixed so that a resumed run and
-# its reference follow the same schedule whatever --steps they are given.
-ENDLESS = ("--steps", 100000, "--lr-decay-steps", 40, "--checkpoint-every", 2)
 EVERY = 8  # the resumed stop test's checkpoints: the steps after the last one before the stop are its reference
-
-
-def start(cache_dir, command, *args):
-    cmd = [sys.executable, "-m", "compare.cli", command, *FAST, *map(str, args)]
-    env = {**os.environ, "DPCOMPARE_CACHE": str(cache_dir)}
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def wait_for_ranks(run_dir, world=2, min_step=3, timeout=120):
-    """Until every rank has done `min_step` steps (so checkpoint step 2 is complete)."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        steps = []
-        for rank in range(world):
-            try:
-                steps.append(json.loads((run_dir / "ranks" / f"rank{rank}.json").read_text()).get("step", 0))
-            except (OSError, json.JSONDecodeError):
-                steps.append(0)
-        if min(steps) >= min_step:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"the ranks never reached step {min_step} in {run_dir}")
-
-
-def descendants(pid):
-    """Every process below `pid`, found through /proc's parent links (taken before the signal: after it
-    the orphans are reparented)."""
-    parents = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                pass
-    found, frontier = set(), {pid}
-    while frontier:
-        frontier = {p for p, parent in parents.items() if parent in frontier} - found
-        found |= frontier
-    return found
-
-
-def alive(pid):
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-
-
-def signal_and_time(proc, run_dir, sig):
-    """Send `sig` to the dpcompare process only; (seconds to its exit, seconds until no process of the
-    job is left, stderr). Leftovers are killed so that a failing test leaves nothing behind."""
-    job = descendants(proc.pid) | {json.loads(p.read_text())["pid"] for p in (run_dir / "ranks").glob("rank*.json")}
-    assert len(job) >= 3, f"expected a launcher and two ranks, found {job}"
-    sent = time.time()
-    os.kill(proc.pid, sig)
-    _, stderr = proc.communicate(timeout=60)
-    exited = time.time() - sent
-    while any(alive(p) for p in job) and time.time() - sent < STOP_LIMIT_S + 5:
-        time.sleep(0.05)
-    gone = time.time() - sent
-    left = [p for p in job if alive(p)]
-    for pid in left:
-        os.kill(pid, signal.SIGKILL)
-    assert not left, f"processes of the job still alive {gone:.1f} s after {sig.name}: {left}"
-    return exited, gone, stderr
-
-
-def rank_statuses(run_dir):
-    return sorted(json.loads(p.read_text())["status"] for p in (run_dir / "ranks").glob("rank*.json"))
-
-
-def skip_unless_available(backend):
-    if backend == "mpi" and environment.mpirun() is None:
-        pytest.skip("Open MPI (mpirun) is not installed")
 
 
 # SIGTERM on every launcher, with the resume; SIGHUP once, on MLX's ring over an emulated link. dpcompare turns

@@ -9,7 +9,7 @@ from helpers import FAST, dpcompare, losses, summary
 from common.model.spec import ModelSpec
 from common.parallel.tp import tp_split_axis
 from common.model.weights import parameter_shapes
-from integration.conftest import reference_flags, switched_at_a_checkpoint
+from integration.runs import reference_flags, switched_at_a_checkpoint
 
 FRAMEWORKS = ["mlx", "torch"]
 TP = ("--set", "strategy=tp", "--nproc", 2)

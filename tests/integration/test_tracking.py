@@ -1,5 +1,5 @@
 """--report-to tensorboard: every run's metrics as event files that TensorBoard's own reader opens."""
-from unit.test_tracking import read_events
+from tensorboard_events import read_events
 
 
 def test_a_run_with_report_to_tensorboard_writes_event_files(matrix):

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from helpers import FAST, dpcompare, losses, summary
-from integration.conftest import resumed_from, rewound
+from integration.runs import resumed_from, rewound
 from compare.machine import environment
 
 pytestmark = pytest.mark.slow

@@ -1,7 +1,7 @@
 """The strategy and dtype axes: which runs are judged against which, with which tolerances, and how
 `compare` plans a matrix (names, runs left out, every output directory checked before anything trains).
 
-Run directories are synthetic but written with the real schema (see test_parity.make_run).
+Run directories are synthetic but written with the real schema (tests/unit/fake_runs.py).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from compare.matrix import expand_matrix
 from compare.report.parity import Tolerances
 from compare.report.writer import write_report
 from helpers import FAST, dpcompare_here
-from unit.test_parity import judged, make_run, reference_losses
+from unit.fake_runs import judged, make_run, reference_losses
 
 
 def scaled(factor: float, from_step: int = 1) -> list[float]:

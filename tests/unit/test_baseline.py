@@ -4,7 +4,7 @@ import json
 from pathlib import Path
 
 
-from unit.test_parity import make_run, reference_losses
+from unit.fake_runs import make_run, reference_losses
 from compare.report.baseline import baseline_failed, judge_against, save_baseline
 from compare.report.parity import Tolerances
 

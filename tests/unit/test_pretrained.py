@@ -82,23 +82,28 @@ def test_both_frameworks_give_transformers_logits_on_real_configs(folders, name)
 def test_llama3_scaling_matches_transformers_past_original_max_position_embeddings(folders):
     """Llama 3's scaling acts on long contexts: 8200 tokens, past original_max_position_embeddings = 8192.
     MLX runs in a child process with the system OpenBLAS preloaded, where one is found (its reference BLAS
-    takes 20 s for this forward; FACTS.md: identical results); torch runs here."""
+    takes 20 s for this forward; FACTS.md: identical results), while transformers and torch run here."""
     from compare.machine.environment import mlx_blas
 
     directory = folders["llama-3.2-1b-long"]
     T = 8200
     tokens = np.random.default_rng(2).integers(0, CONFIGS["llama-3.2-1b"]["vocab_size"], size=(1, T))
-    model = transformers.LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32,
-                                                          attn_implementation="sdpa").eval()
-    with torch.no_grad():
-        expected = model(torch.from_numpy(tokens)).logits.numpy()
-    got = our_logits(torch_model, directory, tokens)
-    assert np.abs(got - expected)[:, 8192:].max() <= ATOL and np.abs(got - expected).max() <= ATOL
     np.save(directory / "tokens.npy", tokens)
     code = ("import sys, numpy as np, mlx.core as mx, mlx_impl.model as m; d = sys.argv[1]; "
             "np.save(d + '/mlx.npy', np.array(m.from_pretrained(d)(mx.array(np.load(d + '/tokens.npy')))))")
     env = {**os.environ, **mlx_blas("auto")[1]}
-    subprocess.run([sys.executable, "-c", code, str(directory)], check=True, env=env, cwd=ROOT, timeout=120)
+    mlx_child = subprocess.Popen([sys.executable, "-c", code, str(directory)], env=env, cwd=ROOT)
+    try:
+        model = transformers.LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32,
+                                                              attn_implementation="sdpa").eval()
+        with torch.no_grad():
+            expected = model(torch.from_numpy(tokens)).logits.numpy()
+        got = our_logits(torch_model, directory, tokens)
+        assert np.abs(got - expected)[:, 8192:].max() <= ATOL and np.abs(got - expected).max() <= ATOL
+        assert mlx_child.wait(timeout=120) == 0, "the MLX forward failed"
+    finally:
+        mlx_child.kill()  # a no-op once it has exited
+        mlx_child.wait()
     got = np.load(directory / "mlx.npy")
     assert np.abs(got - expected)[:, 8192:].max() <= ATOL and np.abs(got - expected).max() <= ATOL
 

@@ -12,7 +12,7 @@ from common.model.flops import flops_per_token, known_peak_flops, matmul_paramet
 from common.model.spec import ModelSpec
 from compare.report.parity import Tolerances
 from compare.report.writer import terminal_table, write_report
-from unit.test_parity import make_run, reference_losses
+from unit.fake_runs import make_run, reference_losses
 
 PEAKS = {"mlx": {"flops": 100e9, "device": "cpu", "threads": 1, "blas": "openblas"},
          "torch": {"flops": 80e9, "device": "cpu", "threads": 1, "blas": "mkl"}}

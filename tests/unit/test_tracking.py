@@ -1,21 +1,10 @@
 """--report-to tensorboard: every run's metrics as event files that TensorBoard's own reader opens."""
 import json
 
-import pytest
-
 from compare.report.tracking import report_run
 from helpers import FAST, dpcompare_here
-from unit.test_parity import make_run
-
-event_accumulator = pytest.importorskip(
-    "tensorboard.backend.event_processing.event_accumulator",
-    reason="tensorboard is not installed (pip install -e '.[dev]' installs it)")
-
-
-def read_events(logdir):
-    events = event_accumulator.EventAccumulator(str(logdir))
-    events.Reload()
-    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+from tensorboard_events import read_events
+from unit.fake_runs import make_run
 
 
 def test_event_files_hold_every_step_and_eval(tmp_path):
