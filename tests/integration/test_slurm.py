@@ -17,7 +17,7 @@ import pytest
 
 from compare.launch.watchdog import process_state
 from helpers import FAST, ROOT, dpcompare, losses, summary
-from integration.conftest import HORIZON
+from integration.runs import HORIZON
 
 SCRIPTS = ROOT / "tests" / "slurm"
 DAEMONS = ("munged", "slurmctld", "slurmd")

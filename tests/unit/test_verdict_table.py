@@ -10,7 +10,7 @@ import pytest
 from compare.report.parity import PAIR_KINDS, Tolerances
 from compare.report.verdict_table import check_cell, rel_pct
 from compare.report.writer import terminal_table, write_report
-from unit.test_parity import make_run, reference_losses
+from unit.fake_runs import make_run, reference_losses
 
 CONTEXT = {"peaks": {}, "accelerator": None}
 
