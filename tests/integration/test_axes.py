@@ -27,5 +27,9 @@ def test_ddp_fsdp_and_tp_of_both_frameworks_share_one_report(uninterrupted, cach
     assert len(summary["parity"]["cross_framework"]) == 3 and summary["verdicts"]["all_pass"]
     for row in summary["runs"]:  # every strategy reports its state and its time breakdown
         assert row["breakdown"]["forward"] > 0 and all(row["state_mb"][k] for k in ("params", "grads", "optimizer"))
+    rows = {(r["kind"], r["pair"]): r["verdict"] for r in summary["verdicts"]["pairs"]}
+    assert rows[("strategy vs ddp", "mlx tp x2 vs mlx x2")] == "pass"
     md = (out / "report.md").read_text()
-    assert "## Memory per rank" in md and "**Strategy, tp:** mlx tp x2 matches mlx x2" in md
+    # the pair is one row of the verdict table (compare/report/verdict_table.py), which the report shows
+    row = next(line for line in md.splitlines() if "mlx tp x2 vs mlx x2" in line and line.startswith("|"))
+    assert "## Memory per rank" in md and "| pass | strategy vs ddp |" in row
