@@ -1,0 +1,80 @@
+"""The wheel as a user installs it: built from the checkout, installed by pip into a fresh virtual environment
+pinned by constraints.txt, and run from a scratch directory outside the checkout with a relative --out.
+
+It shares the session's cache (tests/conftest.py cache_dir): the token cache, the seed checkpoint and MLX's
+compiled kernels of the matrix's shapes, which the xdist controller built before the workers started. Cold,
+the same compare spends about 35 of its 46 s compiling MLX kernels (AMD EPYC Zen 4, 2 cores, idle).
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+import tarfile
+
+import pytest
+
+from helpers import FAST, ROOT
+from integration.runs import SETUP
+
+pytestmark = pytest.mark.slow
+
+
+def shapes_of(flags: tuple) -> list[str]:
+    """The matrix's model and batch flags (so its compiled kernels serve this compare), without its steps,
+    profile rounds, eval and tracking."""
+    keep, out, it = ("--seq-len", "--global-batch-size"), [], iter(map(str, flags))
+    for flag in it:
+        if flag in keep:
+            out += [flag, next(it)]
+    return out
+
+
+def build_wheel(into) -> str:
+    """`pip wheel` of the tracked and new files, copied out first so that setuptools' build/ and egg-info
+    stay out of the checkout."""
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                           capture_output=True, check=True).stdout.decode().split("\0")
+    src = into / "src"
+    with tarfile.open(into / "src.tar", "w") as tar:
+        for name in filter(None, files):
+            if (ROOT / name).exists():
+                tar.add(ROOT / name, arcname=name, recursive=False)
+    with tarfile.open(into / "src.tar") as tar:
+        tar.extractall(src, filter="tar")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", into / "dist", src],
+                   check=True, capture_output=True)
+    (wheel,) = (into / "dist").glob("dpcompare-*.whl")
+    return str(wheel)
+
+
+def test_the_wheel_in_a_fresh_venv_compares_from_a_scratch_directory_with_a_relative_out(tmp_path, cache_dir):
+    wheel = build_wheel(tmp_path)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", venv], check=True)
+    # --no-compile: byte-code is written on first import, for the modules a run uses (half the install time).
+    install = subprocess.run([venv / "bin" / "python", "-m", "pip", "install", "--quiet", "--no-compile", "-c",
+                              ROOT / "constraints.txt", wheel], capture_output=True, text=True)
+    assert install.returncode == 0, install.stderr[-3000:]
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(DPCOMPARE_CACHE=str(cache_dir), PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}")
+
+    def dpcompare(*args):
+        return subprocess.run(["dpcompare", *map(str, args)], cwd=scratch, env=env, capture_output=True, text=True,
+                              timeout=600)
+
+    version = re.search(r'^__version__ = "([^"]+)"', (ROOT / "compare" / "__init__.py").read_text(), re.M)
+    assert dpcompare("--version").stdout.strip() == f"dpcompare {version.group(1)}"
+    where = subprocess.run([venv / "bin" / "python", "-c", "import common, compare; print(common.__file__); "
+                            "print(compare.__file__)"], cwd=scratch, env=env, capture_output=True, text=True)
+    assert all(path.startswith(str(venv)) for path in where.stdout.split()), where.stdout  # not the checkout
+
+    proc = dpcompare("compare", *FAST, *shapes_of(SETUP), "--steps", 10, "--profile-steps", 0, "--nproc", "1,2",
+                     "--out", "rel")
+    assert proc.returncode == 0 and "verdict: parity PASS" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((scratch / "rel" / "summary.json").read_text())
+    assert {r["label"] for r in summary["runs"]} == {"mlx x1", "mlx x2", "torch x1", "torch x2"}
+    for run in ("mlx-n1", "mlx-n2", "torch-n1", "torch-n2"):  # the greedy continuation: a child of the wheel too
+        assert json.loads((scratch / "rel" / run / "sample.json").read_text()).get("text"), run
