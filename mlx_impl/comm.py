@@ -83,8 +83,10 @@ class CommCounter:
         return cast(F, call)
 
     def bytes_per_step(self, grad_accum: int) -> int | None:
-        """Bytes given to all-reduce by one step's micro-steps and update (scalars left out)."""
-        return self.per_call.get("micro_step", 0) * grad_accum + self.per_call.get("update", 0)
+        """Bytes given to all-reduce by one step's micro-steps and update, and those a strategy gives once per
+        step outside them ("step": pp's tied gradient); scalars left out."""
+        return (self.per_call.get("micro_step", 0) * grad_accum + self.per_call.get("update", 0)
+                + self.per_call.get("step", 0))
 
 
 def collectives_of(group, stream, device: str) -> Collectives:

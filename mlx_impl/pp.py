@@ -23,10 +23,15 @@ runs the compiled forward only, each batch as one piece.
 Exact loss: the last stage holds the masked token losses of the whole batch, the others none, so the Trainer
 sums the loss over the world (`loss_over`). Gradients are those of (sum of token losses) x scale, scale =
 1 / global tokens, as under ddp at one rank (nothing is averaged: the data-parallel size is 1). The global
-norm adds each stage's sum of squares over the ranks (every parameter lives on exactly one stage; tied
-embeddings are refused before the run starts, common/parallel/pp.py). Checkpoints are whole HF-named files: the
-stages' parameters keep their HF names (blocks of other stages are empty placeholders in the layer list), and
-export_state sums the stages' dicts (zeros where a stage holds nothing) so every rank has the whole state.
+norm adds each stage's sum of squares over the ranks (every parameter lives on exactly one stage, but a tied
+matrix, counted on the first stage only). Checkpoints are whole HF-named files: the stages' parameters keep
+their HF names (blocks of other stages are empty placeholders in the layer list), and export_state sums the
+stages' dicts (zeros where a stage holds nothing) so every rank has the whole state.
+
+Tied embeddings (common/parallel/embedding_group.py, Megatron-LM's embedding group): the first and the last
+stage each hold the matrix, the last using it as its head, and forward_backward ends by summing its gradient
+over the two (one all_sum, timed as communication), before the norm: the ring backend cannot split a group, so
+beyond 2 stages the sum runs over the whole pipeline, the middle stages adding zeros.
 
 The bubble, the layers and tensors a stage holds and its figures are common/parallel/pipeline_stage.py's
 (`StageBookkeeping`, which `Pipeline` extends); the barriers around each training step are one-element all_sums.
@@ -45,6 +50,7 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from common.checkpoint.sharded import LocalState, local_pieces
 from common.checkpoint.tensorsource import TensorSource
 from common.config import RunConfig
+from common.parallel.embedding_group import TIED_MATRIX
 from common.parallel.pipeline import stage_ops
 from common.parallel.pipeline_stage import StageBookkeeping
 from common.train.protocols import Batch, ForwardBackwardResult, Phase, StateStream, World, no_phase
@@ -80,7 +86,7 @@ class Pipeline(StageBookkeeping):
         spec, inner = model.spec, model.model
         self.place(spec)
         inner.layers = [layer if i in self.layers else nn.Module() for i, layer in enumerate(inner.layers)]
-        if not self.first:
+        if not self.holds_embedding:  # the first stage's, and the last's copy of a tied one
             inner.pop("embed_tokens")
         if not self.last:
             inner.pop("norm")
@@ -112,9 +118,26 @@ class Pipeline(StageBookkeeping):
                 if flush_grads is not None:
                     grads = flush_grads if grads is None else tree_map(mx.add, grads, flush_grads)
         self.comm.per_call.setdefault("micro_step", sent // len(batches))  # bytes this stage sends per flush
+        if sync and self.embedding.tied:
+            with phase("communication"):
+                grads = self._sum_tied_gradient(grads)
         assert grads is not None, "a step has at least one micro-batch"
         wait_for(wait, grads)
         return ForwardBackwardResult(token_losses, grads)
+
+    def _sum_tied_gradient(self, grads: Grads | None) -> Grads | None:
+        """The tied matrix's gradient summed over the embedding group (common/parallel/embedding_group.py), after
+        the step's window (no bubble) and before the norm: each copy then holds the lookup's and the head's
+        parts, as one rank's gradient does, and AdamW keeps the copies equal. The ring backend cannot split a
+        group, so beyond 2 stages the sum runs over the whole pipeline, the middle stages adding zeros."""
+        embedding = grads["model"]["embed_tokens"] if grads is not None and self.holds_embedding else None
+        mine = embedding["weight"] if embedding is not None else mx.zeros(self.shapes[TIED_MATRIX], mx.float32)
+        self.comm.per_call.setdefault("step", mine.nbytes)
+        summed = mx.distributed.all_sum(mine, group=self.group, stream=self.stream)
+        mx.eval(summed)  # now, on every stage: a middle stage keeps nothing of it
+        if embedding is not None:
+            embedding["weight"] = summed
+        return grads
 
     def eval_losses(self, step: StepFunctions, batches: Sequence[Batch]) -> Losses:
         """The forward alone, each batch as one piece: the token losses on the last stage, [] elsewhere."""
@@ -198,7 +221,9 @@ class Pipeline(StageBookkeeping):
         h = inner.embed_tokens(x).astype(self.dtype) if self.first else x
         for i in self.layers:
             h = inner.layers[i](h, "causal")
-        return self.model.lm_head(inner.norm(h)) if self.last else h
+        if not self.last:
+            return h
+        return inner.embed_tokens.as_linear(inner.norm(h)) if self.embedding.tied else self.model.lm_head(inner.norm(h))
 
     @staticmethod
     def _losses(logits, targets, mask):
@@ -290,24 +315,26 @@ class Pipeline(StageBookkeeping):
 
     # ---- the rest of the Strategy protocol (local_index and figures: StageBookkeeping's) -------------------------
     def reduce_gradients(self, grads: Grads) -> Grads:
-        return grads  # nothing to average: one replica
+        return grads  # nothing to average: one replica (a tied matrix's gradient is summed in forward_backward)
 
     def global_norm(self, grads: Grads) -> mx.array:
-        """Each stage's sum of squares, summed over the stages: every parameter lives on exactly one."""
-        squares = sum((sum_of_squares(g) for _, g in tree_flatten(grads)), mx.array(0.0))
+        """Each stage's sum of squares, summed over the stages: every parameter lives on exactly one, a tied
+        matrix counted on the first stage only."""
+        squares = sum((sum_of_squares(g) for k, g in tree_flatten(grads) if self.counts(k)), mx.array(0.0))
         return mx.sqrt(mx.distributed.all_sum(squares, group=self.group))
 
     def export_state(self, weights: Mapping[str, mx.array], exp_avg: Mapping[str, mx.array],
                      exp_avg_sq: Mapping[str, mx.array]) -> tuple[StateStream, StateStream, StateStream]:
-        return self.gather(weights, self._all_sum), self.gather(exp_avg, self._all_sum), \
-            self.gather(exp_avg_sq, self._all_sum)
+        return self.gather(weights, self._all_sum, as_float32), self.gather(exp_avg, self._all_sum, as_float32), \
+            self.gather(exp_avg_sq, self._all_sum, as_float32)
 
     def local_state(self, shapes: Mapping[str, tuple[int, ...]], weights: Mapping[str, mx.array],
                     exp_avg: Mapping[str, mx.array], exp_avg_sq: Mapping[str, mx.array]) -> LocalState:
         """--checkpoint-format sharded (common/checkpoint/sharded.py): (weights, exp_avg, exp_avg_sq, where) of
-        this stage's own tensors, whole, under HF names; no collectives."""
-        return local_pieces(self.stage, (local_numpy(weights), local_numpy(exp_avg), local_numpy(exp_avg_sq)), {},
-                            shapes)
+        this stage's own tensors, whole, under HF names (a tied matrix: the first stage's copy); no collectives."""
+        own = (self.counted(local_numpy(weights)), self.counted(local_numpy(exp_avg)),
+               self.counted(local_numpy(exp_avg_sq)))
+        return local_pieces(self.stage, own, {}, shapes)
 
     def _all_sum(self, value: mx.array | None, shape: tuple[int, ...]) -> np.ndarray:
         """One tensor of export_state summed over the stages (StageBookkeeping.gather): zeros where not held."""

@@ -97,16 +97,19 @@ class AllReduceCounter(TorchDispatchMode):
 
 
 class SendCounter(TorchDispatchMode):
-    """Bytes given to point-to-point sends by the ops run under it (pp's activations and their gradients)."""
+    """Bytes given to point-to-point sends by the ops run under it (pp's activations and their gradients), and
+    to all-reduces of more than one element (pp's tied gradient; its barriers are scalars, left out)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.bytes = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.name() in SENDS:  # floating point only: the first step's shape inference sends pickled bytes
+        if func.name() in SENDS + ALL_REDUCES:
+            # floating point only: the first step's shape inference sends pickled bytes
             tensors = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
-            self.bytes += sum(t.numel() * t.element_size() for t in tensors if t.is_floating_point())
+            self.bytes += sum(t.numel() * t.element_size() for t in tensors
+                              if t.is_floating_point() and (func.name() in SENDS or t.numel() > 1))
         return func(*args, **(kwargs or {}))
 
 

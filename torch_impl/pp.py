@@ -20,6 +20,12 @@ all_reduces. A stage's busy time is its forward (the stage module; on the last s
 backward, timed by identity autograd functions at both ends of the stage (the first marks the moment the
 gradient reaches the stage's output, the last the moment it leaves the stage's input). Activation bytes sent
 are counted in the first step's point-to-point sends (torch_impl/comm.py's SendCounter). Mirrors mlx_impl/pp.py.
+
+Tied embeddings (common/parallel/embedding_group.py, Megatron-LM's embedding group): the first and the last
+stage each hold the matrix, the last using it as its head, and forward_backward ends by summing its gradient
+over the two (one all_reduce, timed as communication), before the norm; beyond 2 stages over a sub-group of
+the two ranks (`dist.new_group`, built by every rank at wrap), where MLX's ring, which cannot split a group,
+sums over the whole pipeline.
 """
 from __future__ import annotations
 
@@ -72,7 +78,7 @@ class Pipeline(StageBookkeeping):
         spec, inner = model.spec, model.model
         self.place(spec)
         inner.layers = nn.ModuleList(layer if i in self.layers else nn.Module() for i, layer in enumerate(inner.layers))
-        if not self.first:
+        if not self.holds_embedding:  # the first stage's, and the last's copy of a tied one
             del inner.embed_tokens
         if not self.last:
             del inner.norm
@@ -81,6 +87,9 @@ class Pipeline(StageBookkeeping):
         load_local(model, self.device, source, self.local_index)
         self.model, self.dtype, self.dim = model, inner.compute_dtype, spec.dim
         self.module = Stage(self)
+        # the embedding group's process group: every rank builds it (new_group's rule), None: the whole pipeline
+        self.tied_group = (dist.new_group(self.embedding.ranks()) if self.embedding.tied
+                           and not self.embedding.spans_pipeline else None)
         return model
 
     # ---- the schedule ---------------------------------------------------------------------------------------
@@ -92,26 +101,42 @@ class Pipeline(StageBookkeeping):
         its own module."""
         self.scale, self.sums, self.phase = scale, [], phase
         pipe = self.pipe
-        with self.step_window(self._barrier, instrumented=wait) as clock, self.comm.first_step(SendCounter):
-            self.clock = clock
-            for batch in batches:
-                inputs, targets, mask = to_device(self.device, *batch)
-                if pipe is None:
-                    pipe = self.pipe = self._build(inputs)
-                target = torch.stack([targets.double(), mask.double()], dim=1).contiguous()  # (B, 2, T)
-                # forward and backward interleave inside: Stage and BackwardMark open their phases
-                if self.first:
-                    pipe.step(inputs.contiguous(), return_outputs=False)
-                elif self.last:
-                    pipe.step(target=target, return_outputs=False)
-                else:
-                    pipe.step(return_outputs=False)
-                wait_for(wait, self.device)
+        with self.comm.first_step(SendCounter):
+            with self.step_window(self._barrier, instrumented=wait) as clock:
+                self.clock = clock
+                for batch in batches:
+                    inputs, targets, mask = to_device(self.device, *batch)
+                    if pipe is None:
+                        pipe = self.pipe = self._build(inputs)
+                    target = torch.stack([targets.double(), mask.double()], dim=1).contiguous()  # (B, 2, T)
+                    # forward and backward interleave inside: Stage and BackwardMark open their phases
+                    if self.first:
+                        pipe.step(inputs.contiguous(), return_outputs=False)
+                    elif self.last:
+                        pipe.step(target=target, return_outputs=False)
+                    else:
+                        pipe.step(return_outputs=False)
+                    wait_for(wait, self.device)
+            if sync and self.embedding.tied:
+                with phase("communication"):
+                    self._sum_tied_gradient()
+                    wait_for(wait, self.device)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         # the first step's shape inference runs the loss once more, on a micro-batch: the schedule's are the last
         if self.sums:
             loss_sum = loss_sum + sum(self.sums[-self.n_micro * len(batches):])
         return ForwardBackwardResult(loss_sum, [p.grad for p in self.model.parameters() if p.grad is not None])
+
+    @torch.no_grad()
+    def _sum_tied_gradient(self) -> None:
+        """The tied matrix's gradient summed over the embedding group, after the step's window (no bubble) and
+        before the norm: each copy then holds the lookup's and the head's parts, as one rank's gradient does,
+        and AdamW keeps the copies equal. A middle stage is not in the group and does nothing."""
+        if not self.holds_embedding:
+            return
+        grad = self.model.model.embed_tokens.weight.grad
+        assert grad is not None, "both ends of the pipeline use the tied matrix every step"
+        dist.all_reduce(grad, group=self.tied_group)
 
     def _build(self, inputs: torch.Tensor) -> PipelineScheduleSingle:
         """The schedule over this rank's PipelineStage, shaped by a micro-batch of `inputs`."""
@@ -156,24 +181,30 @@ class Pipeline(StageBookkeeping):
     # ---- the rest of the Strategy protocol (local_index and figures: StageBookkeeping's) -------------------------
     @torch.no_grad()
     def global_norm(self, grads: Grads) -> torch.Tensor:
-        """Each stage's sum of squares, summed over the stages: every parameter lives on exactly one."""
+        """Each stage's sum of squares, summed over the stages: every parameter lives on exactly one, a tied
+        matrix counted on the first stage only."""
         dtype = norm_dtype(self.device)
-        norms = [torch.linalg.vector_norm(g, dtype=dtype) for g in grads]
+        norms = [torch.linalg.vector_norm(g, dtype=dtype) for g in grads if id(g) not in self._uncounted_grads()]
         squares = torch.stack(norms).square().sum() if norms else torch.zeros((), dtype=dtype, device=self.device)
         dist.all_reduce(squares)
         return squares.sqrt()
 
     def export_state(self, weights: Mapping[str, torch.Tensor], exp_avg: Mapping[str, torch.Tensor],
                      exp_avg_sq: Mapping[str, torch.Tensor]) -> tuple[StateStream, StateStream, StateStream]:
-        return self.gather(weights, self._all_sum), self.gather(exp_avg, self._all_sum), \
-            self.gather(exp_avg_sq, self._all_sum)
+        return self.gather(weights, self._all_sum, as_float32), self.gather(exp_avg, self._all_sum, as_float32), \
+            self.gather(exp_avg_sq, self._all_sum, as_float32)
 
     def local_state(self, shapes: Mapping[str, tuple[int, ...]], weights: Mapping[str, torch.Tensor],
                     exp_avg: Mapping[str, torch.Tensor], exp_avg_sq: Mapping[str, torch.Tensor]) -> LocalState:
         """--checkpoint-format sharded (common/checkpoint/sharded.py): (weights, exp_avg, exp_avg_sq, where) of
-        this stage's own tensors, whole, under HF names; no collectives."""
-        return local_pieces(self.stage, (local_numpy(weights), local_numpy(exp_avg), local_numpy(exp_avg_sq)), {},
-                            shapes)
+        this stage's own tensors, whole, under HF names (a tied matrix: the first stage's copy); no collectives."""
+        own = (self.counted(local_numpy(weights)), self.counted(local_numpy(exp_avg)),
+               self.counted(local_numpy(exp_avg_sq)))
+        return local_pieces(self.stage, own, {}, shapes)
+
+    def _uncounted_grads(self) -> set[int]:
+        """The gradients this stage holds but does not count in the norm: its copy of a tied matrix (last stage)."""
+        return {id(p.grad) for name, p in self.model.named_parameters() if not self.counts(name)}
 
     def _all_sum(self, value: torch.Tensor | None, shape: tuple[int, ...]) -> np.ndarray:
         """One tensor of export_state summed over the stages (StageBookkeeping.gather): zeros where not held."""
@@ -196,7 +227,12 @@ class Stage(nn.Module):
         h = inner.embed_tokens(x).to(pp.dtype) if pp.first else x
         for i in pp.layers:
             h = inner.layers[i](h, None)
-        return self.llama.lm_head(inner.norm(h)) if pp.last else h
+        return self.head(inner.norm(h)) if pp.last else h
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """The last stage's output head: lm_head, or its copy of the tied embedding."""
+        inner = self.llama.model
+        return inner.embed_tokens.as_linear(h) if self.pipeline[0].embedding.tied else self.llama.lm_head(h)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         pp, inner = self.pipeline[0], self.llama.model
@@ -204,7 +240,7 @@ class Stage(nn.Module):
             h = BackwardMark.apply(inner.embed_tokens(x).to(pp.dtype) if pp.first else x, pp, False)
             for i in pp.layers:
                 h = inner.layers[i](h, None)
-            out = self.llama.lm_head(inner.norm(h)) if pp.last else BackwardMark.apply(h, pp, True)
+            out = self.head(inner.norm(h)) if pp.last else BackwardMark.apply(h, pp, True)
         return out
 
 

@@ -28,6 +28,8 @@ micro-batches under rendezvous semantics.
 """
 from __future__ import annotations
 
+from common.parallel.embedding_group import EmbeddingGroup
+
 SCHEDULES = ("gpipe", "1f1b")
 
 
@@ -46,6 +48,12 @@ def stage_of(name: str, n_layers: int, n_stages: int) -> int:
         layer = int(name.split(".")[2])
         return next(s for s in range(n_stages) if layer in stage_layers(n_layers, n_stages, s))
     return n_stages - 1  # model.norm, lm_head
+
+
+def stage_holds(name: str, n_layers: int, stage: int, embedding: EmbeddingGroup) -> bool:
+    """Whether `stage` holds the HF-named parameter: its own (stage_of), or its copy of a tied matrix (the last
+    stage's, common/parallel/embedding_group.py)."""
+    return stage_of(name, n_layers, embedding.n_stages) == stage or embedding.holds(name, stage)
 
 
 def compute_order(schedule: str, stage: int, n_stages: int, n_micro: int) -> list[tuple[str, int]]:

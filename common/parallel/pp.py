@@ -7,14 +7,18 @@ Its cost (common/costmodel/, docs/scaling.md):
     f_work     the slowest stage's share of the FLOPs (its blocks, plus the head on the last; the embedding on
                the first is a lookup), inflated by the bubble to (M + p - 1) / M slots of one piece each
                (M pieces per micro-step, --pp-microbatches)
-    f_state    the stage that holds the most: its blocks and the embedding, or the norm and the head
+    f_state    the stage that holds the most: its blocks and the embedding, or the norm and the head (with
+               tied embeddings the last stage holds a copy of the embedding as its head)
     traffic    point to point, not a ring: per micro-step and piece each stage boundary carries the piece's
                activations (rows x T x dim, compute dtype) down and their gradient back up, t_send = a + S / b
-               each (boundaries work side by side)
+               each (boundaries work side by side). Tied embeddings add one all-reduce per optimizer step of
+               the tied gradient (V x dim, float32) over the embedding group, the first and the last stage
+               (common/parallel/embedding_group.py), after the backward: on the critical path
     memory     the first stage's blocks' activations, for every piece of a micro-step (as gpipe keeps them)
     exposed    only the critical path: a piece's slot is its stage compute, or 2 t_send when the link is slower
                (an activation and a gradient per piece cross every boundary); fill and drain add 2 (p - 1) t_send
-               per micro-step. Nothing else overlaps.
+               per micro-step; the tied gradient's all-reduce (2 ranks) adds its whole time. Nothing else
+               overlaps.
 """
 from __future__ import annotations
 
@@ -29,7 +33,8 @@ from common.model.spec import ModelSpec
 from common.model.weights import parameter_shapes
 from common.parallel.layout import (DTYPE_BYTES, Layout, Measured, largest_tensor_bytes, layer_and_head_flops,
                                     total_parameters)
-from common.parallel.pipeline import comm_bytes_per_step, stage_layers, stage_of
+from common.parallel.embedding_group import EmbeddingGroup
+from common.parallel.pipeline import comm_bytes_per_step, stage_holds, stage_layers
 
 
 class PpLayout(Layout):
@@ -37,8 +42,8 @@ class PpLayout(Layout):
     reads_whole_batch: ClassVar[bool] = True
 
     def check(self, spec: ModelSpec) -> None:
-        """One stage per rank, each with at least one transformer block; untied embeddings (a tied matrix would
-        live on the first and the last stage, and its gradient would have to be summed between them)."""
+        """One stage per rank, each with at least one transformer block. Tied embeddings are held by the first
+        and the last stage, their gradient summed between them (common/parallel/embedding_group.py)."""
         super().check(spec)
         n = self.ranks
         if n < 2:
@@ -48,10 +53,6 @@ class PpLayout(Layout):
             raise UserError(f"--strategy pp over {n} stages needs at least one transformer block per stage, "
                             f"but model.n_layers = {spec.n_layers} < {n}: use --nproc {spec.n_layers} or fewer, "
                             f"or --set model.n_layers={n}")
-        if spec.tie_embeddings:
-            raise UserError("--strategy pp does not support tied embeddings (model.tie_embeddings = true): the "
-                            "embedding lives on the first stage and the head on the last, and their shared gradient "
-                            "is not summed between them; use --strategy ddp, fsdp or tp, or untie the embeddings")
 
     def check_batch(self, global_batch: int, grad_accum: int, pp_microbatches: int) -> None:
         """Each micro-step's batch (global batch / grad accum) is cut into --pp-microbatches equal pieces."""
@@ -65,8 +66,8 @@ class PpLayout(Layout):
         n = self.ranks
         if n == 1:
             return total_parameters(spec)
-        shapes = parameter_shapes(spec)
-        return max(sum(math.prod(s) for k, s in shapes.items() if stage_of(k, spec.n_layers, n) == stage)
+        shapes, group = parameter_shapes(spec), EmbeddingGroup.of(spec, n)
+        return max(sum(math.prod(s) for k, s in shapes.items() if stage_holds(k, spec.n_layers, stage, group))
                    for stage in range(n))
 
     def work_fraction(self, w: Workload) -> float:
@@ -85,17 +86,25 @@ class PpLayout(Layout):
         return rows * seq_len * spec.dim * DTYPE_BYTES[policy(dtype).compute_dtype]
 
     def step_collectives(self, w: Workload, reduce_scatter: str) -> list[Collective]:
-        """One boundary's sends per step: each piece's activations down and their gradient up."""
+        """One boundary's sends per step: each piece's activations down and their gradient up; with tied
+        embeddings, the tied gradient's all-reduce over the embedding group."""
         piece = self.send_bytes(w.micro_rows(self.dp_size) / w.pp_microbatches, w.seq_len, w.spec, w.dtype)
-        return [Collective("send", int(piece), 2 * w.pp_microbatches * w.grad_accum, "activations and their gradients")]
+        sends = [Collective("send", int(piece), 2 * w.pp_microbatches * w.grad_accum, "activations and their gradients")]
+        tied = self.embedding_group(w.spec).gradient_bytes(w.spec)
+        return sends + ([Collective("all_reduce", tied, 1, "the tied embedding's gradient, first + last stage")]
+                        if tied else [])
+
+    def embedding_group(self, spec: ModelSpec) -> EmbeddingGroup:
+        return EmbeddingGroup.of(spec, self.ranks)
 
     def payload_bytes_per_step(self, spec: ModelSpec, micro_batch_size: int, seq_len: int, grad_accum: int,
                                dtype: str) -> int:
         # What the run counts: the bytes rank 0 (the first stage) sends, the whole global batch's activations to
         # the next stage (common/parallel/pipeline.py): one direction of one boundary, so half the payload of
-        # `collectives`, which count the gradients coming back up too.
+        # `collectives`, which count the gradients coming back up too; and the tied gradient it all-reduces.
         return comm_bytes_per_step(micro_batch_size * grad_accum, seq_len, spec.dim,
-                                   DTYPE_BYTES[policy(dtype).compute_dtype])
+                                   DTYPE_BYTES[policy(dtype).compute_dtype]) + \
+            self.embedding_group(spec).gradient_bytes(spec)
 
     def activation_layers(self, spec: ModelSpec) -> int:
         return len(stage_layers(spec.n_layers, self.ranks, 0))
@@ -114,4 +123,6 @@ class PpLayout(Layout):
         compute_fwd_bwd_s = (cal.forward_s + cal.backward_s) * self.work_fraction(w)
         send_s, m = link.send_s(colls[0].nbytes, n), w.pp_microbatches
         slot_s = compute_fwd_bwd_s / (w.grad_accum * (m + n - 1))
-        return w.grad_accum * ((m + n - 1) * max(0.0, 2 * send_s - slot_s) + 2 * (n - 1) * send_s)
+        # the tied gradient's all-reduce between the backward and the optimizer: nothing to hide it behind
+        tied_s = sum(c.seconds(link, len(self.embedding_group(w.spec).stages)) for c in colls[1:])
+        return w.grad_accum * ((m + n - 1) * max(0.0, 2 * send_s - slot_s) + 2 * (n - 1) * send_s) + tied_s

@@ -255,6 +255,8 @@ def summarize(cfg: RunConfig, run_dir: Path, argv: list[str], blas: str, wall_s:
             "idle": split_idle([ranks.get(r, {}).get("pp_bubble") for r in range(world)]),
             "bubble_analytic": rank0.get("pp_bubble_analytic"),
             "layers": [ranks.get(r, {}).get("pp_layers") for r in range(world)],
+            # the embedding group: the stages holding a tied matrix (common/parallel/embedding_group.py), [] untied
+            "tied_embedding_stages": rank0.get("pp_tied_embedding_stages", []),
             "comm_bytes_per_step": [ranks.get(r, {}).get("comm_bytes_per_step") for r in range(world)]}
     if device_note(cfg):
         summary["device_note"] = device_note(cfg)

@@ -111,14 +111,13 @@ def test_pp_reads_the_whole_batch_on_every_rank_and_estimates_the_activations_of
 
 
 # ---- bad input ----------------------------------------------------------------------------------------------
-def test_pp_refuses_more_stages_than_blocks_and_tied_embeddings_naming_the_numbers():
+def test_pp_refuses_more_stages_than_blocks_naming_the_numbers_and_runs_tied_embeddings():
     with pytest.raises(UserError, match=r"4 stages .* model\.n_layers = 2 < 4"):
         check_strategy("pp", preset("tiny"), 4)
     with pytest.raises(UserError, match="at least 2"):
         check_strategy("pp", preset("tiny"), 1)
-    with pytest.raises(UserError, match="tied embeddings"):
-        check_strategy("pp", preset("tiny").with_(tie_embeddings=True), 2)
     check_strategy("pp", preset("tiny"), 2)
+    check_strategy("pp", preset("tiny").with_(tie_embeddings=True), 2)  # the embedding group (test_tied_pp.py)
 
 
 def test_pp_microbatches_must_divide_each_micro_steps_batch():
@@ -136,8 +135,7 @@ def test_pp_microbatches_must_divide_each_micro_steps_batch():
     (("--nproc", 3), "--strategy pp over 3 stages needs at least one transformer block per stage, but "
                      "model.n_layers = 2 < 3"),
     (("--nproc", 2, "--pp-microbatches", 3), "--pp-microbatches 3 must divide"),
-    (("--nproc", 2, "--pp-schedule", "interleaved"), "unknown pp_schedule 'interleaved'"),
-    (("--nproc", 2, "--set", "model.tie_embeddings=true"), "does not support tied embeddings")])
+    (("--nproc", 2, "--pp-schedule", "interleaved"), "unknown pp_schedule 'interleaved'")])
 def test_pp_that_cannot_run_exits_2_with_one_line_and_writes_nothing(extra, named, cache_dir, tmp_path):
     out = tmp_path / "never"
     proc = dpcompare_here("run", *FAST, "--framework", "torch", "--strategy", "pp", *extra, "--steps", 2,
