@@ -30,8 +30,8 @@ stages' dicts (zeros where a stage holds nothing) so every rank has the whole st
 
 Tied embeddings (common/parallel/embedding_group.py, Megatron-LM's embedding group): the first and the last
 stage each hold the matrix, the last using it as its head, and forward_backward ends by summing its gradient
-over the two (one all_sum, timed as communication), before the norm: the ring backend cannot split a group, so
-beyond 2 stages the sum runs over the whole pipeline, the middle stages adding zeros.
+over the two (one all_sum; the time breakdown's communication), before the norm: the ring backend cannot split
+a group, so beyond 2 stages the sum runs over the whole pipeline, the middle stages adding zeros.
 
 The bubble, the layers and tensors a stage holds and its figures are common/parallel/pipeline_stage.py's
 (`StageBookkeeping`, which `Pipeline` extends); the barriers around each training step are one-element all_sums.

@@ -23,9 +23,9 @@ are counted in the first step's point-to-point sends (torch_impl/comm.py's SendC
 
 Tied embeddings (common/parallel/embedding_group.py, Megatron-LM's embedding group): the first and the last
 stage each hold the matrix, the last using it as its head, and forward_backward ends by summing its gradient
-over the two (one all_reduce, timed as communication), before the norm; beyond 2 stages over a sub-group of
-the two ranks (`dist.new_group`, built by every rank at wrap), where MLX's ring, which cannot split a group,
-sums over the whole pipeline.
+over the two (one all_reduce; the time breakdown's communication), before the norm; beyond 2 stages over a
+sub-group of the two ranks (`dist.new_group`, built by every rank at wrap), where MLX's ring, which cannot
+split a group, sums over the whole pipeline.
 """
 from __future__ import annotations
 
