@@ -93,6 +93,9 @@ class Pipeline(StageBookkeeping):
             if "lm_head" in model:
                 model.pop("lm_head")
         self.model, self.dtype, self.dim = model, inner.compute_dtype, spec.dim
+        # The embedding group's communicator: the pipeline's own (2 stages; beyond, ring cannot split a group, so
+        # the middle stages add zeros). A caller with a 2-rank sub-group (MPI's Group.split) may set it instead.
+        self.tied_group = self.group
         self.keys = [k for k, _ in tree_flatten(model.trainable_parameters())]
         # Compiled like the Trainer's micro-step: the parameters are inputs (set into the model while tracing,
         # put back after each call), so one trace serves every call of the same shapes.
@@ -130,10 +133,12 @@ class Pipeline(StageBookkeeping):
         the step's window (no bubble) and before the norm: each copy then holds the lookup's and the head's
         parts, as one rank's gradient does, and AdamW keeps the copies equal. The ring backend cannot split a
         group, so beyond 2 stages the sum runs over the whole pipeline, the middle stages adding zeros."""
+        if not self.holds_embedding and self.tied_group is not self.group:
+            return grads  # a middle stage outside the group's own communicator
         embedding = grads["model"]["embed_tokens"] if grads is not None and self.holds_embedding else None
         mine = embedding["weight"] if embedding is not None else mx.zeros(self.shapes[TIED_MATRIX], mx.float32)
         self.comm.per_call.setdefault("step", mine.nbytes)
-        summed = mx.distributed.all_sum(mine, group=self.group, stream=self.stream)
+        summed = mx.distributed.all_sum(mine, group=self.tied_group, stream=self.stream)
         mx.eval(summed)  # now, on every stage: a middle stage keeps nothing of it
         if embedding is not None:
             embedding["weight"] = summed

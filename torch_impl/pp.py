@@ -87,7 +87,8 @@ class Pipeline(StageBookkeeping):
         load_local(model, self.device, source, self.local_index)
         self.model, self.dtype, self.dim = model, inner.compute_dtype, spec.dim
         self.module = Stage(self)
-        # the embedding group's process group: every rank builds it (new_group's rule), None: the whole pipeline
+        # The embedding group's process group: a sub-group of the two ranks beyond 2 stages, which every rank builds
+        # (new_group's rule); None, the default group, at 2 stages. On a mesh, the group of one pipeline's ends.
         self.tied_group = (dist.new_group(self.embedding.ranks()) if self.embedding.tied
                            and not self.embedding.spans_pipeline else None)
         return model
