@@ -185,7 +185,8 @@ class Pipeline(StageBookkeeping):
         """Each stage's sum of squares, summed over the stages: every parameter lives on exactly one, a tied
         matrix counted on the first stage only."""
         dtype = norm_dtype(self.device)
-        norms = [torch.linalg.vector_norm(g, dtype=dtype) for g in grads if id(g) not in self._uncounted_grads()]
+        uncounted = self._uncounted_grads()
+        norms = [torch.linalg.vector_norm(g, dtype=dtype) for g in grads if id(g) not in uncounted]
         squares = torch.stack(norms).square().sum() if norms else torch.zeros((), dtype=dtype, device=self.device)
         dist.all_reduce(squares)
         return squares.sqrt()
@@ -205,7 +206,7 @@ class Pipeline(StageBookkeeping):
 
     def _uncounted_grads(self) -> set[int]:
         """The gradients this stage holds but does not count in the norm: its copy of a tied matrix (last stage)."""
-        return {id(p.grad) for name, p in self.model.named_parameters() if not self.counts(name)}
+        return {id(p.grad) for name, p in self.model.named_parameters() if not self.counts(name) and p.grad is not None}
 
     def _all_sum(self, value: torch.Tensor | None, shape: tuple[int, ...]) -> np.ndarray:
         """One tensor of export_state summed over the stages (StageBookkeeping.gather): zeros where not held."""
