@@ -113,4 +113,5 @@ def difference_sentence(d: dict | None, fast: str, slow: str) -> str | None:
 def ms(seconds: float) -> str:
     """Milliseconds with the digits that matter: 1,950 / 36.0 / 0.42."""
     value = 1e3 * seconds
-    return f"{value:,.0f}" if value >= 100 else f"{value:.1f}" if value >= 1 else f"{value:.2f}"
+    size = abs(round(value, 1))  # 99.99 prints as 100, not 100.0
+    return f"{value:,.0f}" if size >= 100 else f"{value:.1f}" if size >= 1 else f"{value:.2f}"
