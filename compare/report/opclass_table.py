@@ -19,7 +19,9 @@ def opclass_blocks(rows: list[dict]) -> list[tuple]:
               "the median over the reps, beside uninstrumented training steps ('measured step'). 'lower bound' "
               "is the least time the class can take: matmul and attention at the measured fp32 matmul peak "
               "(the MFU denominator), the others their bytes at the measured memory bandwidth (a working set "
-              "that fits in a cache can beat that bound). 'outside the classes' is the step minus their sum: "
+              "that fits in a cache can beat that bound). 'sum of classes' is the median over the reps of each "
+              "rep's sum, so it can differ from the sum of the rows above; 'outside the classes' is the step "
+              "minus it: "
               f"{OUTSIDE}. docs/profiling.md says how to read it.")]
     misses = []
     for dtype in dict.fromkeys(r.get("dtype", "float32") for r in have):

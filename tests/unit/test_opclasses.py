@@ -62,6 +62,16 @@ def test_what_the_classes_do_not_cover_is_outside_and_the_tolerance_says_when_it
     assert median["classes"]["matmul"]["s"] == 0.002 and median["classes"]["matmul"]["spread"][0] < 0.002
 
 
+def test_the_classes_sum_is_the_median_rep_so_that_spikes_in_different_classes_are_not_all_dropped():
+    # A preempted call slows one class of one rep; the step beside it is as long as all the classes together.
+    reps = [{"matmul": 0.009, "attention": 0.002, "reference_step_s": 0.011},
+            {"matmul": 0.004, "attention": 0.007, "reference_step_s": 0.011},
+            {"matmul": 0.004, "attention": 0.002, "reference_step_s": 0.006}]
+    record = summarize(reps, class_work(preset("tiny"), 8, 32, 1, "float32"))
+    assert record["classes"]["matmul"]["s"] + record["classes"]["attention"]["s"] == pytest.approx(0.006)
+    assert record["class_sum_s"] == pytest.approx(0.011) and record["outside_s"] == pytest.approx(0.0)
+
+
 class _Trainer:
     """Workloads that take known times: a class's figure is its parts' times, each times its count per step."""
 
