@@ -10,9 +10,11 @@ does (so, like the time breakdown's extra steps, it moves the weights after the 
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_map
 
 from common.train.protocols import Batch
@@ -74,12 +76,29 @@ def workloads(trainer, batch: Batch, grad_accum: int) -> Workloads:
 
 
 def _normal(dtype):
-    key = [mx.random.key(0)]
+    """Random inputs from numpy's generator, as in torch_impl/opclasses.py (MLX's own normal takes ~0.1 s per
+    million values on a CPU, most of the profile's cost at demo shapes)."""
+    pool = _pool()
 
     def normal(*shape: int) -> mx.array:
-        key[0], sub = mx.random.split(key[0])
-        return (0.5 * mx.random.normal(shape, key=sub)).astype(dtype)
+        return mx.array(pool.take(shape)).astype(dtype)
     return normal
+
+
+@functools.cache
+def _pool() -> "_Pool":
+    return _Pool()
+
+
+class _Pool:
+    """A million normal values (scaled by 0.5), drawn once and repeated to fill each array: the values do not
+    matter to the timing, and drawing `small`'s 100 million logits alone took seconds."""
+
+    def __init__(self, size: int = 1 << 20):
+        self.values = np.random.default_rng(0).standard_normal(size, dtype=np.float32) * np.float32(0.5)
+
+    def take(self, shape: tuple[int, ...]) -> np.ndarray:
+        return np.resize(self.values, shape)
 
 
 def _with_weight(module, weight: mx.array):

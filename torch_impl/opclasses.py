@@ -11,8 +11,10 @@ checkpoint). Timed directly rather than with torch.profiler, so that both framew
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
+import numpy as np
 import torch
 
 from common.train.protocols import Batch
@@ -70,11 +72,28 @@ def workloads(trainer, batch: Batch, grad_accum: int) -> Workloads:
 
 
 def _normal(dtype: torch.dtype, device: torch.device):
-    generator = torch.Generator().manual_seed(0)
+    """Random inputs from numpy's generator, as in mlx_impl/opclasses.py."""
+    pool = _pool()
 
     def normal(*shape: int) -> torch.Tensor:
-        return (0.5 * torch.randn(shape, generator=generator)).to(device=device, dtype=dtype)
+        return torch.from_numpy(pool.take(shape)).to(device=device, dtype=dtype)
     return normal
+
+
+@functools.cache
+def _pool() -> "_Pool":
+    return _Pool()
+
+
+class _Pool:
+    """A million normal values (scaled by 0.5), drawn once and repeated to fill each array: the values do not
+    matter to the timing, and drawing `small`'s 100 million logits alone took seconds."""
+
+    def __init__(self, size: int = 1 << 20):
+        self.values = np.random.default_rng(0).standard_normal(size, dtype=np.float32) * np.float32(0.5)
+
+    def take(self, shape: tuple[int, ...]) -> np.ndarray:
+        return np.resize(self.values, shape)
 
 
 def _vjp(fn: Callable[..., list[torch.Tensor]], inputs: list[torch.Tensor], weights: list[torch.Tensor],
