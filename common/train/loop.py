@@ -258,9 +258,12 @@ def finish_run(run: Run, world_size: int) -> None:
     # Peaks before the op profile and --trace, whose buffers are no part of the run.
     status.update(peak_mem_bytes=trainer.peak_memory_bytes(), peak_rss_bytes=peak_rss_bytes())
     if cfg.op_profile and world_size == 1 and step_times:  # the op classes at the run's shapes
-        record = op_profile(trainer, run.step_inputs(cfg.steps), run.spec, cfg.micro_batch_size, cfg.seq_len,
-                            cfg.grad_accum, cfg.dtype,
-                            progress=lambda k: status.update(force=True, status="profiling", op_profile_rep=k))
+        try:
+            record = op_profile(trainer, run.step_inputs(cfg.steps), run.spec, cfg.micro_batch_size, cfg.seq_len,
+                                cfg.grad_accum, cfg.dtype,
+                                progress=lambda k: status.update(force=True, status="profiling", op_profile_rep=k))
+        except Exception as err:  # noqa: BLE001 - the run is done: a profile that cannot run says why, and no more
+            record = {"error": f"{type(err).__name__}: {err}"}
         status.update(force=True, op_profile=record)
     if cfg.trace and step_times:  # after the profile steps, so that they too run without a profiler
         files = trace(trainer, trainer.tracer, lambda k: run.step_inputs(cfg.steps + k), run.run_dir, trainer.rank,

@@ -8,9 +8,11 @@ from common.train.opclasses import BOUND_KIND, OP_CLASSES, OUTSIDE, lower_bound_
 
 def opclass_blocks(rows: list[dict]) -> list[tuple]:
     """("h2" | "p" | "table" | "ul", ...) blocks: one table per dtype, a column per run with an op profile."""
-    have = [r for r in rows if r.get("op_profile")]
+    have = [r for r in rows if (r.get("op_profile") or {}).get("classes")]
+    failed = [f"{r['label']}: the op profile failed ({r['op_profile']['error']})" for r in rows
+              if (r.get("op_profile") or {}).get("error")]
     if not have:
-        return []
+        return [("h2", "Op classes"), ("ul", failed)] if failed else []
     blocks: list[tuple] = [
         ("h2", "Op classes"),
         ("p", "Milliseconds per optimizer step of each op class of the model, timed one class at a time after "
@@ -23,7 +25,7 @@ def opclass_blocks(rows: list[dict]) -> list[tuple]:
               "rep's sum, so it can differ from the sum of the rows above; 'outside the classes' is the step "
               "minus it: "
               f"{OUTSIDE}. docs/profiling.md says how to read it.")]
-    misses = []
+    misses = list(failed)
     for dtype in dict.fromkeys(r.get("dtype", "float32") for r in have):
         runs = [r for r in have if r.get("dtype", "float32") == dtype]
         bounds = class_bounds(runs)

@@ -150,6 +150,15 @@ def test_a_profile_whose_classes_miss_the_step_is_named_under_the_table(tmp_path
     assert "torch x1: the classes add up to 1,170 ms against a 2,100 ms step (+44% outside" in md
 
 
+def test_a_profile_that_failed_says_why_and_the_others_are_still_tabled(tmp_path):
+    runs = [make_run(tmp_path, "mlx", 1, op_profile={"error": "RuntimeError: no"}),
+            make_run(tmp_path, "torch", 1, op_profile=op_profile_of(TORCH_MS, 1200))]
+    summary = write_report(runs, tmp_path / "report", Tolerances(), CONTEXT)
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "mlx x1: the op profile failed (RuntimeError: no)" in md and "| op class | lower bound ms | torch x1 ms |" in md
+    assert summary["speed"][0]["op_class"] is None and summary["speed"][0]["op_class_gap"] is None
+
+
 def test_the_op_profile_is_on_by_default_and_a_flag_turns_it_off():
     import argparse
 
