@@ -72,7 +72,8 @@ def summarize(reps: list[dict], work: dict) -> dict:
     p10-p90 spreads. class_sum_s is the median of each rep's sum of its classes, not the sum of the classes'
     medians: on a loaded machine a preempted call is slow in one class of one rep, each class's median drops
     such spikes, and a step, as long as all the classes together, keeps them about as often as a rep's sum does
-    (the time breakdown measured the same bias, docs/profiling.md)."""
+    (the time breakdown measured the same bias, docs/profiling.md). outside_s and outside_share are medians of
+    each rep's own difference, step minus its classes; `rounds` keeps every rep's figures."""
     classes = {}
     for name in OP_CLASSES:
         values = [r[name] for r in reps if name in r]
@@ -81,14 +82,18 @@ def summarize(reps: list[dict], work: dict) -> dict:
                              **work.get(name, {})}
     reference = [r["reference_step_s"] for r in reps]
     step = float(np.median(reference)) if reference else 0.0
-    total = float(np.median([sum(r[name] for name in classes if name in r) for r in reps])) if reps else 0.0
-    outside = step - total
-    share = outside / step if step else None
+    sums = [sum(r[name] for name in classes if name in r) for r in reps]
+    total = float(np.median(sums)) if reps else 0.0
+    # Paired: each rep's step minus its own classes, which ran right after it under the same load (the load of a
+    # shared machine drifts over seconds, more than a rep lasts).
+    outside = float(np.median([ref - s for ref, s in zip(reference, sums)])) if reps else 0.0
+    share = float(np.median([(ref - s) / ref for ref, s in zip(reference, sums)])) if reps and min(reference) > 0 \
+        else None
     return {"classes": classes, "class_sum_s": total, "reference_step_s": step,
             "reference_spread": [_pct(reference, 10), _pct(reference, 90)] if reference else None,
             "outside_s": outside, "outside_share": share, "outside": OUTSIDE,
             "within_tolerance": share is not None and abs(share) <= TOLERANCE, "tolerance": TOLERANCE,
-            "reps": len(reps),
+            "reps": len(reps), "rounds": [{k: round(v, 6) for k, v in r.items()} for r in reps],
             "measured": "forward and backward of each class at the run's shapes (per layer, times the layers; "
                         "per micro-batch, times grad_accum), the optimizer once; each call waits for the device; "
                         "median over the reps, beside uninstrumented training steps"}

@@ -22,8 +22,8 @@ def opclass_blocks(rows: list[dict]) -> list[tuple]:
               "is the least time the class can take: matmul and attention at the measured fp32 matmul peak "
               "(the MFU denominator), the others their bytes at the measured memory bandwidth (a working set "
               "that fits in a cache can beat that bound). 'sum of classes' is the median over the reps of each "
-              "rep's sum, so it can differ from the sum of the rows above; 'outside the classes' is the step "
-              "minus it: "
+              "rep's sum, so it can differ from the sum of the rows above; 'outside the classes' is the median "
+              "of each rep's step minus its own classes (they ran back to back, under the same load): "
               f"{OUTSIDE}. docs/profiling.md says how to read it.")]
     misses = list(failed)
     for dtype in dict.fromkeys(r.get("dtype", "float32") for r in have):

@@ -72,6 +72,16 @@ def test_the_classes_sum_is_the_median_rep_so_that_spikes_in_different_classes_a
     assert record["class_sum_s"] == pytest.approx(0.011) and record["outside_s"] == pytest.approx(0.0)
 
 
+def test_what_is_outside_is_each_reps_step_minus_its_own_classes_so_load_that_drifts_cancels():
+    # The machine's load tripled for the last rep, and a spike hit the classes of the second: each rep's own step
+    # says 10 % is outside; comparing the medians of steps and sums apart would say -40 %.
+    reps = [{"matmul": 0.009, "reference_step_s": 0.010}, {"matmul": 0.014, "reference_step_s": 0.010},
+            {"matmul": 0.027, "reference_step_s": 0.030}]
+    record = summarize(reps, class_work(preset("tiny"), 8, 32, 1, "float32"))
+    assert record["outside_share"] == pytest.approx(0.1) and record["outside_s"] == pytest.approx(0.001)
+    assert record["within_tolerance"] and len(record["rounds"]) == 3
+
+
 class _Trainer:
     """Workloads that take known times: a class's figure is its parts' times, each times its count per step."""
 
