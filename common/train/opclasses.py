@@ -84,17 +84,19 @@ def lower_bound_s(work: dict, peak_flops: float | None, bandwidth_Bps: float | N
 
 
 def largest_difference(fast: dict, slow: dict) -> dict | None:
-    """The op class whose time differs most between two runs' op profiles (opprofile.py's records), with both
-    times and its share of the gap between their steps: {class, fast_s, slow_s, gap_s, share}. share is the
-    class's difference over the difference of the two reference steps (None when the slower run's step is not
-    longer); it can pass 100 % where other classes go the other way. None without both profiles."""
+    """The op class that accounts for most of the gap between two runs' op profiles (opprofile.py's records): the
+    one the slower run spends most time on beyond the faster one (a class the faster run is slower at explains
+    nothing of the gap, however large), with both times and its share of the gap between their steps:
+    {class, fast_s, slow_s, gap_s, share}. share is the class's difference over the difference of the two
+    reference steps (None when the slower run's step is not longer); it can pass 100 % where other classes go
+    the other way. None without both profiles."""
     if not fast or not slow:
         return None
     a, b = fast.get("classes") or {}, slow.get("classes") or {}
     common = [c for c in OP_CLASSES if c in a and c in b]
     if not common:
         return None
-    name = max(common, key=lambda c: abs(b[c]["s"] - a[c]["s"]))
+    name = max(common, key=lambda c: b[c]["s"] - a[c]["s"])
     gap = (slow.get("reference_step_s") or 0.0) - (fast.get("reference_step_s") or 0.0)
     diff = b[name]["s"] - a[name]["s"]
     return {"class": name, "fast_s": a[name]["s"], "slow_s": b[name]["s"], "gap_s": gap,

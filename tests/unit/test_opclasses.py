@@ -127,6 +127,11 @@ def test_the_class_that_explains_the_gap_comes_with_both_costs_and_its_share():
     same = largest_difference(torch, op_profile_of(MLX_MS, step_ms=1100))
     assert same["share"] is None and difference_sentence(same, "torch", "mlx").endswith("360 ms in torch")
     assert largest_difference(None, mlx) is None and difference_sentence(None, "a", "b") is None
+    # The class that explains the gap is one the slower run pays more for, not the largest difference either way:
+    # a faster matmul in the slower run explains none of its gap.
+    slow = op_profile_of({**MLX_MS, "matmul": 300.0, "softmax/cross-entropy": 600.0}, step_ms=1400)
+    d = largest_difference(torch, slow)
+    assert d["class"] == "softmax/cross-entropy" and d["share"] == pytest.approx(240 / 200)
     assert (ms(1.95), ms(0.0361), ms(0.00042)) == ("1,950", "36.1", "0.42")
 
 
