@@ -51,18 +51,23 @@ def workloads(trainer, batch: Batch, grad_accum: int) -> Workloads:
     head_matmul = _vjp(head_call, [normal(B, T, d), head_weight])
 
     mask_kind = attention_mask(None, T)
-    core = _vjp(lambda q, k, v: [attention(q, k, v, attn.scale, mask_kind)],
-                [normal(B, H, T, hd), normal(B, KV, T, hd), normal(B, KV, T, hd)])
+
+    def core_of(q, k, v):  # as Attention.__call__: v split into heads, the output merged back
+        out = attention(q, k, v.transpose(0, 2, 1, 3), attn.scale, mask_kind)
+        return [out.transpose(0, 2, 1, 3).reshape(B, T, -1)]
+
+    core = _vjp(core_of, [normal(B, H, T, hd), normal(B, KV, T, hd), normal(B, T, KV, hd)])
 
     t, m = mx.array(targets), mx.array(mask)
     loss = _vjp(lambda logits: [token_loss_sum(lambda _: logits, None, t, m)[0]], [normal(B, T, spec.vocab_size)])
 
     norm = RMSNorm(1, eps=spec.norm_eps)  # a shell, as `linear`
 
-    def elementwise(x, h, q, k, gate, up, w1, w2):
-        return [_with_weight(norm, w1)(x), _with_weight(norm, w2)(h), attn.rope(q), attn.rope(k), silu_gate(gate, up)]
+    def elementwise(x, h, q, k, gate, up, w1, w2):  # RoPE of q and k as split into heads, as Attention.__call__
+        return [_with_weight(norm, w1)(x), _with_weight(norm, w2)(h), attn.rope(q.transpose(0, 2, 1, 3)),
+                attn.rope(k.transpose(0, 2, 1, 3)), silu_gate(gate, up)]
 
-    layer_elementwise = _vjp(elementwise, [normal(B, T, d), normal(B, T, d), normal(B, H, T, hd), normal(B, KV, T, hd),
+    layer_elementwise = _vjp(elementwise, [normal(B, T, d), normal(B, T, d), normal(B, T, H, hd), normal(B, T, KV, hd),
                                            normal(B, T, F), normal(B, T, F), layer.input_layernorm.weight,
                                            layer.post_attention_layernorm.weight])
     final_norm = _vjp(lambda x, w: [_with_weight(norm, w)(x)], [normal(B, T, d), inner.norm.weight])

@@ -48,17 +48,21 @@ def workloads(trainer, batch: Batch, grad_accum: int) -> Workloads:
     head_matmul = _vjp(lambda x: [head(x)], [normal(B, T, d)], [head_weight], device)
 
     mask_kind = attention_mask(None, T)
-    core = _vjp(lambda q, k, v: [attention(q, k, v, attn.scale, mask_kind)],
-                [normal(B, H, T, hd), normal(B, KV, T, hd), normal(B, KV, T, hd)], [], device)
+
+    def core_of(q, k, v):  # as Attention.forward: v split into heads, the output merged back
+        out = attention(q, k, v.transpose(1, 2), attn.scale, mask_kind)
+        return [out.transpose(1, 2).reshape(B, T, -1)]
+
+    core = _vjp(core_of, [normal(B, H, T, hd), normal(B, KV, T, hd), normal(B, T, KV, hd)], [], device)
 
     loss = _vjp(lambda logits: [token_loss_sum(lambda _: logits, None, targets, mask)],
                 [normal(B, T, spec.vocab_size)], [], device)
 
-    def elementwise(x, h, q, k, gate, up):
-        return [layer.input_layernorm(x), layer.post_attention_layernorm(h), attn.rope(q), attn.rope(k),
-                silu_gate(gate, up)]
+    def elementwise(x, h, q, k, gate, up):  # RoPE of q and k as split into heads, as Attention.forward
+        return [layer.input_layernorm(x), layer.post_attention_layernorm(h), attn.rope(q.transpose(1, 2)),
+                attn.rope(k.transpose(1, 2)), silu_gate(gate, up)]
 
-    layer_elementwise = _vjp(elementwise, [normal(B, T, d), normal(B, T, d), normal(B, H, T, hd), normal(B, KV, T, hd),
+    layer_elementwise = _vjp(elementwise, [normal(B, T, d), normal(B, T, d), normal(B, T, H, hd), normal(B, T, KV, hd),
                                            normal(B, T, F), normal(B, T, F)],
                              [layer.input_layernorm.weight, layer.post_attention_layernorm.weight], device)
     final_norm = _vjp(lambda x: [inner.norm(x)], [normal(B, T, d)], [inner.norm.weight], device)

@@ -8,18 +8,19 @@ training step runs them:
                   the input's and the weight's gradients backward
     attention     the attention core: q k^T, the causal mask, the softmax over keys and its product with v, and
                   their gradients (torch's scaled_dot_product_attention is one fused kernel, so the softmax
-                  inside attention stays here in both frameworks)
+                  inside attention stays here in both frameworks), with v's split into heads and the output's
+                  merge back, as the model lays them out
     softmax/cross-entropy   the loss over the vocabulary: max, exp, sum and log of every logit, the target
                   logit, the masked sum, and the gradient of the logits (softmax minus one-hot)
     norms/activations/RoPE  the RMSNorms, the SiLU gate (x / (1 + exp(-x)) times up) and the rotary embedding of
-                  q and k, forward and backward
+                  q and k (from their split into heads, as the model reads them), forward and backward
     optimizer     the gradient norm, the clip and the AdamW update of every parameter
 An exp of MLX's own, or any other change to exp, shows in softmax/cross-entropy, norms/activations/RoPE (SiLU)
 and attention (its softmax), since their workloads call the model's own functions.
 
 Outside the classes: the embedding lookup and its gradient (a scatter into the vocabulary x dim table), the
-residual adds, the reshapes, transposes and casts between the classes, the host's float64 loss sum, and
-the framework's dispatch between ops. Timed apart, the classes also lose what the step fuses or overlaps
+residual adds, the casts between the classes, the host's float64 loss sum, and the framework's dispatch
+between ops. Timed apart, the classes also lose what the step fuses or overlaps
 across their borders (MLX compiles the whole micro-step), so the outside share can be negative.
 
 Lower bounds: matmul and attention at the measured fp32 matmul peak (the MFU denominator), the others at the
@@ -36,9 +37,8 @@ OP_CLASSES = ("matmul", "attention", "softmax/cross-entropy", "norms/activations
 # What bounds each class below: "flops" at the matmul peak, "bytes" at memory bandwidth.
 BOUND_KIND = {"matmul": "flops", "attention": "flops", "softmax/cross-entropy": "bytes",
               "norms/activations/RoPE": "bytes", "optimizer": "bytes"}
-OUTSIDE = ("embedding lookup and its gradient, residual adds, reshapes, transposes and casts between the "
-           "classes, the host's loss sum, framework dispatch; negative where the classes timed apart lose the "
-           "fusion the compiled step has")
+OUTSIDE = ("embedding lookup and its gradient, residual adds, casts between the classes, the host's loss sum, "
+           "framework dispatch; negative where the classes timed apart lose the fusion the compiled step has")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
