@@ -15,6 +15,7 @@ from common.train.opclasses import (OP_CLASSES, class_work, difference_sentence,
                                     ms)
 from common.train.opprofile import MAX_REPS, MIN_REPS, TOLERANCE, memory_bandwidth_Bps, profile, summarize
 from compare.flags import add_run_flags, config_from_args
+from compare.report.opclass_table import opclass_blocks
 from compare.report.parity import Tolerances
 from compare.report.writer import write_report
 from unit.fake_runs import make_run, op_profile_of
@@ -158,20 +159,23 @@ def test_the_speed_verdict_names_the_op_class_and_the_report_tables_every_class(
     assert rebuilt["runs"][0]["op_profile"]["classes"]["matmul"]["s"] == pytest.approx(0.6)
 
 
-def test_a_profile_whose_classes_miss_the_step_is_named_under_the_table(tmp_path):
-    run = make_run(tmp_path, "torch", 1, op_profile=op_profile_of(TORCH_MS, 2100))
-    write_report([run], tmp_path / "report", Tolerances(), CONTEXT)
-    md = (tmp_path / "report" / "report.md").read_text()
-    assert "torch x1: the classes add up to 1,170 ms against a 2,100 ms step (+44% outside" in md
+def _notes(blocks: list[tuple]) -> list[str]:
+    return [item for block in blocks if block[0] == "ul" for item in block[1]]
 
 
-def test_a_profile_that_failed_says_why_and_the_others_are_still_tabled(tmp_path):
-    runs = [make_run(tmp_path, "mlx", 1, op_profile={"error": "RuntimeError: no"}),
-            make_run(tmp_path, "torch", 1, op_profile=op_profile_of(TORCH_MS, 1200))]
-    summary = write_report(runs, tmp_path / "report", Tolerances(), CONTEXT)
-    md = (tmp_path / "report" / "report.md").read_text()
-    assert "mlx x1: the op profile failed (RuntimeError: no)" in md and "| op class | lower bound ms | torch x1 ms |" in md
-    assert summary["speed"][0]["op_class"] is None and summary["speed"][0]["op_class_gap"] is None
+def test_a_profile_whose_classes_miss_the_step_is_named_under_the_table():
+    row = {"label": "torch x1", "world_size": 1, "dtype": "float32", "peak_flops": 1e11,
+           "op_profile": op_profile_of(TORCH_MS, 2100)}
+    assert "torch x1: the classes add up to 1,170 ms against a 2,100 ms step (+44% outside" in _notes(opclass_blocks([row]))[0]
+
+
+def test_a_profile_that_failed_says_why_and_the_others_are_still_tabled():
+    failed = {"label": "mlx x1", "world_size": 1, "dtype": "float32", "op_profile": {"error": "RuntimeError: no"}}
+    good = {"label": "torch x1", "world_size": 1, "dtype": "float32", "op_profile": op_profile_of(TORCH_MS, 1200)}
+    blocks = opclass_blocks([failed, good])
+    assert _notes(blocks) == ["mlx x1: the op profile failed (RuntimeError: no)"]
+    assert next(b for b in blocks if b[0] == "table")[1] == ("op class", "lower bound ms", "torch x1 ms")
+    assert largest_difference(good["op_profile"], failed["op_profile"]) is None
 
 
 def test_the_op_profile_is_on_by_default_and_a_flag_turns_it_off():
