@@ -118,6 +118,7 @@ class RunConfig:
     launcher: str = "auto"           # LAUNCHERS: srun inside a Slurm allocation, or this machine's own launchers
     timing_warmup_steps: int = 3
     profile_steps: int = 8           # rounds of extra steps after the run for the time breakdown (common/train/breakdown.py); 0 = none
+    op_profile: bool = True          # at N=1: the op classes timed after the run (common/train/opprofile.py)
     trace: bool = False              # then a timeline of 2 more steps per rank in RUN_DIR/trace/ (common/train/trace.py)
     out: str = ""
     resume: bool = False

@@ -54,6 +54,8 @@ RUN_FLAGS = [
     ("--checkpoint-format", str, "hf (default: whole HF files, written by rank 0) or sharded (every rank writes "
                                  "its own shards plus an index; resume and export read both)"),
     ("--profile-steps", int, "rounds of extra steps after the run for the time breakdown (0: none)"),
+    ("--op-profile", "switch", "at N=1, time the model's op classes after the run (default; --no-op-profile: "
+                               "skip it): the report's op-class table (docs/profiling.md)"),
     ("--trace", None, "then trace 2 more steps per rank: RUN_DIR/trace/rank{R}.json for ui.perfetto.dev "
                       "(torch.profiler; MLX: phase spans, plus an Xcode .gputrace on Metal)"),
     ("--tune-malloc", None, "glibc malloc that keeps freed memory: faster CPU steps, higher peak RSS (torch fsdp "
@@ -114,6 +116,8 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
     for flag, kind, text in RUN_FLAGS:
         if kind is None:  # an on/off switch
             parser.add_argument(flag, action="store_true", default=None, help=text)
+        elif kind == "switch":  # on by default: --no-X turns it off
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
         else:
             parser.add_argument(flag, type=kind, help=text)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

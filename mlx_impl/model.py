@@ -159,12 +159,16 @@ class MLP(nn.Module):
         self.down_proj = Linear(spec.ffn_dim, spec.dim, bias=spec.mlp_bias)
 
     def __call__(self, x: mx.array) -> mx.array:
-        gate = self.gate_proj(x)
-        # SiLU in float32, rounded once: what torch's bf16 kernel does; MLX's would round the sigmoid first.
-        # Written as torch's CPU kernel writes it, x / (1 + exp(-x)), so that mx.compile fuses it with its
-        # exp: nn.silu's sigmoid is a prebuilt kernel, 2x slower at tiny's shapes (issue 27).
-        g = gate.astype(mx.float32)
-        return self.down_proj((g / (1 + mx.exp(-g))).astype(gate.dtype) * self.up_proj(x))
+        return self.down_proj(silu_gate(self.gate_proj(x), self.up_proj(x)))
+
+
+def silu_gate(gate: mx.array, up: mx.array) -> mx.array:
+    """The MLP's activation, SiLU(gate) * up (its own function so that the op-class profile, opclasses.py,
+    times the model's own code). SiLU in float32, rounded once: what torch's bf16 kernel does; MLX's would round
+    the sigmoid first. Written as torch's CPU kernel writes it, x / (1 + exp(-x)), so that mx.compile fuses it
+    with its exp: nn.silu's sigmoid is a prebuilt kernel, 2x slower at tiny's shapes (issue 27)."""
+    g = gate.astype(mx.float32)
+    return (g / (1 + mx.exp(-g))).astype(gate.dtype) * up
 
 
 class TransformerBlock(nn.Module):

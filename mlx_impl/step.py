@@ -46,6 +46,7 @@ from .grads import clip_by_norm
 from .load import read_local
 from .microsteps import Grads, Losses, StepFunctions
 from .model import Llama, cross_entropy, load_weights, token_loss_sum, weights_of  # noqa: F401 (benchmarks, tests)
+from .opclasses import Workloads, workloads
 from .pp import Pipeline
 from .rank_state import state_bytes
 from .tp import TensorParallel
@@ -98,7 +99,7 @@ class Trainer:
         self.optimizer.init(self.model.trainable_parameters())
         mx.eval(self.model.parameters(), self.optimizer.state)
         self.grad_accum = cfg.grad_accum
-        grad_clip = cfg.grad_clip
+        self.grad_clip = grad_clip = cfg.grad_clip
         loss_and_grad = nn.value_and_grad(self.model, token_loss_sum)
 
         def micro_step(inputs, targets, mask, scale):
@@ -152,6 +153,10 @@ class Trainer:
         local = np.array([_exact_sum(token_losses)])
         loss_sum = (self.all_sum(local, over=self.strategy.loss_over) if sync else local)[0]
         return float(loss_sum / global_tokens), grad_norm.item()
+
+    def op_workloads(self, batch: Batch, grad_accum: int) -> Workloads:
+        """The op classes' workloads at this batch's shapes (opclasses.py), for common/train/opprofile.py."""
+        return workloads(self, batch, grad_accum)
 
     def eval_loss_sum(self, inputs: np.ndarray, targets: np.ndarray, mask: np.ndarray) -> float:
         """This rank's part of the sum (under pp: the last stage's, 0 elsewhere; strategy.loss_over)."""

@@ -129,9 +129,14 @@ class MLP(nn.Module):
         self.down_proj = Linear(spec.ffn_dim, spec.dim, bias=spec.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = self.gate_proj(x)
-        # SiLU in float32, rounded once: what torch's bf16 kernel does; MLX's would round the sigmoid first.
-        return self.down_proj(F.silu(gate.float()).to(gate.dtype) * self.up_proj(x))
+        return self.down_proj(silu_gate(self.gate_proj(x), self.up_proj(x)))
+
+
+def silu_gate(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The MLP's activation, SiLU(gate) * up (its own function so that the op-class profile, opclasses.py,
+    times the model's own code). SiLU in float32, rounded once: what torch's bf16 kernel does; MLX's would round
+    the sigmoid first."""
+    return F.silu(gate.float()).to(gate.dtype) * up
 
 
 class TransformerBlock(nn.Module):

@@ -40,6 +40,7 @@ from .grads import clip_by_norm
 from .load import filled_like, read_local
 from .microsteps import Grads, StepFunctions, wait_for
 from .model import Llama, cross_entropy, load_weights, token_loss_sum  # noqa: F401 (diagnose, tests)
+from .opclasses import Workloads, workloads
 from .pp import Pipeline
 from .rank_state import state_bytes
 from .tp import TensorParallel
@@ -128,6 +129,10 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=not self.strategy.keeps_grads)
         return grad_norm
+
+    def op_workloads(self, batch: Batch, grad_accum: int) -> Workloads:
+        """The op classes' workloads at this batch's shapes (opclasses.py), for common/train/opprofile.py."""
+        return workloads(self, batch, grad_accum)
 
     @torch.no_grad()
     def eval_loss_sum(self, inputs: np.ndarray, targets: np.ndarray, mask: np.ndarray) -> float:

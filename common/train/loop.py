@@ -22,6 +22,7 @@ from typing import Callable
 import numpy as np
 
 from common.train.breakdown import profile
+from common.train.opprofile import profile as op_profile
 from common.checkpoint.store import (STATE_KINDS, HFCheckpointWriter, commit_checkpoint, latest_checkpoint, open_checkpoint,
                          resume_fingerprints, write_state_json)
 from common.config import RunConfig
@@ -254,8 +255,16 @@ def finish_run(run: Run, world_size: int) -> None:
                             float(np.median(run.data_times)), world_size,
                             progress=lambda k: status.update(force=True, status="profiling", profile_step=k))
         status.update(force=True, breakdown=breakdown)
-    # Peaks before --trace, whose profiler buffers are no part of the run.
+    # Peaks before the op profile and --trace, whose buffers are no part of the run.
     status.update(peak_mem_bytes=trainer.peak_memory_bytes(), peak_rss_bytes=peak_rss_bytes())
+    if cfg.op_profile and world_size == 1 and step_times:  # the op classes at the run's shapes
+        try:
+            record = op_profile(trainer, run.step_inputs(cfg.steps), run.spec, cfg.micro_batch_size, cfg.seq_len,
+                                cfg.grad_accum, cfg.dtype,
+                                progress=lambda k: status.update(force=True, status="profiling", op_profile_rep=k))
+        except Exception as err:  # noqa: BLE001 - the run is done: a profile that cannot run says why, and no more
+            record = {"error": f"{type(err).__name__}: {err}"}
+        status.update(force=True, op_profile=record)
     if cfg.trace and step_times:  # after the profile steps, so that they too run without a profiler
         files = trace(trainer, trainer.tracer, lambda k: run.step_inputs(cfg.steps + k), run.run_dir, trainer.rank,
                       world_size, progress=lambda k: status.update(force=True, status="tracing", trace_step=k))

@@ -184,6 +184,10 @@ class Trainer(Protocol):
         phase (forward and backward per micro-batch, communication, optimizer), and wait=True makes each
         phase wait for the device (common/train/breakdown.py, common/train/trace.py)."""
 
+    def op_workloads(self, batch: Batch, grad_accum: int) -> dict[str, list[tuple[Callable[[], None], int]]]:
+        """The op classes' workloads at this batch's shapes (common/train/opprofile.py): {class: [(run once and
+        wait for the device, times per optimizer step)]}."""
+
     def eval_loss_sum(self, inputs: np.ndarray, targets: np.ndarray, mask: np.ndarray) -> float:
         """This rank's sum of token losses."""
 

@@ -211,6 +211,8 @@ def summarize(cfg: RunConfig, run_dir: Path, argv: list[str], blas: str, wall_s:
         "warmup_steps": cfg.timing_warmup_steps,
         "compile_s": rank0.get("compile_s"), "time_to_first_step_s": rank0.get("time_to_first_step_s"),
         "breakdown": rank0.get("breakdown"),
+        # N=1: the op classes' ms per step at the run's shapes (common/train/opprofile.py)
+        "op_profile": rank0.get("op_profile"),
         # --trace: every rank's files, relative to the run dir (common/train/trace.py)
         "trace": sorted(f for r in mine for f in ranks.get(r, {}).get("trace") or []),
         "wall_s": wall_s,

@@ -8,6 +8,7 @@ from dataclasses import fields
 
 from common.config import RunConfig
 from common.metrics import throughput_stats
+from common.train.opclasses import difference_sentence, largest_difference
 
 from .mfu import PeakFinder
 from .labels import run_parts
@@ -55,6 +56,7 @@ def run_row(run: RunData, parity: dict, peaks: "PeakFinder") -> dict:
         "link": s.get("link"),  # the path the ranks talked over, emulated or loopback (docs/links.md)
         "pipeline": s.get("pipeline"),  # pp: schedule, micro-batches, each stage's bubble and layers
         "breakdown": s.get("breakdown"),
+        "op_profile": s.get("op_profile"),  # N=1: ms per step of each op class (common/train/opprofile.py)
         # The cost model's step for this run, from the N=1 run (compare/plan.py).
         "prediction": s.get("prediction"),
         "trace": [str(run.run_dir / f) for f in s.get("trace") or []],  # --trace timelines (common/train/trace.py)
@@ -143,6 +145,9 @@ def speed_table(rows: list[dict]) -> list[dict]:
     for entry in table:
         fast, slow = by_label[entry["faster_label"]], by_label[entry["slower_label"]]
         entry["phase_gap"], entry["phase"] = phase_gap(fast, slow), phase_difference(fast, slow)
+        # The op class that accounts for most of the gap (1-rank runs: common/train/opclasses.py)
+        entry["op_class"] = largest_difference(fast.get("op_profile"), slow.get("op_profile"))
+        entry["op_class_gap"] = difference_sentence(entry["op_class"], entry["faster"], entry["slower"])
     return table
 
 

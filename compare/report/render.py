@@ -5,6 +5,7 @@ of `dpcompare compare`.
 from __future__ import annotations
 
 from .findings import BREAKDOWN_PHASES, MB
+from .opclass_table import opclass_blocks
 from .parity import all_pairs
 from .verdict_table import verdict_tables
 
@@ -43,6 +44,7 @@ def report_blocks(s: dict) -> list[tuple]:
     blocks += [("h2", "Runs"), ("table", RUN_HEADERS, [run_cells(r) for r in s["runs"]])]
     blocks += parity_blocks(s["parity"])
     blocks += breakdown_blocks(s["runs"])
+    blocks += opclass_blocks(s["runs"])
     blocks += prediction_blocks(s["runs"])
     blocks += sample_blocks(s.get("samples") or {})
     blocks += memory_blocks(s["runs"])

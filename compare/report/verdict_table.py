@@ -73,12 +73,14 @@ def table_cells(rows: list[dict]) -> tuple[tuple, list[tuple]]:
 
 
 SPEED_NAMES = {"framework": "MLX vs torch", "strategy": "strategy vs ddp", "dtype": "bf16 vs fp32"}
-SPEED_HEADERS = ("speed", "runs", "faster", "speedup", "tokens/s median", "p10–p90", "phase that differs most")
+SPEED_HEADERS = ("speed", "runs", "faster", "speedup", "tokens/s median", "p10–p90", "phase that differs most",
+                 "op class that differs most")
 
 
 def speed_cells(speed: list[dict]) -> tuple[tuple, list[tuple]]:
     """The speed ratios (findings.speed_table) as a table of their own: one row per pair of runs, its
-    figures in the order faster vs slower."""
+    figures in the order faster vs slower; at one rank the op class that accounts for most of the gap, with
+    both runs' cost (common/train/opclasses.py)."""
     rows = []
     for s in speed:
         d = s.get("phase")
@@ -87,7 +89,7 @@ def speed_cells(speed: list[dict]) -> tuple[tuple, list[tuple]]:
         rows.append((SPEED_NAMES.get(s.get("kind", "framework"), s.get("kind")), f"{s['a']} vs {s['b']}",
                      s["faster"], f"{s['speedup']:.2f}x",
                      f"{s['faster_tokens_per_s']:,.0f} vs {s['slower_tokens_per_s']:,.0f}",
-                     "overlap: noise" if s["within_noise"] else "apart", phase))
+                     "overlap: noise" if s["within_noise"] else "apart", phase, s.get("op_class_gap") or "–"))
     return SPEED_HEADERS, rows
 
 

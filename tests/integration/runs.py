@@ -12,7 +12,7 @@ from helpers import FAST, dpcompare, losses
 # 8 profile steps of each kind) keeps the time breakdown's timer noise small next to a step.
 STEPS, EVAL_EVERY, LR = 8, 4, "1e-3"
 SETUP = (*FAST, "--seq-len", 128, "--global-batch-size", 32, "--steps", STEPS, "--lr", LR, "--eval-every", EVAL_EVERY,
-         "--profile-steps", 8, "--report-to", "tensorboard")
+         "--profile-steps", 8, "--op-profile", "--report-to", "tensorboard")
 
 
 @dataclass(frozen=True)

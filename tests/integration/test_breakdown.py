@@ -3,6 +3,7 @@ time, and the report shows it. (common/train/breakdown.py says how each phase is
 import json
 import re
 
+from common.train.opclasses import OP_CLASSES
 from helpers import summary
 
 PHASES = ("data", "forward", "backward", "communication", "optimizer", "other")
@@ -45,3 +46,26 @@ def test_every_run_has_a_breakdown_that_adds_up_to_its_step_time_and_the_report_
     assert "Where the time goes" in md and "10th to 90th percentile of the rounds" in md
     assert re.search(r"\| mlx x2 \| [\d.,]+ \| [\d.,]+ \[[\d.,]+–[\d.,]+\]", md), md
     assert report["speed"] and all(s["phase"]["phase"] in PHASES for s in report["speed"])  # speed table
+
+
+def test_a_one_rank_run_times_its_op_classes_which_add_up_to_its_step_and_the_verdict_names_one(matrix):
+    # The same matrix runs (no run of its own): each 1-rank run profiles the model's op classes after training
+    # (common/train/opprofile.py), at the matrix's shapes; 2-rank runs do not.
+    out = matrix.out
+    md = (out / "report.md").read_text()
+    for name in ("mlx-n1", "torch-n1"):
+        o = summary(out / name)["op_profile"]
+        print(f"{name}: classes {o['class_sum_s'] * 1e3:.1f} ms of a {o['reference_step_s'] * 1e3:.1f} ms step "
+              f"({100 * o['outside_share']:+.0f}% outside), profile {o['wall_s']:.2f} s: "
+              + ", ".join(f"{c} {v['s'] * 1e3:.1f}" for c, v in o["classes"].items()))
+        assert list(o["classes"]) == list(OP_CLASSES) and all(v["s"] > 0 for v in o["classes"].values()), o
+        assert o["shapes"] == {"micro_batch": 32, "seq_len": 128, "grad_accum": 1, "dtype": "float32"}
+        # Alone on the machine (the matrix trains before the xdist workers start), the classes add up to the
+        # step within the tolerance measured on the demo (docs/profiling.md, "The op classes").
+        assert o["within_tolerance"] and abs(o["outside_share"]) <= o["tolerance"] == 0.15, (name, o)
+        assert o["reps"] >= 3 and o["memory_bandwidth_Bps"] > 0
+    for name in ("mlx-n2", "torch-n2"):
+        assert summary(out / name).get("op_profile") is None
+    assert "## Op classes" in md and "| op class | lower bound ms | mlx x1 ms | torch x1 ms |" in md, md
+    at_one = next(s for s in matrix.summary["speed"] if s["world_size"] == 1 and s["kind"] == "framework")
+    assert at_one["op_class"]["class"] in OP_CLASSES and at_one["op_class_gap"] in md

@@ -25,8 +25,10 @@ def reference_losses(steps: int = STEPS) -> list[float]:
 
 def make_run(root: Path, framework: str, nproc: int, losses: list[float] | None = None, *,
              evals: dict[int, float] | None = None, status: str = "ok", config: dict | None = None,
-             tokens_per_s: float = 10_000.0, name: str | None = None, write_summary: bool = True) -> Path:
-    """A run directory as compare/launch/runner.py leaves it, with the given loss curve."""
+             tokens_per_s: float = 10_000.0, name: str | None = None, write_summary: bool = True,
+             op_profile: dict | None = None) -> Path:
+    """A run directory as compare/launch/runner.py leaves it, with the given loss curve (and `op_profile`, a
+    record as `op_profile_of` makes one)."""
     losses = reference_losses() if losses is None else losses
     cfg = RunConfig().to_dict()
     cfg.update(framework=framework, nproc=nproc, steps=len(losses), eval_every=20,
@@ -68,6 +70,8 @@ def make_run(root: Path, framework: str, nproc: int, losses: list[float] | None 
             "final_loss": losses[-1], "final_eval_loss": evals[max(evals)] if evals else None,
             "tokens_per_step": tokens, "command": f"python -m {framework}_impl.launch {run_dir}", "config": cfg,
         }
+        if op_profile is not None:
+            summary["op_profile"] = op_profile
         if status != "ok":
             summary.update(error="rank 1 died at step 7 without reporting an error", failed_rank=1)
         write_json(run_dir / "summary.json", summary)
@@ -77,3 +81,17 @@ def make_run(root: Path, framework: str, nproc: int, losses: list[float] | None 
 def judged(*run_dirs: Path, tol: Tolerances | None = None) -> dict:
     """The parity judgement of these run directories, as `dpcompare report` makes it."""
     return judge([load_run(d) for d in run_dirs], tol or Tolerances())
+
+
+def op_profile_of(class_ms: dict[str, float], step_ms: float, preset_name: str = "tiny", micro_batch: int = 8,
+                  seq_len: int = 32, dtype: str = "float32", bandwidth_Bps: float = 10e9) -> dict:
+    """summary.json's op_profile (common/train/opprofile.py's schema) for classes that took `class_ms` per step,
+    three reps alike, beside steps of `step_ms`."""
+    from common.train.opclasses import class_work
+    from common.train.opprofile import summarize
+
+    reps = [{**{name: v / 1e3 for name, v in class_ms.items()}, "reference_step_s": step_ms / 1e3}] * 3
+    work = class_work(preset(preset_name), micro_batch, seq_len, 1, dtype)
+    return {**summarize(reps, work), "memory_bandwidth_Bps": bandwidth_Bps,
+            "shapes": {"micro_batch": micro_batch, "seq_len": seq_len, "grad_accum": 1, "dtype": dtype},
+            "build_s": 0.05, "warmup_s": 0.05, "wall_s": 0.4}
