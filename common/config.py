@@ -115,6 +115,10 @@ class RunConfig:
     init_from: str = ""              # an HF-format Llama dir to start from instead of the seeded init
     collective_timeout_s: float = 60.0
     link: str = ""                   # emulate a link of this rate between local ranks (compare/launch/netns.py)
+    # two levels: groups of group_size consecutive ranks (one machine each) on a link_inner link, the groups
+    # joined by the `link` one (compare/launch/topology.py)
+    link_inner: str = ""
+    group_size: int = 0
     launcher: str = "auto"           # LAUNCHERS: srun inside a Slurm allocation, or this machine's own launchers
     timing_warmup_steps: int = 3
     profile_steps: int = 8           # rounds of extra steps after the run for the time breakdown (common/train/breakdown.py); 0 = none
@@ -124,6 +128,20 @@ class RunConfig:
     overwrite: bool = False
     quiet: bool = False
     report_to: str = ""              # comma list of TRACKERS, written from metrics.jsonl after the run
+
+    def check_two_level_link(self) -> None:
+        """--link-inner and --group-size go together, with --link, and cut the ranks into 2 or more groups."""
+        if not (self.link_inner or self.group_size):
+            return
+        if not (self.link_inner and self.group_size):
+            raise UserError("--link-inner and --group-size go together (the link inside a group, and its ranks)")
+        if not self.link:
+            raise UserError(f"--link-inner {self.link_inner} needs --link RATE: the link between the groups")
+        parse_rate(self.link_inner)
+        if self.world_size > 1 and (self.group_size < 2 or self.world_size % self.group_size or self.group_size >= self.world_size):
+            raise UserError(f"--group-size {self.group_size} must be 2 or more and divide --nproc {self.world_size} "
+                            f"into 2 or more groups (for example --group-size {max(2, self.world_size // 2)} "
+                            f"with --nproc {2 * max(2, self.world_size // 2)})")
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -277,6 +295,7 @@ class RunConfig:
             if self.resolved_backend not in LINK_BACKENDS[self.framework]:
                 raise UserError(f"--link {self.link}: the {self.resolved_backend} backend does not talk over "
                                 f"TCP; emulated links work with {', '.join(LINK_BACKENDS[self.framework])}")
+        self.check_two_level_link()
         if self.launcher == "slurm" and (self.hostfile or self.nnodes > 1 or self.link):
             raise UserError("--launcher slurm starts the ranks on the allocation's nodes; it cannot be combined with "
                             "--hostfile, --nnodes or --link")

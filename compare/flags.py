@@ -45,7 +45,10 @@ RUN_FLAGS = [
     ("--node-rank", int, "this node's rank with --nnodes (node 0 writes metrics.jsonl)"),
     ("--rdzv-endpoint", str, "torch: rendezvous HOST:PORT for several nodes"),
     ("--link", str, "emulate a link of this rate between the local ranks: 200mbit, 1gbit, 10gbit (root, Linux; "
-                    "each rank in a network namespace, tc-shaped both ways)"),
+                    "each rank in a network namespace, tc-shaped both ways); with --link-inner: between groups"),
+    ("--link-inner", str, "two-level link: the rate inside each group of --group-size ranks (one machine of a "
+                          "cluster), --link the rate between the groups (docs/links.md)"),
+    ("--group-size", int, "two-level link: ranks per group (consecutive ranks; must divide --nproc)"),
     ("--launcher", str, "auto (srun inside a Slurm allocation, else this machine's launchers), local, or slurm "
                        "(docs/clusters.md)"),
     ("--collective-timeout-s", float, "seconds without progress before a job is declared hung"),

@@ -26,7 +26,7 @@ from common.checkpoint.store import (STATE_KINDS, HFCheckpointWriter, commit_che
                          resume_fingerprints, write_state_json)
 from common.config import RunConfig
 from common.errors import UserError
-from common.costmodel.probe import probe_allreduce
+from common.costmodel.probe import probe_allreduce, probe_group_allreduce
 from common.model.hfconfig import to_hf_config
 from common.metrics import MetricsWriter, RankStatus, peak_rss_bytes, rss_bytes, truncate_metrics
 from common.runplan import RunPlan
@@ -171,6 +171,9 @@ def setup_run(run_dir: Path, world: World, trainer_cls: TrainerClass) -> Run:
         status.update(force=True, allreduce=probe_allreduce(collectives, cfg.resolved_backend))
         if strategy_layout.measures_all_gather and collectives.all_gather is not None:
             status.update(force=True, allgather=probe_allreduce(collectives, cfg.resolved_backend, op="all_gather"))
+        if cfg.group_size and cfg.link_inner:  # two levels: the link inside each group too (docs/links.md)
+            status.update(force=True, allreduce_inner=probe_group_allreduce(collectives, cfg.resolved_backend,
+                                                                            cfg.group_size))
     status.update(force=True, status="running", device=str(trainer.device), start_step=start_step)
     return Run(run_dir, cfg, spec, trainer, status, metrics, train_view, valid_view, sampler, fingerprints,
                dp_rank, dp_size, start_step, fault=injected_fault(trainer.framework),
