@@ -28,8 +28,11 @@ from common.parallel.tp import TpLayout
 STRATEGIES: dict[str, type[Layout]] = {cls.name: cls for cls in (DdpLayout, FsdpLayout, TpLayout, PpLayout)}
 
 
-def layout(strategy: str, world_size: int) -> Layout:
-    """`strategy`'s object over a mesh of one axis of `world_size` ranks."""
+def layout(strategy: str, world_size: int, mesh: str = "") -> Layout:
+    """`strategy`'s object over a mesh of one axis of `world_size` ranks. (`mesh`, the axes of a composed mesh,
+    arrives with the mesh layer: until then it is refused.)"""
+    if mesh:
+        raise UserError(f"mesh {mesh}: composed meshes are not in this build")
     if strategy not in STRATEGIES:
         raise UserError(f"unknown strategy {strategy!r}; allowed: {', '.join(STRATEGIES)}")
     return STRATEGIES[strategy](Mesh.one_axis(strategy, world_size))
