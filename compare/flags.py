@@ -29,6 +29,8 @@ RUN_FLAGS = [
     ("--tokenizer", str, "builtin, a tokenizer dir or hub name (gpt2), or a tokenizer.json"),
     ("--sequence", str, "packing (default) or padding"),
     ("--strategy", str, "ddp (replicated), fsdp (sharded), tp (tensor parallel) or pp (pipeline)"),
+    ("--mesh", str, "strategies composed over named axes, AXIS=SIZE,... with axes dp, fsdp, tp, pp (dp=2,tp=2; their "
+                    "product is the rank count); laid out pp outermost, tp innermost (docs/strategies.md)"),
     ("--pp-microbatches", int, "pp: micro-batches each micro-step's batch is cut into (default 4)"),
     ("--pp-schedule", str, "pp: gpipe or 1f1b (default)"),
     ("--backend", str, "distributed backend: auto, ring, mpi, nccl (mlx); auto, gloo, nccl (torch)"),

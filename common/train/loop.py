@@ -36,7 +36,6 @@ from common.train.lr_schedule import lr_for
 from common.data.sequences import SequenceView
 from common.checkpoint.sharded import save_sharded
 from common.model.spec import ModelSpec
-from common.parallel import layout
 from common.train.supervisor import stop_reason, watch_supervisor
 from common.data.tokencache import TokenCache
 from common.checkpoint.tensorsource import SafetensorsSource, check_source
@@ -145,7 +144,7 @@ def setup_run(run_dir: Path, world: World, trainer_cls: TrainerClass) -> Run:
     """Read the plan and the data, build the Trainer from the seed checkpoint (or the one resumed)."""
     plan = RunPlan.read(run_dir)
     cfg, spec, rank = plan.config, plan.spec, world.rank
-    strategy_layout = layout(cfg.strategy, world.size)
+    strategy_layout = cfg.layout
     dp_rank, dp_size = strategy_layout.data_parallel(rank)
     global _live_status
     status = _live_status = RankStatus(run_dir, rank)
@@ -276,7 +275,7 @@ def final_figures(run: Run, median: float, world_size: int) -> dict:
         time_to_first_step_s=(run.first_step_end - run.launch_time) if run.first_step_end else None,
         steps_run=len(step_times), peak_rss_before_save_bytes=run.peak_rss_before_save_bytes,
         comm_bytes_per_step=trainer.comm_bytes_per_step() if step_times else None,
-        comm_bytes_per_step_estimate=layout(cfg.strategy, world_size).comm_bytes_per_step_estimate(
+        comm_bytes_per_step_estimate=cfg.layout.comm_bytes_per_step_estimate(
             run.spec, cfg.micro_batch_size, cfg.seq_len, cfg.grad_accum, cfg.dtype),
         **trainer.strategy.figures(),  # pp: the bubble, measured and analytic
     )
