@@ -49,21 +49,12 @@ class AxisLink:
     share: int = 1
 
 
-def groups(mesh: Mesh, axis: str) -> list[tuple[int, ...]]:
-    """Every group of `axis`: the ranks that differ only in their coordinate on it."""
-    out: dict[tuple, list[int]] = {}
-    for rank in range(mesh.size):
-        key = tuple(mesh.coordinate(rank, name) for name in mesh.names if name != axis)
-        out.setdefault(key, []).append(rank)
-    return sorted(tuple(g) for g in out.values())
-
-
 def axis_link(links: Links, mesh: Mesh, axis: str) -> AxisLink:
     """The link `axis`'s collectives cross on `links` (the module docstring)."""
     if isinstance(links, Link):
         return AxisLink(axis, links, "one link")
     per_machine = links.group_size
-    axis_groups = groups(mesh, axis)
+    axis_groups = mesh.groups(axis)
     if all(len({rank // per_machine for rank in g}) == 1 for g in axis_groups):
         return AxisLink(axis, links.inner, "inner")
     machines = -(-mesh.size // per_machine)

@@ -22,14 +22,14 @@ import math
 from dataclasses import replace
 from typing import ClassVar
 
-from common.costmodel.links import Collective
+from common.costmodel.links import Collective, Link
 from common.costmodel.workload import Workload
 from common.errors import UserError
 from common.model.spec import ModelSpec
 from common.model.weights import parameter_shapes
 from common.parallel.ddp import DdpLayout, gradient_all_reduce
 from common.parallel.fsdp import FsdpLayout
-from common.parallel.layout import AxisCollectives, Layout, total_parameters
+from common.parallel.layout import AxisCollectives, Layout, Measured, total_parameters
 from common.parallel.pipeline import stage_of
 from common.parallel.pp import PpLayout
 from common.parallel.tp import TpLayout, tp_split_axis
@@ -186,6 +186,12 @@ class MeshLayout(Layout):
     @property
     def copies_gradients_for_reduce(self) -> bool:
         return self.mesh.has("dp")
+
+    # ---- the time -----------------------------------------------------------------------------------
+    def axis_exposed_comm_s(self, cal: Measured, axis: AxisCollectives, link: Link | None, comm_s: float) -> float:
+        """Each axis's time under its own strategy's rule: tp's all-reduces all exposed, pp its critical path, the
+        data axis what the calibration did not overlap (common/costmodel/axes.py sums them)."""
+        return self.parts[axis.axis].exposed_comm_s(cal, axis.collectives, link, comm_s)
 
     def streamed_checkpoint_bytes(self, w: Workload, rank: int) -> float:
         return max(part.checkpoint_bytes(w, rank) for part in self.parts.values())

@@ -240,6 +240,11 @@ class Layout(ABC):
         overlap = cal.overlap if cal.overlap is not None else DEFAULT_OVERLAP
         return (1.0 - overlap) * comm_s
 
+    def axis_exposed_comm_s(self, cal: Measured, axis: AxisCollectives, link: Link | None, comm_s: float) -> float:
+        """exposed_comm_s of one axis's collectives over the link that axis crosses (common/costmodel/levels.py):
+        a one-axis object's own rule; a mesh asks the object of that axis (common/parallel/composed.py)."""
+        return self.exposed_comm_s(cal, axis.collectives, link, comm_s)
+
     def host_s(self, w: Workload, colls: list[Collective], on_cpu: bool, releases_heap: bool) -> float:
         """Host work per step beyond the link's time, added to compute (fsdp on a CPU)."""
         return 0.0
