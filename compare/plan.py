@@ -268,10 +268,12 @@ def predicted_record(source: Path, s: dict, strategy: str) -> dict:
     link_note = "the job's link record"
     if link is None:
         link, link_note = loopback_link(s.get("backend") or "gloo"), "no link record: assumed loopback"
-    p = predict(calibrate_run(source), strategy, s["world_size"], link, backend=s.get("backend"))
+    p = predict(calibrate_run(source), strategy, s["world_size"], link, backend=s.get("backend"),
+                mesh=(s.get("config") or {}).get("mesh") or "")
     measured = s.get("step_time_s")
     return {"step_s": p.step_s, "tokens_per_s": p.tokens_per_s, "compute_s": p.compute_s,
             "exposed_comm_s": p.exposed_comm_s, "memory_bytes_per_rank": p.memory_bytes["total"], "link": link.name,
+            "levels": p.levels,
             "link_source": f"{link_note} ({link.source})",
             "step_error": (p.step_s / measured - 1) if measured else None}
 
