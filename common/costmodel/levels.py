@@ -35,6 +35,10 @@ class TwoLevelLink:
     def name(self) -> str:
         return f"{self.inner.name} inside groups of {self.group_size}, {self.outer.name} between them"
 
+    @property
+    def source(self) -> str:
+        return f"inside: {self.inner.source}; between: {self.outer.source}"
+
 
 Links = Link | TwoLevelLink
 
