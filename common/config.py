@@ -326,6 +326,9 @@ class RunConfig:
                             "backend cannot split its group (mlx 0.32.4 splits on mpi and nccl only): "
                             "use --backend mpi (docs/strategies.md)")
         strategy = self.layout
+        if self.checkpoint_format == "sharded" and not strategy.writes_sharded_checkpoints:
+            raise UserError(f"--checkpoint-format sharded cannot describe the pieces of --mesh {self.mesh} (a block "
+                            "of rows of columns); use --checkpoint-format hf, which resumes under any mesh")
         strategy.check_batch(self.global_batch_size, self.grad_accum, self.pp_microbatches)
         # preset, [model] fields and seq_len checked now; and whether the strategy can split that model (the one
         # place this is checked: every RunConfig is validated when it is made, before anything is prepared)

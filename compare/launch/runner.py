@@ -21,6 +21,7 @@ from common.train import supervisor
 from common.config import RunConfig
 from common.errors import UserError
 from common.metrics import read_metrics, throughput_stats, write_json
+from common.parallel import describe_mesh
 from common.parallel.pipeline import split_idle
 from common.runplan import PLAN_FILE, RunPlan
 from common.model.precision import describe as describe_precision
@@ -150,6 +151,8 @@ def launch(cfg: RunConfig, inputs: Inputs, run_dir: Path) -> dict:
     with open(run_dir / "log.txt", "a") as log:
         shown = {k: v for k, v in extra_env.items() if k.startswith(("MLX_RANK", "MLX_HOSTFILE", "GLOO_"))}
         log.write(f"$ {shlex.join([f'{k}={v}' for k, v in shown.items()] + argv)}\n")
+        if cfg.mesh:  # which ranks talk on which axis: where the fast links matter (docs/strategies.md)
+            log.write(f"mesh {cfg.mesh}, the ranks of each group: " + "; ".join(describe_mesh(cfg.mesh)) + "\n")
         log.flush()
         interrupted = proc = None
         link_record = loopback_record() if cfg.world_size > 1 and cfg.nnodes == 1 and not cfg.hostfile else None
