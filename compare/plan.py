@@ -269,13 +269,25 @@ def predicted_record(source: Path, s: dict, strategy: str) -> dict:
     if link is None:
         link, link_note = loopback_link(s.get("backend") or "gloo"), "no link record: assumed loopback"
     p = predict(calibrate_run(source), strategy, s["world_size"], link, backend=s.get("backend"),
-                mesh=(s.get("config") or {}).get("mesh") or "")
+                mesh=(s.get("config") or {}).get("mesh") or "", cores_shared_by=cores_shared_by(s))
     measured = s.get("step_time_s")
     return {"step_s": p.step_s, "tokens_per_s": p.tokens_per_s, "compute_s": p.compute_s,
             "exposed_comm_s": p.exposed_comm_s, "memory_bytes_per_rank": p.memory_bytes["total"], "link": link.name,
-            "levels": p.levels,
+            "levels": p.levels, "cores_shared_by": cores_shared_by(s),
             "link_source": f"{link_note} ({link.source})",
             "step_error": (p.step_s / measured - 1) if measured else None}
+
+
+def cores_shared_by(s: dict) -> float:
+    """How many ranks' threads share each core of the machine a local CPU run ran on (summary.json's machine,
+    threads_per_rank): 4 one-thread ranks on 2 cores, 2; 1 on a GPU, across hosts, or with cores to spare.
+    The N=1 run it is calibrated on had a core to itself, so its compute is stretched that much."""
+    cfg = s.get("config") or {}
+    cpus = (s.get("machine") or {}).get("cpus")
+    if str(s.get("device", "cpu")).startswith(("cuda", "gpu", "mps")) or not cpus or cfg.get("hostfile") \
+            or (cfg.get("nnodes") or 1) > 1:
+        return 1.0
+    return max(1.0, (s.get("world_size") or 1) * (s.get("threads_per_rank") or 1) / cpus)
 
 
 # ---- compare: the predicted peak memory of every run ------------------------------------------------

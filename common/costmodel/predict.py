@@ -41,10 +41,12 @@ class Prediction:
 
 
 def predict(cal: Calibration, strategy: str, n: int, link: Links | None, device_memory_bytes: float | None = None,
-            backend: str | None = None, mesh: str = "") -> Prediction:
+            backend: str | None = None, mesh: str = "", cores_shared_by: float = 1.0) -> Prediction:
     """One step of `strategy` at `n` ranks (strategy "mesh": the axes of `mesh`, "dp=2,tp=2") over `link` (one
     Link, or a TwoLevelLink: common/costmodel/levels.py; None at N=1), from a calibration. Raises UserError when
-    the strategy cannot split this model over n ranks (its object's `check`, common/parallel/)."""
+    the strategy cannot split this model over n ranks (its object's `check`, common/parallel/). `cores_shared_by`:
+    ranks per core's worth of threads where the ranks share one CPU (4 one-thread ranks on 2 cores: 2), which
+    stretches their compute that much; 1 where each rank has its own (a cluster, the plan's assumption 2)."""
     lay = layout(strategy, n, mesh)
     lay.check(cal.workload.spec)
     w = cal.workload
@@ -58,6 +60,7 @@ def predict(cal: Calibration, strategy: str, n: int, link: Links | None, device_
     comm = sum(t.seconds for t in times)  # no link: no collectives
     exposed = exposed_comm_s(lay, cal, times)
     compute += lay.host_s(w, colls, cal.on_cpu, cal.releases_heap)
+    compute *= max(1.0, cores_shared_by)
     step = compute + exposed
     one = (cal.forward_s + cal.backward_s + cal.optimizer_s + cal.other_s)  # ddp at N=1: the scaling baseline
     memory = memory_bytes(lay, w, cal.overhead_bytes)
