@@ -128,3 +128,17 @@ def test_two_level_plan_flags_that_cannot_work_exit_2_in_one_line(tmp_path, caps
     assert main(["plan", "--from", str(run), "--nproc", "4", *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+def test_a_local_cpu_runs_compute_is_stretched_by_the_ranks_threads_per_core_and_nothing_else_is():
+    from compare.plan import cores_shared_by
+
+    run = {"world_size": 4, "threads_per_rank": 1, "machine": {"cpus": 2}, "device": "cpu", "config": {}}
+    assert cores_shared_by(run) == 2.0
+    assert cores_shared_by({**run, "world_size": 2}) == 1.0  # a core each
+    assert cores_shared_by({**run, "threads_per_rank": 2}) == 4.0
+    assert cores_shared_by({**run, "device": "cuda:0"}) == 1.0
+    assert cores_shared_by({**run, "config": {"hostfile": "hosts.json"}}) == 1.0
+    cal = calibrate(summary("torch", 1), ModelSpec.from_dict(WIDE))
+    alone, shared = (predict(cal, "ddp", 4, SLOW, cores_shared_by=k) for k in (1.0, 2.0))
+    assert shared.compute_s == pytest.approx(2 * alone.compute_s) and shared.exposed_comm_s == alone.exposed_comm_s
