@@ -46,7 +46,8 @@ def predict(cal: Calibration, strategy: str, n: int, link: Links | None, device_
     Link, or a TwoLevelLink: common/costmodel/levels.py; None at N=1), from a calibration. Raises UserError when
     the strategy cannot split this model over n ranks (its object's `check`, common/parallel/). `cores_shared_by`:
     ranks per core's worth of threads where the ranks share one CPU (4 one-thread ranks on 2 cores: 2), which
-    stretches their compute that much; 1 where each rank has its own (a cluster, the plan's assumption 2)."""
+    stretches their busy compute that much (pp's bubble leaves the core to others: `busy_fraction`); 1 where each
+    rank has its own (a cluster, the plan's assumption 2)."""
     lay = layout(strategy, n, mesh)
     lay.check(cal.workload.spec)
     w = cal.workload
@@ -59,8 +60,12 @@ def predict(cal: Calibration, strategy: str, n: int, link: Links | None, device_
     times = axis_times(lay, w, reduce_scatter_traffic(w.framework, backend), link) if link is not None else []
     comm = sum(t.seconds for t in times)  # no link: no collectives
     exposed = exposed_comm_s(lay, cal, times)
-    compute += lay.host_s(w, colls, cal.on_cpu, cal.releases_heap)
-    compute *= max(1.0, cores_shared_by)
+    host = lay.host_s(w, colls, cal.on_cpu, cal.releases_heap)
+    compute += host
+    if cores_shared_by > 1:  # ranks take turns on the cores: their busy time, not their idle slots, is stretched
+        busy = ((cal.forward_s + cal.backward_s) * lay.busy_fraction(w) + cal.optimizer_s * lay.state_fraction(w)
+                + cal.other_s + host)
+        compute = max(compute, busy * cores_shared_by)
     step = compute + exposed
     one = (cal.forward_s + cal.backward_s + cal.optimizer_s + cal.other_s)  # ddp at N=1: the scaling baseline
     memory = memory_bytes(lay, w, cal.overhead_bytes)

@@ -137,6 +137,10 @@ class MeshLayout(Layout):
         model = self.model_part.work_fraction(w) if self.model_part is not None else 1.0
         return model / self.dp_size
 
+    def busy_fraction(self, w: Workload) -> float:
+        model = self.model_part.busy_fraction(w) if self.model_part is not None else 1.0
+        return model / self.dp_size
+
     # ---- the traffic --------------------------------------------------------------------------------
     def axis_collectives(self, w: Workload, reduce_scatter: str = "native") -> list[AxisCollectives]:
         out = []

@@ -166,6 +166,11 @@ class Layout(ABC):
         """f_work: one rank's share of the global batch's forward + backward FLOPs (common/model/flops.py).
         Assumption: time is proportional to FLOPs, so smaller matmuls are taken to run as fast per FLOP."""
 
+    def busy_fraction(self, w: Workload) -> float:
+        """The share of the global batch's FLOPs one rank computes, without the time it idles (pp's bubble): what
+        its compute asks of a core that other ranks share (common/costmodel/predict.py's cores_shared_by)."""
+        return self.work_fraction(w)
+
     # ---- the traffic --------------------------------------------------------------------------------
     def axis_collectives(self, w: Workload, reduce_scatter: str = "native") -> list[AxisCollectives]:
         """`collectives` per mesh axis, each with the size of the groups that run it (a mesh's tp all-reduces
