@@ -142,3 +142,6 @@ def test_a_local_cpu_runs_compute_is_stretched_by_the_ranks_threads_per_core_and
     cal = calibrate(summary("torch", 1), ModelSpec.from_dict(WIDE))
     alone, shared = (predict(cal, "ddp", 4, SLOW, cores_shared_by=k) for k in (1.0, 2.0))
     assert shared.compute_s == pytest.approx(2 * alone.compute_s) and shared.exposed_comm_s == alone.exposed_comm_s
+    # a pipeline's stages idle in its bubble and leave the core to others: less than twice, never under alone
+    alone, shared = (predict(cal, "pp", 4, SLOW, cores_shared_by=k) for k in (1.0, 2.0))
+    assert alone.compute_s < shared.compute_s < 2 * alone.compute_s
