@@ -108,6 +108,8 @@ def test_config_takes_a_mesh_and_a_one_axis_mesh_is_that_strategy():
         RunConfig.from_dict({"preset": "tiny", "nproc": 4, "mesh": "dp=2,tp=2", "backend": "ring"})
     with pytest.raises(UserError, match="leave --strategy out"):
         RunConfig.from_dict({"preset": "tiny", "nproc": 4, "mesh": "dp=2,tp=2", "strategy": "fsdp"})
+    with pytest.raises(UserError, match="composing pp x tp is not supported"):
+        RunConfig.from_dict({"preset": "tiny", "nproc": 4, "mesh": "tp=2,pp=2"})
     with pytest.raises(UserError, match="needs --mesh"):
         RunConfig.from_dict({"preset": "tiny", "nproc": 4, "strategy": "mesh"})
 
