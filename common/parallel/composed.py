@@ -58,6 +58,10 @@ class MeshLayout(Layout):
         return self.mesh.text
 
     @property
+    def data_axis(self) -> str | None:
+        return self.mesh.data_axis  # none: every rank reads the whole batch
+
+    @property
     def parts(self) -> dict[str, Layout]:
         """One strategy object per axis, outermost first, each over the whole mesh."""
         return {name: AXIS_LAYOUTS[name](self.mesh) for name in self.mesh.names}

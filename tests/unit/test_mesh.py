@@ -108,5 +108,19 @@ def test_config_takes_a_mesh_and_a_one_axis_mesh_is_that_strategy():
         RunConfig.from_dict({"preset": "tiny", "nproc": 4, "mesh": "dp=2,tp=2", "backend": "ring"})
     with pytest.raises(UserError, match="leave --strategy out"):
         RunConfig.from_dict({"preset": "tiny", "nproc": 4, "mesh": "dp=2,tp=2", "strategy": "fsdp"})
+    with pytest.raises(UserError, match="composing pp x tp is not supported"):
+        RunConfig.from_dict({"preset": "tiny", "nproc": 4, "mesh": "tp=2,pp=2"})
     with pytest.raises(UserError, match="needs --mesh"):
         RunConfig.from_dict({"preset": "tiny", "nproc": 4, "strategy": "mesh"})
+
+
+def test_compare_runs_a_mesh_at_its_rank_count_under_a_label_naming_its_axes(tmp_path):
+    from compare.matrix import expand_matrix
+
+    base = RunConfig(nproc=4, framework="torch")
+    configs, left_out = expand_matrix(base, ["torch"], ["ddp", "mesh"], ["float32"], [1, 2, 4], tmp_path, "tp=2,dp=2")
+    assert [label for label, _ in configs] == ["torch x1", "torch x2", "torch x4", "torch dp2xtp2 x4"]
+    cfg = configs[("torch dp2xtp2 x4", tmp_path / "torch-dp2xtp2-n4")]
+    assert (cfg.strategy, cfg.mesh, cfg.data_parallel_size) == ("mesh", "dp=2,tp=2", 2)
+    assert sorted(left_out) == ["torch dp2xtp2 x1 left out: dp2xtp2 needs 2 or more ranks (its reference is the "
+                                "ddp run)", "torch dp2xtp2 x2 left out: --mesh dp=2,tp=2 runs on 4 ranks"]
