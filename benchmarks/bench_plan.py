@@ -1,8 +1,11 @@
-"""The cost model against measured runs: predicted and measured step time at N=2, per framework and strategy,
-on loopback and on shaped links (issue 24's acceptance: within 15 %).
+"""The cost model against measured runs: predicted and measured step time at N (2 by default), per framework and
+strategy, on loopback and on shaped links (issue 24's acceptance: within 15 %), one level or two.
 
     python benchmarks/bench_plan.py [--preset small] [--links none,1gbit,200mbit] [--strategies ddp,fsdp,tp]
                                     [--steps 12] [--out runs/bench/plan.json]
+    # N=4 as two machines of 2: a link `OUTER/INNER` is --link OUTER --link-inner INNER --group-size 2
+    python benchmarks/bench_plan.py --preset tiny --nproc 4 --group-size 2 --links none,100mbit/1gbit \
+        --strategies ddp,fsdp,tp,pp --set model.n_layers=4 --set model.n_kv_heads=4
 
 Per link one `dpcompare compare --nproc 1,2` (with `--link RATE` unless the link is `none`: plain loopback).
 compare writes each N=2 run's `prediction` (compare/plan.py: calibrated on the N=1 run of the same framework
@@ -31,6 +34,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--nproc", type=int, default=2, help="the N predicted from N=1")
+    parser.add_argument("--group-size", type=int, default=2, help="ranks per machine for a two-level link OUTER/INNER")
+    parser.add_argument("--set", action="append", default=[], help="config fields, as dpcompare's --set")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--no-wait", action="store_true", help="start at once, whatever the load")
     parser.add_argument("--profile-steps", type=int, default=3, help="breakdown rounds of every run (its N=1 "
                         "calibration needs them; at 200mbit a `small` fsdp step takes ~8 s)")
     a = parser.parse_args()
@@ -38,18 +46,21 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_plan_") as work:
         for link in a.links.split(","):
-            out = Path(work) / link
-            load = benchlib.wait_for_quiet()  # two ranks on 2 cores: another job's process halves a rank
+            # two ranks on 2 cores: another job's process halves a rank
+            load = benchlib.load_average() if a.no_wait else benchlib.wait_for_quiet()
+            outer, _, inner = link.partition("/")
+            levels = ["--link", outer] + (["--link-inner", inner, "--group-size", str(a.group_size)] if inner else [])
+            out = Path(work) / link.replace("/", "-")
             argv = benchlib.DPCOMPARE + [
-                "compare", "--frameworks", a.frameworks, "--nproc", "1,2", "--strategies", a.strategies,
+                "compare", "--frameworks", a.frameworks, "--nproc", f"1,{a.nproc}", "--strategies", a.strategies,
                 "--preset", a.preset, "--steps", str(steps), "--seq-len", str(a.seq_len), "--global-batch-size",
                 str(a.batch), "--eval-every", "0", "--profile-steps", str(a.profile_steps),
-                *benchlib.data_args(a.preset), "--out", str(out), "--quiet",
-                *([] if link == "none" else ["--link", link])]
+                *benchlib.data_args(a.preset), "--out", str(out), "--quiet", "--no-samples", "--device", a.device,
+                *[x for item in a.set for x in ("--set", item)], *([] if link == "none" else levels)]
             proc = subprocess.run(argv, cwd=benchlib.REPO, capture_output=True, text=True)
             if proc.returncode not in (0, 1):  # 1: a run failed, its row says so; anything else: the compare did
                 raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}:\n{proc.stderr[-2000:]}")
-            for summary_path in sorted(out.glob("*-n2/summary.json")):
+            for summary_path in sorted(out.glob(f"*-n{a.nproc}/summary.json")):
                 s = json.loads(summary_path.read_text())
                 p = s.get("prediction") or {}
                 source = json.loads((out / p["from"] / "summary.json").read_text()) if p.get("from") else {}
@@ -57,12 +68,12 @@ def main() -> None:
                              "measured_step_s": s.get("step_time_s"), "predicted_step_s": p.get("step_s"),
                              "error": (p["step_s"] / s["step_time_s"] - 1) if p.get("step_s") and s.get("step_time_s")
                              else None, "predicted_from": p.get("from"), "link_used": p.get("link"),
-                             "measured_link": s.get("link"), "note": p.get("note"),
+                             "measured_link": s.get("link"), "note": p.get("note"), "levels": p.get("levels"),
                              "n1_step_s": source.get("step_time_s"), "load_average_at_start": load})
     benchlib.print_table(rows, [("link", "link", ""), ("run", "run", ""), ("n1_step_s", "N=1 s", ".4f"),
                                 ("load_average_at_start", "load", ".1f"), ("measured_step_s", "measured s", ".4f"),
                                 ("predicted_step_s", "predicted s", ".4f"), ("error", "error", "+.1%")],
-                         f"{a.preset}, N=2 predicted from N=1")
+                         f"{a.preset}, N={a.nproc} predicted from N=1")
     benchlib.write_result(a.out, "plan", vars(a) | {"steps": steps}, rows)
 
 

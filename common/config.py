@@ -24,13 +24,16 @@ from common.costmodel.rates import parse_rate
 from common.data.sampler import check_divisible
 from common.model.spec import ModelSpec, preset
 from common.parallel.pipeline import SCHEDULES as PP_SCHEDULES
-from common.parallel import STRATEGIES, layout
+from common.parallel import STRATEGIES, Layout, layout, mesh_fields
 
 FRAMEWORKS = ("mlx", "torch")
 # jaccl and jaccl-ring: RDMA over Thunderbolt 5 between Macs (a mesh, or a ring of neighbours), through
 # mlx.launch --hostfile only.
 BACKENDS = {"mlx": ("auto", "ring", "mpi", "nccl", "jaccl", "jaccl-ring"), "torch": ("auto", "gloo", "nccl")}
 HOSTFILE_ONLY_BACKENDS = ("jaccl", "jaccl-ring")
+# MLX backends whose group splits into sub-groups (`Group.split`), which a mesh needs: mlx 0.32.4's ring refuses
+# ("[ring] Group split not supported"), jaccl is untried (docs/strategies.md "Meshes").
+MLX_SPLIT_BACKENDS = ("mpi", "nccl")
 LINK_BACKENDS = {"mlx": ("ring", "mpi"), "torch": ("gloo",)}  # the TCP ones, which --link can shape
 COMMUNICATION_STREAMS = ("auto", "cpu", "default")  # mlx_impl/comm.py
 SEQUENCE_MODES = ("packing", "padding")
@@ -90,7 +93,8 @@ class RunConfig:
     # Where and how it runs.
     framework: str = "mlx"
     nproc: int = 1
-    strategy: str = "ddp"            # ddp, fsdp, tp or pp (common/parallel/: one object each)
+    strategy: str = "ddp"            # ddp, fsdp, tp or pp (common/parallel/: one object each), or mesh
+    mesh: str = ""                   # strategy mesh: its axes, "dp=2,tp=2" (common/parallel/mesh.py), canonical order
     pp_microbatches: int = 4         # pp: pieces each micro-step's batch is cut into (common/parallel/pipeline.py)
     pp_schedule: str = "1f1b"        # pp: gpipe or 1f1b
     backend: str = "auto"
@@ -115,6 +119,10 @@ class RunConfig:
     init_from: str = ""              # an HF-format Llama dir to start from instead of the seeded init
     collective_timeout_s: float = 60.0
     link: str = ""                   # emulate a link of this rate between local ranks (compare/launch/netns.py)
+    # two levels: groups of group_size consecutive ranks (one machine each) on a link_inner link, the groups
+    # joined by the `link` one (compare/launch/topology.py)
+    link_inner: str = ""
+    group_size: int = 0
     launcher: str = "auto"           # LAUNCHERS: srun inside a Slurm allocation, or this machine's own launchers
     timing_warmup_steps: int = 3
     profile_steps: int = 8           # rounds of extra steps after the run for the time breakdown (common/train/breakdown.py); 0 = none
@@ -125,6 +133,20 @@ class RunConfig:
     overwrite: bool = False
     quiet: bool = False
     report_to: str = ""              # comma list of TRACKERS, written from metrics.jsonl after the run
+
+    def check_two_level_link(self) -> None:
+        """--link-inner and --group-size go together, with --link, and cut the ranks into 2 or more groups."""
+        if not (self.link_inner or self.group_size):
+            return
+        if not (self.link_inner and self.group_size):
+            raise UserError("--link-inner and --group-size go together (the link inside a group, and its ranks)")
+        if not self.link:
+            raise UserError(f"--link-inner {self.link_inner} needs --link RATE: the link between the groups")
+        parse_rate(self.link_inner)
+        if self.world_size > 1 and (self.group_size < 2 or self.world_size % self.group_size or self.group_size >= self.world_size):
+            raise UserError(f"--group-size {self.group_size} must be 2 or more and divide --nproc {self.world_size} "
+                            f"into 2 or more groups (for example --group-size {max(2, self.world_size // 2)} "
+                            f"with --nproc {2 * max(2, self.world_size // 2)})")
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -148,7 +170,7 @@ class RunConfig:
             if key not in known:
                 raise UserError(f"unknown config field {key!r}; allowed: {', '.join(sorted(known))}")
         typed = {k: _coerce(k, v, str(known[k].type), cls) for k, v in values.items()}
-        cfg = cls(**typed)
+        cfg = cls(**mesh_fields(typed))
         cfg.validate()
         return cfg
 
@@ -207,7 +229,12 @@ class RunConfig:
     def data_parallel_size(self) -> int:
         """Ranks that read different samples: all of them, except where the strategy's ranks are one replica
         between them and all read the whole batch (tp, pp)."""
-        return layout(self.strategy, self.world_size).dp_size
+        return self.layout.dp_size
+
+    @property
+    def layout(self) -> Layout:
+        """The strategy's object (common/parallel/): one strategy over every rank, or the mesh's composition."""
+        return layout(self.strategy, self.world_size, self.mesh)
 
     @property
     def micro_batch_size(self) -> int:
@@ -219,7 +246,8 @@ class RunConfig:
             return self.backend
         if self.framework == "torch":
             return "nccl" if self.device == "cuda" else "gloo"
-        return "nccl" if self.device == "cuda" else "ring"
+        # a mesh needs sub-groups, which MLX's ring backend cannot make (MLX_SPLIT_BACKENDS)
+        return "nccl" if self.device == "cuda" else "mpi" if self.mesh else "ring"
 
     @property
     def cache_path(self) -> Path:
@@ -235,7 +263,7 @@ class RunConfig:
         _choice("mlx_blas", self.mlx_blas, MLX_BLAS)
         _choice("mlx_cpu_jit", self.mlx_cpu_jit, MLX_CPU_JIT)
         _choice("dtype", self.dtype, DTYPES)
-        _choice("strategy", self.strategy, STRATEGIES)
+        _choice("strategy", self.strategy, (*STRATEGIES, "mesh"))
         _choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
         _choice("checkpoint_format", self.checkpoint_format, CHECKPOINT_FORMATS)
         _choice("communication_stream", self.communication_stream, COMMUNICATION_STREAMS)
@@ -278,6 +306,7 @@ class RunConfig:
             if self.resolved_backend not in LINK_BACKENDS[self.framework]:
                 raise UserError(f"--link {self.link}: the {self.resolved_backend} backend does not talk over "
                                 f"TCP; emulated links work with {', '.join(LINK_BACKENDS[self.framework])}")
+        self.check_two_level_link()
         if self.launcher == "slurm" and (self.hostfile or self.nnodes > 1 or self.link):
             raise UserError("--launcher slurm starts the ranks on the allocation's nodes; it cannot be combined with "
                             "--hostfile, --nnodes or --link")
@@ -293,7 +322,14 @@ class RunConfig:
             raise UserError("communication_stream cpu does not work with the nccl backend (NCCL reduces GPU "
                             "memory on the GPU stream); use auto")
         self.micro_batch_size  # raises when the global batch does not split
-        strategy = layout(self.strategy, self.world_size)
+        if self.mesh and self.framework == "mlx" and self.resolved_backend not in MLX_SPLIT_BACKENDS:
+            raise UserError(f"--mesh {self.mesh} needs a communicator per axis, and MLX's {self.resolved_backend} "
+                            "backend cannot split its group (mlx 0.32.4 splits on mpi and nccl only): "
+                            "use --backend mpi (docs/strategies.md)")
+        strategy = self.layout
+        if self.checkpoint_format == "sharded" and not strategy.writes_sharded_checkpoints:
+            raise UserError(f"--checkpoint-format sharded cannot describe the pieces of --mesh {self.mesh} (a block "
+                            "of rows of columns); use --checkpoint-format hf, which resumes under any mesh")
         strategy.check_batch(self.global_batch_size, self.grad_accum, self.pp_microbatches)
         # preset, [model] fields and seq_len checked now; and whether the strategy can split that model (the one
         # place this is checked: every RunConfig is validated when it is made, before anything is prepared)

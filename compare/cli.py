@@ -147,9 +147,18 @@ def build_parser() -> argparse.ArgumentParser:
                                                               "measured it (the run's framework's entry)")
     plan.add_argument("--link-gbps", type=float, help="the link's bandwidth each way, Gbit/s (with --latency-us)")
     plan.add_argument("--latency-us", type=float, help="the link's one-hop latency, µs (with --link-gbps)")
+    plan.add_argument("--group-size", type=int, help="two-level link: ranks per machine (consecutive ranks); the "
+                                                     "--link-gbps/--fabric flags then give the link between machines")
+    plan.add_argument("--fabric-inner", metavar="FABRIC.json", help="two-level link: the link inside a machine as "
+                                                                    "`doctor --fabric --out` measured it")
+    plan.add_argument("--link-gbps-inner", type=float, help="two-level link: bandwidth inside a machine, Gbit/s")
+    plan.add_argument("--latency-us-inner", type=float, help="two-level link: one-hop latency inside a machine, µs")
+    plan.add_argument("--meshes", action="store_true", help="every mesh of dp, fsdp, tp and pp per N (instead of "
+                                                            "--strategies), the fastest named (docs/scaling.md)")
     plan.add_argument("--device-memory-gb", type=float, help="memory per rank, GB: say whether each plan fits")
     plan.add_argument("--out", help="where plan.json and plan.png go (default RUN_DIR/plan)")
     plan.set_defaults(handler=cmd_plan, paths={"from_run": ("--from", "dir"), "fabric": ("--fabric", "file"),
+                                               "fabric_inner": ("--fabric-inner", "file"),
                                                "out": ("--out", "out_dir")})
 
     export = sub.add_parser("export", help="export a run's latest checkpoint as an HF Llama directory")

@@ -29,6 +29,8 @@ RUN_FLAGS = [
     ("--tokenizer", str, "builtin, a tokenizer dir or hub name (gpt2), or a tokenizer.json"),
     ("--sequence", str, "packing (default) or padding"),
     ("--strategy", str, "ddp (replicated), fsdp (sharded), tp (tensor parallel) or pp (pipeline)"),
+    ("--mesh", str, "strategies composed over named axes, AXIS=SIZE,... with axes dp, fsdp, tp, pp (dp=2,tp=2; their "
+                    "product is the rank count); laid out pp outermost, tp innermost (docs/strategies.md)"),
     ("--pp-microbatches", int, "pp: micro-batches each micro-step's batch is cut into (default 4)"),
     ("--pp-schedule", str, "pp: gpipe or 1f1b (default)"),
     ("--backend", str, "distributed backend: auto, ring, mpi, nccl (mlx); auto, gloo, nccl (torch)"),
@@ -45,7 +47,10 @@ RUN_FLAGS = [
     ("--node-rank", int, "this node's rank with --nnodes (node 0 writes metrics.jsonl)"),
     ("--rdzv-endpoint", str, "torch: rendezvous HOST:PORT for several nodes"),
     ("--link", str, "emulate a link of this rate between the local ranks: 200mbit, 1gbit, 10gbit (root, Linux; "
-                    "each rank in a network namespace, tc-shaped both ways)"),
+                    "each rank in a network namespace, tc-shaped both ways); with --link-inner: between groups"),
+    ("--link-inner", str, "two-level link: the rate inside each group of --group-size ranks (one machine of a "
+                          "cluster), --link the rate between the groups (docs/links.md)"),
+    ("--group-size", int, "two-level link: ranks per group (consecutive ranks; must divide --nproc)"),
     ("--launcher", str, "auto (srun inside a Slurm allocation, else this machine's launchers), local, or slurm "
                        "(docs/clusters.md)"),
     ("--collective-timeout-s", float, "seconds without progress before a job is declared hung"),

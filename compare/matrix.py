@@ -13,11 +13,12 @@ from pathlib import Path
 
 from common.config import DTYPES, FRAMEWORKS, read_toml
 from common.errors import ParityError, UserError
-from common.parallel import STRATEGIES
+from common.parallel import MESH_STRATEGY, STRATEGIES
+from common.parallel.mesh import Mesh
 
 from .flags import config_from_args
 from .plan import add_memory_predictions, add_predictions
-from .report.labels import run_dirname, run_label
+from .report.labels import run_dirname, run_label, strategy_name
 from .launch.hosts import check_hostfile
 from .launch.runner import check_run_dir, launch, prepare_inputs
 from .launch import slurm
@@ -48,16 +49,19 @@ def run_matrix(args) -> int:
     frameworks = parse_list(args.frameworks, "frameworks", allowed=FRAMEWORKS)
     world_sizes = parse_list(args.nproc, "nproc", kind=int)
     toml = read_toml(args.config) if getattr(args, "config", None) else {}
+    mesh = getattr(args, "mesh", None) or toml.get("mesh", "")
     strategies = parse_list(args.strategies or args.strategy or toml.get("strategy", "ddp"), "strategies",
                             allowed=STRATEGIES)
+    if mesh:  # --mesh: one more cell per framework, at the mesh's rank count, judged against ddp x1
+        strategies.append(MESH_STRATEGY)
     dtypes = parse_list(args.dtypes or args.dtype or toml.get("dtype", "float32"), "dtypes", allowed=DTYPES)
     submit = submit_options(args)  # --submit slurm: one sbatch job per run (compare/submit.py)
     # The backend flag names one framework's backend; `auto` lets each framework pick its own.
-    base = config_from_args(args, framework=frameworks[0], nproc=max(world_sizes), strategy="ddp",
+    base = config_from_args(args, framework=frameworks[0], nproc=max(world_sizes), strategy="ddp", mesh="",
                             dtype="float32", launcher="slurm" if submit else None)
     out = Path(base.out or args.start_dir / "runs/compare")
     check_run_dir_for_compare(out, base.overwrite)
-    configs, left_out = expand_matrix(base, frameworks, strategies, dtypes, world_sizes, out)
+    configs, left_out = expand_matrix(base, frameworks, strategies, dtypes, world_sizes, out, mesh)
     for reason in left_out:
         print(f"dpcompare: note: {reason}", file=sys.stderr)
     if submit and submit.dry_run:
@@ -101,29 +105,37 @@ def run_here(configs: dict, inputs, out: Path, args) -> tuple[list[Path], list[t
     return run_dirs, failed
 
 
-def expand_matrix(base, frameworks, strategies, dtypes, world_sizes, out: Path) -> tuple[dict, list[str]]:
+def expand_matrix(base, frameworks, strategies, dtypes, world_sizes, out: Path,
+                  mesh: str = "") -> tuple[dict, list[str]]:
     """{(label, run_dir): RunConfig} for every run, each validated and its directory, hostfile, backend and
     device checked now, before anything is prepared or trains; and the combinations left out, with the
-    reason (fsdp and tp need 2 ranks or more)."""
+    reason (fsdp and tp need 2 ranks or more; a mesh runs at its own rank count)."""
     configs, left_out = {}, []
+    grid = Mesh.parse(mesh) if mesh else None
     for strategy in strategies:
+        cell_mesh = grid.text if grid and strategy == MESH_STRATEGY else ""
+        name = strategy_name(strategy, cell_mesh)
         for dtype in dtypes:
             for fw in frameworks:
                 for n in world_sizes:
                     if strategy != "ddp" and n == 1:
-                        left_out.append(f"{run_label(fw, n, strategy, dtype)} left out: {strategy} needs 2 or "
+                        left_out.append(f"{run_label(fw, n, name, dtype)} left out: {name} needs 2 or "
                                         "more ranks (its reference is the ddp run)")
                         continue
-                    run_dir = out / run_dirname(fw, n, strategy, dtype)
-                    cfg = base.replace(framework=fw, nproc=n, strategy=strategy, dtype=dtype, out=str(run_dir),
-                                       backend=base.backend if fw == frameworks[0] else "auto")
+                    if grid and cell_mesh and n != grid.size:
+                        left_out.append(f"{run_label(fw, n, name, dtype)} left out: --mesh {grid.text} runs on "
+                                        f"{grid.size} ranks")
+                        continue
+                    run_dir = out / run_dirname(fw, n, name, dtype)
+                    cfg = base.replace(framework=fw, nproc=n, strategy=strategy, mesh=cell_mesh, dtype=dtype,
+                                       out=str(run_dir), backend=base.backend if fw == frameworks[0] else "auto")
                     check_run_dir(run_dir, cfg.resume, cfg.overwrite)
                     # A backend or device this machine lacks is refused now, not as a failed run halfway through
                     check_hostfile(cfg)
                     check_available(cfg)
                     if cfg.link and cfg.world_size > 1:
                         check_can_emulate(cfg.link)
-                    configs[(run_label(fw, n, strategy, dtype), run_dir)] = cfg
+                    configs[(run_label(fw, n, name, dtype), run_dir)] = cfg
     if not configs:
         raise UserError("nothing to run: " + "; ".join(left_out))
     return configs, left_out

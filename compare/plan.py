@@ -15,10 +15,13 @@ import time
 from pathlib import Path
 
 from common.costmodel.calibrate import Calibration, calibrate
-from common.costmodel.links import Link, link_from_record, loopback_link
+from common.costmodel.levels import Links, links_from_record
+from common.costmodel.links import loopback_link
 from common.costmodel.memory import WORKSPACE_BYTES, predicted_peak
 from common.costmodel.predict import predict
 from common.costmodel.workload import workload_of
+from compare.plan_links import choose_links, describe_links, links_json
+from compare.plan_meshes import mesh_plan, mesh_table
 from common.errors import UserError
 from common.metrics import read_json, write_json
 from common.model.spec import ModelSpec, preset
@@ -81,47 +84,6 @@ def write_fabric(path: str, rows, where: str, link: dict | None = None) -> None:
         raise UserError(f"cannot write {path}: {err.strerror}") from None
 
 
-def link_from_fabric(path: str, framework: str, backend: str) -> Link:
-    """The entry of `framework` in a `doctor --fabric --out` file (its `backend` preferred)."""
-    data = read_json(Path(path))
-    if not isinstance(data, dict) or not isinstance(data.get("backends"), list):
-        raise UserError(f"--fabric {path}: not a file written by `dpcompare doctor --fabric --out FILE`")
-    usable = [b for b in data["backends"] if isinstance(b, dict) and b.get("framework") == framework
-              and b.get("latency_s") is not None and b.get("bandwidth_Bps")]
-    if not usable:
-        listed = [f"{b.get('framework')} {b.get('backend')}" + (f" (failed: {b['error']})" if b.get("error") else "")
-                  for b in data["backends"] if isinstance(b, dict)]
-        raise UserError(f"--fabric {path} has no measured {framework} backend; it holds: {', '.join(listed) or 'none'}")
-    entry = next((b for b in usable if b.get("backend") == backend), usable[0])
-    shaped = (data.get("link") or {}).get("requested") if isinstance(data.get("link"), dict) else None
-    name = (f"{entry['framework']} {entry['backend']}" + (f" over {data['where']}" if data.get("where") else "")
-            + (f", shaped to {shaped}" if shaped else ""))
-    return Link.from_allreduce(name, float(entry["latency_s"]), float(entry["bandwidth_Bps"]), int(entry.get("ranks") or 2),
-                               f"doctor --fabric ({path}, {data.get('created', 'undated')})")
-
-
-def choose_link(args, summary: dict) -> tuple[Link, str]:
-    """(link, how it was chosen) from the flags, else from the run."""
-    framework, backend = summary.get("framework", ""), summary.get("backend") or ""
-    if args.fabric and (args.link_gbps is not None or args.latency_us is not None):
-        raise UserError("give either --fabric FILE or --link-gbps/--latency-us, not both")
-    if args.fabric:
-        return link_from_fabric(args.fabric, framework, backend), "--fabric"
-    if args.link_gbps is not None or args.latency_us is not None:
-        if args.link_gbps is None or args.latency_us is None:
-            raise UserError("--link-gbps and --latency-us go together (the link's bandwidth and its latency)")
-        if not (math.isfinite(args.link_gbps) and args.link_gbps > 0):
-            raise UserError(f"--link-gbps must be a positive number, got {args.link_gbps}")
-        if not (math.isfinite(args.latency_us) and args.latency_us >= 0):
-            raise UserError(f"--latency-us must be 0 or more, got {args.latency_us}")
-        return Link.wire(args.link_gbps, args.latency_us), "--link-gbps/--latency-us"
-    own = link_from_record(summary.get("link"), framework, backend)
-    if own:
-        return own, "the run's link record"
-    return loopback_link(backend if backend not in ("none", "") else ("ring" if framework == "mlx" else "gloo")), \
-        "assumed loopback (the run has no link record; pass --fabric or --link-gbps)"
-
-
 # ---- the plan ------------------------------------------------------------------------------------
 def parse_ints(text: str, name: str) -> list[int]:
     try:
@@ -143,7 +105,7 @@ def parse_strategies(text: str) -> list[str]:
     return values
 
 
-def make_plan(cal: Calibration, link: Link, strategies: list[str], world_sizes: list[int],
+def make_plan(cal: Calibration, link: Links, strategies: list[str], world_sizes: list[int],
               device_memory_bytes: float | None) -> list[dict]:
     """One row per strategy and N: the prediction, or why that split is impossible."""
     rows = []
@@ -185,8 +147,8 @@ def plot(rows: list[dict], points: list[dict], title: str, path: Path) -> None:
 
     colors = {"ddp": "#1f77b4", "fsdp": "#2ca02c", "tp": "#9467bd"}
     fig, ax = plt.subplots(figsize=(7, 4.4))
-    for strategy in dict.fromkeys(r["strategy"] for r in rows):
-        line = [r for r in rows if r["strategy"] == strategy and "impossible" not in r]
+    for strategy in dict.fromkeys(r.get("label", r["strategy"]) for r in rows):  # --meshes: one line per mesh
+        line = [r for r in rows if r.get("label", r["strategy"]) == strategy and "impossible" not in r]
         if line:
             ax.plot([r["world_size"] for r in line], [r["tokens_per_s"] for r in line], marker="o",
                     color=colors.get(strategy), label=f"{strategy}, predicted")
@@ -235,30 +197,31 @@ def run_plan(args) -> int:
     strategies = parse_strategies(args.strategies)
     if args.device_memory_gb is not None and not (math.isfinite(args.device_memory_gb) and args.device_memory_gb > 0):
         raise UserError(f"--device-memory-gb must be a positive number, got {args.device_memory_gb}")
-    link, link_how = choose_link(args, summary)
+    link, link_how = choose_links(args, summary)
     cal = calibrate(summary, spec, source=str(run_dir))
     memory = args.device_memory_gb * 1e9 if args.device_memory_gb else None
-    rows = make_plan(cal, link, strategies, world_sizes, memory)
+    meshes = mesh_plan(cal, link, world_sizes, memory) if getattr(args, "meshes", False) else None
+    rows = meshes["rows"] if meshes else make_plan(cal, link, strategies, world_sizes, memory)
     out = Path(args.out) if args.out else run_dir / "plan"
     points = measured_points(run_dir, summary)
     w = cal.workload
     what = (f"{w.framework} {summary.get('strategy', 'ddp')} x{cal.world_size} ({run_dir}), "
             f"{(summary.get('config') or {}).get('preset', '?')}, {w.tokens_per_step:,} tokens per step, {w.dtype}")
-    link_text = (f"{link.name}: {link.hop_latency_s * 1e6:,.1f} µs per hop, {link.bandwidth_Bps / 1e9:.3g} GB/s each "
-                 f"way ({link.source}; {link_how})")
+    link_text = describe_links(link, link_how)
     try:
         out.mkdir(parents=True, exist_ok=True)
         plot(rows, points, f"predicted from {what}\nlink {link.name}", out / "plan.png")
         write_json(out / "plan.json", {
-            "from": str(run_dir), "calibrated_on": what, "link": {**vars(link), "chosen_by": link_how},
+            "from": str(run_dir), "calibrated_on": what, "link": links_json(link, link_how),
             "device_memory_bytes": memory, "calibration": {k: v for k, v in vars(cal).items() if k not in ("workload", "link")},
-            "predictions": rows, "measured": points, "figure": "plan.png"})
+            "predictions": rows, "measured": points, "figure": "plan.png",
+            **({"best": meshes["best"], "refused": meshes["refused"]} if meshes else {})})
     except OSError as err:
         raise UserError(f"cannot write the plan into {out}: {err.strerror}") from None
     print(f"plan from {what}\nlink {link_text}\n")
-    print(table(rows, args.device_memory_gb))
+    print(mesh_table(meshes, args.device_memory_gb) if meshes else table(rows, args.device_memory_gb))
     print()
-    for strategy in strategies:
+    for strategy in strategies if not meshes else ():
         feasible = [r for r in rows if r["strategy"] == strategy and "impossible" not in r]
         if feasible:
             print(f"{strategy} x{feasible[-1]['world_size']}: bottleneck is {feasible[-1]['bottleneck']}")
@@ -301,16 +264,30 @@ def add_predictions(run_dirs: list[Path]) -> None:
 
 def predicted_record(source: Path, s: dict, strategy: str) -> dict:
     """The `prediction` fields of run summary `s`, calibrated on the run in `source`."""
-    link = link_from_record(s.get("link"), s.get("framework", ""), s.get("backend", ""))
+    link = links_from_record(s.get("link"), s.get("framework", ""), s.get("backend", ""))
     link_note = "the job's link record"
     if link is None:
         link, link_note = loopback_link(s.get("backend") or "gloo"), "no link record: assumed loopback"
-    p = predict(calibrate_run(source), strategy, s["world_size"], link, backend=s.get("backend"))
+    p = predict(calibrate_run(source), strategy, s["world_size"], link, backend=s.get("backend"),
+                mesh=(s.get("config") or {}).get("mesh") or "", cores_shared_by=cores_shared_by(s))
     measured = s.get("step_time_s")
     return {"step_s": p.step_s, "tokens_per_s": p.tokens_per_s, "compute_s": p.compute_s,
             "exposed_comm_s": p.exposed_comm_s, "memory_bytes_per_rank": p.memory_bytes["total"], "link": link.name,
+            "levels": p.levels, "cores_shared_by": cores_shared_by(s),
             "link_source": f"{link_note} ({link.source})",
             "step_error": (p.step_s / measured - 1) if measured else None}
+
+
+def cores_shared_by(s: dict) -> float:
+    """How many ranks' threads share each core of the machine a local CPU run ran on (summary.json's machine,
+    threads_per_rank): 4 one-thread ranks on 2 cores, 2; 1 on a GPU, across hosts, or with cores to spare.
+    The N=1 run it is calibrated on had a core to itself, so its compute is stretched that much."""
+    cfg = s.get("config") or {}
+    cpus = (s.get("machine") or {}).get("cpus")
+    if str(s.get("device", "cpu")).startswith(("cuda", "gpu", "mps")) or not cpus or cfg.get("hostfile") \
+            or (cfg.get("nnodes") or 1) > 1:
+        return 1.0
+    return max(1.0, (s.get("world_size") or 1) * (s.get("threads_per_rank") or 1) / cpus)
 
 
 # ---- compare: the predicted peak memory of every run ------------------------------------------------

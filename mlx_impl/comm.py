@@ -109,5 +109,17 @@ def collectives_of(group, stream, device: str) -> Collectives:
         mine = mx.array([value if rank == 0 else 0.0], dtype=mx.float32)
         return cast(float, mx.distributed.all_sum(mine, group=group, stream=stream).item())  # a float32 array
 
+    def group_all_reduce(group_size: int):
+        """An all-reduce over this rank's group of `group_size` consecutive ranks; None where the backend has no
+        split (the ring: "[ring] Group split not supported")."""
+        try:
+            sub = group.split(rank // group_size, rank % group_size)
+        except (RuntimeError, ValueError):
+            return None
+
+        def all_reduce_in_group(x) -> None:
+            mx.eval(mx.distributed.all_sum(x, group=sub, stream=stream))
+        return all_reduce_in_group
+
     return Collectives(rank=rank, size=group.size(), device=device, buffer=buffer, all_reduce=all_reduce,
-                       from_rank0=from_rank0, all_gather=all_gather)
+                       from_rank0=from_rank0, all_gather=all_gather, group_all_reduce=group_all_reduce)

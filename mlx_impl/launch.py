@@ -30,8 +30,14 @@ def start_world(cfg) -> World:
                         f"{cfg.world_size}")
     from .comm import collectives_of, communication_stream
 
-    return World(rank=group.rank(), size=group.size(), group=group, device=device,
-                 collectives=lambda: collectives_of(group, communication_stream(cfg), device))
+    world = World(rank=group.rank(), size=group.size(), group=group, device=device,
+                  collectives=lambda: collectives_of(group, communication_stream(cfg), device))
+    if cfg.mesh:  # a sub-group per mesh axis (mlx_impl/mesh.py)
+        from common.parallel.mesh import Mesh
+
+        from .mesh import split_axes
+        world.axes = split_axes(world, Mesh.parse(cfg.mesh))
+    return world
 
 
 def pick_device(requested: str, local_rank: int, world_size: int) -> str:
@@ -51,7 +57,23 @@ def main(argv: list[str] | None = None) -> int:
     from .step import Trainer
 
     argv = sys.argv[1:] if argv is None else argv
-    return rank_main(argv[0], start_world, Trainer)
+    worlds: list[World] = []
+
+    def started(cfg) -> World:
+        worlds.append(start_world(cfg))
+        return worlds[-1]
+
+    code = rank_main(argv[0], started, Trainer)
+    # A mesh's sub-groups must be freed while MPI is up (mlx_impl/mesh.py): the trainer that holds them is
+    # garbage by now, in reference cycles.
+    if worlds and worlds[0].axes:
+        import gc
+
+        from .mesh import release_axes
+        release_axes(worlds[0])
+        worlds.clear()
+        gc.collect()
+    return code
 
 
 if __name__ == "__main__":

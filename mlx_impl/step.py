@@ -44,6 +44,7 @@ from .ddp import Replicated
 from .fsdp import Sharding
 from .grads import clip_by_norm
 from .load import read_local
+from .mesh import mesh_strategy
 from .microsteps import Grads, Losses, StepFunctions
 from .model import Llama, cross_entropy, load_weights, token_loss_sum, weights_of  # noqa: F401 (benchmarks, tests)
 from .opclasses import Workloads, workloads
@@ -66,7 +67,8 @@ class StepStrategy(Strategy[nn.Module, nn.Module, StepFunctions, Losses, Grads, 
 
 # Typed so that mypy (`make lint`) checks every class's constructor and members against StepStrategy.
 STRATEGIES: dict[str, StrategyClass[CommCounter, StepStrategy]] = {
-    "ddp": Replicated, "fsdp": Sharding, "tp": TensorParallel, "pp": Pipeline}
+    "ddp": Replicated, "fsdp": Sharding, "tp": TensorParallel, "pp": Pipeline,
+    "mesh": mesh_strategy}  # --mesh: the strategies of its axes, composed (mesh.py)
 
 
 def strategy_for(cfg: RunConfig, world: World, comm: CommCounter) -> StepStrategy:
@@ -83,6 +85,7 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, spec: ModelSpec, weights: TensorSource, world: World):
         self.rank, self.world_size, self.group = world.rank, world.size, world.group
+        self.data_group = world.data_group  # what all_sum over "data" sums over (a mesh's data axis)
         # Ranks that read different samples and average gradients: all of them, except under tp.
         self.dp_size = cfg.data_parallel_size
         self.device = "gpu" if mx.default_device() == mx.gpu else "cpu"
@@ -171,10 +174,11 @@ class Trainer:
         # float32 on the wire (not every backend reduces float64), yet exact: each rank sends its values
         # as float32 pairs (hi + lo = the float64 to 48 bits) in slots of its own, so the all-reduce
         # adds only zeros, and the host sums the ranks' pairs in float64.
+        group = self.data_group if over == "data" else self.group
         hi = values.astype(np.float32)
-        slots = np.zeros((self.world_size, 2, *values.shape), dtype=np.float32)
-        slots[self.rank] = hi, (values - hi).astype(np.float32)
-        summed = mx.distributed.all_sum(mx.array(slots), group=self.group, stream=self.stream)
+        slots = np.zeros((group.size(), 2, *values.shape), dtype=np.float32)
+        slots[group.rank()] = hi, (values - hi).astype(np.float32)
+        summed = mx.distributed.all_sum(mx.array(slots), group=group, stream=self.stream)
         return np.array(summed, dtype=np.float64).sum(axis=(0, 1))
 
     def export_state(self) -> tuple[StateStream, StateStream, StateStream]:

@@ -143,5 +143,15 @@ def collectives_of(group, stream, device: str, finish=lambda: None) -> Collectiv
         dist.all_reduce(mine)
         return mine.item()
 
+    def group_all_reduce(group_size: int):
+        """An all-reduce over this rank's group of `group_size` consecutive ranks (every rank makes every group)."""
+        sub, _ = dist.new_subgroups(group_size)
+
+        def all_reduce_in_group(x) -> None:
+            dist.all_reduce(x, group=sub)
+            wait()
+        return all_reduce_in_group
+
     return Collectives(rank=rank, size=dist.get_world_size(), device=str(where), buffer=buffer,
-                       all_reduce=all_reduce, from_rank0=from_rank0, finish=finish, all_gather=all_gather)
+                       all_reduce=all_reduce, from_rank0=from_rank0, finish=finish, all_gather=all_gather,
+                       group_all_reduce=group_all_reduce)

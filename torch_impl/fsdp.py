@@ -57,10 +57,11 @@ from .rank_state import as_float32, local_numpy
 
 
 
-def shard_model(model, device: torch.device, backend: str, *, release_heap: bool) -> None:
+def shard_model(model, device: torch.device, backend: str, *, release_heap: bool, mesh=None) -> None:
     """Shard every block, the embedding and the head (untied), then the root, in place: `model` becomes an
-    FSDPModule. release_heap: give glibc's freed heap back in the backward (below)."""
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    FSDPModule. release_heap: give glibc's freed heap back in the backward (below). `mesh`: the DeviceMesh to
+    shard over (a mesh's fsdp axis, torch_impl/mesh.py), else every rank."""
+    mesh = mesh if mesh is not None else init_device_mesh(device.type, (dist.get_world_size(),))
     for block in model.model.layers:
         fully_shard(block, mesh=mesh)
     if not model.spec.tie_embeddings:  # the vocabulary matrices one at a time (module docstring)
@@ -107,7 +108,9 @@ class Sharding(MicroSteps):
 
     def __init__(self, cfg: RunConfig, world: World, comm: CommCounter):
         self.device, self.comm = torch.device(world.device), comm
-        self.backend, self.rank, self.size = cfg.resolved_backend, dist.get_rank(), dist.get_world_size()
+        # its world: the job, or a mesh's fsdp axis (torch_impl/mesh.py)
+        self.backend, self.rank, self.size = cfg.resolved_backend, world.rank, world.size
+        self.group, self.mesh = world.group, world.device_mesh
         self.reduce_scatter = reduce_scatter_kind("torch", self.backend)
         # The host heap is what a CPU rank's tensors live in; on a GPU the trim would only cost time.
         # --tune-malloc keeps freed memory on purpose (common/train/heap.py).
@@ -115,7 +118,7 @@ class Sharding(MicroSteps):
 
     def wrap(self, model: Llama, source: TensorSource) -> Llama:
         """Shard the model while it is on the meta device, then allocate and load only this rank's shards."""
-        shard_model(model, self.device, self.backend, release_heap=self.release_heap)
+        shard_model(model, self.device, self.backend, release_heap=self.release_heap, mesh=self.mesh)
         load_local(model, self.device, source, self.local_index)
         self.model = model
         return model
@@ -139,7 +142,7 @@ class Sharding(MicroSteps):
         dtype = norm_dtype(self.device)
         local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
         squares = torch.stack([sum_of_squares(g, dtype) for g in local]).sum()
-        dist.all_reduce(squares)
+        dist.all_reduce(squares, group=self.group)
         return squares.sqrt()
 
     def export_state(self, weights: Mapping[str, torch.Tensor], exp_avg: Mapping[str, torch.Tensor],
@@ -152,7 +155,7 @@ class Sharding(MicroSteps):
         what this rank writes, under HF names; no collectives."""
         axes = {name: 0 if isinstance(p, DTensor) else None for name, p in weights.items()}
         # FSDP2 splits axis 0 as torch.chunk does: ceil(rows / N) per rank, the last ones shorter or empty.
-        size = dist.get_world_size()
+        size = self.size
         offsets = {name: min(self.rank * -(-shapes[name][0] // size), shapes[name][0])
                    for name, axis in axes.items() if axis == 0}
         return local_pieces(self.rank, (local_numpy(weights), local_numpy(exp_avg), local_numpy(exp_avg_sq)), axes,

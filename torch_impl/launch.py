@@ -33,8 +33,14 @@ def start_world(cfg) -> World:
                             device_id=torch.device(device) if device.startswith("cuda") else None)
     from .comm import collectives_of
 
-    return World(rank=rank, size=world_size, group=None, device=device,
-                 collectives=lambda: collectives_of(None, None, device))
+    world = World(rank=rank, size=world_size, group=None, device=device,
+                  collectives=lambda: collectives_of(None, None, device))
+    if cfg.mesh:  # a process group per mesh axis (torch_impl/mesh.py)
+        from common.parallel.mesh import Mesh
+
+        from .mesh import split_axes
+        world.axes = split_axes(world, Mesh.parse(cfg.mesh))
+    return world
 
 
 def pick_device(requested: str, local_rank: int, world_size: int) -> str:

@@ -65,8 +65,8 @@ class Pipeline(StageBookkeeping):
     loss_over = "world"              # the last stage holds the loss sum
 
     def __init__(self, cfg: RunConfig, world: World, comm: CommCounter):
-        super().__init__(cfg, dist.get_rank(), dist.get_world_size())
-        self.device, self.comm = torch.device(world.device), comm
+        super().__init__(cfg, world.rank, world.size)  # the job, or a mesh's pp axis (torch_impl/mesh.py)
+        self.device, self.comm, self.group = torch.device(world.device), comm, world.group
         self.phase: Phase = no_phase
         self.clock = BusyClock()     # the step's busy time, which the stage module and BackwardMark add to
         self.pipe: PipelineScheduleSingle | None = None  # built at the first step (it needs a micro-batch's shape)
@@ -144,7 +144,8 @@ class Pipeline(StageBookkeeping):
         micro = inputs.shape[0] // self.n_micro
         example = (inputs[:micro].contiguous() if self.first else
                    torch.zeros((micro, inputs.shape[1], self.dim), dtype=self.dtype, device=self.device))
-        self.stage_runner = PipelineStage(self.module, self.stage, self.n_stages, self.device, input_args=(example,))
+        self.stage_runner = PipelineStage(self.module, self.stage, self.n_stages, self.device, input_args=(example,),
+                                          group=self.group)
         return SCHEDULES[self.schedule](self.stage_runner, n_microbatches=self.n_micro,
                                         loss_fn=self._loss, scale_grads=False)  # on every stage: it turns the backward on
 
@@ -168,16 +169,16 @@ class Pipeline(StageBookkeeping):
                 x = inputs
             else:
                 x = torch.empty((inputs.shape[0], inputs.shape[1], self.dim), dtype=self.dtype, device=self.device)
-                dist.recv(x, self.stage - 1)
+                dist.recv(x, group=self.group, group_src=self.stage - 1)
             out = self.module.run(x)
             if self.last:
                 loss_sum += (cross_entropy(out.float(), targets).double() * mask.reshape(-1)).sum()
             else:
-                dist.send(out.contiguous(), self.stage + 1)
+                dist.send(out.contiguous(), group=self.group, group_dst=self.stage + 1)
         return loss_sum
 
     def _barrier(self):
-        dist.all_reduce(torch.zeros(1, device=self.device))
+        dist.all_reduce(torch.zeros(1, device=self.device), group=self.group)
 
     # ---- the rest of the Strategy protocol (local_index and figures: StageBookkeeping's) -------------------------
     @torch.no_grad()
@@ -188,7 +189,7 @@ class Pipeline(StageBookkeeping):
         uncounted = self._uncounted_grads()
         norms = [torch.linalg.vector_norm(g, dtype=dtype) for g in grads if id(g) not in uncounted]
         squares = torch.stack(norms).square().sum() if norms else torch.zeros((), dtype=dtype, device=self.device)
-        dist.all_reduce(squares)
+        dist.all_reduce(squares, group=self.group)
         return squares.sqrt()
 
     def export_state(self, weights: Mapping[str, torch.Tensor], exp_avg: Mapping[str, torch.Tensor],
@@ -212,7 +213,7 @@ class Pipeline(StageBookkeeping):
         """One tensor of export_state summed over the stages (StageBookkeeping.gather): zeros where not held."""
         mine = (value.detach().float().clone() if value is not None else
                 torch.zeros(shape, dtype=torch.float32, device=self.device))
-        dist.all_reduce(mine)
+        dist.all_reduce(mine, group=self.group)
         return as_float32(mine)
 
 

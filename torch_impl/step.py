@@ -38,6 +38,7 @@ from .ddp import Replicated
 from .fsdp import Sharding
 from .grads import clip_by_norm
 from .load import filled_like, read_local
+from .mesh import mesh_strategy
 from .microsteps import Grads, StepFunctions, wait_for
 from .model import Llama, cross_entropy, load_weights, token_loss_sum  # noqa: F401 (diagnose, tests)
 from .opclasses import Workloads, workloads
@@ -59,7 +60,8 @@ class StepStrategy(Strategy[Llama, nn.Module, StepFunctions, torch.Tensor, Grads
 
 # Typed so that mypy (`make lint`) checks every class's constructor and members against StepStrategy.
 STRATEGIES: dict[str, StrategyClass[CommCounter, StepStrategy]] = {
-    "ddp": Replicated, "fsdp": Sharding, "tp": TensorParallel, "pp": Pipeline}
+    "ddp": Replicated, "fsdp": Sharding, "tp": TensorParallel, "pp": Pipeline,
+    "mesh": mesh_strategy}  # --mesh: the strategies of its axes, composed (mesh.py)
 
 
 def strategy_for(cfg: RunConfig, world: World, comm: CommCounter) -> StepStrategy:
@@ -80,6 +82,7 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, spec: ModelSpec, weights: TensorSource, world: World):
         self.rank, self.world_size, self.group = world.rank, world.size, world.group
+        self.data_group = world.data_group  # what all_sum over "data" sums over (a mesh's data axis)
         # Ranks that read different samples and average gradients: all of them, except under tp.
         self.dp_size = cfg.data_parallel_size
         self.device = torch.device(world.device)
@@ -114,7 +117,8 @@ class Trainer:
             grad_norm = self._update(passes.grads, lr)
             wait_for(wait, self.device)
         if sync and (self.dp_size if self.strategy.loss_over == "data" else self.world_size) > 1:
-            dist.all_reduce(loss_sum)  # pp: the last stage holds the sum, the others add 0
+            # pp: the last stage holds the sum, the others add 0
+            dist.all_reduce(loss_sum, group=self.data_group if self.strategy.loss_over == "data" else None)
         loss = (loss_sum / global_tokens).item()  # .item() waits for the device: the step is done
         return loss, grad_norm.item()
 
@@ -145,7 +149,7 @@ class Trainer:
         if (self.dp_size if over == "data" else self.world_size) == 1:
             return np.asarray(values)
         tensor = torch.tensor(np.asarray(values, dtype=np.float64), device=self.device)
-        dist.all_reduce(tensor)
+        dist.all_reduce(tensor, group=self.data_group if over == "data" else None)
         return tensor.cpu().numpy()
 
     def export_state(self) -> tuple[StateStream, StateStream, StateStream]:

@@ -49,13 +49,21 @@ class TensorParallel(MicroSteps):
     keeps_grads = False
 
     def __init__(self, cfg: RunConfig, world: World, comm: CommCounter):
-        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+        # its world: the job, or a mesh's tp axis (torch_impl/mesh.py), whose DeviceMesh it shards over
+        self.rank, self.size, self.group = world.rank, world.size, world.group
         self.device, self.comm = torch.device(world.device), comm
-        self.mesh = init_device_mesh(self.device.type, (self.size,))
+        self.mesh = world.device_mesh if world.device_mesh is not None else init_device_mesh(self.device.type,
+                                                                                             (self.size,))
 
     def wrap(self, model: Llama, source: TensorSource) -> Llama:
         """Shard the model while it is on the meta device (the sharded weights become DTensors, under the same
         names), then allocate and load only this rank's blocks (torch_impl/load.py)."""
+        self._parallelize(model)
+        load_local(model, self.device, source, self.local_index)
+        return model
+
+    def _parallelize(self, model: Llama) -> None:
+        """The tp plan on the meta model: each block's weights become DTensors over the tp DeviceMesh."""
         for block in model.model.layers:
             parallelize_module(block, self.mesh, {
                 "self_attn": PrepareModuleInput(input_layouts=(Replicate(), None),
@@ -68,8 +76,6 @@ class TensorParallel(MicroSteps):
             })
             attn = cast(Attention, block.self_attn)
             attn.n_heads, attn.n_kv_heads = attn.n_heads // self.size, attn.n_kv_heads // self.size
-        load_local(model, self.device, source, self.local_index)
-        return model
 
     def local_index(self, name: str, shape: tuple[int, ...]) -> Index:
         return tp_index(name, shape, self.rank, self.size)
@@ -85,7 +91,7 @@ class TensorParallel(MicroSteps):
                 torch.zeros((), dtype=dtype)
 
         sharded = squares([g.to_local() for g in grads if isinstance(g, DTensor)])
-        dist.all_reduce(sharded)
+        dist.all_reduce(sharded, group=self.group)
         return (squares([g for g in grads if not isinstance(g, DTensor)]) + sharded).sqrt()
 
     def export_state(self, weights: Mapping[str, torch.Tensor], exp_avg: Mapping[str, torch.Tensor],

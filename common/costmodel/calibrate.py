@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from common.costmodel.links import Link, link_from_record, loopback_link
+from common.costmodel.axes import axis_times
+from common.costmodel.levels import Links, links_from_record
+from common.costmodel.links import loopback_link
 from common.costmodel.memory import memory_bytes
 from common.costmodel.workload import Workload, workload_of
 from common.errors import UserError
@@ -34,7 +36,7 @@ class Calibration:
     overlap: float | None           # measured (ddp at N > 1), or None
     overhead_bytes: float
     memory_basis: str
-    link: Link | None
+    link: Links | None
     source: str = ""
     notes: list = field(default_factory=list)
     sync_overhead_s: float = 0.0    # what a measured ddp sync costs beyond its collectives, per step
@@ -69,15 +71,14 @@ def calibrate(summary: dict, spec: ModelSpec, source: str = "") -> Calibration:
     # torch fsdp gives its freed heap back in every backward on Linux unless --tune-malloc (torch_impl/fsdp.py)
     releases_heap = (not on_gpu and str((summary.get("machine") or {}).get("platform", "Linux")).startswith("Linux")
                      and not (summary.get("config") or {}).get("tune_malloc"))
-    link = link_from_record(summary.get("link"), framework, backend)
+    link = links_from_record(summary.get("link"), framework, backend)
     exposed = float(bd.get("communication") or 0.0)
     if n > 1 and lay.collectives_inside_compute:
         # Their collectives (pp: its sends) run inside forward and backward, where the breakdown cannot tell them from
         # compute: the model's own estimate of all of them (not overlapped) is taken off the step instead.
-        used = link or loopback_link(backend)
-        colls = lay.collectives(w, reduce_scatter_traffic(framework, backend))
-        host = lay.host_s(w, colls, not on_gpu, releases_heap)
-        exposed = sum(c.seconds(used, n) for c in colls) + host
+        rs = reduce_scatter_traffic(framework, backend)
+        host = lay.host_s(w, lay.collectives(w, rs), not on_gpu, releases_heap)
+        exposed = sum(t.seconds for t in axis_times(lay, w, rs, link or loopback_link(backend))) + host
     compute = step_s - exposed
     if compute < 0.2 * step_s:  # the link estimate exceeds what was measured: keep a floor, and say so
         notes.append(f"modelled communication {exposed:.3g} s leaves under 20% of the measured step "
@@ -91,7 +92,7 @@ def calibrate(summary: dict, spec: ModelSpec, source: str = "") -> Calibration:
     if n > 1 and not lay.collectives_inside_compute:  # its sync timed apart: the breakdown's `communication`
         if link is None:
             notes.append(f"no link record: the overlap is measured against {loopback_link(backend).source}")
-        full = sum(c.seconds(link or loopback_link(backend), n) for c in lay.collectives(w))
+        full = sum(t.seconds for t in axis_times(lay, w, "native", link or loopback_link(backend)))
         overlap = min(1.0, max(0.0, 1.0 - exposed / full))
         # A sync that costs more than the collectives alone (torch on 2 busy cores: bucket copies, threads
         # waiting for a core, docs/benchmarks.md) is a fixed cost per step, not a share of the link's time.

@@ -120,6 +120,15 @@ def link_from_record(record: dict | None, framework: str = "", backend: str = ""
     return None
 
 
+def hop_bandwidth_Bps(allreduce: dict | None) -> float | None:
+    """The per-hop bandwidth (bytes/s each way) a measured all-reduce record ({"latency_s", "bandwidth_Bps",
+    "world_size"}) gives through the ring formula: the figure to set beside a link's shaped rate."""
+    if not allreduce or not allreduce.get("bandwidth_Bps"):
+        return None
+    return Link.from_allreduce("", allreduce.get("latency_s") or 0.0, allreduce["bandwidth_Bps"],
+                               allreduce.get("world_size") or 2).bandwidth_Bps
+
+
 def loopback_link(backend: str) -> Link:
     latency_s, bandwidth_Bps = LOOPBACK_ALLREDUCE.get(backend, LOOPBACK_ALLREDUCE["gloo"])
     return Link.from_allreduce(f"loopback ({backend}, assumed)", latency_s, bandwidth_Bps, 2,

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.costmodel.axes import axis_times, exposed_comm_s
 from common.costmodel.calibrate import Calibration
-from common.costmodel.links import Link
+from common.costmodel.levels import Links
 from common.costmodel.memory import memory_bytes
 from common.errors import UserError
 from common.parallel import layout
@@ -17,6 +18,7 @@ class Prediction:
     framework: str
     strategy: str
     world_size: int
+    mesh: str
     link: str
     compute_s: float
     comm_s: float
@@ -30,6 +32,7 @@ class Prediction:
     memory_bytes: dict               # per rank: params, grads, optimizer, activations, overhead, total
     fits: bool | None
     bottleneck: str
+    levels: dict                     # per axis: the link level its collectives cross ("inner", "outer", ...)
 
     def to_dict(self) -> dict:
         out = dict(vars(self))
@@ -37,11 +40,15 @@ class Prediction:
         return out
 
 
-def predict(cal: Calibration, strategy: str, n: int, link: Link | None, device_memory_bytes: float | None = None,
-            backend: str | None = None) -> Prediction:
-    """One step of `strategy` at `n` ranks over `link` (None at N=1), from a calibration. Raises UserError
-    when the strategy cannot split this model over n ranks (its object's `check`, common/parallel/)."""
-    lay = layout(strategy, n)
+def predict(cal: Calibration, strategy: str, n: int, link: Links | None, device_memory_bytes: float | None = None,
+            backend: str | None = None, mesh: str = "", cores_shared_by: float = 1.0) -> Prediction:
+    """One step of `strategy` at `n` ranks (strategy "mesh": the axes of `mesh`, "dp=2,tp=2") over `link` (one
+    Link, or a TwoLevelLink: common/costmodel/levels.py; None at N=1), from a calibration. Raises UserError when
+    the strategy cannot split this model over n ranks (its object's `check`, common/parallel/). `cores_shared_by`:
+    ranks per core's worth of threads where the ranks share one CPU (4 one-thread ranks on 2 cores: 2), which
+    stretches their busy compute that much (pp's bubble leaves the core to others: `busy_fraction`); 1 where each
+    rank has its own (a cluster, the plan's assumption 2)."""
+    lay = layout(strategy, n, mesh)
     lay.check(cal.workload.spec)
     w = cal.workload
     backend = backend or cal.backend
@@ -50,16 +57,24 @@ def predict(cal: Calibration, strategy: str, n: int, link: Link | None, device_m
     colls = lay.collectives(w, reduce_scatter_traffic(w.framework, backend))
     if colls and link is None:
         raise UserError(f"predicting {strategy} at N={n} needs a link (its latency and bandwidth)")
-    comm = sum(c.seconds(link, n) for c in colls) if link is not None else 0  # no link: no collectives
-    exposed = lay.exposed_comm_s(cal, colls, link, comm)
-    compute += lay.host_s(w, colls, cal.on_cpu, cal.releases_heap)
+    times = axis_times(lay, w, reduce_scatter_traffic(w.framework, backend), link) if link is not None else []
+    comm = sum(t.seconds for t in times)  # no link: no collectives
+    exposed = exposed_comm_s(lay, cal, times)
+    host = lay.host_s(w, colls, cal.on_cpu, cal.releases_heap)
+    compute += host
+    if cores_shared_by > 1:  # ranks take turns on the cores: their busy time, not their idle slots, is stretched
+        busy = ((cal.forward_s + cal.backward_s) * lay.busy_fraction(w) + cal.optimizer_s * lay.state_fraction(w)
+                + cal.other_s + host)
+        compute = max(compute, busy * cores_shared_by)
     step = compute + exposed
     one = (cal.forward_s + cal.backward_s + cal.optimizer_s + cal.other_s)  # ddp at N=1: the scaling baseline
     memory = memory_bytes(lay, w, cal.overhead_bytes)
     fits = None if device_memory_bytes is None else memory["total"] <= device_memory_bytes
-    pred = Prediction(w.framework, strategy, n, link.name if (link and colls) else "none", compute, comm, exposed,
+    pred = Prediction(w.framework, strategy, n, mesh, link.name if (link and colls) else "none", compute, comm, exposed,
                       step, w.tokens_per_step / step, one / (n * step), exposed / step,
-                      sum(c.wire_bytes(n) for c in colls), colls, memory, fits, "")
+                      sum(t.wire_bytes for t in times), colls, memory, fits, "",
+                      {t.axis.axis: t.link.level + (f" shared by {t.link.share}" if t.link.share > 1 else "")
+                       for t in times})
     pred.bottleneck = bottleneck(pred, device_memory_bytes)
     return pred
 

@@ -38,6 +38,9 @@ class Collectives:
     from_rank0: Callable[[float], float]    # rank 0's value, on every rank (a small all-reduce)
     finish: Callable[[], None] = lambda: None
     all_gather: Callable[[object], None] | None = None  # gathers every rank's buffer, returns when done
+    # An all-reduce over this rank's group of `group_size` consecutive ranks (every group at once), for the inner
+    # level of a two-level link; None where the backend cannot split its group (MLX's ring). Every rank calls it.
+    group_all_reduce: Callable[[int], Callable[[object], None] | None] | None = None
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -136,6 +139,22 @@ def probe_allreduce(c: Collectives, backend: str, op: str = "all_reduce") -> dic
     results = measure(c, list(PROBE_SIZES), max_calls=10, budget_bytes=12 * 2**20,
                       time_budget_s=PROBE_BUDGET_S, started=time.monotonic(), op=op)
     return {"backend": backend, "world_size": c.size, **fit(results)}
+
+
+def probe_group_allreduce(c: Collectives, backend: str, group_size: int) -> dict:
+    """The inner level of a two-level link: every group of `group_size` consecutive ranks all-reduces inside
+    itself at once (as an inner mesh axis does), timed as probe_allreduce times the whole job's, the ranks
+    started together by the whole job's barrier. `world_size` is the group's size, as the cost model inverts it;
+    `note` says why nothing was measured where the backend cannot split its group."""
+    split = c.group_all_reduce(group_size) if c.group_all_reduce is not None else None
+    if split is None:
+        return {"backend": backend, "world_size": group_size, "latency_s": None, "bandwidth_Bps": None,
+                "note": f"not measured: {backend} cannot split its group (the TCP probe's figures stand)"}
+    grouped = Collectives(c.rank, c.size, c.device, c.buffer, split, c.from_rank0)
+    try:
+        return {**probe_allreduce(grouped, backend), "world_size": group_size}
+    finally:
+        del grouped, split  # MLX: a sub-group is freed before MPI finalizes, or the process aborts at exit
 
 
 def rank_main(argv: list[str] | None, start: Callable[[argparse.Namespace], Collectives], framework: str) -> int:

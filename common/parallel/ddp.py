@@ -43,10 +43,7 @@ class DdpLayout(Layout):
         return total_parameters(spec) * DTYPE_BYTES[policy(dtype).reduce_dtype]
 
     def step_collectives(self, w: Workload, reduce_scatter: str) -> list[Collective]:
-        grad_bytes = self.gradient_bytes(w.spec, w.dtype)
-        bucket = w.bucket_bytes or DEFAULT_BUCKET_BYTES.get(w.framework, 25 * 2**20)
-        return [Collective("all_reduce", int(grad_bytes / math.ceil(grad_bytes / bucket)),
-                           math.ceil(grad_bytes / bucket), "gradients")]
+        return [gradient_all_reduce(self.gradient_bytes(w.spec, w.dtype), w)]
 
     def payload_bytes_per_step(self, spec: ModelSpec, micro_batch_size: int, seq_len: int, grad_accum: int,
                                dtype: str) -> int:
@@ -64,3 +61,11 @@ class DdpLayout(Layout):
     def exposed_comm_s(self, cal: Measured, colls: list[Collective], link: Link | None, comm_s: float) -> float:
         # A sync that costs more than the collectives alone (torch on 2 busy cores) is a fixed cost per step.
         return super().exposed_comm_s(cal, colls, link, comm_s) + (cal.sync_overhead_s if colls else 0.0)
+
+
+def gradient_all_reduce(grad_bytes: float, w: Workload) -> Collective:
+    """`grad_bytes` of gradients averaged in buckets (torch bucket_cap_mb, MLX all_reduce_size_mb): one call per
+    bucket, of the buckets' mean size."""
+    bucket = w.bucket_bytes or DEFAULT_BUCKET_BYTES.get(w.framework, 25 * 2**20)
+    calls = max(1, math.ceil(grad_bytes / bucket))
+    return Collective("all_reduce", int(grad_bytes / calls), calls, "gradients")

@@ -7,13 +7,15 @@ holds everything the framework-neutral code knows about the strategy, so nothing
     the run          check (refusals), check_batch, data_parallel (which slice of the batch a rank reads)
     the state        local_parameters (what a rank holds and updates), state_fraction
     the work         work_fraction (f_work: one rank's share of the global batch's FLOPs)
-    the traffic      collectives (per optimizer step), comm_bytes_per_step_estimate (summary.json)
+    the traffic      collectives (per optimizer step), axis_collectives (the same per mesh axis, with the size of
+                     its groups), comm_bytes_per_step_estimate (summary.json)
     the memory       activation_bytes, gathered_bytes, checkpoint_bytes, copies_gradients_for_reduce
     the time         exposed_comm_s (what the link adds to the step), host_s (host work beyond the link's)
 
 The cost model (common/costmodel/, docs/scaling.md) composes these into a step's time and memory. An object
-is built on a Mesh (common/parallel/mesh.py) and reads its own axis, named after it; every mesh has one axis
-today, so `ranks` is the world size.
+is built on a Mesh (common/parallel/mesh.py) and reads its own axis, named after it (ddp's is `dp`). A run of one
+strategy has a mesh of one axis, so its `ranks` is the world size; `--mesh` composes several objects over the
+axes of one Mesh (common/parallel/composed.py's MeshLayout), each reading its own axis and the mesh's data axis.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from common.errors import UserError
 from common.model.flops import attention_flops_per_token, flops_per_token, matmul_parameters
 from common.model.spec import ModelSpec
 from common.model.weights import parameter_shapes
-from common.parallel.mesh import Mesh
+from common.parallel.mesh import STRATEGY_AXIS, Mesh
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 MASTER_BYTES = 4          # master weights, gradients, AdamW state and the gradient reduction stay fp32
@@ -79,6 +81,15 @@ def layer_and_head_flops(w: Workload) -> tuple[float, float, float]:
 
 
 @dataclass(frozen=True)
+class AxisCollectives:
+    """The collectives a step runs on one mesh axis: each call runs within one group of `group_size` ranks
+    (common/parallel/mesh.py `groups`), every group of the axis at the same time."""
+    axis: str
+    group_size: int
+    collectives: list[Collective]
+
+
+@dataclass(frozen=True)
 class Layout(ABC):
     """One strategy over a mesh: its checks, its data slicing, and its cost terms (module docstring)."""
     mesh: Mesh
@@ -93,9 +104,14 @@ class Layout(ABC):
     collectives_inside_compute: ClassVar[bool] = True
 
     @property
+    def axis_name(self) -> str:
+        """Its axis in a mesh: the strategy's name, except ddp's, `dp` (common/parallel/mesh.py)."""
+        return STRATEGY_AXIS.get(self.name, self.name)
+
+    @property
     def ranks(self) -> int:
         """The ranks this strategy splits over: its axis of the mesh."""
-        return self.mesh.axis(self.name)
+        return self.mesh.axis(self.axis_name)
 
     # ---- the run ------------------------------------------------------------------------------------
     def check(self, spec: ModelSpec) -> None:
@@ -107,19 +123,34 @@ class Layout(ABC):
             raise UserError(f"--strategy {self.name} does not support biases (model.{field} = true, from the "
                             "checkpoint's config); use --strategy ddp")
 
+    @property
+    def writes_sharded_checkpoints(self) -> bool:
+        """Whether each rank's pieces lie along one axis of each tensor, as --checkpoint-format sharded's index
+        describes them (common/checkpoint/sharded.py)."""
+        return True
+
     def check_batch(self, global_batch: int, grad_accum: int, pp_microbatches: int) -> None:
         """Refuse a batch this strategy cannot cut (RunConfig's global batch, --grad-accum, --pp-microbatches)."""
 
     @property
+    def data_axis(self) -> str | None:
+        """The mesh axis whose ranks read different samples: the mesh's dp or fsdp axis; on a mesh without one,
+        this strategy's own unless its ranks all read the whole batch (tp, pp)."""
+        if self.mesh.data_axis or self.reads_whole_batch:
+            return self.mesh.data_axis
+        return self.axis_name
+
+    @property
     def dp_size(self) -> int:
         """Ranks that read different samples: 1 where every rank reads the whole batch."""
-        return 1 if self.reads_whole_batch else self.ranks
+        return self.mesh.axis(self.data_axis) if self.data_axis else 1
 
     def data_parallel(self, rank: int) -> tuple[int, int]:
-        """(data-parallel rank, data-parallel size): which slice of the global batch `rank` reads."""
-        if self.reads_whole_batch:
+        """(data-parallel rank, data-parallel size): which slice of the global batch `rank` reads: its
+        coordinate on the data axis (in a mesh, the tp and pp ranks of one replica read the same slice)."""
+        if not self.data_axis:
             return 0, 1
-        return self.mesh.coordinate(rank, self.name), self.ranks
+        return self.mesh.coordinate(rank, self.data_axis), self.dp_size
 
     # ---- the state and the work ---------------------------------------------------------------------
     @abstractmethod
@@ -135,7 +166,17 @@ class Layout(ABC):
         """f_work: one rank's share of the global batch's forward + backward FLOPs (common/model/flops.py).
         Assumption: time is proportional to FLOPs, so smaller matmuls are taken to run as fast per FLOP."""
 
+    def busy_fraction(self, w: Workload) -> float:
+        """The share of the global batch's FLOPs one rank computes, without the time it idles (pp's bubble): what
+        its compute asks of a core that other ranks share (common/costmodel/predict.py's cores_shared_by)."""
+        return self.work_fraction(w)
+
     # ---- the traffic --------------------------------------------------------------------------------
+    def axis_collectives(self, w: Workload, reduce_scatter: str = "native") -> list[AxisCollectives]:
+        """`collectives` per mesh axis, each with the size of the groups that run it (a mesh's tp all-reduces
+        run among tp ranks only), so the cost model can put each axis on its own link."""
+        return [AxisCollectives(self.axis_name, self.ranks, self.collectives(w, reduce_scatter))]
+
     def collectives(self, w: Workload, reduce_scatter: str = "native") -> list[Collective]:
         """The step's collectives, none on one rank. `reduce_scatter` says what a reduce-scatter moves
         (common/parallel/fsdp.py reduce_scatter_traffic): "native", or "all_sum_slice", an all-reduce's bytes."""
@@ -209,6 +250,11 @@ class Layout(ABC):
         overlap, else DEFAULT_OVERLAP) of the collectives' `comm_s` over `link`."""
         overlap = cal.overlap if cal.overlap is not None else DEFAULT_OVERLAP
         return (1.0 - overlap) * comm_s
+
+    def axis_exposed_comm_s(self, cal: Measured, axis: AxisCollectives, link: Link | None, comm_s: float) -> float:
+        """exposed_comm_s of one axis's collectives over the link that axis crosses (common/costmodel/levels.py):
+        a one-axis object's own rule; a mesh asks the object of that axis (common/parallel/composed.py)."""
+        return self.exposed_comm_s(cal, axis.collectives, link, comm_s)
 
     def host_s(self, w: Workload, colls: list[Collective], on_cpu: bool, releases_heap: bool) -> float:
         """Host work per step beyond the link's time, added to compute (fsdp on a CPU)."""

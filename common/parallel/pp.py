@@ -81,6 +81,10 @@ class PpLayout(Layout):
         m = w.pp_microbatches
         return slowest / total * (m + n - 1) / m
 
+    def busy_fraction(self, w: Workload) -> float:
+        """The slowest stage's share without the bubble: its idle slots leave the core to other ranks."""
+        return self.work_fraction(w) * w.pp_microbatches / (w.pp_microbatches + self.ranks - 1)
+
     def send_bytes(self, rows: float, seq_len: int, spec: ModelSpec, dtype: str) -> float:
         """One message across a boundary: the activations (rows, T, dim), or their gradient, in the compute dtype."""
         return rows * seq_len * spec.dim * DTYPE_BYTES[policy(dtype).compute_dtype]

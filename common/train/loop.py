@@ -27,7 +27,7 @@ from common.checkpoint.store import (STATE_KINDS, HFCheckpointWriter, commit_che
                          resume_fingerprints, write_state_json)
 from common.config import RunConfig
 from common.errors import UserError
-from common.costmodel.probe import probe_allreduce
+from common.costmodel.probe import probe_allreduce, probe_group_allreduce
 from common.model.hfconfig import to_hf_config
 from common.metrics import MetricsWriter, RankStatus, peak_rss_bytes, rss_bytes, truncate_metrics
 from common.runplan import RunPlan
@@ -37,7 +37,6 @@ from common.train.lr_schedule import lr_for
 from common.data.sequences import SequenceView
 from common.checkpoint.sharded import save_sharded
 from common.model.spec import ModelSpec
-from common.parallel import layout
 from common.train.supervisor import stop_reason, watch_supervisor
 from common.data.tokencache import TokenCache
 from common.checkpoint.tensorsource import SafetensorsSource, check_source
@@ -146,7 +145,7 @@ def setup_run(run_dir: Path, world: World, trainer_cls: TrainerClass) -> Run:
     """Read the plan and the data, build the Trainer from the seed checkpoint (or the one resumed)."""
     plan = RunPlan.read(run_dir)
     cfg, spec, rank = plan.config, plan.spec, world.rank
-    strategy_layout = layout(cfg.strategy, world.size)
+    strategy_layout = cfg.layout
     dp_rank, dp_size = strategy_layout.data_parallel(rank)
     global _live_status
     status = _live_status = RankStatus(run_dir, rank)
@@ -172,6 +171,9 @@ def setup_run(run_dir: Path, world: World, trainer_cls: TrainerClass) -> Run:
         status.update(force=True, allreduce=probe_allreduce(collectives, cfg.resolved_backend))
         if strategy_layout.measures_all_gather and collectives.all_gather is not None:
             status.update(force=True, allgather=probe_allreduce(collectives, cfg.resolved_backend, op="all_gather"))
+        if cfg.group_size and cfg.link_inner:  # two levels: the link inside each group too (docs/links.md)
+            status.update(force=True, allreduce_inner=probe_group_allreduce(collectives, cfg.resolved_backend,
+                                                                            cfg.group_size))
     status.update(force=True, status="running", device=str(trainer.device), start_step=start_step)
     return Run(run_dir, cfg, spec, trainer, status, metrics, train_view, valid_view, sampler, fingerprints,
                dp_rank, dp_size, start_step, fault=injected_fault(trainer.framework),
@@ -282,7 +284,7 @@ def final_figures(run: Run, median: float, world_size: int) -> dict:
         time_to_first_step_s=(run.first_step_end - run.launch_time) if run.first_step_end else None,
         steps_run=len(step_times), peak_rss_before_save_bytes=run.peak_rss_before_save_bytes,
         comm_bytes_per_step=trainer.comm_bytes_per_step() if step_times else None,
-        comm_bytes_per_step_estimate=layout(cfg.strategy, world_size).comm_bytes_per_step_estimate(
+        comm_bytes_per_step_estimate=cfg.layout.comm_bytes_per_step_estimate(
             run.spec, cfg.micro_batch_size, cfg.seq_len, cfg.grad_accum, cfg.dtype),
         **trainer.strategy.figures(),  # pp: the bubble, measured and analytic
     )

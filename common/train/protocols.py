@@ -21,7 +21,7 @@ fails on a strategy class whose constructor or members do not match. The type pa
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Generic, Iterator, Mapping, Protocol, Sequence, TypeVar
 
 import numpy as np
@@ -30,6 +30,7 @@ from common.checkpoint.sharded import LocalState
 from common.checkpoint.tensorsource import Index, TensorSource
 from common.config import RunConfig
 from common.model.spec import ModelSpec
+from common.parallel.mesh import DATA_AXES
 
 if TYPE_CHECKING:
     from common.costmodel.probe import Collectives
@@ -47,13 +48,24 @@ def no_phase(name: str) -> AbstractContextManager[object]:
 
 @dataclass
 class World:
-    """Who this process is in the job. `group` is the framework's communicator (MLX) or None (torch);
+    """Who this process is in the job. `group` is the framework's communicator (MLX), or torch's process group (None:
+    the default one);
     `device` names where the rank computes ("cpu", "gpu", "cuda:0")."""
     rank: int = 0
     size: int = 1
     group: Any = None  # mx.distributed.Group: common/ cannot name the framework's type
     device: str = "cpu"
     collectives: Callable[[], Collectives] | None = None  # for the probe of the job's all-reduce (costmodel/probe.py)
+    # --mesh (common/parallel/mesh.py): the world of each axis, this rank's group on it (launch.py's start_world)
+    axes: dict[str, World] = field(default_factory=dict)
+    device_mesh: Any = None  # torch: the DeviceMesh over these ranks, named by mesh axis (None: one axis, built by tp)
+
+    @property
+    def data_group(self) -> Any:
+        """The group the ranks that read different samples sum over (Trainer.all_sum over "data"): the data
+        axis's of a mesh, else the whole group."""
+        data = next((self.axes[a] for a in DATA_AXES if a in self.axes), None)
+        return self.group if data is None else data.group
 
 
 ModelT = TypeVar("ModelT", contravariant=True)

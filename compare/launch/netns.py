@@ -1,15 +1,14 @@
-"""Emulated links (`--link RATE`): every local rank in a network namespace of its own, the namespaces joined
-by veth pairs shaped to RATE in each direction, so two ranks on one machine talk as two machines would.
-
-    N = 2   rank0 [veth] ---- [veth] rank1                  one pair, shaped at both ends
-    N > 2   rank_r [veth] ---- [veth] bridge (hub namespace)  a pair per rank, shaped at both ends
+"""Emulated links (`--link RATE`, and two levels with `--link-inner RATE --group-size G`): every local rank in a
+network namespace of its own, the namespaces joined by veth pairs and bridges shaped to the rates in each
+direction, so ranks on one machine talk as machines of a cluster would. The pieces and the commands that make
+them: compare/launch/topology.py.
 
 The kernel's token bucket (tc tbf) shapes bandwidth. This kernel has no netem, so delay cannot be added:
 the path's own latency is measured (compare/launch/linkprobe.py) and recorded beside the rate.
 
 Needs Linux, root and iproute2's `ip` and `tc`; `check_can_emulate` says what is missing in one line
 before anything starts. `EmulatedLink` is a context manager: the namespaces go (and with them every veth
-end and the bridge) however the job ends, a normal end, a failed rank or a stop signal to dpcompare, since
+end and the bridges) however the job ends, a normal end, a failed rank or a stop signal to dpcompare, since
 the runner stops the job inside the `with`. Ranks enter their namespace through `ip netns exec`.
 
 A dpcompare killed outright (SIGKILL, a power cut of the VM) runs no cleanup, so every name carries its
@@ -32,13 +31,13 @@ from common.errors import UserError
 from common.costmodel.rates import NO_DELAY_NOTE, describe_rate, parse_rate
 
 from ..machine.environment import child_env
+from .topology import Topology
 
 _links = itertools.count()
-TBF_LATENCY = "100ms"  # how long a packet may queue in the bucket before it is dropped
-BUCKET_MIN_BYTES = 64 * 1024  # the token bucket's floor: one TSO segment (see _shape)
 TAG_PREFIX = "dpc"
-# dpc<owner pid, base 36>x<link number>, then r<rank> (a rank's namespace) or h (the hub's)
-NAMESPACE = re.compile(rf"^{TAG_PREFIX}([0-9a-z]+)x\d+(?:r\d+|h)$")
+# dpc<owner pid, base 36>x<link number>, then r<rank> (a rank's namespace), h (the hub's or router's) or
+# g<group> (a group's bridge, two levels)
+NAMESPACE = re.compile(rf"^{TAG_PREFIX}([0-9a-z]+)x\d+(?:r\d+|h|g\d+)$")
 
 
 def _base36(n: int) -> str:
@@ -96,9 +95,12 @@ def _run(*argv: str) -> None:
 @dataclass
 class EmulatedLink:
     """The namespaces and shaped veth pairs of one job: rank r runs in `namespaces[r]` at `addresses[r]`,
-    reaching the others through its interface `interfaces[r]`."""
+    reaching the others through its interface `interfaces[r]`. With `inner_rate` and `group_size`, two
+    levels: groups of `group_size` consecutive ranks at `inner_rate`, the groups joined at `rate`."""
     rate: str
     ranks: int
+    inner_rate: str = ""
+    group_size: int = 0
     namespaces: list[str] = field(default_factory=list)
     addresses: list[str] = field(default_factory=list)
     interfaces: list[str] = field(default_factory=list)
@@ -113,14 +115,18 @@ class EmulatedLink:
         # Names are fixed now (the launcher's command names them), the namespaces made on entering.
         n = next(_links)
         self.tag = f"{TAG_PREFIX}{_base36(os.getpid())}x{n}"
-        self.namespaces = [f"{self.tag}r{r}" for r in range(self.ranks)]
-        self.interfaces = [f"{self.tag}v{r}" for r in range(self.ranks)]
+        self.topology = Topology(self.tag, self.ranks, self.rate, self.inner_rate, self.group_size)
+        self.namespaces, self.interfaces = self.topology.namespaces, self.topology.interfaces
+        self.hub = self.topology.hub
         self.addresses = [f"10.232.{(os.getpid() + n) % 250 + 1}.{r + 1}" for r in range(self.ranks)]
 
     def __enter__(self) -> "EmulatedLink":
         sweep_orphans()
         try:
-            self._build(self.tag)
+            for argv in self.topology.commands(self.addresses):
+                _run(*argv)
+                if argv[:3] == ["ip", "netns", "add"]:
+                    self.created.append(argv[3])
         except BaseException:
             self.remove()
             raise
@@ -128,48 +134,6 @@ class EmulatedLink:
 
     def __exit__(self, *exc) -> None:
         self.remove()
-
-    def _add_namespace(self, name: str) -> None:
-        _run("ip", "netns", "add", name)
-        self.created.append(name)
-        _run("ip", "-n", name, "link", "set", "lo", "up")
-
-    def _shape(self, namespace: str, interface: str) -> None:
-        rate_Bps = self.rate_bps / 8
-        # The bucket must hold a whole segment burst (64 KB with TSO) and a few ms at the rate, and no
-        # more: what it holds crosses at once after the link idles, which a real link never does. With
-        # 256 KB, a 20 Mbit/s link carried a 1.25 MB TCP probe at 1.18x its rate, and a rank that paused
-        # between steps got a 632 KB all-reduce up to 100 ms early (CI: a step 17 % under the link's
-        # time). With 64 KB the probe measures 1.00x; 16 KB lost rate (0.96x) and made steps erratic.
-        burst = max(BUCKET_MIN_BYTES, int(rate_Bps * 0.004))
-        _run("ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", interface, "root", "tbf",
-             "rate", f"{int(self.rate_bps)}bit", "burst", str(burst), "latency", TBF_LATENCY)
-
-    def _build(self, tag: str) -> None:
-        for name in self.namespaces:
-            self._add_namespace(name)
-        if self.ranks == 2:
-            ends = list(zip(self.namespaces, self.interfaces))
-            _run("ip", "link", "add", ends[0][1], "netns", ends[0][0], "type", "veth",
-                 "peer", "name", ends[1][1], "netns", ends[1][0])
-        else:  # a bridge in a hub namespace, one shaped pair per rank
-            self.hub = f"{tag}h"
-            self._add_namespace(self.hub)
-            _run("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
-            _run("ip", "-n", self.hub, "link", "set", "br0", "up")
-            ends = []
-            for r, (name, interface) in enumerate(zip(self.namespaces, self.interfaces)):
-                port = f"{tag}p{r}"
-                _run("ip", "link", "add", interface, "netns", name, "type", "veth", "peer", "name", port,
-                     "netns", self.hub)
-                _run("ip", "-n", self.hub, "link", "set", port, "master", "br0")
-                _run("ip", "-n", self.hub, "link", "set", port, "up")
-                ends += [(name, interface), (self.hub, port)]
-        for name, interface, address in zip(self.namespaces, self.interfaces, self.addresses):
-            _run("ip", "-n", name, "addr", "add", f"{address}/24", "dev", interface)
-            _run("ip", "-n", name, "link", "set", interface, "up")
-        for name, interface in ends:  # egress of each end: both directions of every path are shaped
-            self._shape(name, interface)
 
     def remove(self) -> None:
         """Delete every namespace this link made (their veth ends and the bridge go with them), first
@@ -190,17 +154,30 @@ class EmulatedLink:
         return ["--netns", ",".join(self.namespaces), "--addresses", ",".join(self.addresses),
                 "--interfaces", ",".join(self.interfaces)]
 
+    @property
+    def outer_peer(self) -> int:
+        """The rank whose path from rank 0 crosses the slow link: the first of the second group (two levels)."""
+        return self.group_size if self.topology.two_level else 1
+
     def measure(self) -> dict:
-        """TCP bandwidth and latency between rank 0's and rank 1's namespaces (compare/launch/linkprobe.py)."""
+        """TCP bandwidth and latency from rank 0's namespace to the outer peer's (compare/launch/linkprobe.py);
+        with two levels, also to rank 1's, inside rank 0's group, as `inner`."""
+        measured = self.measure_pair(self.outer_peer, self.rate_bps)
+        if self.topology.two_level:
+            measured["inner"] = self.measure_pair(1, parse_rate(self.inner_rate))
+        return measured
+
+    def measure_pair(self, peer: int, rate_bps: float) -> dict:
+        """TCP bandwidth and latency between rank 0's and rank `peer`'s namespaces."""
         port = "45123"
-        server = subprocess.Popen(["ip", "netns", "exec", self.namespaces[1], sys.executable, "-m",
-                                   "compare.launch.linkprobe", "serve", self.addresses[1], port],
+        server = subprocess.Popen(["ip", "netns", "exec", self.namespaces[peer], sys.executable, "-m",
+                                   "compare.launch.linkprobe", "serve", self.addresses[peer], port],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                   env=child_env())
         try:
-            probe_bytes = int(min(32 * 2**20, max(2**20, self.rate_bps / 8 * 0.5)))
+            probe_bytes = int(min(32 * 2**20, max(2**20, rate_bps / 8 * 0.5)))
             done = subprocess.run(["ip", "netns", "exec", self.namespaces[0], sys.executable, "-m",
-                                   "compare.launch.linkprobe", "probe", self.addresses[1], port, str(probe_bytes)],
+                                   "compare.launch.linkprobe", "probe", self.addresses[peer], port, str(probe_bytes)],
                                   capture_output=True, text=True, timeout=60, env=child_env())
             measured = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else {}
         except (subprocess.TimeoutExpired, ValueError, IndexError):
@@ -211,12 +188,27 @@ class EmulatedLink:
         return measured
 
     def record(self, measured: dict) -> dict:
-        """summary.json's `link` (the runner adds the ranks' own all-reduce figures)."""
-        return {"requested": self.rate, "rate_bps": self.rate_bps, "emulated": True,
-                "tcp_bandwidth_Bps": measured.get("bandwidth_Bps"), "tcp_latency_s": measured.get("latency_s"),
-                "allreduce": None, "namespaces": list(self.namespaces) + ([self.hub] if self.hub else []),
-                "note": f"{self.ranks} ranks in network namespaces joined by veth pairs"
-                        f"{' and a bridge' if self.hub else ''} at {describe_rate(self.rate_bps)}; {NO_DELAY_NOTE}"}
+        """summary.json's `link` (the runner adds the ranks' own all-reduce figures). With two levels the
+        top-level figures are the slow link's, between groups (what the whole job's all-reduce crosses), and
+        `inner` holds the fast link's, inside a group."""
+        top = self.topology
+        out = {"requested": self.rate, "rate_bps": self.rate_bps, "emulated": True,
+               "tcp_bandwidth_Bps": measured.get("bandwidth_Bps"), "tcp_latency_s": measured.get("latency_s"),
+               "allreduce": None, "namespaces": top.all_namespaces}
+        if not top.two_level:
+            out["note"] = (f"{self.ranks} ranks in network namespaces joined by veth pairs"
+                           f"{' and a bridge' if self.hub else ''} at {describe_rate(self.rate_bps)}; {NO_DELAY_NOTE}")
+            return out
+        inner_bps, inner = parse_rate(self.inner_rate), measured.get("inner") or {}
+        out["group_size"] = self.group_size
+        out["inner"] = {"requested": self.inner_rate, "rate_bps": inner_bps,
+                        "tcp_bandwidth_Bps": inner.get("bandwidth_Bps"), "tcp_latency_s": inner.get("latency_s"),
+                        "allreduce": None}
+        out["note"] = (f"{self.ranks} ranks in {top.groups} groups of {self.group_size} (one machine each): "
+                       f"{describe_rate(inner_bps)} inside a group (a bridge per group), "
+                       f"{describe_rate(self.rate_bps)} between groups (one uplink per group to a router's "
+                       f"bridge, shared by the group's ranks); {NO_DELAY_NOTE}")
+        return out
 
 
 def loopback_record() -> dict:

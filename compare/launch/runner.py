@@ -21,6 +21,7 @@ from common.train import supervisor
 from common.config import RunConfig
 from common.errors import UserError
 from common.metrics import read_metrics, throughput_stats, write_json
+from common.parallel import describe_mesh
 from common.parallel.pipeline import split_idle
 from common.runplan import PLAN_FILE, RunPlan
 from common.model.precision import describe as describe_precision
@@ -129,7 +130,8 @@ def launch(cfg: RunConfig, inputs: Inputs, run_dir: Path) -> dict:
     check_available(cfg)
     check_resumable(cfg, inputs, run_dir)
     tracking.check_installed(cfg.report_to)
-    link = EmulatedLink(cfg.link, cfg.nproc) if cfg.link and cfg.world_size > 1 else None
+    link = EmulatedLink(cfg.link, cfg.nproc, cfg.link_inner, cfg.group_size) if cfg.link and cfg.world_size > 1 \
+        else None
     if link:
         check_can_emulate(cfg.link)
     argv, extra_env, blas = build_command(cfg, run_dir, link=link)
@@ -149,6 +151,8 @@ def launch(cfg: RunConfig, inputs: Inputs, run_dir: Path) -> dict:
     with open(run_dir / "log.txt", "a") as log:
         shown = {k: v for k, v in extra_env.items() if k.startswith(("MLX_RANK", "MLX_HOSTFILE", "GLOO_"))}
         log.write(f"$ {shlex.join([f'{k}={v}' for k, v in shown.items()] + argv)}\n")
+        if cfg.mesh:  # which ranks talk on which axis: where the fast links matter (docs/strategies.md)
+            log.write(f"mesh {cfg.mesh}, the ranks of each group: " + "; ".join(describe_mesh(cfg.mesh)) + "\n")
         log.flush()
         interrupted = proc = None
         link_record = loopback_record() if cfg.world_size > 1 and cfg.nnodes == 1 and not cfg.hostfile else None
@@ -159,7 +163,9 @@ def launch(cfg: RunConfig, inputs: Inputs, run_dir: Path) -> dict:
                     link_record = link.record(link.measure())
                     log.write(f"link: {link_record['note']}; TCP measured "
                               f"{(link_record['tcp_bandwidth_Bps'] or 0) * 8e-6:.0f} Mbit/s, "
-                              f"{(link_record['tcp_latency_s'] or 0) * 1e6:.0f} us one way\n")
+                              f"{(link_record['tcp_latency_s'] or 0) * 1e6:.0f} us one way"
+                              + (f"; inside a group {(link_record['inner']['tcp_bandwidth_Bps'] or 0) * 8e-6:.0f}"
+                                 " Mbit/s" if "inner" in link_record else "") + "\n")
                     log.flush()
                 # A session of its own: the whole job can be signalled at once, and nothing outlives it.
                 proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -248,6 +254,8 @@ def summarize(cfg: RunConfig, run_dir: Path, argv: list[str], blas: str, wall_s:
                                 "weights_sha256": weights_digest(Path(cfg.init_from), cfg.cache_path)}
     if link is not None:  # the path the ranks talked over, and their own all-reduce on it (common/costmodel/probe.py)
         summary["link"] = {**link, "allreduce": rank0.get("allreduce")}
+        if "inner" in link:  # two levels: the ranks' all-reduce inside their groups (None where they cannot split)
+            summary["link"]["inner"] = {**link["inner"], "allreduce": rank0.get("allreduce_inner")}
         if rank0.get("allgather"):  # fsdp's own all-gather (common/parallel/fsdp.py measures_all_gather)
             summary["link"]["allgather"] = rank0["allgather"]
     if "pp_bubble_analytic" in rank0:  # pp (common/parallel/pipeline.py): each stage's idle fraction and what it held

@@ -7,6 +7,11 @@ from __future__ import annotations
 SHORT_DTYPES = {"float32": None, "bfloat16": "bf16"}
 
 
+def strategy_name(strategy: str, mesh: str = "") -> str:
+    """A run's strategy as labels show it: a mesh by its axes ("dp=2,tp=2" -> "dp2xtp2"), else its name."""
+    return mesh.replace("=", "").replace(",", "x") if mesh else strategy
+
+
 def run_parts(framework: str, strategy: str = "ddp", dtype: str = "float32") -> list[str]:
     parts = [framework]
     if strategy and strategy != "ddp":

@@ -28,7 +28,7 @@ import numpy as np
 from common.metrics import read_json, read_metrics
 from common.model.precision import DEFAULT_TOLERANCES
 
-from .labels import run_label
+from .labels import run_label, strategy_name
 
 
 BF16 = DEFAULT_TOLERANCES["bfloat16"]
@@ -72,7 +72,7 @@ PAIR_KINDS = ("cross_framework", "dp_invariance", "strategy", "precision")
 # Config keys that may differ between runs that are still compared: how and where a run executes,
 # never what it computes. (grad_accum splits the same global batch differently, like nproc does.)
 RUN_ONLY_KEYS = frozenset({
-    "framework", "strategy", "nproc", "nnodes", "node_rank", "rdzv_endpoint", "hostfile", "backend", "device",
+    "framework", "strategy", "mesh", "nproc", "nnodes", "node_rank", "rdzv_endpoint", "hostfile", "backend", "device",
     "threads_per_rank", "mlx_blas", "mlx_cpu_jit", "all_reduce_size_mb", "bucket_cap_mb", "torch_compile", "grad_accum",
     "collective_timeout_s", "timing_warmup_steps", "eval_every", "checkpoint_every", "out", "resume",
     "overwrite", "quiet", "cache_dir", "trace", "profile_steps", "op_profile", "tune_malloc", "link", "launcher",
@@ -99,7 +99,9 @@ class RunData:
 
     @property
     def strategy(self) -> str:
-        return self.summary.get("strategy") or self.config.get("strategy", "ddp")
+        # a mesh by its axes (labels.py): dp2xtp2 and fsdp2xtp2 are different strategies
+        return strategy_name(self.summary.get("strategy") or self.config.get("strategy", "ddp"),
+                             self.config.get("mesh", ""))
 
     @property
     def dtype(self) -> str:
@@ -296,8 +298,9 @@ def find_pairs(runs: list[RunData], kind: str) -> list[tuple[RunData, RunData]]:
         elif kind == "strategy" and a.strategy == "fsdp":
             ref = first(framework=a.framework, strategy="ddp", dtype=a.dtype, world_size=a.world_size)
             found += [(a, ref)] if ref else []
-        elif kind == "strategy" and a.strategy in ("tp", "pp"):
-            # A tp or pp job is one model replica: it must compute what one ddp rank computes.
+        elif kind == "strategy" and a.strategy not in ("ddp", "fsdp"):
+            # A tp or pp job is one model replica, and any mesh computes the global batch: it must compute what
+            # one ddp rank computes.
             ref = (first(framework=a.framework, strategy="ddp", dtype=a.dtype, world_size=1) or
                    first(framework=a.framework, strategy="ddp", dtype=a.dtype, world_size=a.world_size))
             found += [(a, ref)] if ref else []

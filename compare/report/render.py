@@ -4,6 +4,8 @@ of `dpcompare compare`.
 """
 from __future__ import annotations
 
+from common.costmodel.links import hop_bandwidth_Bps
+
 from .findings import BREAKDOWN_PHASES, MB
 from .opclass_table import opclass_blocks
 from .parity import all_pairs
@@ -329,13 +331,24 @@ def precision_blocks(rows: list[dict]) -> list[tuple]:
 
 
 def link_line(r: dict) -> str:
-    """An emulated link as the run measured it (docs/links.md)."""
-    link, allreduce = r["link"], r["link"].get("allreduce") or {}
-    measured = [f"TCP {link['tcp_bandwidth_Bps'] * 8e-6:,.0f} Mbit/s" if link.get("tcp_bandwidth_Bps") else None,
-                f"{link['tcp_latency_s'] * 1e6:,.0f} µs one way" if link.get("tcp_latency_s") else None,
-                f"its all-reduce {allreduce['bandwidth_Bps'] / 1e6:,.1f} MB/s" if allreduce.get("bandwidth_Bps")
-                else None]
-    return f"{r['label']}: {link['note']}; measured {', '.join(m for m in measured if m) or 'nothing'}"
+    """An emulated link as the run measured it (docs/links.md): with two levels, between groups, then inside one."""
+    link = r["link"]
+    line = f"{r['label']}: {link['note']}; measured {level_figures(link)}"
+    if link.get("inner"):
+        line += f"; inside a group {level_figures(link['inner'])}"
+    return line
+
+
+def level_figures(level: dict) -> str:
+    """One level's TCP figures and the ranks' own all-reduce, with the per-hop rate the ring formula gives it
+    (common/costmodel/links.py), which is what compares with the shaped rate at any number of ranks."""
+    allreduce = level.get("allreduce") or {}
+    hop = hop_bandwidth_Bps(allreduce)
+    measured = [f"TCP {level['tcp_bandwidth_Bps'] * 8e-6:,.0f} Mbit/s" if level.get("tcp_bandwidth_Bps") else None,
+                f"{level['tcp_latency_s'] * 1e6:,.0f} µs one way" if level.get("tcp_latency_s") else None,
+                f"its all-reduce {allreduce['bandwidth_Bps'] / 1e6:,.1f} MB/s over {allreduce.get('world_size')} ranks"
+                f" ({hop * 8e-6:,.0f} Mbit/s per hop)" if hop else None]
+    return ", ".join(m for m in measured if m) or "nothing"
 
 
 def _idle_split(idle: dict | None) -> str:

@@ -92,7 +92,8 @@ NAME_ONLY = {
                 "DTensor's shard and places AdamW's moments as the parameters are"),
 }
 # Public class members that only one framework has, per "file:class" ("file:*": every class of the file).
-STRATEGIES = ("ddp.py:Replicated", "fsdp.py:Sharding", "tp.py:TensorParallel", "pp.py:Pipeline", "step.py:StepStrategy")
+STRATEGIES = ("ddp.py:Replicated", "fsdp.py:Sharding", "tp.py:TensorParallel", "pp.py:Pipeline", "step.py:StepStrategy",
+              "mesh.py:DataParallelOver", "mesh.py:ShardedTensorParallel")
 MEMBER_ONLY = [
     (STRATEGIES, {"reduce_gradients", "keeps_grads"}, "where the gradients are reduced: MLX after the backward "
      "(reduce_gradients), torch inside it, where DDP's bucket views must stay allocated (common/train/protocols.py)"),

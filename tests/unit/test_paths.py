@@ -34,6 +34,7 @@ PATH_ARGS = [
     ("report", ["runs-a", "--save-baseline"], "save_baseline", "new"),
     ("export", [], "run_dir", "dir"), ("export", ["runs-a", "--out"], "out", "new"),
     ("plan", ["--from"], "from_run", "dir"), ("plan", ["--from", "runs-a", "--fabric"], "fabric", "file"),
+    ("plan", ["--from", "runs-a", "--fabric-inner"], "fabric_inner", "file"),
     ("plan", ["--from", "runs-a", "--out"], "out", "new"),
     ("doctor", ["--hostfile"], "hostfile", "file"), ("doctor", ["--out"], "out", "new"),
 ]

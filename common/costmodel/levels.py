@@ -1,0 +1,93 @@
+"""Which link each mesh axis's collectives cross: one link for every rank, or two levels, a fast one inside each
+machine of `group_size` consecutive ranks and a slow one between machines (compare/launch/topology.py emulates
+it; `dpcompare plan --link-gbps-inner`, `--fabric-inner` give it by hand or measured).
+
+An axis whose every group (the ranks that talk on it: common/parallel/mesh.py) lies inside one machine uses the
+inner link. One that crosses machines uses the outer link, whose bandwidth is shared: a machine's network card
+carries, at once, the traffic of every group of the axis that has a rank on it (dp=2 x tp=2 on two machines of two:
+both dp groups cross at the same time, each at half the card's rate). The ring's slowest hop sets its pace, so the
+whole collective runs at that shared rate; the latency per hop is the outer link's.
+
+The rank layout is the mesh's (tp innermost, pp outermost), so tp lands inside a machine wherever it fits and pp
+across machines: the level an axis gets follows from where its ranks are, never from its name.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from common.costmodel.links import Link, link_from_record
+from common.errors import UserError
+from common.parallel.mesh import Mesh
+
+
+@dataclass(frozen=True)
+class TwoLevelLink:
+    """A fast link inside each machine of `group_size` consecutive ranks, a slow one between machines."""
+    inner: Link
+    outer: Link
+    group_size: int
+
+    def __post_init__(self):
+        if self.group_size < 1:
+            raise UserError(f"a two-level link needs 1 or more ranks per machine, got {self.group_size}")
+
+    @property
+    def name(self) -> str:
+        return f"{self.inner.name} inside groups of {self.group_size}, {self.outer.name} between them"
+
+    @property
+    def source(self) -> str:
+        return f"inside: {self.inner.source}; between: {self.outer.source}"
+
+
+Links = Link | TwoLevelLink
+
+
+@dataclass(frozen=True)
+class AxisLink:
+    """The link one axis's collectives run over, as they see it: `level` says which ("inner", "outer" or "one
+    link"), `share` how many of the axis's groups share a machine's card (the link's bandwidth is divided by it)."""
+    axis: str
+    link: Link
+    level: str
+    share: int = 1
+
+
+def axis_link(links: Links, mesh: Mesh, axis: str) -> AxisLink:
+    """The link `axis`'s collectives cross on `links` (the module docstring)."""
+    if isinstance(links, Link):
+        return AxisLink(axis, links, "one link")
+    per_machine = links.group_size
+    axis_groups = mesh.groups(axis)
+    if all(len({rank // per_machine for rank in g}) == 1 for g in axis_groups):
+        return AxisLink(axis, links.inner, "inner")
+    machines = -(-mesh.size // per_machine)
+    share = max(sum(1 for g in axis_groups if any(rank // per_machine == m for rank in g)) for m in range(machines))
+    outer = links.outer
+    if share > 1:
+        outer = replace(outer, name=f"{outer.name} shared by {share}", bandwidth_Bps=outer.bandwidth_Bps / share,
+                        gather_bandwidth_Bps=outer.gather_bandwidth_Bps / share if outer.gather_bandwidth_Bps else None)
+    return AxisLink(axis, outer, "outer", share)
+
+
+def describe_levels(links: Links, mesh: Mesh) -> str:
+    """"tp inner, dp outer (shared by 2)": where each axis's collectives go, for the plan's table."""
+    parts = []
+    for name in mesh.names:
+        a = axis_link(links, mesh, name)
+        parts.append(f"{name} {a.level}" + (f" /{a.share}" if a.share > 1 else ""))
+    return ", ".join(parts)
+
+
+def links_from_record(record: dict | None, framework: str = "", backend: str = "") -> Links | None:
+    """summary.json's `link` -> a Link, or with two levels (`inner`, `group_size`: compare/launch/netns.py) a
+    TwoLevelLink: between groups the whole job's all-reduce (it crosses the slow link), inside a group the
+    groups' own all-reduce where the ranks could split, else the TCP figures of that level."""
+    outer = link_from_record(record, framework, backend)
+    inner_record = (record or {}).get("inner")
+    if outer is None or not inner_record or not record or not record.get("group_size"):
+        return outer
+    inner = link_from_record({**inner_record, "allreduce": inner_record.get("allreduce")
+                              if (inner_record.get("allreduce") or {}).get("bandwidth_Bps") else None},
+                             framework, backend)
+    return TwoLevelLink(inner, outer, int(record["group_size"])) if inner else outer

@@ -1,0 +1,211 @@
+"""mesh: several strategies composed over the axes of one Mesh (`--mesh dp=2,tp=2`), as one Layout.
+
+Each axis has its one-strategy object (ddp.py's over `dp`, fsdp.py's, tp.py's, pp.py's), built on the whole
+mesh: it reads its own axis for its group size and the mesh's data axis for the rows each rank computes. The
+composed object answers the same questions as they do (common/parallel/layout.py):
+
+    data      the data axis (dp or fsdp) slices the batch; the model axes' ranks of one replica read one slice
+    state     the model axis (tp or pp) leaves each rank a share of the model (its `local_parameters`); fsdp
+              shards that share again over its axis (its padding of the vocabulary left out: a few rows)
+    work      the model axis's share of one replica's FLOPs (the pp bubble included), over the data axis's size
+    traffic   per axis (`axis_collectives`): the model axis's own (tp's activations, pp's sends) at the rows of
+              one data rank, and the data axis's gradient reduction of the rank's model share: dp all-reduces
+              its gradients, fsdp gathers and reduce-scatters it (its one-axis collectives scaled by the share)
+    memory    tp splits the activations, pp keeps the first stage's, fsdp gathers its units of the share
+
+The frameworks compose the same way (mlx_impl/mesh.py, torch_impl/mesh.py): the model-parallel strategy runs on
+its axis's sub-group, the data axis reduces its gradients over the data sub-group.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import ClassVar
+
+from common.costmodel.links import Collective, Link
+from common.costmodel.workload import Workload
+from common.errors import UserError
+from common.model.spec import ModelSpec
+from common.model.weights import parameter_shapes
+from common.parallel.ddp import DdpLayout, gradient_all_reduce
+from common.parallel.fsdp import FsdpLayout
+from common.parallel.layout import AxisCollectives, Layout, Measured, total_parameters
+from common.parallel.pipeline import stage_of
+from common.parallel.pp import PpLayout
+from common.parallel.tp import TpLayout, tp_split_axis
+
+AXIS_LAYOUTS: dict[str, type[Layout]] = {"dp": DdpLayout, "fsdp": FsdpLayout, "tp": TpLayout, "pp": PpLayout}
+MODEL_AXES = ("tp", "pp")
+# The compositions both frameworks run (mlx_impl/mesh.py, torch_impl/mesh.py), as sets of axes.
+COMPOSITIONS = (frozenset({"dp", "tp"}), frozenset({"fsdp", "tp"}), frozenset({"dp", "pp"}))
+
+
+def composition_names() -> str:
+    order = ("pp", "dp", "fsdp", "tp")
+    return ", ".join(" x ".join(sorted(c, key=order.index)) for c in COMPOSITIONS)
+
+
+class MeshLayout(Layout):
+    name: ClassVar[str] = "mesh"
+
+    # ---- the parts ----------------------------------------------------------------------------------
+    @property
+    def ranks(self) -> int:
+        return self.mesh.size
+
+    @property
+    def axis_name(self) -> str:
+        return self.mesh.text
+
+    @property
+    def data_axis(self) -> str | None:
+        return self.mesh.data_axis  # none: every rank reads the whole batch
+
+    @property
+    def parts(self) -> dict[str, Layout]:
+        """One strategy object per axis, outermost first, each over the whole mesh."""
+        return {name: AXIS_LAYOUTS[name](self.mesh) for name in self.mesh.names}
+
+    @property
+    def model_part(self) -> Layout | None:
+        """The model-parallel axis's object (tp or pp), None where each rank holds the whole model."""
+        return next((self.parts[a] for a in self.mesh.names if a in MODEL_AXES), None)
+
+    @property
+    def data_part(self) -> Layout | None:
+        return self.parts[self.mesh.data_axis] if self.mesh.data_axis else None
+
+    def model_share(self, spec: ModelSpec, framework: str = "torch") -> float:
+        """The share of the parameters the model axis leaves the rank that holds the most (before fsdp)."""
+        part = self.model_part
+        return 1.0 if part is None else part.local_parameters(spec, framework) / total_parameters(spec)
+
+    def rank0_model_share(self, spec: ModelSpec) -> float:
+        """The same for rank 0, whose counts summary.json reports (under pp: the first stage's blocks)."""
+        if self.mesh.has("pp"):
+            shapes, pp = parameter_shapes(spec), self.mesh.axis("pp")
+            held = sum(math.prod(s) for k, s in shapes.items() if stage_of(k, spec.n_layers, pp) == 0)
+            return held / total_parameters(spec)
+        return self.model_share(spec)
+
+    # ---- the run ------------------------------------------------------------------------------------
+    def check(self, spec: ModelSpec) -> None:
+        """Each axis's refusal, naming the mesh and the numbers: compositions both frameworks run, axes of two or
+        more ranks, tp dividing the heads, kv heads and FFN width, a block per pp stage, fsdp dividing axis 0 of
+        each block tensor as a tp rank holds it."""
+        prefix, names = f"--mesh {self.mesh.text}", self.mesh.names
+        if frozenset(names) not in COMPOSITIONS:
+            raise UserError(f"{prefix}: composing {' x '.join(names)} is not supported; supported meshes: "
+                            f"{composition_names()} (or one axis: --strategy)")
+        for name, size in self.mesh.axes:
+            if size < 2:
+                raise UserError(f"{prefix}: axis {name}={size} splits nothing; leave it out")
+        for name, part in self.parts.items():
+            if not part.supports_biases and (spec.attention_bias or spec.mlp_bias):
+                raise UserError(f"{prefix}: axis {name} does not support biases (model.attention_bias or "
+                                "model.mlp_bias = true, from the checkpoint's config); use --strategy ddp")
+        tp = self.mesh.axis("tp") if self.mesh.has("tp") else 1
+        for field in ("n_heads", "n_kv_heads", "ffn_dim"):
+            if getattr(spec, field) % tp:
+                raise UserError(f"{prefix}: tp={tp} does not divide model.{field} = {getattr(spec, field)}")
+        if self.mesh.has("pp"):
+            pp = self.mesh.axis("pp")
+            if spec.n_layers < pp:
+                raise UserError(f"{prefix}: pp={pp} stages need one transformer block each at least, but "
+                                f"model.n_layers = {spec.n_layers} < {pp}")
+            self.parts["pp"].check(spec)  # its own further refusals (tied embeddings)
+        if self.mesh.has("fsdp"):
+            fsdp = self.mesh.axis("fsdp")
+            for name, shape in parameter_shapes(spec).items():
+                rows = shape[0] // tp if tp_split_axis(name) == 0 else shape[0]
+                if name.startswith("model.layers.") and rows % fsdp:
+                    raise UserError(f"{prefix}: fsdp={fsdp} cannot shard {name}: axis 0 holds {rows} rows on each "
+                                    f"tp rank ({shape[0]} / tp={tp}), not divisible by {fsdp}")
+
+    @property
+    def writes_sharded_checkpoints(self) -> bool:
+        """fsdp x tp: a row-parallel weight's piece is a block of rows (fsdp) of columns (tp), on two axes."""
+        return not (self.mesh.has("fsdp") and self.mesh.has("tp"))
+
+    def check_batch(self, global_batch: int, grad_accum: int, pp_microbatches: int) -> None:
+        """The model axis cuts the batch of one data rank (pp: into --pp-microbatches pieces)."""
+        if self.model_part is not None:
+            self.model_part.check_batch(global_batch // self.dp_size, grad_accum, pp_microbatches)
+
+    # ---- the state and the work ---------------------------------------------------------------------
+    def local_parameters(self, spec: ModelSpec, framework: str = "torch") -> float:
+        held = self.model_share(spec, framework) * total_parameters(spec)
+        return held / self.mesh.axis("fsdp") if self.mesh.has("fsdp") else held
+
+    def work_fraction(self, w: Workload) -> float:
+        model = self.model_part.work_fraction(w) if self.model_part is not None else 1.0
+        return model / self.dp_size
+
+    def busy_fraction(self, w: Workload) -> float:
+        model = self.model_part.busy_fraction(w) if self.model_part is not None else 1.0
+        return model / self.dp_size
+
+    # ---- the traffic --------------------------------------------------------------------------------
+    def axis_collectives(self, w: Workload, reduce_scatter: str = "native") -> list[AxisCollectives]:
+        out = []
+        for name, part in self.parts.items():
+            size = self.mesh.axis(name)
+            if name in MODEL_AXES:
+                colls = part.collectives(w, reduce_scatter)
+            else:
+                colls = self.data_collectives(part, w, reduce_scatter)
+            out.append(AxisCollectives(name, size, colls))
+        return out
+
+    def data_collectives(self, part: Layout, w: Workload, reduce_scatter: str) -> list[Collective]:
+        """The data axis's gradient reduction of the rank's model share (the module docstring)."""
+        share = self.model_share(w.spec, w.framework)
+        if isinstance(part, DdpLayout):
+            return [gradient_all_reduce(share * part.gradient_bytes(w.spec, w.dtype), w)]
+        return [replace(c, nbytes=int(c.nbytes * share), what=c.what + " (of the rank's model share)")
+                for c in part.collectives(w, reduce_scatter)]
+
+    def step_collectives(self, w: Workload, reduce_scatter: str) -> list[Collective]:
+        return [c for axis in self.axis_collectives(w, reduce_scatter) for c in axis.collectives]
+
+    def payload_bytes_per_step(self, spec: ModelSpec, micro_batch_size: int, seq_len: int, grad_accum: int,
+                               dtype: str) -> int | None:
+        """What rank 0 counts: its model axis's payload (at one data rank's micro-batch) plus dp's all-reduce of
+        its gradients; None with fsdp, whose collectives the runs do not count (fsdp.py)."""
+        if self.mesh.has("fsdp"):
+            return None
+        model = self.model_part
+        total = 0 if model is None else model.payload_bytes_per_step(spec, micro_batch_size, seq_len, grad_accum,
+                                                                     dtype)
+        if total is None:
+            return None
+        data = self.data_part
+        if isinstance(data, DdpLayout):
+            total += int(self.rank0_model_share(spec) * data.gradient_bytes(spec, dtype))
+        return total
+
+    # ---- the memory ---------------------------------------------------------------------------------
+    @property
+    def activation_split(self) -> int:
+        return self.mesh.axis("tp") if self.mesh.has("tp") else 1
+
+    def activation_layers(self, spec: ModelSpec) -> int:
+        return self.model_part.activation_layers(spec) if self.model_part is not None else spec.n_layers
+
+    def gathered_bytes(self, w: Workload) -> float:
+        fsdp = self.parts.get("fsdp")
+        return 0.0 if fsdp is None else fsdp.gathered_bytes(w) * self.model_share(w.spec, w.framework)
+
+    @property
+    def copies_gradients_for_reduce(self) -> bool:
+        return self.mesh.has("dp")
+
+    # ---- the time -----------------------------------------------------------------------------------
+    def axis_exposed_comm_s(self, cal: Measured, axis: AxisCollectives, link: Link | None, comm_s: float) -> float:
+        """Each axis's time under its own strategy's rule: tp's all-reduces all exposed, pp its critical path, the
+        data axis what the calibration did not overlap (common/costmodel/axes.py sums them)."""
+        return self.parts[axis.axis].exposed_comm_s(cal, axis.collectives, link, comm_s)
+
+    def streamed_checkpoint_bytes(self, w: Workload, rank: int) -> float:
+        return max(part.checkpoint_bytes(w, rank) for part in self.parts.values())
+

@@ -1,0 +1,107 @@
+"""The link `dpcompare plan` predicts over: one link, or two levels (a fast one inside each machine of
+--group-size ranks, a slow one between machines: common/costmodel/levels.py). Each level comes from a `doctor
+--fabric --out` file (--fabric, --fabric-inner), from the wire by hand (--link-gbps and --latency-us, and their
+-inner twins), or else from the run's own `link` record (summary.json: a two-level run records both levels).
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from common.costmodel.levels import Links, TwoLevelLink, links_from_record
+from common.costmodel.links import Link, loopback_link
+from common.errors import UserError
+from common.metrics import read_json
+
+
+def link_from_fabric(path: str, framework: str, backend: str) -> Link:
+    """The entry of `framework` in a `doctor --fabric --out` file (its `backend` preferred)."""
+    data = read_json(Path(path))
+    if not isinstance(data, dict) or not isinstance(data.get("backends"), list):
+        raise UserError(f"--fabric {path}: not a file written by `dpcompare doctor --fabric --out FILE`")
+    usable = [b for b in data["backends"] if isinstance(b, dict) and b.get("framework") == framework
+              and b.get("latency_s") is not None and b.get("bandwidth_Bps")]
+    if not usable:
+        listed = [f"{b.get('framework')} {b.get('backend')}" + (f" (failed: {b['error']})" if b.get("error") else "")
+                  for b in data["backends"] if isinstance(b, dict)]
+        raise UserError(f"--fabric {path} has no measured {framework} backend; it holds: {', '.join(listed) or 'none'}")
+    entry = next((b for b in usable if b.get("backend") == backend), usable[0])
+    shaped = (data.get("link") or {}).get("requested") if isinstance(data.get("link"), dict) else None
+    name = (f"{entry['framework']} {entry['backend']}" + (f" over {data['where']}" if data.get("where") else "")
+            + (f", shaped to {shaped}" if shaped else ""))
+    return Link.from_allreduce(name, float(entry["latency_s"]), float(entry["bandwidth_Bps"]), int(entry.get("ranks") or 2),
+                               f"doctor --fabric ({path}, {data.get('created', 'undated')})")
+
+
+def given_link(fabric: str | None, gbps: float | None, latency_us: float | None, framework: str, backend: str,
+               suffix: str = "") -> tuple[Link, str] | None:
+    """(link, how) from --fabric{suffix} or --link-gbps{suffix}/--latency-us{suffix}, None when neither is given."""
+    if fabric and (gbps is not None or latency_us is not None):
+        raise UserError(f"give either --fabric{suffix} FILE or --link-gbps{suffix}/--latency-us{suffix}, not both")
+    if fabric:
+        return link_from_fabric(fabric, framework, backend), f"--fabric{suffix}"
+    if gbps is not None or latency_us is not None:
+        if gbps is None or latency_us is None:
+            raise UserError(f"--link-gbps{suffix} and --latency-us{suffix} go together (the link's bandwidth and "
+                            "its latency)")
+        if not (math.isfinite(gbps) and gbps > 0):
+            raise UserError(f"--link-gbps{suffix} must be a positive number, got {gbps}")
+        if not (math.isfinite(latency_us) and latency_us >= 0):
+            raise UserError(f"--latency-us{suffix} must be 0 or more, got {latency_us}")
+        return Link.wire(gbps, latency_us), f"--link-gbps{suffix}/--latency-us{suffix}"
+    return None
+
+
+def choose_links(args, summary: dict) -> tuple[Links, str]:
+    """(one link or two levels, how they were chosen): the outer (or only) level from choose_link; with
+    --group-size, the inner one from its flags, else from the run's record."""
+    framework, backend = summary.get("framework", ""), summary.get("backend") or ""
+    inner_flags = (getattr(args, "fabric_inner", None), getattr(args, "link_gbps_inner", None),
+                   getattr(args, "latency_us_inner", None))
+    group_size = getattr(args, "group_size", None)
+    inner = given_link(*inner_flags, framework, backend, suffix="-inner")
+    if inner is None and group_size is None:
+        return choose_link(args, summary)
+    if group_size is None or group_size < 1:
+        raise UserError("a two-level link needs --group-size N (ranks per machine, 1 or more)" if group_size is None
+                        else f"--group-size must be 1 or more, got {group_size}")
+    outer, how = choose_link(args, summary)
+    if isinstance(outer, TwoLevelLink):  # the run's own record had two levels: its inner one, unless given
+        outer = outer.outer
+    if inner is None:
+        recorded = links_from_record(summary.get("link"), framework, backend)
+        if not isinstance(recorded, TwoLevelLink):
+            raise UserError("--group-size needs the link inside a machine: --link-gbps-inner and "
+                            "--latency-us-inner, or --fabric-inner FILE (or a run over a two-level --link)")
+        inner = recorded.inner, "the run's link record (inside a group)"
+    return TwoLevelLink(inner[0], outer, group_size), f"inside a machine: {inner[1]}; between machines: {how}"
+
+
+def choose_link(args, summary: dict) -> tuple[Links, str]:
+    """(link, how it was chosen) from the flags, else from the run (two levels where it ran over two)."""
+    framework, backend = summary.get("framework", ""), summary.get("backend") or ""
+    given = given_link(args.fabric, args.link_gbps, args.latency_us, framework, backend)
+    if given is not None:
+        return given
+    own = links_from_record(summary.get("link"), framework, backend)
+    if own:
+        return own, "the run's link record"
+    return loopback_link(backend if backend not in ("none", "") else ("ring" if framework == "mlx" else "gloo")), \
+        "assumed loopback (the run has no link record; pass --fabric or --link-gbps)"
+
+
+def describe_links(links: Links, how: str) -> str:
+    """The link line(s) the plan prints."""
+    if isinstance(links, TwoLevelLink):
+        return (f"inside machines of {links.group_size} ranks {describe_links(links.inner, '')}\n"
+                f"     between machines {describe_links(links.outer, '')}" + (f"\n     ({how})" if how else ""))
+    return (f"{links.name}: {links.hop_latency_s * 1e6:,.1f} µs per hop, {links.bandwidth_Bps / 1e9:.3g} GB/s each "
+            f"way ({links.source}" + (f"; {how})" if how else ")"))
+
+
+def links_json(links: Links, how: str) -> dict:
+    """plan.json's `link`: one link's fields, or each level's and the machine size."""
+    if isinstance(links, TwoLevelLink):
+        return {"inner": vars(links.inner), "outer": vars(links.outer), "group_size": links.group_size,
+                "name": links.name, "chosen_by": how}
+    return {**vars(links), "chosen_by": how}

@@ -1,0 +1,202 @@
+"""Meshes in MLX (`--mesh dp=2,tp=2`): a sub-group per axis, and the strategies composed over them.
+
+Sub-groups come from `Group.split(color, key)`: the ranks of one group of an axis (common/parallel/mesh.py
+`groups`) share a color, ordered by their coordinate on the axis. mlx 0.32.4 splits on MPI (and nccl), not on
+ring ("[ring] Group split not supported"): common/config.py refuses a ring mesh before the run starts, rather
+than emulate each sub-group with a slot per group in a world-wide collective, which would move world/group
+times the bytes. The sub-groups must be freed before MPI finalizes, or the process aborts at exit
+(`release_axes`, launch.py).
+
+The composition (common/parallel/composed.py says the same of the cost): the model-parallel strategy (tp.py's
+TensorParallel, pp.py's Pipeline) runs on its axis's sub-group as if that were the job, and the data axis
+reduces what it leaves:
+- dp (`DataParallelOver`): ddp.py's Replicated over the dp sub-group averages every gradient the rank holds
+  (its tp shards, or its stage's tensors) after the backward, in the Trainer's compiled update;
+- fsdp x tp (`ShardedTensorParallel`): fsdp.py's fully_shard wraps each tp-sharded block over the fsdp
+  sub-group, so a rank holds 1/fsdp of its tp shard; the reduce-scatter runs in the backward as under fsdp.
+Data is sliced by the data coordinate (common/train/loop.py), the exact loss sums over the data group
+(World.data_group) or, under pp, over the world (only last stages hold a part), and the gradient norm adds
+every tensor's squares once over the whole mesh.
+"""
+from __future__ import annotations
+
+from typing import Iterator, Mapping, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+from common.checkpoint.sharded import LocalState
+from common.checkpoint.tensorsource import Index, TensorSource
+from common.config import RunConfig
+from common.parallel.fsdp import fsdp_rows
+from common.parallel.mesh import Mesh
+from common.parallel.tp import tp_split_axis
+from common.train.protocols import Batch, ForwardBackwardResult, Phase, StateStream, World, no_phase
+
+from .comm import CommCounter
+from .ddp import Replicated
+from .fsdp import Sharding, shard_model
+from .grads import sum_of_squares
+from .load import SHARD, hf_name
+from .microsteps import Grads, Losses, MicroSteps, StepFunctions
+from .pp import Pipeline
+from .rank_state import as_float32
+from .tp import TensorParallel
+
+MODEL_PARALLEL: dict[str, type[TensorParallel] | type[Pipeline]] = {"tp": TensorParallel, "pp": Pipeline}
+
+
+def split_axes(world: World, mesh: Mesh) -> dict[str, World]:
+    """This rank's world on each axis of `mesh`: its group there, split from the job's (every rank calls it)."""
+    axes = {}
+    for name in mesh.names:
+        mine = mesh.group(world.rank, name)
+        group = world.group.split(mesh.groups(name).index(mine), mesh.coordinate(world.rank, name))
+        axes[name] = World(rank=group.rank(), size=group.size(), group=group, device=world.device)
+    return axes
+
+
+def release_axes(world: World) -> None:
+    """Drop the sub-groups (MPI_Comm_free) while MPI is still up: freed after MPI_Finalize, the process aborts."""
+    world.axes.clear()
+
+
+def mesh_strategy(cfg: RunConfig, world: World, comm: CommCounter):
+    """The strategy of `--strategy mesh`: the composition of cfg.mesh's axes (the module docstring)."""
+    mesh = Mesh.parse(cfg.mesh)
+    if mesh.has("fsdp"):
+        return ShardedTensorParallel(cfg, world, comm)
+    return DataParallelOver(cfg, world, comm)
+
+
+class DataParallelOver:
+    """dp over a model-parallel strategy (tp or pp): the inner one trains on its sub-group, Replicated averages
+    its gradients over the dp sub-group."""
+
+    reduce_scatter = None
+    full_state_on_every_rank = True
+
+    def __init__(self, cfg: RunConfig, world: World, comm: CommCounter):
+        mesh = Mesh.parse(cfg.mesh)
+        model_axis = next(a for a in mesh.names if a in MODEL_PARALLEL)
+        self.inner: TensorParallel | Pipeline = MODEL_PARALLEL[model_axis](cfg, world.axes[model_axis], comm)
+        self.data = Replicated(cfg, world.axes["dp"], comm)
+        self.data_rank = world.axes["dp"].rank
+        self.loss_over = self.inner.loss_over
+
+    @property
+    def communicates(self) -> bool:
+        return self.data.communicates
+
+    def wrap(self, model: nn.Module, source: TensorSource) -> nn.Module:
+        return self.inner.wrap(model, source)
+
+    def local_index(self, name: str, shape: tuple[int, ...]) -> Index | None:
+        return self.inner.local_index(name, shape)
+
+    def forward_backward(self, step: StepFunctions, batches: Sequence[Batch], scale: float,
+                         phase: Phase = no_phase, wait: bool = False,
+                         sync: bool = True) -> ForwardBackwardResult[Losses, Grads]:
+        return self.inner.forward_backward(step, batches, scale, phase, wait, sync)
+
+    def eval_losses(self, step: StepFunctions, batches: Sequence[Batch]) -> Losses:
+        return self.inner.eval_losses(step, batches)
+
+    def reduce_gradients(self, grads: Grads) -> Grads:
+        return self.data.reduce_gradients(self.inner.reduce_gradients(grads))
+
+    def global_norm(self, grads: Grads) -> mx.array:
+        """The dp replicas hold the same averaged gradients: the inner strategy's norm is the mesh's."""
+        return self.inner.global_norm(grads)
+
+    def export_state(self, weights: Mapping[str, mx.array], exp_avg: Mapping[str, mx.array],
+                     exp_avg_sq: Mapping[str, mx.array]) -> tuple[StateStream, StateStream, StateStream]:
+        return self.inner.export_state(weights, exp_avg, exp_avg_sq)
+
+    def local_state(self, shapes: Mapping[str, tuple[int, ...]], weights: Mapping[str, mx.array],
+                    exp_avg: Mapping[str, mx.array], exp_avg_sq: Mapping[str, mx.array]) -> LocalState:
+        """The first dp replica writes its pieces (the inner strategy's); the others hold copies of them."""
+        if self.data_rank:
+            return {}, {}, {}, {}
+        return self.inner.local_state(shapes, weights, exp_avg, exp_avg_sq)
+
+    def figures(self) -> dict[str, object]:
+        return self.inner.figures()
+
+
+class ShardedTensorParallel(MicroSteps):
+    """fsdp x tp: tp splits each layer over the tp sub-group (tp.py's TensorParallel on it), then fully_shard wraps
+    each block, the embedding and the head over the fsdp sub-group (fsdp.py's shard_model), so a rank holds rows
+    1/fsdp of its tp shard; the final norm stays replicated and is averaged over the fsdp group."""
+
+    full_state_on_every_rank = True
+    communicates = True  # the replicated gradients, averaged after the backward
+
+    def __init__(self, cfg: RunConfig, world: World, comm: CommCounter):
+        self.tp = TensorParallel(cfg, world.axes["tp"], comm)
+        self.fsdp = Sharding(cfg, world.axes["fsdp"], comm)
+        self.reduce_scatter: str | None = self.fsdp.reduce_scatter
+
+    def wrap(self, model: nn.Module, source: TensorSource) -> nn.Module:
+        """tp's split and load (its blocks: the rank never reads a whole split tensor), then fsdp's rows of each."""
+        self.tp.wrap(model, source)
+        self.fsdp.vocab_rows = shard_model(model, self.fsdp.group, self.fsdp.reduce_scatter, stream=self.fsdp.stream)
+        self.fsdp.sharded = {hf_name(p) for p, _ in tree_flatten(model.parameters()) if SHARD in p}
+        mx.eval(model.parameters())
+        return model
+
+    def local_index(self, name: str, shape: tuple[int, ...]) -> Index:
+        """tp's block, then fsdp's rows of it (a padded vocabulary: rows past the end are zeros, not read)."""
+        index = list(self.tp.local_index(name, shape)) or [slice(None)] * len(shape)
+        if name in self.fsdp.sharded:
+            first = index[0]
+            start, stop = first.start or 0, shape[0] if first.stop is None else first.stop
+            rows = fsdp_rows(stop - start, self.fsdp.rank, self.fsdp.size)
+            index[0] = slice(start + rows.start, start + rows.stop)
+        return tuple(index)
+
+    def reduce_gradients(self, grads: Grads) -> Grads:
+        return self.fsdp.reduce_gradients(grads)
+
+    def global_norm(self, grads: Grads) -> mx.array:
+        """Squares of every tensor once over the mesh: the tp-split shards summed over tp and fsdp, the other
+        fsdp shards over fsdp, the replicated final norm once."""
+        zero = mx.array(0.0)
+        tp_split, sharded, replicated = zero, zero, zero
+        for key, g in tree_flatten(grads):
+            squares = sum_of_squares(g)
+            if SHARD not in key:
+                replicated = replicated + squares
+            elif tp_split_axis(hf_name(key)) is not None:
+                tp_split = tp_split + squares
+            else:
+                sharded = sharded + squares
+        over_tp = mx.distributed.all_sum(tp_split, group=self.tp.group)
+        return mx.sqrt(replicated + mx.distributed.all_sum(over_tp + sharded, group=self.fsdp.group))
+
+    def export_state(self, weights: Mapping[str, mx.array], exp_avg: Mapping[str, mx.array],
+                     exp_avg_sq: Mapping[str, mx.array]) -> tuple[StateStream, StateStream, StateStream]:
+        return self.full(weights), self.full(exp_avg), self.full(exp_avg_sq)
+
+    def full(self, flat: Mapping[str, mx.array]) -> Iterator[tuple[str, np.ndarray | None]]:
+        """Whole tensors one at a time on every rank: gathered over fsdp (the vocabulary's pad rows dropped),
+        then over tp along its split axis (every rank iterates it: collectives)."""
+        for key, value in flat.items():
+            name = hf_name(key)
+            if SHARD in key:
+                value = mx.distributed.all_gather(value, group=self.fsdp.group)
+                value = value[:self.fsdp.vocab_rows[name]] if name in self.fsdp.vocab_rows else value
+            axis = tp_split_axis(name)
+            if axis is None:
+                yield name, as_float32(value)
+                continue
+            moved = mx.array(np.moveaxis(as_float32(value), axis, 0))
+            yield name, np.moveaxis(np.array(mx.distributed.all_gather(moved, group=self.tp.group)), 0, axis)
+
+    def local_state(self, shapes: Mapping[str, tuple[int, ...]], weights: Mapping[str, mx.array],
+                    exp_avg: Mapping[str, mx.array], exp_avg_sq: Mapping[str, mx.array]) -> LocalState:
+        """Refused before the run (common/parallel/composed.py writes_sharded_checkpoints): a row-parallel weight's
+        piece lies on two axes, which the sharded index cannot describe."""
+        raise NotImplementedError("--checkpoint-format sharded with fsdp x tp")

@@ -1,0 +1,126 @@
+"""--mesh: named axes in one canonical order (pp, data, tp), the groups that share each axis, and the composed
+Layout (common/parallel/composed.py) answering what the one-axis objects answer."""
+import math
+
+import pytest
+from costmodel_fixtures import SPEC
+
+from common.config import RunConfig
+from common.costmodel.workload import Workload
+from common.errors import UserError
+from common.model.spec import ModelSpec
+from common.parallel import describe_mesh, layout
+from common.parallel.layout import total_parameters
+from common.parallel.mesh import Mesh
+
+TINY = ModelSpec.from_dict(SPEC)
+
+
+def test_axes_take_the_canonical_order_whatever_order_they_are_written_in():
+    assert Mesh.parse("tp=2,dp=3").axes == (("dp", 3), ("tp", 2))
+    assert Mesh.parse("dp=2, pp=4").text == "pp=4,dp=2"
+    assert Mesh.parse("tp=2,fsdp=2").names == ("fsdp", "tp")
+    for bad, words in (("dp=2,dp=2", "twice"), ("xp=2", "AXIS=SIZE"), ("dp=two", "whole number"),
+                       ("dp=0", "at least 1"), ("dp=2,fsdp=2", "data axes"), ("", "names no axis")):
+        with pytest.raises(UserError, match=words):
+            Mesh.parse(bad)
+
+
+def test_tp_ranks_are_neighbours_and_pp_ranks_farthest_apart():
+    mesh = Mesh.parse("pp=2,dp=2,tp=2")
+    assert mesh.groups("tp") == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert mesh.groups("dp") == [(0, 2), (1, 3), (4, 6), (5, 7)]
+    assert mesh.groups("pp") == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    assert mesh.group(5, "dp") == (5, 7) and mesh.coordinates(5) == {"pp": 1, "dp": 0, "tp": 1}
+    assert describe_mesh("dp=2,tp=2") == ["dp=2: [0,2] [1,3]", "tp=2: [0,1] [2,3]"]
+    # every rank is in exactly one group of each axis
+    for name in mesh.names:
+        assert sorted(r for g in mesh.groups(name) for r in g) == list(range(8))
+
+
+def test_the_data_coordinate_slices_the_batch_and_model_ranks_of_a_replica_read_the_same():
+    assert [layout("mesh", 4, "dp=2,tp=2").data_parallel(r) for r in range(4)] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    assert [layout("mesh", 4, "dp=2,pp=2").data_parallel(r) for r in range(4)] == [(0, 2), (1, 2), (0, 2), (1, 2)]
+    assert layout("mesh", 4, "fsdp=2,tp=2").dp_size == 2
+    # the one-axis objects are unchanged
+    assert [layout("ddp", 4).data_parallel(r) for r in range(4)] == [(r, 4) for r in range(4)]
+    assert layout("tp", 2).data_parallel(1) == (0, 1) and layout("pp", 2).dp_size == 1
+
+
+def test_state_work_and_traffic_compose_per_axis():
+    w = Workload(TINY, 32, 8, grad_accum=2, framework="mlx")
+    total = total_parameters(TINY)
+    tp2, pp2 = layout("tp", 2), layout("pp", 2)
+    dptp = layout("mesh", 4, "dp=2,tp=2")
+    assert dptp.local_parameters(TINY) == tp2.local_parameters(TINY)
+    assert dptp.work_fraction(w) == pytest.approx(tp2.work_fraction(w) / 2)
+    assert layout("mesh", 4, "fsdp=2,tp=2").local_parameters(TINY) == pytest.approx(tp2.local_parameters(TINY) / 2)
+    assert layout("mesh", 4, "dp=2,pp=2").state_fraction(w) == pytest.approx(pp2.local_parameters(TINY) / total)
+    axes = {a.axis: a for a in dptp.axis_collectives(w)}
+    assert {a: axes[a].group_size for a in axes} == {"dp": 2, "tp": 2}
+    # tp's all-reduces carry one data rank's rows: half of one-axis tp's at the same global batch
+    (tp_act,) = axes["tp"].collectives
+    assert tp_act.nbytes * 2 == tp2.collectives(w)[0].nbytes and tp_act.calls == tp2.collectives(w)[0].calls
+    # dp averages the gradients of the rank's tp share
+    (grads,) = axes["dp"].collectives
+    assert grads.nbytes * grads.calls == pytest.approx(4 * tp2.local_parameters(TINY), abs=grads.calls)
+    assert dptp.collectives(w) == axes["dp"].collectives + axes["tp"].collectives
+
+
+def test_the_estimate_is_what_rank_0_counts_on_each_axis():
+    # dp x tp: tp's activations at one data rank's micro-batch, plus dp's all-reduce of the tp share's gradients
+    tp_part = layout("tp", 2).comm_bytes_per_step_estimate(TINY, 4, 32, 1)
+    est = layout("mesh", 4, "dp=2,tp=2").comm_bytes_per_step_estimate(TINY, 4, 32, 1)
+    assert est == tp_part + int(4 * layout("tp", 2).local_parameters(TINY))
+    # dp x pp: the first stage's sends plus the dp all-reduce of the first stage's gradients
+    first_stage = sum(math.prod(s) for k, s in __import__("common.model.weights", fromlist=["x"])
+                      .parameter_shapes(TINY).items() if k.startswith(("model.embed", "model.layers.0.")))
+    assert layout("mesh", 4, "dp=2,pp=2").comm_bytes_per_step_estimate(TINY, 4, 32, 1) == \
+        layout("pp", 2).comm_bytes_per_step_estimate(TINY, 4, 32, 1) + 4 * first_stage
+    assert layout("mesh", 4, "fsdp=2,tp=2").comm_bytes_per_step_estimate(TINY, 4, 32, 1) is None
+
+
+def test_bad_meshes_are_refused_in_one_line_naming_the_numbers():
+    cases = [("dp=2,tp=3", 6, "tp=3 does not divide model.n_heads = 4"),
+             ("pp=4,dp=2", 8, "pp=4 stages need one transformer block each at least, but model.n_layers = 2 < 4"),
+             ("dp=3,tp=2", 4, "holds 3 x 2 = 6 ranks, but the run has 4"),
+             ("pp=2,tp=2", 4, "composing pp x tp is not supported"),
+             ("dp=1,tp=2", 2, "axis dp=1 splits nothing")]
+    for mesh, n, words in cases:
+        with pytest.raises(UserError, match=words) as err:
+            layout("mesh", n, mesh).check(TINY)
+        assert "\n" not in str(err.value)
+    # fsdp shards axis 0 of each block tensor as a tp rank holds it: gate_proj's 6 rows / tp 2 = 3, not by 2
+    spec = ModelSpec.from_dict({**SPEC, "ffn_dim": 6})
+    layout("fsdp", 2).check(spec)  # whole, 6 rows split in two
+    with pytest.raises(UserError, match="fsdp=2 cannot shard model.layers.0.mlp.gate_proj.weight: axis 0 holds "
+                                        "3 rows on each tp rank"):
+        layout("mesh", 4, "fsdp=2,tp=2").check(spec)
+
+
+def test_config_takes_a_mesh_and_a_one_axis_mesh_is_that_strategy():
+    cfg = RunConfig.from_dict({"preset": "tiny", "nproc": 4, "mesh": "tp=2,dp=2", "framework": "torch"})
+    assert (cfg.strategy, cfg.mesh, cfg.data_parallel_size, cfg.micro_batch_size) == ("mesh", "dp=2,tp=2", 2, 4)
+    one = RunConfig.from_dict({"preset": "tiny", "nproc": 2, "mesh": "tp=2"})
+    assert (one.strategy, one.mesh) == ("tp", "")
+    assert RunConfig.from_dict({"preset": "tiny", "nproc": 4, "mesh": "dp=2,tp=2"}).resolved_backend == "mpi"
+    with pytest.raises(UserError, match="ring backend cannot split"):
+        RunConfig.from_dict({"preset": "tiny", "nproc": 4, "mesh": "dp=2,tp=2", "backend": "ring"})
+    with pytest.raises(UserError, match="leave --strategy out"):
+        RunConfig.from_dict({"preset": "tiny", "nproc": 4, "mesh": "dp=2,tp=2", "strategy": "fsdp"})
+    with pytest.raises(UserError, match="composing pp x tp is not supported"):
+        RunConfig.from_dict({"preset": "tiny", "nproc": 4, "mesh": "tp=2,pp=2"})
+    with pytest.raises(UserError, match="needs --mesh"):
+        RunConfig.from_dict({"preset": "tiny", "nproc": 4, "strategy": "mesh"})
+
+
+def test_compare_runs_a_mesh_at_its_rank_count_under_a_label_naming_its_axes(tmp_path):
+    from compare.matrix import expand_matrix
+
+    base = RunConfig(nproc=4, framework="torch")
+    configs, left_out = expand_matrix(base, ["torch"], ["ddp", "mesh"], ["float32"], [1, 2, 4], tmp_path, "tp=2,dp=2")
+    assert [label for label, _ in configs] == ["torch x1", "torch x2", "torch x4", "torch dp2xtp2 x4"]
+    cfg = configs[("torch dp2xtp2 x4", tmp_path / "torch-dp2xtp2-n4")]
+    assert (cfg.strategy, cfg.mesh, cfg.data_parallel_size) == ("mesh", "dp=2,tp=2", 2)
+    assert sorted(left_out) == ["torch dp2xtp2 x1 left out: dp2xtp2 needs 2 or more ranks (its reference is the "
+                                "ddp run)", "torch dp2xtp2 x2 left out: --mesh dp=2,tp=2 runs on 4 ranks"]

@@ -1,0 +1,202 @@
+"""Meshes in PyTorch (`--mesh dp=2,tp=2`): a process group per axis, and the strategies composed over them.
+
+The axes come from one `init_device_mesh` over every rank, its dimensions named and ordered as
+common/parallel/mesh.py lays them out (row-major: the last axis varies fastest, as there); each axis's 1-D
+DeviceMesh and process group go into the rank's World (`split_axes`, launch.py).
+
+The composition (common/parallel/composed.py says the same of the cost): the model-parallel strategy (tp.py's
+TensorParallel on its axis's DeviceMesh, pp.py's Pipeline on its axis's group) runs as if its sub-group were the
+job, and the data axis reduces what it leaves:
+- dp (`DataParallelOver`): after the inner strategy's backward, every gradient the rank holds (its tp shards'
+  local tensors, or its stage's) is averaged over the dp group in one flat all-reduce. DDP's wrapper is not
+  used: it does not take DTensor parameters, and a pipeline stage's backward runs inside the schedule.
+- fsdp x tp (`ShardedTensorParallel`): DTensor tp on the tp axis, then FSDP2's fully_shard on the fsdp axis
+  (torchtitan's 2-D composition, which FACTS.md measured on gloo): a rank holds 1/fsdp of its tp shard.
+Data is sliced by the data coordinate (common/train/loop.py), the exact loss sums over the data group
+(World.data_group) or, under pp, over the world, and the gradient norm adds every tensor's squares once over
+the mesh. Mirrors mlx_impl/mesh.py.
+"""
+from __future__ import annotations
+
+from typing import Iterator, Mapping, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from common.checkpoint.sharded import LocalState
+from common.checkpoint.tensorsource import Index, TensorSource
+from common.config import RunConfig
+from common.parallel.fsdp import fsdp_rows
+from common.parallel.mesh import Mesh
+from common.parallel.tp import tp_index
+from common.train.protocols import Batch, ForwardBackwardResult, Phase, StateStream, World, no_phase
+
+from .comm import CommCounter
+from .fsdp import Sharding, shard_model
+from .grads import norm_dtype, sum_of_squares
+from .load import load_local
+from .microsteps import Grads, StepFunctions
+from .model import Llama
+from .pp import Pipeline
+from .rank_state import as_float32
+from .tp import TensorParallel
+
+MODEL_PARALLEL: dict[str, type[TensorParallel] | type[Pipeline]] = {"tp": TensorParallel, "pp": Pipeline}
+
+
+def split_axes(world: World, mesh: Mesh) -> dict[str, World]:
+    """This rank's world on each axis of `mesh`: its DeviceMesh and process group there (every rank calls it)."""
+    device_mesh = init_device_mesh(torch.device(world.device).type, tuple(size for _, size in mesh.axes),
+                                   mesh_dim_names=mesh.names)
+    world.device_mesh = device_mesh
+    return {name: World(rank=mesh.coordinate(world.rank, name), size=size, group=device_mesh.get_group(name),
+                        device=world.device, device_mesh=device_mesh[name]) for name, size in mesh.axes}
+
+
+def release_axes(world: World) -> None:
+    """torch's sub-groups go with destroy_process_group (launch.py): nothing to drop first."""
+    world.axes.clear()
+
+
+def mesh_strategy(cfg: RunConfig, world: World, comm: CommCounter):
+    """The strategy of `--strategy mesh`: the composition of cfg.mesh's axes (the module docstring)."""
+    mesh = Mesh.parse(cfg.mesh)
+    if mesh.has("fsdp"):
+        return ShardedTensorParallel(cfg, world, comm)
+    return DataParallelOver(cfg, world, comm)
+
+
+class DataParallelOver:
+    """dp over a model-parallel strategy (tp or pp): the inner one trains on its sub-group, then the gradients it
+    leaves are averaged over the dp group."""
+
+    reduce_scatter = None
+    full_state_on_every_rank = True
+    communicates = False  # inside forward_backward, after the backward, as DDP's is inside the backward
+    keeps_grads = False
+
+    def __init__(self, cfg: RunConfig, world: World, comm: CommCounter):
+        mesh = Mesh.parse(cfg.mesh)
+        model_axis = next(a for a in mesh.names if a in MODEL_PARALLEL)
+        self.inner: TensorParallel | Pipeline = MODEL_PARALLEL[model_axis](cfg, world.axes[model_axis], comm)
+        dp = world.axes["dp"]
+        self.dp_group, self.dp_size, self.data_rank, self.comm = dp.group, dp.size, dp.rank, comm
+        self.loss_over = self.inner.loss_over
+        self.counted = False
+
+    def wrap(self, model: Llama, source: TensorSource) -> nn.Module:
+        return self.inner.wrap(model, source)
+
+    def local_index(self, name: str, shape: tuple[int, ...]) -> Index | None:
+        return self.inner.local_index(name, shape)
+
+    def forward_backward(self, step: StepFunctions, batches: Sequence[Batch], scale: float,
+                         phase: Phase = no_phase, wait: bool = False,
+                         sync: bool = True) -> ForwardBackwardResult[torch.Tensor, Grads]:
+        result = self.inner.forward_backward(step, batches, scale, phase, wait, sync)
+        if sync:
+            self._average(result.grads)
+        return result
+
+    @torch.no_grad()
+    def _average(self, grads: Grads) -> None:
+        """Every local gradient averaged over the dp group, in place, through one flat buffer."""
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        flat = torch.cat([g.reshape(-1) for g in local])
+        dist.all_reduce(flat, group=self.dp_group)
+        flat /= self.dp_size
+        offset = 0
+        for g in local:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+        if not self.counted:  # the inner strategy counted its own first step; the average is every step's too
+            self.comm.per_step = (self.comm.per_step or 0) + flat.numel() * flat.element_size()
+            self.counted = True
+
+    def eval_losses(self, step: StepFunctions, batches: Sequence[Batch]) -> torch.Tensor:
+        return self.inner.eval_losses(step, batches)
+
+    def global_norm(self, grads: Grads) -> torch.Tensor:
+        """The dp replicas hold the same averaged gradients: the inner strategy's norm is the mesh's."""
+        return self.inner.global_norm(grads)
+
+    def export_state(self, weights: Mapping[str, torch.Tensor], exp_avg: Mapping[str, torch.Tensor],
+                     exp_avg_sq: Mapping[str, torch.Tensor]) -> tuple[StateStream, StateStream, StateStream]:
+        return self.inner.export_state(weights, exp_avg, exp_avg_sq)
+
+    def local_state(self, shapes: Mapping[str, tuple[int, ...]], weights: Mapping[str, torch.Tensor],
+                    exp_avg: Mapping[str, torch.Tensor], exp_avg_sq: Mapping[str, torch.Tensor]) -> LocalState:
+        """The first dp replica writes its pieces (the inner strategy's); the others hold copies of them."""
+        if self.data_rank:
+            return {}, {}, {}, {}
+        return self.inner.local_state(shapes, weights, exp_avg, exp_avg_sq)
+
+    def figures(self) -> dict[str, object]:
+        return self.inner.figures()
+
+
+class ShardedTensorParallel(Sharding):
+    """fsdp x tp: DTensor tp over the tp axis (TensorParallel's plan), then FSDP2 over the fsdp axis of the same
+    2-D DeviceMesh (fsdp.py's shard_model); FSDP2's hooks reduce-scatter over fsdp inside the backward."""
+
+    full_state_on_every_rank = True
+    communicates = False  # the reduce-scatter runs inside the backward (FSDP2's hooks)
+
+    def __init__(self, cfg: RunConfig, world: World, comm: CommCounter):
+        super().__init__(cfg, world.axes["fsdp"], comm)
+        self.tp = TensorParallel(cfg, world.axes["tp"], comm)
+        self.fsdp_group, self.tp_group = world.axes["fsdp"].group, world.axes["tp"].group
+
+    def wrap(self, model: Llama, source: TensorSource) -> Llama:
+        self.tp._parallelize(model)
+        shard_model(model, self.device, self.backend, release_heap=self.release_heap, mesh=self.mesh)
+        load_local(model, self.device, source, self.local_index)
+        self.model = model
+        return model
+
+    def local_index(self, name: str, shape: tuple[int, ...]) -> Index:
+        """tp's block, then fsdp's rows of it (FSDP2 shards dim 0 of the tp-local tensor)."""
+        index = list(tp_index(name, shape, self.tp.rank, self.tp.size)) or [slice(None)] * len(shape)
+        first = index[0]
+        start, stop = first.start or 0, shape[0] if first.stop is None else first.stop
+        rows = fsdp_rows(stop - start, self.rank, self.size)
+        index[0] = slice(start + rows.start, start + rows.stop)
+        return tuple(index)
+
+    @torch.no_grad()
+    def global_norm(self, grads: Grads) -> torch.Tensor:
+        """Squares of every tensor once over the mesh: those sharded on both axes summed over tp and fsdp, those
+        FSDP2 shards over fsdp alone (tp-replicated) over fsdp."""
+        dtype = norm_dtype(self.device)
+        both = [g.to_local() for g in grads if isinstance(g, DTensor) and g.device_mesh.ndim == 2]
+        fsdp_only = [g.to_local() if isinstance(g, DTensor) else g for g in grads
+                     if not (isinstance(g, DTensor) and g.device_mesh.ndim == 2)]
+
+        def squares(tensors: list[torch.Tensor]) -> torch.Tensor:
+            return torch.stack([sum_of_squares(t, dtype) for t in tensors]).sum() if tensors else \
+                torch.zeros((), dtype=dtype, device=self.device)
+
+        over_tp = squares(both)
+        dist.all_reduce(over_tp, group=self.tp_group)
+        total = over_tp + squares(fsdp_only)
+        dist.all_reduce(total, group=self.fsdp_group)
+        return total.sqrt()
+
+    def export_state(self, weights: Mapping[str, torch.Tensor], exp_avg: Mapping[str, torch.Tensor],
+                     exp_avg_sq: Mapping[str, torch.Tensor]) -> tuple[StateStream, StateStream, StateStream]:
+        return self.full(weights), self.full(exp_avg), self.full(exp_avg_sq)
+
+    def full(self, flat: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, np.ndarray | None]]:
+        """Whole tensors on every rank, one at a time (every rank iterates it: collectives)."""
+        for key, value in flat.items():
+            yield key, as_float32(value.full_tensor() if isinstance(value, DTensor) else value)
+
+    def local_state(self, shapes: Mapping[str, tuple[int, ...]], weights: Mapping[str, torch.Tensor],
+                    exp_avg: Mapping[str, torch.Tensor], exp_avg_sq: Mapping[str, torch.Tensor]) -> LocalState:
+        """Refused before the run (common/parallel/composed.py writes_sharded_checkpoints): a row-parallel weight's
+        piece lies on two axes, which the sharded index cannot describe."""
+        raise NotImplementedError("--checkpoint-format sharded with fsdp x tp")
