@@ -331,6 +331,12 @@ class RunConfig:
             raise UserError(f"--checkpoint-format sharded cannot describe the pieces of --mesh {self.mesh} (a block "
                             "of rows of columns); use --checkpoint-format hf, which resumes under any mesh")
         strategy.check_batch(self.global_batch_size, self.grad_accum, self.pp_microbatches)
+        stages = strategy.mesh.axis("pp") if strategy.mesh.has("pp") else 1
+        if self.framework == "torch" and 1 < stages and self.pp_microbatches < stages:
+            # torch.distributed.pipelining's schedules refuse it at the first step, on one rank, mid-job.
+            raise UserError(f"--pp-microbatches {self.pp_microbatches} is fewer than the {stages} pipeline stages; "
+                            f"torch's pipeline schedules need at least one micro-batch per stage (--pp-microbatches "
+                            f"{stages} or more)")
         # preset, [model] fields and seq_len checked now; and whether the strategy can split that model (the one
         # place this is checked: every RunConfig is validated when it is made, before anything is prepared)
         strategy.check(self.model_spec(vocab_size=None))

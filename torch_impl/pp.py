@@ -88,9 +88,10 @@ class Pipeline(StageBookkeeping):
         self.model, self.dtype, self.dim = model, inner.compute_dtype, spec.dim
         self.module = Stage(self)
         # The embedding group's process group: a sub-group of the two ranks beyond 2 stages, which every rank builds
-        # (new_group's rule); None, the default group, at 2 stages. On a mesh, the group of one pipeline's ends.
+        # (new_group's rule); at 2 stages the pipeline's own group (on a mesh, this pipeline's, not the world's:
+        # the world's would also add the other dp replicas' gradients).
         self.tied_group = (dist.new_group(self.embedding.ranks()) if self.embedding.tied
-                           and not self.embedding.spans_pipeline else None)
+                           and not self.embedding.spans_pipeline else self.group)
         return model
 
     # ---- the schedule ---------------------------------------------------------------------------------------
