@@ -37,6 +37,7 @@ SEQUENCE_MODES = ("packing", "padding")
 DEVICES = ("auto", "cpu", "cuda", "mps", "gpu")
 MLX_BLAS = ("auto", "system", "bundled")
 MLX_CPU_JIT = ("auto", "native", "baseline")
+MLX_EXP = ("auto", "native", "fused")  # mlx_impl/fast_exp.py
 DTYPES = ("float32", "bfloat16")
 CHECKPOINT_FORMATS = ("hf", "sharded")  # common/checkpoint/store.py, common/checkpoint/sharded.py
 TRACKERS = ("tensorboard", "wandb", "trackio")  # --report-to (compare/report/tracking.py)
@@ -99,6 +100,7 @@ class RunConfig:
     threads_per_rank: int = 1
     mlx_blas: str = "auto"
     mlx_cpu_jit: str = "auto"        # mx.compile kernel flags, Linux x86 (compare/machine/environment.py)
+    mlx_exp: str = "auto"            # exp in softmax, cross-entropy and SiLU: auto, native or fused (mlx_impl/fast_exp.py)
     all_reduce_size_mb: float = 32.0
     # MLX: the stream collectives run on. auto = the CPU stream on a Metal GPU, where a collective on the
     # GPU stream that waits ~5 s for a slow peer is killed by Metal's watchdog (mlx_impl/comm.py).
@@ -233,6 +235,7 @@ class RunConfig:
         _choice("device", self.device, DEVICES)
         _choice("mlx_blas", self.mlx_blas, MLX_BLAS)
         _choice("mlx_cpu_jit", self.mlx_cpu_jit, MLX_CPU_JIT)
+        _choice("mlx_exp", self.mlx_exp, MLX_EXP)
         _choice("dtype", self.dtype, DTYPES)
         _choice("strategy", self.strategy, STRATEGIES)
         _choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
@@ -341,6 +344,16 @@ def read_toml(path: str) -> dict:
     except OSError as err:
         raise UserError(f"config file {path} cannot be read: {err.strerror}") from None
     return resolve_config_paths(values, Path(path).absolute().parent, f" in {path}")
+
+
+def resolved_mlx_exp(choice: str, device: str, system: str) -> str:
+    """The exp MLX's softmax, cross-entropy and SiLU use: "fused" (mlx_impl/fast_exp.py) or "native".
+    auto is fused on a Linux CPU, where MLX's own exp runs one element at a time and the fused one is
+    vectorised (docs/cpu-performance.md), and MLX's own elsewhere: Metal's and CUDA's exp are fast already,
+    and macOS's CPU kernels use Accelerate's."""
+    if choice != "auto":
+        return choice
+    return "fused" if device == "cpu" and system.startswith("linux") else "native"
 
 
 def _choice(name: str, value, allowed, where: str = "") -> None:

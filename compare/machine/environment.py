@@ -44,7 +44,8 @@ def system_openblas() -> str | None:
 
 def mlx_blas(choice: str) -> tuple[str, dict]:
     """(description, extra env) for MLX ranks. On Linux the mlx CPU wheel links a slow reference BLAS;
-    preloading a system OpenBLAS makes its matmuls 20-30x faster with identical results."""
+    preloading a system OpenBLAS makes its matmuls 20-30x faster with identical results, once its kernels
+    suit the CPU (compare/machine/openblas.py)."""
     if sys.platform == "darwin":
         return "accelerate (macOS)", {}
     if choice == "bundled":
@@ -56,7 +57,10 @@ def mlx_blas(choice: str) -> tuple[str, dict]:
                             "libopenblas0-pthread); use --mlx-blas bundled")
         return "bundled (mlx wheel's reference BLAS; no system OpenBLAS found)", {}
     preload = " ".join(filter(None, [library, os.environ.get("LD_PRELOAD", "")]))
-    return f"openblas ({library}, preloaded)", {"LD_PRELOAD": preload}
+    from .openblas import kernels_for
+
+    core, core_env = kernels_for(library)  # a generic core where OpenBLAS misreads the CPU: OPENBLAS_CORETYPE
+    return f"openblas ({library}, preloaded; {core})", {"LD_PRELOAD": preload, **core_env}
 
 
 def mlx_cpu_jit(choice: str, cache_root: Path) -> tuple[str, dict]:
@@ -93,6 +97,19 @@ def mlx_cpu_jit(choice: str, cache_root: Path) -> tuple[str, dict]:
         return baseline + f"; cannot write {wrapper.parent}", {}
     path = os.pathsep.join([str(wrapper.parent), os.environ.get("PATH", "")])
     return "native (-march=native)", {"PATH": path, "TMPDIR": str(root)}
+
+
+def mlx_exp(cfg) -> str:
+    """What --mlx-exp gives the MLX ranks, as the report says it. The rank decides by its device
+    (common/config.py resolved_mlx_exp); here the device is the one asked for, a CPU unless a GPU is named."""
+    from common.config import resolved_mlx_exp
+
+    device = "gpu" if cfg.device in ("gpu", "cuda", "mps") else "cpu"
+    if sys.platform == "darwin" and cfg.device == "auto":
+        device = "gpu"  # MLX on a Mac runs on Metal unless told otherwise
+    kind = resolved_mlx_exp(cfg.mlx_exp, device, sys.platform)
+    how = "range reduction and a polynomial, vectorised by mx.compile" if kind == "fused" else "MLX's own"
+    return f"{kind} ({how})"
 
 
 def _cpu_signature() -> str:
