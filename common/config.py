@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import json
 import os
+import platform
+import shutil
+import sys
 import tomllib
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -346,14 +349,26 @@ def read_toml(path: str) -> dict:
     return resolve_config_paths(values, Path(path).absolute().parent, f" in {path}")
 
 
-def resolved_mlx_exp(choice: str, device: str, system: str) -> str:
-    """The exp MLX's softmax, cross-entropy and SiLU use: "fused" (mlx_impl/fast_exp.py) or "native".
-    auto is fused on a Linux CPU, where MLX's own exp runs one element at a time and the fused one is
-    vectorised (docs/cpu-performance.md), and MLX's own elsewhere: Metal's and CUDA's exp are fast already,
-    and macOS's CPU kernels use Accelerate's."""
-    if choice != "auto":
-        return choice
-    return "fused" if device == "cpu" and system.startswith("linux") else "native"
+def native_cpu_kernels(choice: str) -> bool:
+    """Whether --mlx-cpu-jit `choice` builds MLX's compiled CPU kernels with -march=native on this machine
+    (compare/machine/environment.py mlx_cpu_jit: Linux x86-64 with a g++)."""
+    return choice != "baseline" and sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64") \
+        and shutil.which("g++") is not None
+
+
+def resolved_mlx_exp(cfg: "RunConfig", device: str, system: str, native_kernels: bool) -> str:
+    """The exp MLX's softmax, cross-entropy and SiLU use: "fused" (mlx_impl/fast_exp.py) or "native" (mx.exp).
+
+    auto picks what measured faster (benchmarks/bench_exp.py, docs/cpu-performance.md): on a Linux CPU, fused
+    where MLX's compiled exp is its scalar baseline build (a libm call per element) or --tune-malloc keeps
+    freed buffers (the fused exp writes one more array, whose fresh pages cost more than its faster
+    arithmetic saves otherwise); MLX's own with -march=native kernels (native_kernels: --mlx-cpu-jit gave
+    them), on Metal and CUDA (fast already) and on macOS (Accelerate)."""
+    if cfg.mlx_exp != "auto":
+        return cfg.mlx_exp
+    if device != "cpu" or not system.startswith("linux"):
+        return "native"
+    return "fused" if cfg.tune_malloc or not native_kernels else "native"
 
 
 def _choice(name: str, value, allowed, where: str = "") -> None:

@@ -35,7 +35,7 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from common.checkpoint.sharded import LocalState
 from common.checkpoint.tensorsource import TensorSource, as_source
-from common.config import RunConfig, resolved_mlx_exp
+from common.config import RunConfig, native_cpu_kernels, resolved_mlx_exp
 from common.model.spec import ModelSpec
 from common.model.weights import parameter_shapes
 from common.train.protocols import Batch, Phase, StateStream, Strategy, StrategyClass, World, no_phase
@@ -92,7 +92,8 @@ class Trainer:
         self.strategy = strategy = strategy_for(cfg, world, self.comm)
         # Built unevaluated (MLX is lazy): the strategy cuts it to this rank's part and loads only that
         # from the source (mlx_impl/load.py), so the whole model is never materialised on a sharded rank.
-        set_exp(resolved_mlx_exp(cfg.mlx_exp, self.device, sys.platform))  # before anything is compiled
+        # Which exp, before anything is compiled: the launcher's rule, with this rank's device.
+        set_exp(resolved_mlx_exp(cfg, self.device, sys.platform, native_cpu_kernels(cfg.mlx_cpu_jit)))
         self.model = Llama(spec, compute_dtype=cfg.dtype)
         strategy.wrap(self.model, as_source(weights))
         self.optimizer = optim.AdamW(learning_rate=cfg.lr, betas=[cfg.beta1, cfg.beta2], eps=cfg.adam_eps,

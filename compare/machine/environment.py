@@ -100,14 +100,14 @@ def mlx_cpu_jit(choice: str, cache_root: Path) -> tuple[str, dict]:
 
 
 def mlx_exp(cfg) -> str:
-    """What --mlx-exp gives the MLX ranks, as the report says it. The rank decides by its device
-    (common/config.py resolved_mlx_exp); here the device is the one asked for, a CPU unless a GPU is named."""
-    from common.config import resolved_mlx_exp
+    """What --mlx-exp gives the MLX ranks, as the report says it. The rank decides by the same rule with its
+    own device (common/config.py resolved_mlx_exp); here the device is the one asked for, a CPU on Linux
+    unless a GPU is named."""
+    from common.config import native_cpu_kernels, resolved_mlx_exp
 
-    device = "gpu" if cfg.device in ("gpu", "cuda", "mps") else "cpu"
-    if sys.platform == "darwin" and cfg.device == "auto":
-        device = "gpu"  # MLX on a Mac runs on Metal unless told otherwise
-    kind = resolved_mlx_exp(cfg.mlx_exp, device, sys.platform)
+    device = "gpu" if cfg.device in ("gpu", "cuda", "mps") or (sys.platform == "darwin" and cfg.device == "auto") \
+        else "cpu"
+    kind = resolved_mlx_exp(cfg, device, sys.platform, native_cpu_kernels(cfg.mlx_cpu_jit))
     how = "range reduction and a polynomial, vectorised by mx.compile" if kind == "fused" else "MLX's own"
     return f"{kind} ({how})"
 
