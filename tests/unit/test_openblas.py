@@ -58,3 +58,29 @@ def test_a_users_coretype_wins_and_every_run_names_its_core(monkeypatch):
     monkeypatch.delenv("OPENBLAS_CORETYPE")
     monkeypatch.setattr(openblas, "core_of", lambda lib, core: "Cooperlake")
     assert env.mlx_blas("auto")[0].endswith("; core Cooperlake)")
+
+
+def test_doctors_matmul_peak_runs_the_kernels_the_runs_get(monkeypatch, tmp_path):
+    """The MFU denominator: measured_peaks starts MLX's probe with mlx_blas's environment, OPENBLAS_CORETYPE
+    included, and keys its cache by the description that names the core."""
+    import subprocess
+
+    from compare.machine import peak
+
+    chosen = ("openblas (lib, preloaded; core SkylakeX (OPENBLAS_CORETYPE=SKYLAKEX: ...))",
+              {"LD_PRELOAD": "lib", "OPENBLAS_CORETYPE": "SKYLAKEX"})
+    monkeypatch.setattr(env, "mlx_blas", lambda choice: chosen)
+    monkeypatch.setattr(peak, "cache_path", lambda: tmp_path / "peak.json")
+    seen, real_run = {}, subprocess.run
+
+    def fake_run(argv, env=None, **kwargs):  # the framework probes only; anything else runs
+        if len(argv) < 3 or not str(argv[2]).endswith("_impl.peak"):
+            return real_run(argv, env=env, **kwargs)
+        seen[argv[2]] = env
+        return subprocess.CompletedProcess(argv, 0, stdout='{"flops": 1e9, "device": "cpu", "threads": 1}\n',
+                                           stderr="")
+
+    monkeypatch.setattr(peak.subprocess, "run", fake_run)
+    peaks = peak.measured_peaks(refresh=True)
+    assert seen["mlx_impl.peak"]["OPENBLAS_CORETYPE"] == "SKYLAKEX"
+    assert peaks["mlx"]["blas"] == chosen[0]
