@@ -3,15 +3,16 @@
 MLX's CPU `exp` runs one element at a time: the wheel's prebuilt kernel for baseline x86-64 (13-21 ns per
 element, docs/cpu-performance.md), and inside an mx.compile kernel an out-of-line call to its scalar
 `simd::exp` (4.8 ns even built with -march=native). torch's is vectorised (2.7 ns). Written here as
-multiplies, adds, a round and integer shifts, every step inlines into the compiled loop, which g++ vectorises.
+multiplies, adds, selects and integer shifts, every step inlines into the compiled loop, which g++ vectorises.
 
 The method (Cody and Waite's range reduction, then a polynomial):
     k = round(x / ln 2),  r = (x - k*LN2_HI) - k*LN2_LO  (|r| <= ln2/2; k*LN2_HI is exact),
     exp(x) = 2^k * (1 + r + r^2 (c0 + c1 r) + r^4 (c2 + c3 r + c4 r^2)),
-the polynomial a minimax fit of degree 6 (relative error 1.6e-8 on |r| <= ln2/2), evaluated in Estrin's scheme
+the polynomial a minimax fit of degree 6 (relative error 2.5e-8 on |r| <= ln2/2, 1.0e-7 down to r = -0.665), evaluated in Estrin's scheme
 with 2^k folded into its terms, so the sum is rounded once at the result's scale. Measured against float64 on
-8,001,000 points over [-88, 88]: at most 1.5 ulp (tests/unit/test_fast_exp.py; MLX's own: 5.9e6 ulp near -87.7,
-where it flushes to zero too early).
+8,001,000 points over [-88, 88]: at most 1.54 ulp (1.56 with -march=native kernels, whose g++ contracts
+multiplies and adds into FMAs; tests/unit/test_fast_exp.py). MLX's own: 5.9e6 ulp near -87.7,
+where it flushes to zero too early.
 
 Two kernels, not one: mx.compile fuses at most 11 operations deep (MLX's max_compile_depth) and 2^k needs its
 float bits built as an integer and reinterpreted (mx.view, which it does not fuse). So the first kernel writes
@@ -21,6 +22,10 @@ x and the shift by 1/ln 2 separately, the second subtracts them. Below -88.72 th
 own exp below -88); +inf, -inf and NaN give inf, 0 and NaN. Above 88.38, k stays 127 and r leaves the
 polynomial's range: 1.4e-5 relative at worst up to 88.72, where float32 overflows (softmax and cross-entropy
 never get there: they exponentiate x - max <= 0).
+
+The bits of 2^k are one more array the size of x; with glibc's default malloc its fresh pages cost more than the
+vectorised arithmetic saves against MLX's -march=native exp, so --mlx-exp auto uses this only where it measured
+faster (common/config.py resolved_mlx_exp; docs/cpu-performance.md, benchmarks/bench_exp.py).
 
 The gradient is the output times the cotangent (mx.custom_function), as for MLX's exp: the backward never
 differentiates the polynomial.
