@@ -359,16 +359,16 @@ def native_cpu_kernels(choice: str) -> bool:
 def resolved_mlx_exp(cfg: "RunConfig", device: str, system: str, native_kernels: bool) -> str:
     """The exp MLX's softmax, cross-entropy and SiLU use: "fused" (mlx_impl/fast_exp.py) or "native" (mx.exp).
 
-    auto picks what measured faster (benchmarks/bench_exp.py, docs/cpu-performance.md): on a Linux CPU, fused
-    where MLX's compiled exp is its scalar baseline build (a libm call per element) or --tune-malloc keeps
-    freed buffers (the fused exp writes one more array, whose fresh pages cost more than its faster
-    arithmetic saves otherwise); MLX's own with -march=native kernels (native_kernels: --mlx-cpu-jit gave
-    them), on Metal and CUDA (fast already) and on macOS (Accelerate)."""
+    auto picks what measured faster (benchmarks/bench_exp.py and the tokens/s sittings in
+    docs/cpu-performance.md): on a Linux CPU, fused where MLX's compiled exp is its baseline build (a libm call
+    per element: 2x slower than the fused one); MLX's own with -march=native kernels (native_kernels:
+    --mlx-cpu-jit gave them), where the fused exp's extra array costs what its faster arithmetic saves; MLX's
+    own on Metal and CUDA (fast already) and on macOS (Accelerate)."""
     if cfg.mlx_exp != "auto":
         return cfg.mlx_exp
     if device != "cpu" or not system.startswith("linux"):
         return "native"
-    return "fused" if cfg.tune_malloc or not native_kernels else "native"
+    return "native" if native_kernels else "fused"
 
 
 def _choice(name: str, value, allowed, where: str = "") -> None:

@@ -23,9 +23,9 @@ own exp below -88); +inf, -inf and NaN give inf, 0 and NaN. Above 88.38, k stays
 polynomial's range: 1.4e-5 relative at worst up to 88.72, where float32 overflows (softmax and cross-entropy
 never get there: they exponentiate x - max <= 0).
 
-The bits of 2^k are one more array the size of x; with glibc's default malloc its fresh pages cost more than the
-vectorised arithmetic saves against MLX's -march=native exp, so --mlx-exp auto uses this only where it measured
-faster (common/config.py resolved_mlx_exp; docs/cpu-performance.md, benchmarks/bench_exp.py).
+The bits of 2^k are one more array the size of x; against MLX's -march=native exp, its fresh pages cost about what
+the vectorised arithmetic saves, so --mlx-exp auto uses this only where it measured faster: with baseline
+kernels (common/config.py resolved_mlx_exp; docs/cpu-performance.md, benchmarks/bench_exp.py).
 
 The gradient is the output times the cotangent (mx.custom_function), as for MLX's exp: the backward never
 differentiates the polynomial.
