@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import json
 import os
+import platform
+import shutil
+import sys
 import tomllib
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -40,6 +43,7 @@ SEQUENCE_MODES = ("packing", "padding")
 DEVICES = ("auto", "cpu", "cuda", "mps", "gpu")
 MLX_BLAS = ("auto", "system", "bundled")
 MLX_CPU_JIT = ("auto", "native", "baseline")
+MLX_EXP = ("auto", "native", "fused")  # mlx_impl/fast_exp.py
 DTYPES = ("float32", "bfloat16")
 CHECKPOINT_FORMATS = ("hf", "sharded")  # common/checkpoint/store.py, common/checkpoint/sharded.py
 TRACKERS = ("tensorboard", "wandb", "trackio")  # --report-to (compare/report/tracking.py)
@@ -103,6 +107,7 @@ class RunConfig:
     threads_per_rank: int = 1
     mlx_blas: str = "auto"
     mlx_cpu_jit: str = "auto"        # mx.compile kernel flags, Linux x86 (compare/machine/environment.py)
+    mlx_exp: str = "auto"            # exp in softmax, cross-entropy and SiLU: auto, native or fused (mlx_impl/fast_exp.py)
     all_reduce_size_mb: float = 32.0
     # MLX: the stream collectives run on. auto = the CPU stream on a Metal GPU, where a collective on the
     # GPU stream that waits ~5 s for a slow peer is killed by Metal's watchdog (mlx_impl/comm.py).
@@ -262,6 +267,7 @@ class RunConfig:
         _choice("device", self.device, DEVICES)
         _choice("mlx_blas", self.mlx_blas, MLX_BLAS)
         _choice("mlx_cpu_jit", self.mlx_cpu_jit, MLX_CPU_JIT)
+        _choice("mlx_exp", self.mlx_exp, MLX_EXP)
         _choice("dtype", self.dtype, DTYPES)
         _choice("strategy", self.strategy, (*STRATEGIES, "mesh"))
         _choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
@@ -384,6 +390,28 @@ def read_toml(path: str) -> dict:
     except OSError as err:
         raise UserError(f"config file {path} cannot be read: {err.strerror}") from None
     return resolve_config_paths(values, Path(path).absolute().parent, f" in {path}")
+
+
+def native_cpu_kernels(choice: str) -> bool:
+    """Whether --mlx-cpu-jit `choice` builds MLX's compiled CPU kernels with -march=native on this machine
+    (compare/machine/environment.py mlx_cpu_jit: Linux x86-64 with a g++)."""
+    return choice != "baseline" and sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64") \
+        and shutil.which("g++") is not None
+
+
+def resolved_mlx_exp(cfg: "RunConfig", device: str, system: str, native_kernels: bool) -> str:
+    """The exp MLX's softmax, cross-entropy and SiLU use: "fused" (mlx_impl/fast_exp.py) or "native" (mx.exp).
+
+    auto picks what measured faster (benchmarks/bench_exp.py and the tokens/s sittings in
+    docs/cpu-performance.md): on a Linux CPU, fused where MLX's compiled exp is its baseline build (a libm call
+    per element: 2x slower than the fused one); MLX's own with -march=native kernels (native_kernels:
+    --mlx-cpu-jit gave them), where the fused exp's extra array costs what its faster arithmetic saves; MLX's
+    own on Metal and CUDA (fast already) and on macOS (Accelerate)."""
+    if cfg.mlx_exp != "auto":
+        return cfg.mlx_exp
+    if device != "cpu" or not system.startswith("linux"):
+        return "native"
+    return "native" if native_kernels else "fused"
 
 
 def _choice(name: str, value, allowed, where: str = "") -> None:

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from common.config import RunConfig
+
 from .machine import environment as env
 from .machine.backends import MLX_PROBE, TORCH_PROBE, probe
 
@@ -52,6 +54,7 @@ def doctor(measure_peak: bool = False) -> str:
             f"  jaccl       {'yes' if usable['jaccl'] else 'no'} (jaccl, jaccl-ring: Thunderbolt 5 RDMA between Macs)",
             f"  BLAS linked {mlx_linked_blas()}",
             f"  --mlx-blas auto uses: {env.mlx_blas('auto')[0]}",
+            f"  --mlx-exp auto uses: {env.mlx_exp(RunConfig())}",
         ]
     lines += ["", f"torch         {versions['torch'] or 'not installed'}"]
     if "error" in torch:

@@ -7,6 +7,7 @@ embedding output is cast to the compute dtype, and every parameter is cast to it
 """
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import mlx.core as mx
@@ -17,6 +18,33 @@ from mlx.utils import tree_flatten
 from common.model.rope import spec_tables
 from common.model.spec import ModelSpec
 from common.model.weights import load_pretrained
+
+from . import fast_exp
+
+EXP_KINDS = ("native", "fused")
+_EXP = {"kind": "native"}
+
+
+def set_exp(kind: str) -> None:
+    """The exp that softmax, cross-entropy and SiLU trace from now on: "native" (mx.exp) or "fused"
+    (mlx_impl/fast_exp.py, --mlx-exp). The Trainer sets it before it compiles its step: a compiled function
+    keeps the graph it traced, so a change reaches only what is traced after it."""
+    if kind not in EXP_KINDS:
+        raise ValueError(f"unknown exp {kind!r}; allowed: {', '.join(EXP_KINDS)}")
+    _EXP["kind"] = kind
+
+
+def _exp_minus(x: mx.array, shift: mx.array, kind: str | None = None) -> mx.array:
+    """exp(x - shift); shift (a row max) gets no gradient, as it cancels wherever this is used."""
+    if (kind or _EXP["kind"]) == "fused" and x.dtype == mx.float32:
+        return fast_exp.exp_minus(x, shift)
+    return mx.exp(x - mx.stop_gradient(shift))
+
+
+def _exp_negated(x: mx.array) -> mx.array:
+    if _EXP["kind"] == "fused" and x.dtype == mx.float32:
+        return fast_exp.exp_negated(x)
+    return mx.exp(-x)
 
 
 def attention_mask(padding_mask: mx.array | None, T: int) -> mx.array | str:
@@ -33,14 +61,17 @@ def _causal_mask(T: int) -> mx.array:
     return mx.arange(T)[:, None] >= mx.arange(T)[None]
 
 
-@mx.compile
-def _softmax(scores: mx.array) -> mx.array:
+def _softmax(scores: mx.array, exp_kind: str) -> mx.array:
     """Softmax over the last axis in float32, rounded once to the scores' dtype. Written out so that mx.compile
     fuses the subtraction and exp into one kernel built for this CPU (--mlx-cpu-jit; MLX's softmax and exp
     primitives are prebuilt for baseline x86-64); the max is a constant shift, no gradient flows to it."""
     s = scores.astype(mx.float32)
-    e = mx.exp(s - mx.stop_gradient(s.max(axis=-1, keepdims=True)))
+    e = _exp_minus(s, s.max(axis=-1, keepdims=True), exp_kind)
     return (e / e.sum(axis=-1, keepdims=True)).astype(scores.dtype)
+
+
+# One compiled softmax per exp: a compiled function keeps the graph it first traced.
+_SOFTMAX = {kind: mx.compile(functools.partial(_softmax, exp_kind=kind)) for kind in EXP_KINDS}
 
 
 def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array | str) -> mx.array:
@@ -65,7 +96,7 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.arra
             mask = mask[:, :, None]
     scores = (q * mx.array(scale, dtype=q.dtype)) @ k.swapaxes(-1, -2)
     scores = mx.where(mask, scores, mx.array(-mx.inf, dtype=scores.dtype))
-    return (_softmax(scores) @ v).reshape(B, H, T, D)
+    return (_SOFTMAX[_EXP["kind"]](scores) @ v).reshape(B, H, T, D)
 
 
 class Linear(nn.Linear):
@@ -168,7 +199,7 @@ def silu_gate(gate: mx.array, up: mx.array) -> mx.array:
     the sigmoid first. Written as torch's CPU kernel writes it, x / (1 + exp(-x)), so that mx.compile fuses it
     with its exp: nn.silu's sigmoid is a prebuilt kernel, 2x slower at tiny's shapes (issue 27)."""
     g = gate.astype(mx.float32)
-    return (g / (1 + mx.exp(-g))).astype(gate.dtype) * up
+    return (g / (1 + _exp_negated(g))).astype(gate.dtype) * up
 
 
 class TransformerBlock(nn.Module):
@@ -235,7 +266,7 @@ def cross_entropy(logits: mx.array, targets: mx.array) -> mx.array:
     logit is read from `logits`, not from the shifted array, which would then have to be materialised too."""
     peak = mx.stop_gradient(logits.max(axis=-1, keepdims=True))
     target_logits = mx.take_along_axis(logits, targets[..., None], axis=-1).squeeze(-1)
-    return mx.log(mx.exp(logits - peak).sum(axis=-1)) + peak.squeeze(-1) - target_logits
+    return mx.log(_exp_minus(logits, peak).sum(axis=-1)) + peak.squeeze(-1) - target_logits
 
 
 def load_weights(model: Llama, weights: dict[str, np.ndarray]) -> None:

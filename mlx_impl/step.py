@@ -24,6 +24,7 @@ holds the full gradient of its own pieces, so nothing is averaged.
 """
 from __future__ import annotations
 
+import sys
 from typing import Mapping, Protocol, Sequence
 
 import mlx.core as mx
@@ -34,7 +35,7 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from common.checkpoint.sharded import LocalState
 from common.checkpoint.tensorsource import TensorSource, as_source
-from common.config import RunConfig
+from common.config import RunConfig, native_cpu_kernels, resolved_mlx_exp
 from common.model.spec import ModelSpec
 from common.model.weights import parameter_shapes
 from common.train.protocols import Batch, Phase, StateStream, Strategy, StrategyClass, World, no_phase
@@ -46,7 +47,7 @@ from .grads import clip_by_norm
 from .load import read_local
 from .mesh import mesh_strategy
 from .microsteps import Grads, Losses, StepFunctions
-from .model import Llama, cross_entropy, load_weights, token_loss_sum, weights_of  # noqa: F401 (benchmarks, tests)
+from .model import Llama, cross_entropy, load_weights, set_exp, token_loss_sum, weights_of  # noqa: F401 (benchmarks, tests)
 from .opclasses import Workloads, workloads
 from .pp import Pipeline
 from .rank_state import state_bytes
@@ -95,6 +96,8 @@ class Trainer:
         self.strategy = strategy = strategy_for(cfg, world, self.comm)
         # Built unevaluated (MLX is lazy): the strategy cuts it to this rank's part and loads only that
         # from the source (mlx_impl/load.py), so the whole model is never materialised on a sharded rank.
+        # Which exp, before anything is compiled: the launcher's rule, with this rank's device.
+        set_exp(resolved_mlx_exp(cfg, self.device, sys.platform, native_cpu_kernels(cfg.mlx_cpu_jit)))
         self.model = Llama(spec, compute_dtype=cfg.dtype)
         strategy.wrap(self.model, as_source(weights))
         self.optimizer = optim.AdamW(learning_rate=cfg.lr, betas=[cfg.beta1, cfg.beta2], eps=cfg.adam_eps,

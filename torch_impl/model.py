@@ -19,6 +19,16 @@ from common.model.spec import ModelSpec
 from common.model.weights import load_pretrained
 
 
+EXP_KINDS = ("native", "fused")
+
+
+def set_exp(kind: str) -> None:
+    """MLX's twin picks the exp of its softmax, cross-entropy and SiLU (--mlx-exp, mlx_impl/fast_exp.py); torch's
+    own CPU exp is vectorised already, so there is nothing to choose here and every kind runs torch.exp."""
+    if kind not in EXP_KINDS:
+        raise ValueError(f"unknown exp {kind!r}; allowed: {', '.join(EXP_KINDS)}")
+
+
 def attention_mask(padding_mask: torch.Tensor | None, T: int) -> torch.Tensor | None:
     if padding_mask is None:
         return None  # is_causal=True: the kernel builds it, no T x T tensor

@@ -171,6 +171,7 @@ def rank_environment(cfg: RunConfig) -> tuple[dict[str, str], str]:
             jit, jit_env = env.mlx_cpu_jit(cfg.mlx_cpu_jit, cfg.cache_path)
             blas += f"; fused CPU kernels: {jit}"
             extra.update(jit_env)
+        blas += f"; exp: {env.mlx_exp(cfg)}"
     return extra, blas
 
 

@@ -44,7 +44,8 @@ def system_openblas() -> str | None:
 
 def mlx_blas(choice: str) -> tuple[str, dict]:
     """(description, extra env) for MLX ranks. On Linux the mlx CPU wheel links a slow reference BLAS;
-    preloading a system OpenBLAS makes its matmuls 20-30x faster with identical results."""
+    preloading a system OpenBLAS makes its matmuls 20-30x faster with identical results, once its kernels
+    suit the CPU (compare/machine/openblas.py)."""
     if sys.platform == "darwin":
         return "accelerate (macOS)", {}
     if choice == "bundled":
@@ -56,7 +57,10 @@ def mlx_blas(choice: str) -> tuple[str, dict]:
                             "libopenblas0-pthread); use --mlx-blas bundled")
         return "bundled (mlx wheel's reference BLAS; no system OpenBLAS found)", {}
     preload = " ".join(filter(None, [library, os.environ.get("LD_PRELOAD", "")]))
-    return f"openblas ({library}, preloaded)", {"LD_PRELOAD": preload}
+    from .openblas import kernels_for
+
+    core, core_env = kernels_for(library)  # a generic core where OpenBLAS misreads the CPU: OPENBLAS_CORETYPE
+    return f"openblas ({library}, preloaded; {core})", {"LD_PRELOAD": preload, **core_env}
 
 
 def mlx_cpu_jit(choice: str, cache_root: Path) -> tuple[str, dict]:
@@ -67,8 +71,9 @@ def mlx_cpu_jit(choice: str, cache_root: Path) -> tuple[str, dict]:
     "native" puts a `g++` first on the ranks' PATH that adds -march=native, and gives them a kernel cache
     of their own (MLX keeps built kernels in $TMPDIR/mlx/<version>/cpu, named by graph, not by flags),
     keyed by this CPU, so a cache on a shared home never serves one CPU's kernels to another.
-    ISO C++ mode keeps floating-point contraction off, so the kernels compute the same operations; a few
-    differ in the last bit (rsqrt), measured in docs/benchmarks.md."""
+    g++ 12 contracts a multiply and an add into an FMA even in -std=c++17 mode (seen in the native kernels'
+    disassembly: x * c + d becomes vfmadd), so some results differ in the last bits (rsqrt too); losses agree
+    to 1e-8, measured in docs/benchmarks.md."""
     baseline = "baseline (MLX's g++ -O3)"
     if choice == "baseline" or sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
         return baseline, {}
@@ -93,6 +98,19 @@ def mlx_cpu_jit(choice: str, cache_root: Path) -> tuple[str, dict]:
         return baseline + f"; cannot write {wrapper.parent}", {}
     path = os.pathsep.join([str(wrapper.parent), os.environ.get("PATH", "")])
     return "native (-march=native)", {"PATH": path, "TMPDIR": str(root)}
+
+
+def mlx_exp(cfg) -> str:
+    """What --mlx-exp gives the MLX ranks, as the report says it. The rank decides by the same rule with its
+    own device (common/config.py resolved_mlx_exp); here the device is the one asked for, a CPU on Linux
+    unless a GPU is named."""
+    from common.config import native_cpu_kernels, resolved_mlx_exp
+
+    device = "gpu" if cfg.device in ("gpu", "cuda", "mps") or (sys.platform == "darwin" and cfg.device == "auto") \
+        else "cpu"
+    kind = resolved_mlx_exp(cfg, device, sys.platform, native_cpu_kernels(cfg.mlx_cpu_jit))
+    how = "range reduction and a polynomial, vectorised by mx.compile" if kind == "fused" else "MLX's own"
+    return f"{kind} ({how})"
 
 
 def _cpu_signature() -> str:

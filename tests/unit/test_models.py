@@ -73,10 +73,14 @@ def test_logits_match_transformers_llama(checkpoint):
     tokens = np.random.default_rng(1).integers(0, spec.vocab_size, size=(2, 17), dtype=np.int64)
     with torch.no_grad():
         expected = hf(torch.from_numpy(tokens)).logits.numpy()
-    for backend in BACKENDS.values():
-        got = logits(backend, backend.from_pretrained(directory), tokens)
+    for backend, exp in [(torch_model, "native"), (mlx_model, "native"), (mlx_model, "fused")]:
+        backend.set_exp(exp)  # MLX: mx.exp or mlx_impl/fast_exp.py in softmax and SiLU (--mlx-exp)
+        try:
+            got = logits(backend, backend.from_pretrained(directory), tokens)
+        finally:
+            backend.set_exp("native")
         assert got.shape == (2, 17, spec.vocab_size)
-        assert np.abs(got - expected).max() <= ATOL, backend.__name__
+        assert np.abs(got - expected).max() <= ATOL, (backend.__name__, exp)
 
 
 @pytest.mark.parametrize("backend", BACKENDS.values(), ids=BACKENDS.keys())
@@ -152,11 +156,13 @@ def test_load_weights_rejects_wrong_shape_and_missing_tensor(backend):
         backend.load_weights(model, missing)
 
 
-def test_mlx_cross_entropy_matches_torch_in_value_and_gradient():
+@pytest.mark.parametrize("exp", ["native", "fused"])
+def test_mlx_cross_entropy_matches_torch_in_value_and_gradient(exp):
     """mlx_impl.step.cross_entropy writes logsumexp out (so its backward reuses the forward's exponentials):
     it must equal torch's F.cross_entropy, gradient included, also for logits far from zero, where a
     missing max shift would overflow. Measured against torch: sum 1.4e-7 relative (nn.losses.cross_entropy:
-    6.9e-8), gradients 4.4e-6 relative at most (the same for nn.losses.cross_entropy: MLX's exp)."""
+    6.9e-8), gradients 4.4e-6 relative at most (the same for nn.losses.cross_entropy: MLX's exp); with the
+    fused exp (--mlx-exp fused) the same tolerances hold."""
     import mlx.nn as nn
     import torch.nn.functional as F
 
@@ -165,7 +171,11 @@ def test_mlx_cross_entropy_matches_torch_in_value_and_gradient():
     rng = np.random.default_rng(0)
     logits = (rng.standard_normal((64, 1001)) * 4 + np.array([[0.0], [300.0]]).repeat(32, 0)).astype(np.float32)
     targets = rng.integers(0, 1001, 64)
-    value, grad = mx.value_and_grad(lambda z: cross_entropy(z, mx.array(targets)).sum())(mx.array(logits))
+    mlx_model.set_exp(exp)
+    try:
+        value, grad = mx.value_and_grad(lambda z: cross_entropy(z, mx.array(targets)).sum())(mx.array(logits))
+    finally:
+        mlx_model.set_exp("native")
     reference = torch.from_numpy(logits).requires_grad_()
     expected = F.cross_entropy(reference, torch.from_numpy(targets), reduction="sum")
     expected.backward()
