@@ -114,6 +114,10 @@ class RunConfig:
     rdzv_endpoint: str = ""
     init_from: str = ""              # an HF-format Llama dir to start from instead of the seeded init
     collective_timeout_s: float = 60.0
+    # After a rank dies, hangs or fails: restart the job from its latest checkpoint, at most this many times,
+    # going down to min_nproc ranks (0: nproc) when nproc cannot be had back (compare/launch/restarts.py).
+    max_restarts: int = 0
+    min_nproc: int = 0
     link: str = ""                   # emulate a link of this rate between local ranks (compare/launch/netns.py)
     launcher: str = "auto"           # LAUNCHERS: srun inside a Slurm allocation, or this machine's own launchers
     timing_warmup_steps: int = 3
@@ -280,6 +284,10 @@ class RunConfig:
         if self.launcher == "slurm" and (self.hostfile or self.nnodes > 1 or self.link):
             raise UserError("--launcher slurm starts the ranks on the allocation's nodes; it cannot be combined with "
                             "--hostfile, --nnodes or --link")
+        if self.max_restarts < 0:
+            raise UserError(f"max_restarts must be >= 0, got {self.max_restarts}")
+        if not 0 <= self.min_nproc <= self.nproc:
+            raise UserError(f"min_nproc must be in [1, nproc={self.nproc}], got {self.min_nproc}")
         if not 0 <= self.node_rank < self.nnodes:
             raise UserError(f"node_rank {self.node_rank} must be in [0, nnodes={self.nnodes})")
         if not 0 <= self.val_fraction < 1:

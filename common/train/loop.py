@@ -43,11 +43,15 @@ from common.checkpoint.tensorsource import SafetensorsSource, check_source
 from common.train.rank_checks import (TrainingError, check_identical_weights, check_replicas_agree,
                                       check_same_step, replica_checksum)
 from common.train.trace import trace
+from common.train.faults import Fault, injected_fault
+from common.train.rescue import Rescue, copy_state, saver
 from common.model.weights import parameter_shapes
 
 
 # This rank's status, once training has started: a failure is recorded with the step reached so far.
 _live_status: RankStatus | None = None
+# ddp with --max-restarts: the last completed step, which a survivor saves when a peer is lost (rescue.py).
+_rescue: Rescue | None = None
 
 
 def rank_main(run_dir: str, start_world: Callable[[RunConfig], World], trainer_cls: TrainerClass) -> int:
@@ -96,6 +100,8 @@ def rank_main(run_dir: str, start_world: Callable[[RunConfig], World], trainer_c
                       error=f"stopped: {reason} ({message})" if reason else message,
                       traceback=traceback.format_exc()[-4000:])
         print(f"rank {rank}: {message}", file=sys.stderr, flush=True)
+        if _rescue is not None and not reason:  # the launcher may ask this rank to save its last step
+            _rescue.linger()
         return 2 if isinstance(err, UserError) else 1
 
 
@@ -115,7 +121,8 @@ class Run:
     dp_rank: int                 # data-parallel rank and size (common/parallel/layout.py): tp ranks read one batch
     dp_size: int
     start_step: int              # 0, or the step of the checkpoint resumed from
-    fault: dict | None           # DPCOMPARE_INJECT_FAULT, tests only
+    fault: Fault | None          # DPCOMPARE_INJECT_FAULT, tests only (common/train/faults.py)
+    rescue: Rescue | None        # ddp with --max-restarts: the last completed step kept (common/train/rescue.py)
     launch_time: float
     step_times: list[float] = field(default_factory=list)
     data_times: list[float] = field(default_factory=list)
@@ -171,9 +178,13 @@ def setup_run(run_dir: Path, world: World, trainer_cls: TrainerClass) -> Run:
         status.update(force=True, allreduce=probe_allreduce(collectives, cfg.resolved_backend))
         if strategy_layout.measures_all_gather and collectives.all_gather is not None:
             status.update(force=True, allgather=probe_allreduce(collectives, cfg.resolved_backend, op="all_gather"))
+    global _rescue
+    if cfg.max_restarts and world.size > 1 and strategy_layout.state_survives_a_lost_rank:
+        _rescue = Rescue(run_dir, rank, saver(run_dir, spec, {**fingerprints, "framework": trainer.framework},
+                                              cfg.checkpoint_format))
     status.update(force=True, status="running", device=str(trainer.device), start_step=start_step)
     return Run(run_dir, cfg, spec, trainer, status, metrics, train_view, valid_view, sampler, fingerprints,
-               dp_rank, dp_size, start_step, fault=injected_fault(trainer.framework),
+               dp_rank, dp_size, start_step, fault=injected_fault(trainer.framework), rescue=_rescue,
                launch_time=float(os.environ.get("DPCOMPARE_LAUNCH_TIME", time.time())))
 
 
@@ -208,23 +219,25 @@ def run_steps(run: Run) -> None:
         batches, lr, global_tokens = run.step_inputs(step)
         run.data_times.append(time.perf_counter() - t_data)
 
-        fault = run.fault
-        if fault is not None and fault.get("rank", rank) == rank and fault.get("step") == step + 1:
-            raise RuntimeError(f"injected fault at step {step + 1} (DPCOMPARE_INJECT_FAULT)")
+        if run.fault is not None and run.fault.due(rank, trainer.world_size, step + 1, run.start_step):
+            run.fault.strike(step + 1, run.status)
         t0 = time.perf_counter()
         loss, grad_norm = trainer.train_step(batches, lr, global_tokens)
         step_time = time.perf_counter() - t0
         run.step_times.append(step_time)
-        if run.first_step_end is None:
+        if run.first_step_end is None:  # a restart's figures read it (compare/launch/restarts.py)
             run.first_step_end = time.time()
+            run.status.update(force=True, first_step_end=run.first_step_end)
 
         if not math.isfinite(loss):
             raise TrainingError(f"loss is {loss} at step {step + 1}; stopping (the last checkpoint "
                                 f"is kept)")
-        run.metrics.write({"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                           "tokens": global_tokens, "step_time_s": step_time,
-                           "tokens_per_s": global_tokens / step_time, "epoch": run.sampler.epoch_of(step),
-                           "strategy": cfg.strategy})
+        row = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": global_tokens,
+               "step_time_s": step_time, "tokens_per_s": global_tokens / step_time,
+               "epoch": run.sampler.epoch_of(step), "strategy": cfg.strategy}
+        run.metrics.write(row)
+        if run.rescue is not None:
+            run.rescue.keep(step + 1, copy_state(trainer.export_state()), row)
         run.status.update(step=step + 1, loss=loss)
         after_step(run, step + 1)
 
@@ -277,17 +290,6 @@ def final_figures(run: Run, median: float, world_size: int) -> dict:
             run.spec, cfg.micro_batch_size, cfg.seq_len, cfg.grad_accum, cfg.dtype),
         **trainer.strategy.figures(),  # pp: the bubble, measured and analytic
     )
-
-
-def injected_fault(framework: str) -> dict | None:
-    """Test hook: DPCOMPARE_INJECT_FAULT="framework=torch,rank=1,step=3" makes that rank raise."""
-    spec = os.environ.get("DPCOMPARE_INJECT_FAULT")
-    if not spec:
-        return None
-    fields = dict(item.split("=", 1) for item in spec.split(",") if "=" in item)
-    if fields.get("framework", framework) != framework:
-        return None
-    return {k: int(v) for k, v in fields.items() if k in ("rank", "step")}
 
 
 def evaluate(trainer, view: SequenceView, cfg: RunConfig, rank: int, world_size: int) -> float:
