@@ -5,7 +5,8 @@ is one a restart can cure, the job starts again from its latest checkpoint:
 - ddp (a Layout whose state survives a lost rank): a survivor first saves the last completed step
   (common/train/rescue.py), so no step is recomputed; fsdp, tp and pp resume from the last periodic
   checkpoint and lose the steps since;
-- a start that fails before it completes one step could not get its ranks back: with --min-nproc the next
+- a restart that fails again before it gets past the step where the previous start failed could not get
+  its ranks back: with --min-nproc the next
   start runs at the largest world size from M to N-1 that keeps the global batch (more accumulation
   micro-steps at the same micro-batch where they divide it) and that the strategy can split the model
   over; every rank reads the checkpoint resharded for its new place (both checkpoint formats);
@@ -63,6 +64,9 @@ def next_world(cfg: RunConfig, min_nproc: int) -> tuple[RunConfig | None, list[s
             return cfg.replace(nproc=nproc, grad_accum=accums[0]), refused
         except UserError as err:
             refused.append(f"{nproc} ranks: {err}")
+        if nproc == 1 and cfg.strategy != "ddp":  # one rank holds the whole model whatever the strategy
+            refused[-1] += "; ddp instead, as one rank holds the whole model"
+            return cfg.replace(nproc=1, grad_accum=accums[0], strategy="ddp"), refused
     return None, refused
 
 
@@ -97,14 +101,13 @@ class Restarts:
             return None
         completed = merge_rescued_row(run_dir / "metrics.jsonl", rescued)
         resumed_from = checkpoint_step(run_dir)
-        progressed = any(s.get("step", 0) > s.get("start_step", 0) for s in statuses.values())
         nxt = cfg.replace(resume=True)
         note = ""
-        if not progressed and self.attempt > 0 and self.cfg.min_nproc and self.cfg.min_nproc < cfg.nproc:
+        if self.cannot_get_ranks_back(completed) and self.cfg.min_nproc and self.cfg.min_nproc < cfg.nproc:
             smaller, refused = next_world(cfg, self.cfg.min_nproc)
             if smaller is None:
                 failure["error"] += (f" [not restarted: no world size from {self.cfg.min_nproc} to {cfg.nproc - 1} "
-                                     f"keeps the global batch: {'; '.join(refused)}]")
+                                     f"works: {'; '.join(refused)}]")
                 return None
             nxt, note = smaller.replace(resume=True), "; ".join(refused)
         fault_at = min((s["fault_at"] for s in statuses.values() if s.get("fault_at")), default=None)
@@ -115,10 +118,16 @@ class Restarts:
                     else "last_checkpoint"),
             "rescue_error": (rescued or {}).get("error"),
             "nproc_before": cfg.nproc, "nproc_after": nxt.nproc, "grad_accum_after": nxt.grad_accum,
+            "strategy_after": nxt.strategy,
             "passed_over": note or None,
             "failed_at": fault_at or detected_at, "detect_s": (detected_at - fault_at) if fault_at else None,
             "seconds": None})
         return nxt
+
+    def cannot_get_ranks_back(self, completed: int) -> bool:
+        """A restart that failed again before it got past the step where the previous start failed: these
+        ranks are not to be had (a rank that dies at every start, a host that is down)."""
+        return bool(self.records) and completed + 1 <= self.records[-1]["step"]
 
     def started(self, first_step_end: float | None) -> None:
         """The attempt after the latest restart completed its first step at `first_step_end` (epoch s)."""
@@ -152,7 +161,8 @@ def restart_line(record: dict, max_restarts: int) -> str:
     how = (f"a survivor saved step {record['resumed_from']}" if record["how"] == "survivor_checkpoint"
            else f"last checkpoint, step {record['resumed_from']}")
     size = (f"; shrank {record['nproc_before']} -> {record['nproc_after']} ranks "
-            f"(grad accum {record['grad_accum_after']}, same global batch)"
+            f"(grad accum {record['grad_accum_after']}, same global batch"
+            f"{', ' + record['strategy_after'] if record.get('passed_over') and 'ddp instead' in record['passed_over'] else ''})"
             if record["nproc_after"] != record["nproc_before"] else "")
     took = f", first step after {record['seconds']:.1f} s" if record.get("seconds") is not None else ""
     return (f"restart {record['attempt']}/{max_restarts}: rank {record['rank']} {record['cause']} in step "
