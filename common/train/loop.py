@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 import time
@@ -34,7 +35,7 @@ from common.train.protocols import Trainer, TrainerClass, World
 from common.data.sampler import GlobalSampler, micro_batches, rank_slice
 from common.train.lr_schedule import lr_for
 from common.data.sequences import SequenceView
-from common.checkpoint.sharded import save_sharded
+from common.checkpoint.sharded import SHARDED_TMP, save_sharded
 from common.model.spec import ModelSpec
 from common.parallel import layout
 from common.train.supervisor import stop_reason, watch_supervisor
@@ -96,9 +97,12 @@ def rank_main(run_dir: str, start_world: Callable[[RunConfig], World], trainer_c
             message = "interrupted"
         status = _live_status or RankStatus.existing(Path(run_dir), rank)
         reason = stop_reason(Path(run_dir))  # a peer stopped by dpcompare makes this rank's collective fail
-        status.update(force=True, status="interrupted" if reason else "failed",
-                      error=f"stopped: {reason} ({message})" if reason else message,
-                      traceback=traceback.format_exc()[-4000:])
+        try:
+            status.update(force=True, status="interrupted" if reason else "failed",
+                          error=f"stopped: {reason} ({message})" if reason else message,
+                          traceback=traceback.format_exc()[-4000:])
+        except OSError:  # a full disk: the launcher sees a rank gone without a word, and the disk full
+            pass
         print(f"rank {rank}: {message}", file=sys.stderr, flush=True)
         if _rescue is not None and not reason:  # the launcher may ask this rank to save its last step
             _rescue.linger()
@@ -251,8 +255,11 @@ def after_step(run: Run, done: int) -> None:
     if done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
         if run.peak_rss_before_save_bytes is None:
             run.peak_rss_before_save_bytes = peak_rss_bytes()
-        CHECKPOINT_WRITERS[cfg.checkpoint_format](run.trainer, run.run_dir, run.spec, done, run.fingerprints,
-                                                  run.trainer.rank)
+        try:
+            CHECKPOINT_WRITERS[cfg.checkpoint_format](run.trainer, run.run_dir, run.spec, done, run.fingerprints,
+                                                      run.trainer.rank)
+        except OSError as err:  # a full disk: name what was being written (the launcher prints one line)
+            raise OSError(err.errno, err.strerror, err.filename or str(run.run_dir / "checkpoints")) from None
 
 
 def finish_run(run: Run, world_size: int) -> None:
@@ -353,8 +360,12 @@ def checkpoint_sharded(trainer, run_dir: Path, spec: ModelSpec, step: int, finge
         write_state_json(tmp, step, {**fingerprints, "framework": trainer.framework, "checkpoint_format": "sharded"})
         return commit_checkpoint(tmp.parent, tmp, step)
 
-    save_sharded(run_dir, step, rank, trainer.world_size, lambda: trainer.all_sum(np.zeros(1), over="world"), local,
-                 parameter_shapes(spec), finish)
+    try:
+        save_sharded(run_dir, step, rank, trainer.world_size, lambda: trainer.all_sum(np.zeros(1), over="world"),
+                     local, parameter_shapes(spec), finish)
+    except BaseException:  # no partial step directory is left, and a full disk gets its room back
+        shutil.rmtree(run_dir / "checkpoints" / SHARDED_TMP.format(step=step), ignore_errors=True)
+        raise
 
 
 CHECKPOINT_WRITERS = {"hf": checkpoint, "sharded": checkpoint_sharded}  # RunConfig.checkpoint_format

@@ -17,6 +17,7 @@ survivor's last row is appended where the rank that wrote metrics died before wr
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,12 +28,29 @@ from common.metrics import read_json, read_metrics
 from common.parallel import layout
 from common.train import rescue
 
+from .watchdog import failure_cause
+
 NOT_RETRIED = {"disk full": "a full disk is not retried (free space, then --resume)",
                "not finite": "a non-finite loss comes back at every restart (lower --lr, then --resume)"}
+FULL_BYTES = 64 * 1024    # less free than this where the run writes: a disk full, whatever the ranks said
 RESCUE_TIMEOUT_S = 120.0  # a survivor saving the whole state: seconds at most, minutes for a large model
 
 
-def cause_of(failure: dict) -> str:
+def disk_full(run_dir: Path) -> bool:
+    """Under FULL_BYTES free where the run writes: what a rank that died unable to record its error left."""
+    try:
+        stat = os.statvfs(run_dir)
+    except OSError:
+        return False
+    return stat.f_bavail * stat.f_frsize < FULL_BYTES
+
+
+def cause_of(failure: dict, statuses: dict | None = None, run_dir: Path | None = None) -> str:
+    """The failure's kind. A full disk is what any rank says it is: the rank blamed may be one that only
+    lost its peer, or one that died unable to record its own error."""
+    errors = [failure.get("error", "")] + [s.get("error") or "" for s in (statuses or {}).values()]
+    if any(failure_cause(e) == "disk full" for e in errors) or (run_dir is not None and disk_full(run_dir)):
+        return "disk full"
     cause = failure.get("cause", "failed")
     if cause == "failed" and "not finite" in failure.get("error", "") or "loss is nan" in failure.get("error", ""):
         return "not finite"
@@ -80,15 +98,18 @@ class Restarts:
     def attempt(self) -> int:
         return len(self.records)
 
-    def can_rescue(self, cfg: RunConfig, failure: dict) -> bool:
+    def can_rescue(self, cfg: RunConfig, failure: dict, statuses: dict, run_dir: Path) -> bool:
         """Whether a survivor should save its last completed step before the job is stopped."""
-        return (self.attempt < self.cfg.max_restarts and cfg.world_size > 1 and cause_of(failure) not in NOT_RETRIED
+        return (self.attempt < self.cfg.max_restarts and cfg.world_size > 1
+                and cause_of(failure, statuses, run_dir) not in NOT_RETRIED
                 and layout(cfg.strategy, cfg.world_size).state_survives_a_lost_rank)
 
     def after_failure(self, cfg: RunConfig, failure: dict, run_dir: Path, detected_at: float,
                       statuses: dict, rescued: dict | None) -> RunConfig | None:
         """The config of the next start, recorded; None where there is none (the failure then says why)."""
-        cause = cause_of(failure)
+        cause = cause_of(failure, statuses, run_dir)
+        if cause == "disk full":
+            failure["cause"] = cause
         if self.attempt >= self.cfg.max_restarts:
             if self.cfg.max_restarts:
                 failure["error"] += f" [restarts exhausted: {self.cfg.max_restarts}]"
@@ -99,7 +120,11 @@ class Restarts:
         if (why := restartable(cfg)) is not None:
             failure["error"] += f" [not restarted: {why}]"
             return None
-        completed = merge_rescued_row(run_dir / "metrics.jsonl", rescued)
+        try:
+            completed = merge_rescued_row(run_dir / "metrics.jsonl", rescued)
+        except OSError as err:
+            failure["error"] += f" [not restarted: cannot write {err.filename or run_dir}: {err.strerror}]"
+            return None
         resumed_from = checkpoint_step(run_dir)
         nxt = cfg.replace(resume=True)
         note = ""

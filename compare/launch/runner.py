@@ -5,6 +5,7 @@ here once; `launchers` builds the command lines, `watchdog` ends the job when a 
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -151,7 +152,7 @@ def launch(cfg: RunConfig, inputs: Inputs, run_dir: Path) -> dict:
         if nxt is None:
             break
         with open(run_dir / "log.txt", "a") as log:
-            log.write(f"restarting: {restart_line(restarts.records[-1], cfg.max_restarts)}\n")
+            log_line(log, f"restarting: {restart_line(restarts.records[-1], cfg.max_restarts)}")
         job = nxt
     summary = summarize(job, run_dir, attempt.argv, attempt.blas, time.time() - started, attempt.failure,
                         attempt.link_record)
@@ -164,6 +165,15 @@ def launch(cfg: RunConfig, inputs: Inputs, run_dir: Path) -> dict:
     if cfg.node_rank == 0:  # node 0 holds metrics.jsonl
         tracking.report_run_safely(run_dir, cfg.report_to)
     return summary
+
+
+def log_line(log, text: str) -> None:
+    """A line of log.txt from dpcompare itself; a full disk loses the line, not the run's cleanup."""
+    try:
+        log.write(text + "\n")
+        log.flush()
+    except OSError:
+        pass
 
 
 def write_summary(run_dir: Path, summary: dict) -> None:
@@ -192,33 +202,40 @@ def run_attempt(cfg: RunConfig, inputs: Inputs, run_dir: Path, restarts: Restart
     """Start every rank once (restart k of the run when restarts.attempt is k), watch them, stop them."""
     link = EmulatedLink(cfg.link, cfg.nproc) if cfg.link and cfg.world_size > 1 else None
     argv, extra_env, blas = build_command(cfg, run_dir, link=link)
-    inputs.plan(cfg).write(run_dir)
-    if "MLX_HOSTFILE" in extra_env:
-        write_json(Path(extra_env["MLX_HOSTFILE"]), ring_hosts(cfg))
+    attempt = Attempt(argv, blas)
+    try:
+        inputs.plan(cfg).write(run_dir)
+        if "MLX_HOSTFILE" in extra_env:
+            write_json(Path(extra_env["MLX_HOSTFILE"]), ring_hosts(cfg))
+    except OSError as err:  # a full disk before any rank started: one line, no restart
+        attempt.failure = {"failed_rank": None, "cause": "disk full" if err.errno == errno.ENOSPC else "failed",
+                           "error": f"cannot write {err.filename or run_dir}: {err.strerror}"}
+        return attempt
     shutil.rmtree(run_dir / "ranks", ignore_errors=True)
     shutil.rmtree(run_dir / "trace", ignore_errors=True)  # a resumed run's old traces would be listed as its own
     started = time.time()
     child_env = env.child_env({**extra_env, "PYTHONUNBUFFERED": "1", "DPCOMPARE_LAUNCH_TIME": str(started),
                                ATTEMPT_ENV: str(restarts.attempt),
                                supervisor.ENV: supervisor.identity()})  # ranks exit by themselves if this process dies
-    attempt = Attempt(argv, blas)
 
     def rescue_first(failure: dict) -> None:  # ddp: a survivor saves the last completed step (rescue.py)
         attempt.detected_at = time.time()
-        if not restarts.can_rescue(cfg, failure):
-            return
         ranks = read_ranks(run_dir, watched_ranks(cfg))
+        if not restarts.can_rescue(cfg, failure, ranks, run_dir):
+            return
         alive = [r for r, info in sorted(ranks.items())
                  if process_state(info.get("pid")) not in (None, "Z", "T") and r != failure.get("failed_rank")]
         if alive:
-            rescue.request(run_dir, alive[0])
+            try:
+                rescue.request(run_dir, alive[0])
+            except OSError:  # no room for the request: no room for a checkpoint either
+                return
             pid = ranks[alive[0]].get("pid")
             attempt.rescued = wait_for_rescue(run_dir, lambda: process_state(pid) not in (None, "Z"))
 
     with open(run_dir / "log.txt", "a") as log:
         shown = {k: v for k, v in extra_env.items() if k.startswith(("MLX_RANK", "MLX_HOSTFILE", "GLOO_"))}
-        log.write(f"$ {shlex.join([f'{k}={v}' for k, v in shown.items()] + argv)}\n")
-        log.flush()
+        log_line(log, f"$ {shlex.join([f'{k}={v}' for k, v in shown.items()] + argv)}")
         proc = None
         attempt.link_record = loopback_record() if cfg.world_size > 1 and cfg.nnodes == 1 and not cfg.hostfile \
             else None
@@ -227,10 +244,9 @@ def run_attempt(cfg: RunConfig, inputs: Inputs, run_dir: Path, restarts: Restart
             try:
                 if link:
                     attempt.link_record = link.record(link.measure())
-                    log.write(f"link: {attempt.link_record['note']}; TCP measured "
-                              f"{(attempt.link_record['tcp_bandwidth_Bps'] or 0) * 8e-6:.0f} Mbit/s, "
-                              f"{(attempt.link_record['tcp_latency_s'] or 0) * 1e6:.0f} us one way\n")
-                    log.flush()
+                    log_line(log, f"link: {attempt.link_record['note']}; TCP measured "
+                                  f"{(attempt.link_record['tcp_bandwidth_Bps'] or 0) * 8e-6:.0f} Mbit/s, "
+                                  f"{(attempt.link_record['tcp_latency_s'] or 0) * 1e6:.0f} us one way")
                 # A session of its own: the whole job can be signalled at once, and nothing outlives it.
                 proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                         env=child_env, cwd=PROJECT_ROOT, start_new_session=True)

@@ -88,9 +88,11 @@ def watch(proc: subprocess.Popen, run_dir: Path, cfg: RunConfig,
             if bar is not None:
                 bar.close()
             failure.setdefault("cause", "failed")
-            if before_stop is not None:
-                before_stop(failure)
-            stop_job(proc, run_dir)
+            try:
+                if before_stop is not None:
+                    before_stop(failure)
+            finally:  # whatever happened there, nothing of the job is left running
+                stop_job(proc, run_dir)
             return failure
         if code is not None:
             if bar is not None:
