@@ -239,7 +239,7 @@ def cmd_run(args) -> int:
 
 
 def print_run_result(summary: dict, run_dir: Path) -> int:
-    from .launch.restarts import restart_line
+    from .report.restarts import restart_line
 
     for record in summary.get("restarts") or []:  # --max-restarts: one line each
         print(restart_line(record, summary["max_restarts"]), file=sys.stderr)

@@ -186,7 +186,7 @@ def setup_run(run_dir: Path, world: World, trainer_cls: TrainerClass) -> Run:
     if cfg.max_restarts and world.size > 1 and strategy_layout.state_survives_a_lost_rank:
         _rescue = Rescue(run_dir, rank, saver(run_dir, spec, {**fingerprints, "framework": trainer.framework},
                                               cfg.checkpoint_format))
-    status.update(force=True, status="running", device=str(trainer.device), start_step=start_step)
+    status.update(force=True, status="running", device=str(trainer.device), start_step=start_step, step=start_step)
     return Run(run_dir, cfg, spec, trainer, status, metrics, train_view, valid_view, sampler, fingerprints,
                dp_rank, dp_size, start_step, fault=injected_fault(trainer.framework), rescue=_rescue,
                launch_time=float(os.environ.get("DPCOMPARE_LAUNCH_TIME", time.time())))

@@ -181,19 +181,6 @@ def merge_rescued_row(metrics: Path, rescued: dict | None) -> int:
     return last
 
 
-def restart_line(record: dict, max_restarts: int) -> str:
-    """One line per restart, printed after the run and shown in the report."""
-    how = (f"a survivor saved step {record['resumed_from']}" if record["how"] == "survivor_checkpoint"
-           else f"last checkpoint, step {record['resumed_from']}")
-    size = (f"; shrank {record['nproc_before']} -> {record['nproc_after']} ranks "
-            f"(grad accum {record['grad_accum_after']}, same global batch"
-            f"{', ' + record['strategy_after'] if record.get('passed_over') and 'ddp instead' in record['passed_over'] else ''})"
-            if record["nproc_after"] != record["nproc_before"] else "")
-    took = f", first step after {record['seconds']:.1f} s" if record.get("seconds") is not None else ""
-    return (f"restart {record['attempt']}/{max_restarts}: rank {record['rank']} {record['cause']} in step "
-            f"{record['step']}; resumed from {how} ({record['steps_lost']} steps lost){size}{took}")
-
-
 def wait_for_rescue(run_dir: Path, alive, timeout_s: float = RESCUE_TIMEOUT_S) -> dict | None:
     """The saving rank's answer, or None when it died or took longer than `timeout_s`."""
     deadline = time.time() + timeout_s

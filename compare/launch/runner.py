@@ -35,7 +35,8 @@ from ..report.samples import SAMPLE_FILE
 from .hosts import RING_HOSTFILE, check_hostfile, ring_hosts, with_hostfile_backend
 from .launchers import build_command, device_note
 from .netns import EmulatedLink, check_can_emulate, loopback_record
-from .restarts import Restarts, restart_line, wait_for_rescue
+from ..report.restarts import restart_line
+from .restarts import Restarts, wait_for_rescue
 from .watchdog import process_state, read_ranks, stop_job, watch, watched_ranks
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]

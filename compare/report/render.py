@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from .findings import BREAKDOWN_PHASES, MB
 from .parity import all_pairs
+from .restarts import restart_blocks
 from .verdict_table import verdict_tables
 
 
@@ -42,6 +43,7 @@ def report_blocks(s: dict) -> list[tuple]:
                v["warnings"])]
     blocks += [("h2", "Runs"), ("table", RUN_HEADERS, [run_cells(r) for r in s["runs"]])]
     blocks += parity_blocks(s["parity"])
+    blocks += restart_blocks(s["runs"])
     blocks += breakdown_blocks(s["runs"])
     blocks += prediction_blocks(s["runs"])
     blocks += sample_blocks(s.get("samples") or {})
