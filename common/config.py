@@ -288,6 +288,12 @@ class RunConfig:
             raise UserError(f"max_restarts must be >= 0, got {self.max_restarts}")
         if not 0 <= self.min_nproc <= self.nproc:
             raise UserError(f"min_nproc must be in [1, nproc={self.nproc}], got {self.min_nproc}")
+        if self.max_restarts and self.nnodes > 1:
+            raise UserError("--max-restarts restarts a job that one dpcompare starts whole; with --nnodes each node's "
+                            "dpcompare would restart alone (restart every node with --resume)")
+        if 0 < self.min_nproc < self.nproc and self.hostfile:
+            raise UserError("--min-nproc below --nproc shrinks a job of local ranks; a hostfile's ranks are its hosts "
+                            "(restarts at the same size work: --max-restarts)")
         if not 0 <= self.node_rank < self.nnodes:
             raise UserError(f"node_rank {self.node_rank} must be in [0, nnodes={self.nnodes})")
         if not 0 <= self.val_fraction < 1:

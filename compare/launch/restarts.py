@@ -57,14 +57,6 @@ def cause_of(failure: dict, statuses: dict | None = None, run_dir: Path | None =
     return cause
 
 
-def restartable(cfg: RunConfig) -> str | None:
-    """Why this job cannot restart at all (None: it can)."""
-    if cfg.nnodes > 1:
-        return ("--max-restarts restarts a job dpcompare starts whole; with --nnodes each node's dpcompare "
-                "would restart alone (restart every node with --resume)")
-    return None
-
-
 def next_world(cfg: RunConfig, min_nproc: int) -> tuple[RunConfig | None, list[str]]:
     """The largest world size from `min_nproc` to cfg.nproc - 1 that keeps the global batch: (its config or
     None, why each larger size was passed over). Accumulation fills in at the same micro-batch where it
@@ -116,9 +108,6 @@ class Restarts:
             return None
         if cause in NOT_RETRIED:
             failure["error"] += f" [not restarted: {NOT_RETRIED[cause]}]"
-            return None
-        if (why := restartable(cfg)) is not None:
-            failure["error"] += f" [not restarted: {why}]"
             return None
         try:
             completed = merge_rescued_row(run_dir / "metrics.jsonl", rescued)
