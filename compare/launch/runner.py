@@ -224,8 +224,9 @@ def run_attempt(cfg: RunConfig, inputs: Inputs, run_dir: Path, restarts: Restart
         ranks = read_ranks(run_dir, watched_ranks(cfg))
         if not restarts.can_rescue(cfg, failure, ranks, run_dir):
             return
-        alive = [r for r, info in sorted(ranks.items())
-                 if process_state(info.get("pid")) not in (None, "Z", "T") and r != failure.get("failed_rank")]
+        here = os.uname().nodename  # a pid names a process of this host only
+        alive = [r for r, info in sorted(ranks.items()) if info.get("host", here) == here
+                 and process_state(info.get("pid")) not in (None, "Z", "T") and r != failure.get("failed_rank")]
         if alive:
             try:
                 rescue.request(run_dir, alive[0])
