@@ -59,9 +59,7 @@ def watch(proc: subprocess.Popen, run_dir: Path, cfg: RunConfig,
             bar.refresh()
         failure = diagnose(ranks, expected, local, code)
         stalled = time.time() - last_progress
-        limit = cfg.collective_timeout_s + (STARTUP_GRACE_S if len(ranks) < len(expected) or
-                                            all(r.get("step", 0) == r.get("start_step", 0) and
-                                                r.get("status") != "running" for r in ranks.values()) else 0)
+        limit = cfg.collective_timeout_s + (STARTUP_GRACE_S if starting(ranks, expected, local) else 0)
         # One rank waits on no peer, so silence is a slow step (MLX bf16 `small` on a CPU: over a minute),
         # not a hang; a dead process is still caught by `diagnose`.
         stall = failure is None and code is None and stalled > limit and cfg.nproc * cfg.nnodes > 1
@@ -99,6 +97,15 @@ def watch(proc: subprocess.Popen, run_dir: Path, cfg: RunConfig,
                 bar.close()
             return None
         time.sleep(POLL_S)
+
+
+def starting(ranks: dict, expected: list[int], local: bool) -> bool:
+    """Still in start-up: a rank has not joined, or none has finished its first step since it started (that
+    step compiles: MLX's kernels took over a minute on 2 loaded cores), unless one is stopped (SIGSTOP)."""
+    if len(ranks) < len(expected):
+        return True
+    first = all(r.get("step", 0) == r.get("start_step", 0) and r.get("status") != "ok" for r in ranks.values())
+    return first and not (local and any(process_state(r.get("pid")) == "T" for r in ranks.values()))
 
 
 def diagnose(ranks: dict, world, local: bool, exit_code: int | None) -> dict | None:
