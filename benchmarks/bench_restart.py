@@ -11,8 +11,10 @@ Each row: the exit code, the steps in metrics.jsonl, the largest |loss - uninter
 detect_s (fault -> the watchdog's verdict) and restart_s (fault -> the first step after the last restart:
 detection, a survivor's checkpoint under ddp, stopping the job, starting every rank, loading, one step).
 The faults come from DPCOMPARE_INJECT_FAULT (common/train/faults.py).
-keep_ms: what keeping the last step in memory costs a ddp step (--max-restarts with no fault, against
-none, median step time, runs alternated).
+keep_ms: what keeping the last step in memory costs a ddp rank per step (common/train/rescue.py copy_state:
+weights and both moments copied, float32), timed alone for each preset's shapes (builtin vocabulary for tiny,
+GPT-2's for small and base), median of 5. Against a whole run's step time it drowned in the noise of a loaded
+machine (-33 and +25 ms on tiny steps), so it is timed where it happens.
 """
 from __future__ import annotations
 
@@ -54,7 +56,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="kill only, ddp and fsdp; no keep_ms")
     parser.add_argument("--frameworks", default="mlx,torch")
     a = parser.parse_args()
-    rows, overhead = [], []
+    rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="bench_restart_") as work:
         for framework in a.frameworks.split(","):
             for strategy in ("ddp", "fsdp"):
@@ -77,26 +79,42 @@ def main() -> None:
                         "detect_s": records[0].get("detect_s") if records else None,
                         "restart_s": (last["seconds"] + (last["failed_at"] - records[0]["failed_at"])
                                       if last.get("seconds") is not None else None)})
-            if not a.quick:
-                for _ in range(2):  # alternated: the copy's cost per step against the same load
-                    for keep in (False, True):
-                        out = Path(work) / f"{framework}-keep{keep}"
-                        code, s = run(out, framework, "ddp", ["--max-restarts", "1"] if keep else [])
-                        overhead.append({"framework": framework, "keep": keep, "step_time_s": s.get("step_time_s")})
-    for framework in a.frameworks.split(","):
-        times = {keep: benchlib.median([o["step_time_s"] for o in overhead if o["framework"] == framework
-                                        and o["keep"] == keep and o["step_time_s"]] or [0.0]) for keep in (False, True)}
-        for r in rows:
-            if r["framework"] == framework and r["strategy"] == "ddp":
-                r["keep_ms"] = (times[True] - times[False]) * 1e3 if overhead else None
+    copies = [] if a.quick else [copy_cost(name) for name in ("tiny", "small", "base")]
     benchlib.print_table(rows, [("framework", "framework", "s"), ("strategy", "strategy", "s"), ("case", "case", "s"),
                                 ("exit", "exit", "d"), ("steps", "steps", "d"), ("max_dloss", "max |dloss|", ".1e"),
                                 ("restarts", "restarts", "d"), ("steps_lost", "lost", "d"), ("how", "resumed from", "s"),
                                 ("world_size", "N end", "d"), ("detect_s", "detect s", ".1f"),
-                                ("restart_s", "fault->step s", ".1f"), ("keep_ms", "keep ms/step", ".2f")],
+                                ("restart_s", "fault->step s", ".1f")],
                          title=f"Restarts (tiny, {STEPS} steps, checkpoint every {EVERY}, fault before step {AT}, N=2)")
+    if copies:
+        benchlib.print_table(copies, [("preset", "preset", "s"), ("state_mb", "weights+moments MB", ".1f"),
+                                      ("keep_ms", "keep ms/step", ".2f")], title="Keeping the last ddp step")
     benchlib.write_result(a.out, "restart", {"steps": STEPS, "checkpoint_every": EVERY, "fault_step": AT}, rows,
-                          overhead=overhead)
+                          copies=copies)
+
+
+def copy_cost(name: str) -> dict:
+    """copy_state of a preset's weights and moments, as a ddp rank does after every step with --max-restarts."""
+    import time
+
+    import numpy as np
+
+    from common.model.spec import preset
+    from common.model.weights import parameter_shapes
+    from common.train.rescue import copy_state
+
+    spec = preset(name)
+    if name != "tiny":
+        spec = spec.__class__(**{**spec.to_dict(), "vocab_size": 50257})
+    live = {k: np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
+            for k, shape in parameter_shapes(spec).items()}
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        copy_state([iter(live.items())] * 3)
+        times.append(time.perf_counter() - start)
+    return {"preset": name, "state_mb": 3 * sum(v.nbytes for v in live.values()) / 2**20,
+            "keep_ms": benchlib.median(times) * 1e3}
 
 
 if __name__ == "__main__":

@@ -159,3 +159,12 @@ def test_a_survivor_saves_its_last_kept_step_when_asked(tmp_path):
     answer = rescue.answer(tmp_path)
     assert answer["step"] == 7 and answer["row"]["loss"] == 2.0 and saved[0][0] == 7
     np.testing.assert_array_equal(saved[0][1][0]["w"], np.ones(3))
+
+
+def test_the_first_step_after_a_start_gets_the_start_up_grace_and_later_steps_do_not():
+    from compare.launch.watchdog import starting
+
+    resumed = {0: {"step": 5, "start_step": 5, "status": "running"}, 1: {"step": 5, "start_step": 5, "status": "running"}}
+    assert starting(resumed, [0, 1], local=True)  # compiling its first step
+    assert starting({0: resumed[0]}, [0, 1], local=True)  # rank 1 not joined yet
+    assert not starting({**resumed, 1: {"step": 6, "start_step": 5, "status": "running"}}, [0, 1], local=True)
