@@ -31,7 +31,8 @@ from common.train import rescue
 from .watchdog import failure_cause
 
 NOT_RETRIED = {"disk full": "a full disk is not retried (free space, then --resume)",
-               "not finite": "a non-finite loss comes back at every restart (lower --lr, then --resume)"}
+               "not finite": "a non-finite loss or weights, or drifted replicas, come back at every restart "
+                             "(lower --lr, then --resume)"}
 FULL_BYTES = 64 * 1024    # less free than this where the run writes: a disk full, whatever the ranks said
 RESCUE_TIMEOUT_S = 120.0  # a survivor saving the whole state: seconds at most, minutes for a large model
 
@@ -52,7 +53,7 @@ def cause_of(failure: dict, statuses: dict | None = None, run_dir: Path | None =
     if any(failure_cause(e) == "disk full" for e in errors) or (run_dir is not None and disk_full(run_dir)):
         return "disk full"
     cause = failure.get("cause", "failed")
-    if cause == "failed" and "not finite" in failure.get("error", "") or "loss is nan" in failure.get("error", ""):
+    if cause == "failed" and "TrainingError" in failure.get("error", ""):  # common/train/rank_checks.py
         return "not finite"
     return cause
 

@@ -129,6 +129,15 @@ def test_a_full_disk_is_never_restarted(tmp_path, statuses):
     assert "a full disk is not retried" in failure["error"]
 
 
+def test_a_non_finite_loss_is_never_restarted(tmp_path):
+    cfg = RunConfig(preset="tiny", nproc=2, max_restarts=2)
+    failure = {"failed_rank": 0, "cause": "failed", "error": "rank 0 failed in step 3: TrainingError: loss is nan at "
+                                                             "step 3; stopping (the last checkpoint is kept)"}
+    assert Restarts(cfg).after_failure(cfg, failure, tmp_path, time.time(), {}, None) is None
+    assert "come back at every restart" in failure["error"]
+    assert cause_of({"cause": "died", "error": "rank 1 died in step 3"}, {}, tmp_path) == "died"
+
+
 def test_the_injected_fault_hits_its_attempt_or_every_start_at_its_world_size(monkeypatch):
     monkeypatch.setenv("DPCOMPARE_INJECT_FAULT", "framework=torch,rank=1,step=6,signal=KILL")
     first = injected_fault("torch")
