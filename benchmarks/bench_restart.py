@@ -11,7 +11,7 @@ Each row: the exit code, the steps in metrics.jsonl, the largest |loss - uninter
 detect_s (fault -> the watchdog's verdict) and restart_s (fault -> the first step after the last restart:
 detection, a survivor's checkpoint under ddp, stopping the job, starting every rank, loading, one step).
 The faults come from DPCOMPARE_INJECT_FAULT (common/train/faults.py).
-keep_ms: what keeping the last step in memory costs a ddp rank per step (common/train/rescue.py copy_state:
+keep_ms: what keeping the last step in memory costs a torch ddp rank per step (common/train/rescue.py copy_state:
 weights and both moments copied, float32), timed alone for each preset's shapes (builtin vocabulary for tiny,
 GPT-2's for small and base), median of 5. Against a whole run's step time it drowned in the noise of a loaded
 machine (-33 and +25 ms on tiny steps), so it is timed where it happens.

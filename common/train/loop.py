@@ -241,7 +241,7 @@ def run_steps(run: Run) -> None:
                "epoch": run.sampler.epoch_of(step), "strategy": cfg.strategy}
         run.metrics.write(row)
         if run.rescue is not None:
-            run.rescue.keep(step + 1, copy_state(trainer.export_state()), row)
+            run.rescue.keep(step + 1, copy_state(trainer.export_state(), copy=not trainer.state_is_immutable), row)
         run.status.update(step=step + 1, loss=loss)
         after_step(run, step + 1)
 

@@ -9,8 +9,10 @@ restart then resumes from that step: no step is recomputed.
 Why a copy of the state and not the live one: the step that failed may have changed it half-way (MLX:
 the weights are lazy arrays that depend on the lost all-reduce and can never be evaluated; torch: a
 failure between the optimizer update and the loss all-reduce). The copy is taken after each completed
-step, under a lock the rescue thread takes too. It costs one host copy of the weights and both AdamW
-moments (3x the parameters' bytes) and a memcpy per step; it is kept only under ddp with --max-restarts.
+step, under a lock the rescue thread takes too. torch updates its tensors in place, so its ranks copy the weights
+and both AdamW moments after every step (3x the parameters' bytes, and a memcpy); MLX arrays never change, so
+its ranks keep the step's arrays themselves (no copy; the memory of one step's state is freed a step later).
+It is kept only under ddp with --max-restarts.
 
 Why a thread: a survivor is either blocked in a collective that never returns (a stopped peer, the MLX
 ring) or has raised a peer error (gloo, the ring on a closed socket). Both frameworks release the GIL
@@ -39,9 +41,11 @@ State = tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray
 Saver = Callable[[int, State], Path]
 
 
-def copy_state(streams) -> State:
-    """export_state's three streams (ddp: numpy views of the live tensors) as owned copies."""
-    weights, exp_avg, exp_avg_sq = ({name: np.array(array, dtype=np.float32, copy=True) for name, array in stream}
+def copy_state(streams, copy: bool = True) -> State:
+    """export_state's three streams (ddp: numpy views of the live tensors) kept: as owned copies, or (`copy`
+    False, Trainer.state_is_immutable: MLX) as the views themselves, which hold arrays that never change."""
+    weights, exp_avg, exp_avg_sq = ({name: np.array(array, dtype=np.float32, copy=True if copy else None)
+                                     for name, array in stream}
                                     for stream in streams)
     return weights, exp_avg, exp_avg_sq
 
