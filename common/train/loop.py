@@ -223,8 +223,8 @@ def run_steps(run: Run) -> None:
         batches, lr, global_tokens = run.step_inputs(step)
         run.data_times.append(time.perf_counter() - t_data)
 
-        if run.fault is not None and run.fault.due(rank, trainer.world_size, step + 1, run.start_step):
-            run.fault.strike(step + 1, run.status)
+        if run.fault is not None and run.fault.due(rank, trainer.world_size, step + 1, run.start_step, run.run_dir):
+            run.fault.strike(step + 1, run.status, run.run_dir)
         t0 = time.perf_counter()
         loss, grad_norm = trainer.train_step(batches, lr, global_tokens)
         step_time = time.perf_counter() - t0

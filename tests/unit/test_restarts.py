@@ -138,16 +138,24 @@ def test_a_non_finite_loss_is_never_restarted(tmp_path):
     assert cause_of({"cause": "died", "error": "rank 1 died in step 3"}, {}, tmp_path) == "died"
 
 
-def test_the_injected_fault_hits_its_attempt_or_every_start_at_its_world_size(monkeypatch):
+def test_the_injected_fault_hits_once_per_run_its_attempt_or_every_start_at_its_world_size(monkeypatch, tmp_path):
+    monkeypatch.setenv("DPCOMPARE_SUPERVISOR", "host:1:2")
     monkeypatch.setenv("DPCOMPARE_INJECT_FAULT", "framework=torch,rank=1,step=6,signal=KILL")
-    first = injected_fault("torch")
-    assert first == Fault(step=6, rank=1, signal="KILL", attempt=0) and injected_fault("mlx") is None
-    assert first.due(1, 2, 6, 0) and not first.due(0, 2, 6, 0)
+    once = injected_fault("torch")
+    assert once == Fault(step=6, rank=1, signal="KILL") and injected_fault("mlx") is None
+    assert once.due(1, 2, 6, 0, tmp_path) and not once.due(0, 2, 6, 0, tmp_path)
+    (tmp_path / "ranks").mkdir()
+    with pytest.raises(RuntimeError, match="injected fault at step 6"):  # no signal: it raises (KILL would end pytest)
+        Fault(step=6, rank=1).strike(6, type("Status", (), {"update": lambda self, **kw: None})(), tmp_path)
+    assert not once.due(1, 2, 6, 5, tmp_path)  # the start after it is not hit again
+    monkeypatch.setenv("DPCOMPARE_SUPERVISOR", "host:3:4")
+    assert once.due(1, 2, 6, 0, tmp_path)  # another dpcompare's run in the same directory is
+    monkeypatch.setenv("DPCOMPARE_INJECT_FAULT", "framework=torch,rank=1,step=6,attempt=1")
     monkeypatch.setenv("DPCOMPARE_ATTEMPT", "1")
-    assert not first.due(1, 2, 6, 0)  # a restart is not hit again
+    assert injected_fault("torch").due(1, 2, 6, 0, tmp_path)
     monkeypatch.setenv("DPCOMPARE_INJECT_FAULT", "rank=1,step=6,signal=SIGSTOP,world=2")
     every = injected_fault("mlx")
-    assert every.signal == "STOP" and every.due(1, 2, 9, 8) and not every.due(1, 1, 9, 8)
+    assert every.signal == "STOP" and every.due(1, 2, 9, 8, tmp_path) and not every.due(1, 1, 9, 8, tmp_path)
 
 
 def test_a_survivor_saves_its_last_kept_step_when_asked(tmp_path):
