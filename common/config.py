@@ -123,6 +123,10 @@ class RunConfig:
     rdzv_endpoint: str = ""
     init_from: str = ""              # an HF-format Llama dir to start from instead of the seeded init
     collective_timeout_s: float = 60.0
+    # After a rank dies, hangs or fails: restart the job from its latest checkpoint, at most this many times,
+    # going down to min_nproc ranks (0: nproc) when nproc cannot be had back (compare/launch/restarts.py).
+    max_restarts: int = 0
+    min_nproc: int = 0
     link: str = ""                   # emulate a link of this rate between local ranks (compare/launch/netns.py)
     # two levels: groups of group_size consecutive ranks (one machine each) on a link_inner link, the groups
     # joined by the `link` one (compare/launch/topology.py)
@@ -316,6 +320,16 @@ class RunConfig:
         if self.launcher == "slurm" and (self.hostfile or self.nnodes > 1 or self.link):
             raise UserError("--launcher slurm starts the ranks on the allocation's nodes; it cannot be combined with "
                             "--hostfile, --nnodes or --link")
+        if self.max_restarts < 0:
+            raise UserError(f"max_restarts must be >= 0, got {self.max_restarts}")
+        if not 0 <= self.min_nproc <= self.nproc:
+            raise UserError(f"min_nproc must be in [1, nproc={self.nproc}], got {self.min_nproc}")
+        if self.max_restarts and self.nnodes > 1:
+            raise UserError("--max-restarts restarts a job that one dpcompare starts whole; with --nnodes each node's "
+                            "dpcompare would restart alone (restart every node with --resume)")
+        if 0 < self.min_nproc < self.nproc and self.hostfile:
+            raise UserError("--min-nproc below --nproc shrinks a job of local ranks; a hostfile's ranks are its hosts "
+                            "(restarts at the same size work: --max-restarts)")
         if not 0 <= self.node_rank < self.nnodes:
             raise UserError(f"node_rank {self.node_rank} must be in [0, nnodes={self.nnodes})")
         if not 0 <= self.val_fraction < 1:

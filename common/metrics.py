@@ -37,15 +37,22 @@ class MetricsWriter:
     """Appends JSON lines; a no-op on ranks other than 0. Flushed per line so a crash loses nothing."""
 
     def __init__(self, path: Path, enabled: bool):
+        self.path = Path(path)
         self._file = open(path, "a", buffering=1) if enabled else None
 
     def write(self, record: dict) -> None:
         if self._file:
-            self._file.write(json.dumps(record) + "\n")
+            try:
+                self._file.write(json.dumps(record) + "\n")
+            except OSError as err:  # a full disk: the error names the file (the launcher prints it)
+                raise OSError(err.errno, err.strerror, str(self.path)) from None
 
     def close(self) -> None:
         if self._file:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError:  # what could not be flushed was reported by `write`
+                pass
 
 
 def read_jsonl(path: Path) -> list:

@@ -248,6 +248,10 @@ def cmd_run(args) -> int:
 
 
 def print_run_result(summary: dict, run_dir: Path) -> int:
+    from .report.restarts import restart_line
+
+    for record in summary.get("restarts") or []:  # --max-restarts: one line each
+        print(restart_line(record, summary["max_restarts"]), file=sys.stderr)
     if summary["status"] != "ok":
         print(f"dpcompare: error: {summary['framework']} x{summary['world_size']}: {summary.get('error')} "
               f"(log: {run_dir / 'log.txt'})", file=sys.stderr)

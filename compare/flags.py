@@ -56,6 +56,10 @@ RUN_FLAGS = [
     ("--launcher", str, "auto (srun inside a Slurm allocation, else this machine's launchers), local, or slurm "
                        "(docs/clusters.md)"),
     ("--collective-timeout-s", float, "seconds without progress before a job is declared hung"),
+    ("--max-restarts", int, "restart the job from its latest checkpoint after a rank dies, hangs or fails, at most "
+                            "this many times (default 0; docs/faults.md)"),
+    ("--min-nproc", int, "with --max-restarts: go on with fewer ranks, down to this many, at the same global "
+                         "batch when the job cannot get --nproc back"),
     ("--eval-every", int, "steps between eval losses (0: only at the end)"),
     ("--checkpoint-every", int, "steps between checkpoints (0: only at the end)"),
     ("--checkpoint-format", str, "hf (default: whole HF files, written by rank 0) or sharded (every rank writes "

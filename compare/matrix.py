@@ -19,6 +19,7 @@ from common.parallel.mesh import Mesh
 from .flags import config_from_args
 from .plan import add_memory_predictions, add_predictions
 from .report.labels import run_dirname, run_label, strategy_name
+from .report.restarts import restart_line
 from .launch.hosts import check_hostfile
 from .launch.runner import check_run_dir, launch, prepare_inputs
 from .launch import slurm
@@ -98,6 +99,8 @@ def run_here(configs: dict, inputs, out: Path, args) -> tuple[list[Path], list[t
             summary = {"status": "failed", "error": str(err)}
         except KeyboardInterrupt as stop:  # a signal stops the whole matrix: no further run starts
             raise matrix_interrupted(stop, run_dirs, out, args, failed)
+        for record in summary.get("restarts") or []:  # --max-restarts: one line each (compare/report/restarts.py)
+            print(f"   {restart_line(record, cfg.max_restarts)}", file=sys.stderr, flush=True)
         if summary["status"] != "ok":
             failed.append((label, summary.get("error")))
             print(f"   failed: {summary.get('error')}", file=sys.stderr, flush=True)

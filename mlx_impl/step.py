@@ -83,6 +83,7 @@ def _exact_sum(arrays: Losses) -> float:
 class Trainer:
     framework = FRAMEWORK
     tracer = Tracer  # --trace (common/train/trace.py)
+    state_is_immutable = True  # MLX arrays never change: the last step is kept without a copy (rescue.py)
 
     def __init__(self, cfg: RunConfig, spec: ModelSpec, weights: TensorSource, world: World):
         self.rank, self.world_size, self.group = world.rank, world.size, world.group

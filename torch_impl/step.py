@@ -79,6 +79,7 @@ def _param_groups(model: nn.Module) -> list[dict[str, list[nn.Parameter]]]:
 class Trainer:
     framework = FRAMEWORK
     tracer = Tracer  # --trace (common/train/trace.py)
+    state_is_immutable = False  # AdamW updates in place: the last step is kept as a copy (rescue.py)
 
     def __init__(self, cfg: RunConfig, spec: ModelSpec, weights: TensorSource, world: World):
         self.rank, self.world_size, self.group = world.rank, world.size, world.group

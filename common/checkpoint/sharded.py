@@ -38,6 +38,7 @@ from common.fsutil import fsync_dir
 from common.checkpoint.safetensorswriter import SafetensorsWriter
 
 SHARDS, INDEX = "shards", "index.json"
+SHARDED_TMP = ".tmp_step_{step:06d}_sharded"  # the checkpoint being written, under checkpoints/
 KINDS = ("weights", "exp_avg", "exp_avg_sq")
 FORMAT = "dpcompare-sharded"
 VERSION = 1
@@ -103,7 +104,7 @@ def save_sharded(run_dir: Path, step: int, rank: int, world_size: int, barrier: 
     (rank 0) writes config.json and state.json and commits the directory (common/checkpoint/store.py's
     commit_checkpoint). Returns the checkpoint directory on rank 0."""
     root = Path(run_dir) / "checkpoints"
-    tmp = root / f".tmp_step_{step:06d}_sharded"  # one name every rank knows, without communicating
+    tmp = root / SHARDED_TMP.format(step=step)  # one name every rank knows, without communicating
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / SHARDS).mkdir(parents=True)

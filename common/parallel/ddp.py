@@ -31,6 +31,7 @@ class DdpLayout(Layout):
     name: ClassVar[str] = "ddp"
     supports_biases: ClassVar[bool] = True
     collectives_inside_compute: ClassVar[bool] = False
+    state_survives_a_lost_rank: ClassVar[bool] = True
 
     def local_parameters(self, spec: ModelSpec, framework: str = "torch") -> float:
         return total_parameters(spec)

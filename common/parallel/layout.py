@@ -102,6 +102,9 @@ class Layout(ABC):
     # cannot tell them from compute: a calibration run takes the model's estimate of them off its step instead
     # of measuring an overlap from the breakdown's `communication`.
     collectives_inside_compute: ClassVar[bool] = True
+    # Every rank holds the whole training state after each step: when one rank is lost, a survivor can save
+    # the last completed step without any collective (common/train/rescue.py), so a restart loses no step.
+    state_survives_a_lost_rank: ClassVar[bool] = False
 
     @property
     def axis_name(self) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 import time
@@ -35,7 +36,7 @@ from common.train.protocols import Trainer, TrainerClass, World
 from common.data.sampler import GlobalSampler, micro_batches, rank_slice
 from common.train.lr_schedule import lr_for
 from common.data.sequences import SequenceView
-from common.checkpoint.sharded import save_sharded
+from common.checkpoint.sharded import SHARDED_TMP, save_sharded
 from common.model.spec import ModelSpec
 from common.train.supervisor import stop_reason, watch_supervisor
 from common.data.tokencache import TokenCache
@@ -43,11 +44,15 @@ from common.checkpoint.tensorsource import SafetensorsSource, check_source
 from common.train.rank_checks import (TrainingError, check_identical_weights, check_replicas_agree,
                                       check_same_step, replica_checksum)
 from common.train.trace import trace
+from common.train.faults import Fault, injected_fault
+from common.train.rescue import Rescue, copy_state, saver
 from common.model.weights import parameter_shapes
 
 
 # This rank's status, once training has started: a failure is recorded with the step reached so far.
 _live_status: RankStatus | None = None
+# ddp with --max-restarts: the last completed step, which a survivor saves when a peer is lost (rescue.py).
+_rescue: Rescue | None = None
 
 
 def rank_main(run_dir: str, start_world: Callable[[RunConfig], World], trainer_cls: TrainerClass) -> int:
@@ -92,10 +97,15 @@ def rank_main(run_dir: str, start_world: Callable[[RunConfig], World], trainer_c
             message = "interrupted"
         status = _live_status or RankStatus.existing(Path(run_dir), rank)
         reason = stop_reason(Path(run_dir))  # a peer stopped by dpcompare makes this rank's collective fail
-        status.update(force=True, status="interrupted" if reason else "failed",
-                      error=f"stopped: {reason} ({message})" if reason else message,
-                      traceback=traceback.format_exc()[-4000:])
+        try:
+            status.update(force=True, status="interrupted" if reason else "failed",
+                          error=f"stopped: {reason} ({message})" if reason else message,
+                          traceback=traceback.format_exc()[-4000:])
+        except OSError:  # a full disk: the launcher sees a rank gone without a word, and the disk full
+            pass
         print(f"rank {rank}: {message}", file=sys.stderr, flush=True)
+        if _rescue is not None and not reason:  # the launcher may ask this rank to save its last step
+            _rescue.linger()
         return 2 if isinstance(err, UserError) else 1
 
 
@@ -115,7 +125,8 @@ class Run:
     dp_rank: int                 # data-parallel rank and size (common/parallel/layout.py): tp ranks read one batch
     dp_size: int
     start_step: int              # 0, or the step of the checkpoint resumed from
-    fault: dict | None           # DPCOMPARE_INJECT_FAULT, tests only
+    fault: Fault | None          # DPCOMPARE_INJECT_FAULT, tests only (common/train/faults.py)
+    rescue: Rescue | None        # ddp with --max-restarts: the last completed step kept (common/train/rescue.py)
     launch_time: float
     step_times: list[float] = field(default_factory=list)
     data_times: list[float] = field(default_factory=list)
@@ -174,9 +185,13 @@ def setup_run(run_dir: Path, world: World, trainer_cls: TrainerClass) -> Run:
         if cfg.group_size and cfg.link_inner:  # two levels: the link inside each group too (docs/links.md)
             status.update(force=True, allreduce_inner=probe_group_allreduce(collectives, cfg.resolved_backend,
                                                                             cfg.group_size))
-    status.update(force=True, status="running", device=str(trainer.device), start_step=start_step)
+    global _rescue
+    if cfg.max_restarts and world.size > 1 and strategy_layout.state_survives_a_lost_rank:
+        _rescue = Rescue(run_dir, rank, saver(run_dir, spec, {**fingerprints, "framework": trainer.framework},
+                                              cfg.checkpoint_format))
+    status.update(force=True, status="running", device=str(trainer.device), start_step=start_step, step=start_step)
     return Run(run_dir, cfg, spec, trainer, status, metrics, train_view, valid_view, sampler, fingerprints,
-               dp_rank, dp_size, start_step, fault=injected_fault(trainer.framework),
+               dp_rank, dp_size, start_step, fault=injected_fault(trainer.framework), rescue=_rescue,
                launch_time=float(os.environ.get("DPCOMPARE_LAUNCH_TIME", time.time())))
 
 
@@ -211,23 +226,25 @@ def run_steps(run: Run) -> None:
         batches, lr, global_tokens = run.step_inputs(step)
         run.data_times.append(time.perf_counter() - t_data)
 
-        fault = run.fault
-        if fault is not None and fault.get("rank", rank) == rank and fault.get("step") == step + 1:
-            raise RuntimeError(f"injected fault at step {step + 1} (DPCOMPARE_INJECT_FAULT)")
+        if run.fault is not None and run.fault.due(rank, trainer.world_size, step + 1, run.start_step, run.run_dir):
+            run.fault.strike(step + 1, run.status, run.run_dir)
         t0 = time.perf_counter()
         loss, grad_norm = trainer.train_step(batches, lr, global_tokens)
         step_time = time.perf_counter() - t0
         run.step_times.append(step_time)
-        if run.first_step_end is None:
+        if run.first_step_end is None:  # a restart's figures read it (compare/launch/restarts.py)
             run.first_step_end = time.time()
+            run.status.update(force=True, first_step_end=run.first_step_end)
 
         if not math.isfinite(loss):
             raise TrainingError(f"loss is {loss} at step {step + 1}; stopping (the last checkpoint "
                                 f"is kept)")
-        run.metrics.write({"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                           "tokens": global_tokens, "step_time_s": step_time,
-                           "tokens_per_s": global_tokens / step_time, "epoch": run.sampler.epoch_of(step),
-                           "strategy": cfg.strategy})
+        row = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": global_tokens,
+               "step_time_s": step_time, "tokens_per_s": global_tokens / step_time,
+               "epoch": run.sampler.epoch_of(step), "strategy": cfg.strategy}
+        run.metrics.write(row)
+        if run.rescue is not None:
+            run.rescue.keep(step + 1, copy_state(trainer.export_state(), copy=not trainer.state_is_immutable), row)
         run.status.update(step=step + 1, loss=loss)
         after_step(run, step + 1)
 
@@ -241,8 +258,11 @@ def after_step(run: Run, done: int) -> None:
     if done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
         if run.peak_rss_before_save_bytes is None:
             run.peak_rss_before_save_bytes = peak_rss_bytes()
-        CHECKPOINT_WRITERS[cfg.checkpoint_format](run.trainer, run.run_dir, run.spec, done, run.fingerprints,
-                                                  run.trainer.rank)
+        try:
+            CHECKPOINT_WRITERS[cfg.checkpoint_format](run.trainer, run.run_dir, run.spec, done, run.fingerprints,
+                                                      run.trainer.rank)
+        except OSError as err:  # a full disk: name what was being written (the launcher prints one line)
+            raise OSError(err.errno, err.strerror, err.filename or str(run.run_dir / "checkpoints")) from None
 
 
 def finish_run(run: Run, world_size: int) -> None:
@@ -288,17 +308,6 @@ def final_figures(run: Run, median: float, world_size: int) -> dict:
             run.spec, cfg.micro_batch_size, cfg.seq_len, cfg.grad_accum, cfg.dtype),
         **trainer.strategy.figures(),  # pp: the bubble, measured and analytic
     )
-
-
-def injected_fault(framework: str) -> dict | None:
-    """Test hook: DPCOMPARE_INJECT_FAULT="framework=torch,rank=1,step=3" makes that rank raise."""
-    spec = os.environ.get("DPCOMPARE_INJECT_FAULT")
-    if not spec:
-        return None
-    fields = dict(item.split("=", 1) for item in spec.split(",") if "=" in item)
-    if fields.get("framework", framework) != framework:
-        return None
-    return {k: int(v) for k, v in fields.items() if k in ("rank", "step")}
 
 
 def evaluate(trainer, view: SequenceView, cfg: RunConfig, rank: int, world_size: int) -> float:
@@ -362,8 +371,12 @@ def checkpoint_sharded(trainer, run_dir: Path, spec: ModelSpec, step: int, finge
         write_state_json(tmp, step, {**fingerprints, "framework": trainer.framework, "checkpoint_format": "sharded"})
         return commit_checkpoint(tmp.parent, tmp, step)
 
-    save_sharded(run_dir, step, rank, trainer.world_size, lambda: trainer.all_sum(np.zeros(1), over="world"), local,
-                 parameter_shapes(spec), finish)
+    try:
+        save_sharded(run_dir, step, rank, trainer.world_size, lambda: trainer.all_sum(np.zeros(1), over="world"),
+                     local, parameter_shapes(spec), finish)
+    except BaseException:  # no partial step directory is left, and a full disk gets its room back
+        shutil.rmtree(run_dir / "checkpoints" / SHARDED_TMP.format(step=step), ignore_errors=True)
+        raise
 
 
 CHECKPOINT_WRITERS = {"hf": checkpoint, "sharded": checkpoint_sharded}  # RunConfig.checkpoint_format

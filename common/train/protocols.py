@@ -177,6 +177,11 @@ class Trainer(Protocol):
         """Where the rank computes; str() of it names it, e.g. "cpu", "gpu", "cuda:0"."""
 
     @property
+    def state_is_immutable(self) -> bool:
+        """export_state's arrays never change once exported (MLX arrays), so keeping them needs no copy
+        (common/train/rescue.py); torch's optimizer updates its tensors in place."""
+
+    @property
     def rank(self) -> int: ...
 
     @property

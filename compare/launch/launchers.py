@@ -46,7 +46,9 @@ class Job:
     def spawner(self, *how: str) -> list[str]:
         """compare.launch.spawn starting this machine's ranks of the job."""
         netns = self.link.spawn_args() if self.link else []
-        return [sys.executable, "-m", "compare.launch.spawn", "--ranks", str(self.cfg.nproc), *how, *netns, "--",
+        # --max-restarts: dpcompare's watchdog stops the job itself, once a survivor saved its last step.
+        keep = ["--keep-survivors"] if self.cfg.max_restarts else []
+        return [sys.executable, "-m", "compare.launch.spawn", "--ranks", str(self.cfg.nproc), *how, *netns, *keep, "--",
                 *self.rank_argv]
 
 

@@ -5,6 +5,7 @@ here once; `launchers` builds the command lines, `watchdog` ends the job when a 
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -14,10 +15,11 @@ import signal
 import subprocess
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.train import supervisor
+from common.train import rescue, supervisor
+from common.train.faults import ATTEMPT_ENV
 from common.config import RunConfig
 from common.errors import UserError
 from common.metrics import read_metrics, throughput_stats, write_json
@@ -34,7 +36,9 @@ from ..report.samples import SAMPLE_FILE
 from .hosts import RING_HOSTFILE, check_hostfile, ring_hosts, with_hostfile_backend
 from .launchers import build_command, device_note
 from .netns import EmulatedLink, check_can_emulate, loopback_record
-from .watchdog import read_ranks, stop_job, watch, watched_ranks
+from ..report.restarts import restart_line
+from .restarts import Restarts, wait_for_rescue
+from .watchdog import process_state, read_ranks, stop_job, watch, watched_ranks
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 RUN_FILES = (PLAN_FILE, "metrics.jsonl", "summary.json", "log.txt", "ranks", "checkpoints",
@@ -122,7 +126,8 @@ def check_resumable(cfg: RunConfig, inputs: Inputs, run_dir: Path) -> None:
 
 
 def launch(cfg: RunConfig, inputs: Inputs, run_dir: Path) -> dict:
-    """Run every rank to the end (or to the first failure) and return the summary written to disk."""
+    """Run every rank to the end (or to the first failure, restarting it up to --max-restarts times) and
+    return the summary written to disk."""
     run_dir = Path(run_dir).absolute()  # the ranks run in the project's directory (cwd below), not the caller's
     check_run_dir(run_dir, cfg.resume, cfg.overwrite)
     check_hostfile(cfg)
@@ -130,58 +135,137 @@ def launch(cfg: RunConfig, inputs: Inputs, run_dir: Path) -> dict:
     check_available(cfg)
     check_resumable(cfg, inputs, run_dir)
     tracking.check_installed(cfg.report_to)
-    link = EmulatedLink(cfg.link, cfg.nproc, cfg.link_inner, cfg.group_size) if cfg.link and cfg.world_size > 1 \
-        else None
-    if link:
+    if cfg.link and cfg.world_size > 1:
         check_can_emulate(cfg.link)
-    argv, extra_env, blas = build_command(cfg, run_dir, link=link)
+    build_command(cfg, run_dir)  # refuses a job it cannot start before anything is written
     check_run_dir(run_dir, cfg.resume, cfg.overwrite, clear=True)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise UserError(f"cannot write to output directory {run_dir}: {err.strerror}") from None
-    inputs.plan(cfg).write(run_dir)
-    if "MLX_HOSTFILE" in extra_env:
-        write_json(Path(extra_env["MLX_HOSTFILE"]), ring_hosts(cfg))
+    started = time.time()
+    restarts, job = Restarts(cfg), cfg
+    while True:
+        attempt = run_attempt(job, inputs, run_dir, restarts)
+        if attempt.failure is None or attempt.interrupted is not None:
+            break
+        nxt = restarts.after_failure(job, attempt.failure, run_dir, attempt.detected_at, attempt.statuses,
+                                     attempt.rescued)
+        if nxt is None:
+            break
+        with open(run_dir / "log.txt", "a") as log:
+            log_line(log, f"restarting: {restart_line(restarts.records[-1], cfg.max_restarts)}")
+        job = nxt
+    summary = summarize(job, run_dir, attempt.argv, attempt.blas, time.time() - started, attempt.failure,
+                        attempt.link_record)
+    if cfg.max_restarts:
+        summary.update(restarts=restarts.records, max_restarts=cfg.max_restarts, nproc_requested=cfg.nproc)
+    write_summary(run_dir, summary)
+    if attempt.interrupted is not None:
+        attempt.interrupted.detail = summary["error"]
+        raise attempt.interrupted
+    if cfg.node_rank == 0:  # node 0 holds metrics.jsonl
+        tracking.report_run_safely(run_dir, cfg.report_to)
+    return summary
+
+
+def log_line(log, text: str) -> None:
+    """A line of log.txt from dpcompare itself; a full disk loses the line, not the run's cleanup."""
+    try:
+        log.write(text + "\n")
+        log.flush()
+    except OSError:
+        pass
+
+
+def write_summary(run_dir: Path, summary: dict) -> None:
+    """summary.json, or one line naming it where the disk is full (the run's status is then the failure's)."""
+    try:
+        write_json(run_dir / "summary.json", summary)
+    except OSError as err:
+        detail = f"cannot write {run_dir / 'summary.json'}: {err.strerror}"
+        summary.update(status="failed", error=f"{summary['error']}; {detail}" if summary.get("error") else detail)
+
+
+@dataclass
+class Attempt:
+    """One start of the job: how it ended, and what the restart decision reads."""
+    argv: list[str]
+    blas: str
+    failure: dict | None = None
+    interrupted: KeyboardInterrupt | None = None
+    link_record: dict | None = None
+    detected_at: float = 0.0
+    statuses: dict = field(default_factory=dict)   # each rank's last status file
+    rescued: dict | None = None                    # the survivor's answer (common/train/rescue.py)
+
+
+def run_attempt(cfg: RunConfig, inputs: Inputs, run_dir: Path, restarts: Restarts) -> Attempt:
+    """Start every rank once (restart k of the run when restarts.attempt is k), watch them, stop them."""
+    link = EmulatedLink(cfg.link, cfg.nproc, cfg.link_inner, cfg.group_size) if cfg.link and cfg.world_size > 1 \
+        else None
+    argv, extra_env, blas = build_command(cfg, run_dir, link=link)
+    attempt = Attempt(argv, blas)
+    try:
+        inputs.plan(cfg).write(run_dir)
+        if "MLX_HOSTFILE" in extra_env:
+            write_json(Path(extra_env["MLX_HOSTFILE"]), ring_hosts(cfg))
+    except OSError as err:  # a full disk before any rank started: one line, no restart
+        attempt.failure = {"failed_rank": None, "cause": "disk full" if err.errno == errno.ENOSPC else "failed",
+                           "error": f"cannot write {err.filename or run_dir}: {err.strerror}"}
+        return attempt
     shutil.rmtree(run_dir / "ranks", ignore_errors=True)
     shutil.rmtree(run_dir / "trace", ignore_errors=True)  # a resumed run's old traces would be listed as its own
     started = time.time()
     child_env = env.child_env({**extra_env, "PYTHONUNBUFFERED": "1", "DPCOMPARE_LAUNCH_TIME": str(started),
+                               ATTEMPT_ENV: str(restarts.attempt),
                                supervisor.ENV: supervisor.identity()})  # ranks exit by themselves if this process dies
+
+    def rescue_first(failure: dict) -> None:  # ddp: a survivor saves the last completed step (rescue.py)
+        attempt.detected_at = time.time()
+        ranks = read_ranks(run_dir, watched_ranks(cfg))
+        if not restarts.can_rescue(cfg, failure, ranks, run_dir):
+            return
+        here = os.uname().nodename  # a pid names a process of this host only
+        alive = [r for r, info in sorted(ranks.items()) if info.get("host", here) == here
+                 and process_state(info.get("pid")) not in (None, "Z", "T") and r != failure.get("failed_rank")]
+        if alive:
+            try:
+                rescue.request(run_dir, alive[0])
+            except OSError:  # no room for the request: no room for a checkpoint either
+                return
+            pid = ranks[alive[0]].get("pid")
+            attempt.rescued = wait_for_rescue(run_dir, lambda: process_state(pid) not in (None, "Z"))
+
     with open(run_dir / "log.txt", "a") as log:
         shown = {k: v for k, v in extra_env.items() if k.startswith(("MLX_RANK", "MLX_HOSTFILE", "GLOO_"))}
-        log.write(f"$ {shlex.join([f'{k}={v}' for k, v in shown.items()] + argv)}\n")
+        log_line(log, f"$ {shlex.join([f'{k}={v}' for k, v in shown.items()] + argv)}")
         if cfg.mesh:  # which ranks talk on which axis: where the fast links matter (docs/strategies.md)
-            log.write(f"mesh {cfg.mesh}, the ranks of each group: " + "; ".join(describe_mesh(cfg.mesh)) + "\n")
-        log.flush()
-        interrupted = proc = None
-        link_record = loopback_record() if cfg.world_size > 1 and cfg.nnodes == 1 and not cfg.hostfile else None
+            log_line(log, f"mesh {cfg.mesh}, the ranks of each group: " + "; ".join(describe_mesh(cfg.mesh)))
+        proc = None
+        attempt.link_record = loopback_record() if cfg.world_size > 1 and cfg.nnodes == 1 and not cfg.hostfile \
+            else None
         # The job is stopped inside the `with`, so an emulated link's namespaces go only after its ranks.
         with link or nullcontext():
             try:
                 if link:
-                    link_record = link.record(link.measure())
-                    log.write(f"link: {link_record['note']}; TCP measured "
-                              f"{(link_record['tcp_bandwidth_Bps'] or 0) * 8e-6:.0f} Mbit/s, "
-                              f"{(link_record['tcp_latency_s'] or 0) * 1e6:.0f} us one way"
-                              + (f"; inside a group {(link_record['inner']['tcp_bandwidth_Bps'] or 0) * 8e-6:.0f}"
-                                 " Mbit/s" if "inner" in link_record else "") + "\n")
-                    log.flush()
+                    attempt.link_record = link.record(link.measure())
+                    inner = attempt.link_record.get("inner")
+                    log_line(log, f"link: {attempt.link_record['note']}; TCP measured "
+                                  f"{(attempt.link_record['tcp_bandwidth_Bps'] or 0) * 8e-6:.0f} Mbit/s, "
+                                  f"{(attempt.link_record['tcp_latency_s'] or 0) * 1e6:.0f} us one way"
+                                  + (f"; inside a group {(inner['tcp_bandwidth_Bps'] or 0) * 8e-6:.0f} Mbit/s"
+                                     if inner else ""))
                 # A session of its own: the whole job can be signalled at once, and nothing outlives it.
                 proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                         env=child_env, cwd=PROJECT_ROOT, start_new_session=True)
-                failure = watch(proc, run_dir, cfg)
+                attempt.failure = watch(proc, run_dir, cfg, before_stop=rescue_first)
             except KeyboardInterrupt as stop:  # Interrupted, or a plain KeyboardInterrupt (SIGINT)
-                interrupted = stop
-                failure = stop_interrupted(proc, run_dir, cfg, getattr(stop, "signum", signal.SIGINT))
-    summary = summarize(cfg, run_dir, argv, blas, time.time() - started, failure, link_record)
-    write_json(run_dir / "summary.json", summary)
-    if interrupted is not None:
-        interrupted.detail = summary["error"]
-        raise interrupted
-    if cfg.node_rank == 0:  # node 0 holds metrics.jsonl
-        tracking.report_run_safely(run_dir, cfg.report_to)
-    return summary
+                attempt.interrupted = stop
+                attempt.failure = stop_interrupted(proc, run_dir, cfg, getattr(stop, "signum", signal.SIGINT))
+    attempt.statuses = read_ranks(run_dir, watched_ranks(cfg))
+    restarts.started(attempt.statuses.get(0, {}).get("first_step_end"))
+    return attempt
 
 
 def stop_interrupted(proc: subprocess.Popen | None, run_dir: Path, cfg: RunConfig, signum: int) -> dict:

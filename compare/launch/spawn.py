@@ -7,7 +7,7 @@ during a 2-rank job on 2 cores, which halved the job's throughput). torch: what 
 gives a rank (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT for the env:// rendezvous), without its
 agent, which imports torch before the ranks do (a 2-rank job starts 3.5-4.5 s sooner on a 2-core AMD
 EPYC). This waits in os.wait() and lets the ranks write to the log directly. As mlx.launch does, when one rank fails the
-others are stopped and the exit code is the failed rank's.
+others are stopped (unless --keep-survivors) and the exit code is the failed rank's.
 """
 from __future__ import annotations
 
@@ -35,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--netns", help="comma list: rank r's network namespace")
     parser.add_argument("--addresses", help="comma list: rank r's address in its namespace")
     parser.add_argument("--interfaces", help="comma list: rank r's interface toward the others")
+    parser.add_argument("--keep-survivors", action="store_true",
+                        help="do not stop the others when a rank fails: dpcompare's watchdog does, after a survivor "
+                             "saved its last step (--max-restarts, common/train/rescue.py)")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -52,10 +55,12 @@ def main(argv: list[str] | None = None) -> int:
         rank = ranks.pop(pid, None)
         exit_code = os.waitstatus_to_exitcode(status)
         if rank is not None and exit_code != 0 and code == 0:
-            print(f"[spawn] rank {rank} exited with code {exit_code}; stopping the others", file=sys.stderr,
+            print(f"[spawn] rank {rank} exited with code {exit_code}; "
+                  f"{'dpcompare stops the others' if args.keep_survivors else 'stopping the others'}", file=sys.stderr,
                   flush=True)
             code = exit_code if exit_code > 0 else 128 - exit_code
-            stop(ranks, signal.SIGTERM)
+            if not args.keep_survivors:
+                stop(ranks, signal.SIGTERM)
     return code
 
 

@@ -13,6 +13,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 from common.config import RunConfig
 from common.metrics import read_json, write_json
@@ -32,8 +33,10 @@ def watched_ranks(cfg: RunConfig) -> list[int]:
     return list(range(cfg.nproc))
 
 
-def watch(proc: subprocess.Popen, run_dir: Path, cfg: RunConfig) -> dict | None:
-    """None when every rank finished ok; else {"error", "failed_rank"} after stopping the job.
+def watch(proc: subprocess.Popen, run_dir: Path, cfg: RunConfig,
+          before_stop: Callable[[dict], None] | None = None) -> dict | None:
+    """None when every rank finished ok; else {"error", "failed_rank", "cause"} after stopping the job.
+    `before_stop(failure)` runs while the survivors still live (--max-restarts: one saves its last step).
 
     With --nnodes > 1 only this node's ranks are watched (they are local processes); the others are
     watched by their own node's dpcompare, and a peer that is gone shows here as a stall or a timeout."""
@@ -56,9 +59,7 @@ def watch(proc: subprocess.Popen, run_dir: Path, cfg: RunConfig) -> dict | None:
             bar.refresh()
         failure = diagnose(ranks, expected, local, code)
         stalled = time.time() - last_progress
-        limit = cfg.collective_timeout_s + (STARTUP_GRACE_S if len(ranks) < len(expected) or
-                                            all(r.get("step", 0) == r.get("start_step", 0) and
-                                                r.get("status") != "running" for r in ranks.values()) else 0)
+        limit = cfg.collective_timeout_s + (STARTUP_GRACE_S if starting(ranks, expected, local) else 0)
         # One rank waits on no peer, so silence is a slow step (MLX bf16 `small` on a CPU: over a minute),
         # not a hang; a dead process is still caught by `diagnose`.
         stall = failure is None and code is None and stalled > limit and cfg.nproc * cfg.nnodes > 1
@@ -66,11 +67,12 @@ def watch(proc: subprocess.Popen, run_dir: Path, cfg: RunConfig) -> dict | None:
             culprit = slowest(ranks, expected)
             info = ranks.get(culprit, {})
             state = "is stopped (SIGSTOP?)" if process_state(info.get("pid")) == "T" else "looks hung"
-            failure = {"failed_rank": culprit,
+            failure = {"failed_rank": culprit, "cause": "stopped" if "SIGSTOP" in state else "hung",
                        "error": f"rank {culprit} (pid {info.get('pid')}) {state} in step {info.get('step', 0) + 1}: "
                                 f"no rank {'on this node ' if cfg.nnodes > 1 else ''}made progress for "
                                 f"{stalled:.0f} s (collective timeout {cfg.collective_timeout_s:g} s)"}
             if culprit not in ranks:  # its status file appears once the framework has joined every rank
+                failure["cause"] = "never started"
                 failure["error"] = (f"rank {culprit} never started: no status from it after {stalled:.0f} s "
                                     "(a rank waits until every rank of the job has joined)")
         if failure is not None and cfg.nnodes > 1 and (stall or is_peer_error(failure["error"])):
@@ -83,13 +85,27 @@ def watch(proc: subprocess.Popen, run_dir: Path, cfg: RunConfig) -> dict | None:
         if failure is not None:
             if bar is not None:
                 bar.close()
-            stop_job(proc, run_dir)
+            failure.setdefault("cause", "failed")
+            try:
+                if before_stop is not None:
+                    before_stop(failure)
+            finally:  # whatever happened there, nothing of the job is left running
+                stop_job(proc, run_dir)
             return failure
         if code is not None:
             if bar is not None:
                 bar.close()
             return None
         time.sleep(POLL_S)
+
+
+def starting(ranks: dict, expected: list[int], local: bool) -> bool:
+    """Still in start-up: a rank has not joined, or none has finished its first step since it started (that
+    step compiles: MLX's kernels took over a minute on 2 loaded cores), unless one is stopped (SIGSTOP)."""
+    if len(ranks) < len(expected):
+        return True
+    first = all(r.get("step", 0) == r.get("start_step", 0) and r.get("status") != "ok" for r in ranks.values())
+    return first and not (local and any(process_state(r.get("pid")) == "T" for r in ranks.values()))
 
 
 def diagnose(ranks: dict, world, local: bool, exit_code: int | None) -> dict | None:
@@ -101,7 +117,7 @@ def diagnose(ranks: dict, world, local: bool, exit_code: int | None) -> dict | N
             continue
         state = process_state(info.get("pid"))
         if state is None or state == "Z":
-            return {"failed_rank": rank, "error": f"rank {rank} (pid {info.get('pid')}) died in step "
+            return {"failed_rank": rank, "cause": "died", "error": f"rank {rank} (pid {info.get('pid')}) died in step "
                                                   f"{info.get('step', 0) + 1} without reporting an error "
                                                   "(killed by a signal or out of memory?)"}
     if failed:
@@ -112,17 +128,24 @@ def diagnose(ranks: dict, world, local: bool, exit_code: int | None) -> dict | N
             culprit = silent[0]
             state = process_state(ranks.get(culprit, {}).get("pid")) if local else "?"
             what = "is stopped (SIGSTOP?)" if state == "T" else "stopped responding"
-            return {"failed_rank": culprit, "error": f"rank {culprit} {what} in step "
+            return {"failed_rank": culprit, "cause": "stopped" if state == "T" else "hung",
+                    "error": f"rank {culprit} {what} in step "
                                                      f"{ranks.get(culprit, {}).get('step', 0) + 1}; rank "
                                                      f"{first['rank']} reports: {first.get('error')}"}
-        return {"failed_rank": first["rank"], "error": f"rank {first['rank']} failed in step "
+        return {"failed_rank": first["rank"], "cause": failure_cause(first.get("error", "")),
+                "error": f"rank {first['rank']} failed in step "
                                                        f"{first.get('step', 0) + 1}: {first.get('error')}"}
     if exit_code is not None:
         missing = [r for r in expected if ranks.get(r, {}).get("status") != "ok"]
         if missing:
-            return {"failed_rank": missing[0],
+            return {"failed_rank": missing[0], "cause": "ended",
                     "error": f"rank {missing[0]} ended without finishing (launcher exit code {exit_code})"}
     return None
+
+
+def failure_cause(message: str) -> str:
+    """A rank's own error, by kind: "disk full" is never retried (compare/launch/restarts.py)."""
+    return "disk full" if "No space left on device" in message or "Errno 28" in message else "failed"
 
 
 def is_peer_error(message: str) -> bool:

@@ -48,6 +48,8 @@ def run_row(run: RunData, parity: dict, peaks: "PeakFinder") -> dict:
         "blas": s.get("blas"), "tokens_per_step": s.get("tokens_per_step"),
         "dtype": cfg.get("dtype", "float32"), "seq_len": cfg.get("seq_len"), "strategy": run.strategy,
         "precision": s.get("precision"), "device_note": s.get("device_note"),
+        # --max-restarts: each restart, what it lost, and the world size it went on at (compare/report/restarts.py)
+        "restarts": s.get("restarts") or [], "max_restarts": s.get("max_restarts"),
         # Bytes of parameters, gradients and optimizer state each rank holds (FSDP shards them).
         "state_mb": {k: [None if b is None else b / MB for b in v] for k, v in (s.get("state_bytes") or {}).items()},
         "comm_bytes_per_step": s.get("comm_bytes_per_step"),

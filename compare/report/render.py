@@ -9,6 +9,7 @@ from common.costmodel.links import hop_bandwidth_Bps
 from .findings import BREAKDOWN_PHASES, MB
 from .opclass_table import opclass_blocks
 from .parity import all_pairs
+from .restarts import restart_blocks
 from .verdict_table import verdict_tables
 
 
@@ -45,6 +46,7 @@ def report_blocks(s: dict) -> list[tuple]:
                v["warnings"])]
     blocks += [("h2", "Runs"), ("table", RUN_HEADERS, [run_cells(r) for r in s["runs"]])]
     blocks += parity_blocks(s["parity"])
+    blocks += restart_blocks(s["runs"])
     blocks += breakdown_blocks(s["runs"])
     blocks += opclass_blocks(s["runs"])
     blocks += prediction_blocks(s["runs"])

@@ -1,0 +1,183 @@
+"""--max-restarts and --min-nproc: what happens between two starts of a job (compare/launch/runner.py).
+
+After a failure the watchdog stops every rank as always. Then, while restarts are left and the failure
+is one a restart can cure, the job starts again from its latest checkpoint:
+- ddp (a Layout whose state survives a lost rank): a survivor first saves the last completed step
+  (common/train/rescue.py), so no step is recomputed; fsdp, tp and pp resume from the last periodic
+  checkpoint and lose the steps since;
+- a restart that fails again before it gets past the step where the previous start failed could not get
+  its ranks back: with --min-nproc the next
+  start runs at the largest world size from M to N-1 that keeps the global batch (more accumulation
+  micro-steps at the same micro-batch where they divide it) and that the strategy can split the model
+  over; every rank reads the checkpoint resharded for its new place (both checkpoint formats);
+- not retried: a full disk (it fills again) and a non-finite loss (it is computed again, identically).
+metrics.jsonl stays one curve: the resumed rank truncates it to the checkpoint's step (loop.py) and the
+survivor's last row is appended where the rank that wrote metrics died before writing it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common.config import RunConfig
+from common.errors import UserError
+from common.metrics import read_json, read_metrics
+from common.parallel import layout
+from common.train import rescue
+
+from .watchdog import failure_cause
+
+NOT_RETRIED = {"disk full": "a full disk is not retried (free space, then --resume)",
+               "not finite": "a non-finite loss or weights, or drifted replicas, come back at every restart "
+                             "(lower --lr, then --resume)"}
+FULL_BYTES = 64 * 1024    # less free than this where the run writes: a disk full, whatever the ranks said
+RESCUE_TIMEOUT_S = 120.0  # a survivor saving the whole state: seconds at most, minutes for a large model
+
+
+def disk_full(run_dir: Path) -> bool:
+    """Under FULL_BYTES free where the run writes: what a rank that died unable to record its error left."""
+    try:
+        stat = os.statvfs(run_dir)
+    except OSError:
+        return False
+    return stat.f_bavail * stat.f_frsize < FULL_BYTES
+
+
+def cause_of(failure: dict, statuses: dict | None = None, run_dir: Path | None = None) -> str:
+    """The failure's kind. A full disk is what any rank says it is: the rank blamed may be one that only
+    lost its peer, or one that died unable to record its own error."""
+    errors = [failure.get("error", "")] + [s.get("error") or "" for s in (statuses or {}).values()]
+    if any(failure_cause(e) == "disk full" for e in errors) or (run_dir is not None and disk_full(run_dir)):
+        return "disk full"
+    cause = failure.get("cause", "failed")
+    if cause == "failed" and "TrainingError" in failure.get("error", ""):  # common/train/rank_checks.py
+        return "not finite"
+    return cause
+
+
+def next_world(cfg: RunConfig, min_nproc: int) -> tuple[RunConfig | None, list[str]]:
+    """The largest world size from `min_nproc` to cfg.nproc - 1 that keeps the global batch: (its config or
+    None, why each larger size was passed over). Accumulation fills in at the same micro-batch where it
+    divides; else the smallest accumulation that splits the batch at no larger a micro-batch."""
+    micro, refused = cfg.micro_batch_size, []
+    for nproc in range(cfg.nproc - 1, max(min_nproc, 1) - 1, -1):
+        dp = layout(cfg.strategy, nproc).dp_size
+        accums = [a for a in range(1, cfg.global_batch_size // dp + 1)
+                  if cfg.global_batch_size % (dp * a) == 0 and cfg.global_batch_size // (dp * a) <= micro]
+        if not accums:
+            refused.append(f"{nproc} ranks: global batch {cfg.global_batch_size} does not split into micro-batches "
+                           f"of at most {micro}")
+            continue
+        try:
+            return cfg.replace(nproc=nproc, grad_accum=accums[0]), refused
+        except UserError as err:
+            refused.append(f"{nproc} ranks: {err}")
+        if nproc == 1 and cfg.strategy != "ddp":  # one rank holds the whole model whatever the strategy
+            refused[-1] += "; ddp instead, as one rank holds the whole model"
+            return cfg.replace(nproc=1, grad_accum=accums[0], strategy="ddp"), refused
+    return None, refused
+
+
+@dataclass
+class Restarts:
+    """The restarts of one run: decided here, recorded in summary.json's `restarts`."""
+    cfg: RunConfig
+    records: list[dict] = field(default_factory=list)
+
+    @property
+    def attempt(self) -> int:
+        return len(self.records)
+
+    def can_rescue(self, cfg: RunConfig, failure: dict, statuses: dict, run_dir: Path) -> bool:
+        """Whether a survivor should save its last completed step before the job is stopped."""
+        return (self.attempt < self.cfg.max_restarts and cfg.world_size > 1
+                and cause_of(failure, statuses, run_dir) not in NOT_RETRIED
+                and layout(cfg.strategy, cfg.world_size).state_survives_a_lost_rank)
+
+    def after_failure(self, cfg: RunConfig, failure: dict, run_dir: Path, detected_at: float,
+                      statuses: dict, rescued: dict | None) -> RunConfig | None:
+        """The config of the next start, recorded; None where there is none (the failure then says why)."""
+        cause = cause_of(failure, statuses, run_dir)
+        if cause == "disk full":
+            failure["cause"] = cause
+        if self.attempt >= self.cfg.max_restarts:
+            if self.cfg.max_restarts:
+                failure["error"] += f" [restarts exhausted: {self.cfg.max_restarts}]"
+            return None
+        if cause in NOT_RETRIED:
+            failure["error"] += f" [not restarted: {NOT_RETRIED[cause]}]"
+            return None
+        try:
+            completed = merge_rescued_row(run_dir / "metrics.jsonl", rescued)
+        except OSError as err:
+            failure["error"] += f" [not restarted: cannot write {err.filename or run_dir}: {err.strerror}]"
+            return None
+        resumed_from = checkpoint_step(run_dir)
+        nxt = cfg.replace(resume=True)
+        note = ""
+        if self.cannot_get_ranks_back(completed) and self.cfg.min_nproc and self.cfg.min_nproc < cfg.nproc:
+            smaller, refused = next_world(cfg, self.cfg.min_nproc)
+            if smaller is None:
+                failure["error"] += (f" [not restarted: no world size from {self.cfg.min_nproc} to {cfg.nproc - 1} "
+                                     f"works: {'; '.join(refused)}]")
+                return None
+            nxt, note = smaller.replace(resume=True), "; ".join(refused)
+        fault_at = min((s["fault_at"] for s in statuses.values() if s.get("fault_at")), default=None)
+        self.records.append({
+            "attempt": self.attempt + 1, "step": completed + 1, "cause": cause, "rank": failure.get("failed_rank"),
+            "error": failure.get("error"), "resumed_from": resumed_from, "steps_lost": completed - resumed_from,
+            "how": ("survivor_checkpoint" if rescued and rescued.get("step") == resumed_from and resumed_from
+                    else "last_checkpoint"),
+            "rescue_error": (rescued or {}).get("error"),
+            "nproc_before": cfg.nproc, "nproc_after": nxt.nproc, "grad_accum_after": nxt.grad_accum,
+            "strategy_after": nxt.strategy,
+            "passed_over": note or None,
+            "failed_at": fault_at or detected_at, "detect_s": (detected_at - fault_at) if fault_at else None,
+            "seconds": None})
+        return nxt
+
+    def cannot_get_ranks_back(self, completed: int) -> bool:
+        """A restart that failed again before it got past the step where the previous start failed: these
+        ranks are not to be had (a rank that dies at every start, a host that is down)."""
+        return bool(self.records) and completed + 1 <= self.records[-1]["step"]
+
+    def started(self, first_step_end: float | None) -> None:
+        """The attempt after the latest restart completed its first step at `first_step_end` (epoch s)."""
+        if self.records and first_step_end and self.records[-1]["seconds"] is None:
+            self.records[-1]["seconds"] = first_step_end - self.records[-1]["failed_at"]
+
+
+def checkpoint_step(run_dir: Path) -> int:
+    """The step of the latest checkpoint (0: none; the restart starts from the seed weights)."""
+    from common.checkpoint.store import latest_checkpoint
+
+    latest = latest_checkpoint(run_dir)
+    return int((read_json(latest / "state.json") or {}).get("step", 0)) if latest else 0
+
+
+def merge_rescued_row(metrics: Path, rescued: dict | None) -> int:
+    """The last completed step in metrics.jsonl, after appending the survivor's row of its saved step where
+    the rank that writes metrics died before writing it."""
+    train, _ = read_metrics(metrics)
+    last = train[-1]["step"] if train else 0
+    row = (rescued or {}).get("row")
+    if row and row["step"] == last + 1:
+        with open(metrics, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        last = row["step"]
+    return last
+
+
+def wait_for_rescue(run_dir: Path, alive, timeout_s: float = RESCUE_TIMEOUT_S) -> dict | None:
+    """The saving rank's answer, or None when it died or took longer than `timeout_s`."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if (done := rescue.answer(run_dir)) is not None:
+            return done
+        if not alive():
+            return rescue.answer(run_dir)
+        time.sleep(0.05)
+    return None

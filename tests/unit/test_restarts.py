@@ -1,0 +1,193 @@
+"""--max-restarts and --min-nproc bookkeeping without processes: the world size a shrunk job goes on at, the
+restarts list, one metrics curve, the causes never retried, the test-only fault, and a survivor's save."""
+import json
+import time
+
+import numpy as np
+import pytest
+
+from common.config import RunConfig
+from common.errors import UserError
+from common.train import rescue
+from common.train.faults import Fault, injected_fault
+from compare.launch.restarts import Restarts, cause_of, merge_rescued_row, next_world
+from compare.report.restarts import restart_blocks, restart_line
+
+
+def test_a_shrunk_job_keeps_the_global_batch_and_its_micro_batch():
+    cfg = RunConfig(preset="tiny", global_batch_size=8, nproc=2)  # micro-batch 4
+    smaller, passed = next_world(cfg, 1)
+    assert (smaller.nproc, smaller.grad_accum, smaller.micro_batch_size, smaller.strategy) == (1, 2, 4, "ddp")
+    assert passed == []
+
+
+def test_a_world_size_that_cannot_split_the_batch_is_passed_over_by_name():
+    cfg = RunConfig(preset="tiny", global_batch_size=8, nproc=4)  # micro-batch 2: 3 ranks cannot cut 8
+    smaller, passed = next_world(cfg, 2)
+    assert (smaller.nproc, smaller.grad_accum) == (2, 2)
+    assert len(passed) == 1 and passed[0].startswith("3 ranks: global batch 8")
+
+
+def test_at_one_rank_fsdp_goes_on_as_ddp_and_says_so():
+    cfg = RunConfig(preset="tiny", global_batch_size=8, nproc=2, strategy="fsdp")
+    smaller, passed = next_world(cfg, 1)
+    assert (smaller.nproc, smaller.strategy) == (1, "ddp") and "ddp instead" in passed[-1]
+
+
+def test_no_world_size_above_the_minimum_gives_none_with_the_reasons():
+    cfg = RunConfig(preset="tiny", global_batch_size=8, nproc=4)
+    smaller, passed = next_world(cfg, 3)
+    assert smaller is None and passed and "3 ranks" in passed[0]
+
+
+@pytest.mark.parametrize("fields, message", [({"max_restarts": -1}, "max_restarts must be >= 0"),
+                                             ({"nproc": 2, "min_nproc": 3}, "min_nproc must be in [1, nproc=2]")])
+def test_bad_restart_flags_are_refused_in_one_line(fields, message):
+    with pytest.raises(UserError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        RunConfig(**fields).validate()
+
+
+def rows(path, steps):
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in steps))
+
+
+def test_the_survivors_row_is_appended_once_where_rank_0_died_before_writing_it(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    rows(metrics, range(1, 6))
+    assert merge_rescued_row(metrics, {"step": 6, "row": {"step": 6, "loss": 0.5}}) == 6
+    assert merge_rescued_row(metrics, {"step": 6, "row": {"step": 6, "loss": 0.5}}) == 6  # not twice
+    assert merge_rescued_row(metrics, None) == 6
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == list(range(1, 7))
+
+
+def checkpoint_at(run_dir, step):
+    folder = run_dir / "checkpoints" / f"step_{step:06d}"
+    folder.mkdir(parents=True)
+    (folder / "state.json").write_text(json.dumps({"step": step}))
+    (run_dir / "checkpoints" / "latest").write_text(folder.name + "\n")
+
+
+def died(step, rank=1):
+    return {"failed_rank": rank, "cause": "died", "error": f"rank {rank} died in step {step}"}
+
+
+def test_restarts_are_recorded_until_exhausted_and_the_last_failure_says_so(tmp_path):
+    cfg = RunConfig(preset="tiny", nproc=2, strategy="fsdp", max_restarts=1)
+    rows(tmp_path / "metrics.jsonl", range(1, 6))
+    checkpoint_at(tmp_path, 4)
+    restarts = Restarts(cfg)
+    nxt = restarts.after_failure(cfg, died(6), tmp_path, time.time(), {}, None)
+    assert nxt is not None and nxt.resume and nxt.nproc == 2
+    record = restarts.records[0]
+    assert {k: record[k] for k in ("step", "cause", "rank", "resumed_from", "steps_lost", "how")} == \
+        {"step": 6, "cause": "died", "rank": 1, "resumed_from": 4, "steps_lost": 1, "how": "last_checkpoint"}
+    last = died(6)
+    assert restarts.after_failure(nxt, last, tmp_path, time.time(), {}, None) is None
+    assert "restarts exhausted: 1" in last["error"] and len(restarts.records) == 1
+
+
+def test_a_survivors_checkpoint_loses_no_step(tmp_path):
+    cfg = RunConfig(preset="tiny", nproc=2, max_restarts=1)
+    rows(tmp_path / "metrics.jsonl", range(1, 6))
+    checkpoint_at(tmp_path, 5)
+    restarts = Restarts(cfg)
+    restarts.after_failure(cfg, died(6), tmp_path, time.time(), {}, {"step": 5, "row": {"step": 5}})
+    assert restarts.records[0]["steps_lost"] == 0 and restarts.records[0]["how"] == "survivor_checkpoint"
+    assert "a survivor saved step 5 (0 steps lost)" in restart_line(restarts.records[0], 1)
+
+
+def test_a_rank_that_dies_at_every_start_shrinks_the_job_to_min_nproc(tmp_path):
+    cfg = RunConfig(preset="tiny", nproc=2, global_batch_size=8, max_restarts=3, min_nproc=1)
+    rows(tmp_path / "metrics.jsonl", range(1, 6))
+    checkpoint_at(tmp_path, 5)
+    restarts = Restarts(cfg)
+    again = restarts.after_failure(cfg, died(6), tmp_path, time.time(), {}, None)
+    assert again.nproc == 2  # the first failure: try to get both ranks back
+    shrunk = restarts.after_failure(again, died(6), tmp_path, time.time(), {}, None)  # no step past 5 again
+    assert (shrunk.nproc, shrunk.grad_accum) == (1, 2)
+    line = restart_line(restarts.records[-1], 3)
+    assert "shrank 2 -> 1 ranks (grad accum 2, same global batch)" in line
+    blocks = restart_blocks([{"label": "torch x1", "restarts": restarts.records, "max_restarts": 3}])
+    assert blocks[0] == ("h2", "Restarts") and len(blocks[1][1]) == 2
+
+
+def test_without_min_nproc_a_rank_that_keeps_dying_is_restarted_at_the_same_size(tmp_path):
+    cfg = RunConfig(preset="tiny", nproc=2, max_restarts=3)
+    rows(tmp_path / "metrics.jsonl", range(1, 6))
+    restarts = Restarts(cfg)
+    first = restarts.after_failure(cfg, died(6), tmp_path, time.time(), {}, None)
+    assert restarts.after_failure(first, died(6), tmp_path, time.time(), {}, None).nproc == 2
+
+
+@pytest.mark.parametrize("statuses", [{}, {0: {"error": "OSError: [Errno 28] No space left on device: '/x'"}}])
+def test_a_full_disk_is_never_restarted(tmp_path, statuses):
+    cfg = RunConfig(preset="tiny", nproc=2, max_restarts=2)
+    failure = ({"failed_rank": 0, "cause": "disk full", "error": "[Errno 28] No space left on device"}
+               if not statuses else died(6))  # the rank blamed may only have lost its peer
+    assert cause_of(failure, statuses, tmp_path) == "disk full"
+    assert Restarts(cfg).after_failure(cfg, failure, tmp_path, time.time(), statuses, None) is None
+    assert "a full disk is not retried" in failure["error"]
+
+
+def test_a_non_finite_loss_is_never_restarted(tmp_path):
+    cfg = RunConfig(preset="tiny", nproc=2, max_restarts=2)
+    failure = {"failed_rank": 0, "cause": "failed", "error": "rank 0 failed in step 3: TrainingError: loss is nan at "
+                                                             "step 3; stopping (the last checkpoint is kept)"}
+    assert Restarts(cfg).after_failure(cfg, failure, tmp_path, time.time(), {}, None) is None
+    assert "come back at every restart" in failure["error"]
+    assert cause_of({"cause": "died", "error": "rank 1 died in step 3"}, {}, tmp_path) == "died"
+
+
+def test_the_injected_fault_hits_once_per_run_its_attempt_or_every_start_at_its_world_size(monkeypatch, tmp_path):
+    monkeypatch.setenv("DPCOMPARE_SUPERVISOR", "host:1:2")
+    monkeypatch.setenv("DPCOMPARE_INJECT_FAULT", "framework=torch,rank=1,step=6,signal=KILL")
+    once = injected_fault("torch")
+    assert once == Fault(step=6, rank=1, signal="KILL") and injected_fault("mlx") is None
+    assert once.due(1, 2, 6, 0, tmp_path) and not once.due(0, 2, 6, 0, tmp_path)
+    (tmp_path / "ranks").mkdir()
+    with pytest.raises(RuntimeError, match="injected fault at step 6"):  # no signal: it raises (KILL would end pytest)
+        Fault(step=6, rank=1).strike(6, type("Status", (), {"update": lambda self, **kw: None})(), tmp_path)
+    assert not once.due(1, 2, 6, 5, tmp_path)  # the start after it is not hit again
+    monkeypatch.setenv("DPCOMPARE_SUPERVISOR", "host:3:4")
+    assert once.due(1, 2, 6, 0, tmp_path)  # another dpcompare's run in the same directory is
+    monkeypatch.setenv("DPCOMPARE_INJECT_FAULT", "framework=torch,rank=1,step=6,attempt=1")
+    monkeypatch.setenv("DPCOMPARE_ATTEMPT", "1")
+    assert injected_fault("torch").due(1, 2, 6, 0, tmp_path)
+    monkeypatch.setenv("DPCOMPARE_INJECT_FAULT", "rank=1,step=6,signal=SIGSTOP,world=2")
+    every = injected_fault("mlx")
+    assert every.signal == "STOP" and every.due(1, 2, 9, 8, tmp_path) and not every.due(1, 1, 9, 8, tmp_path)
+
+
+def test_a_survivor_saves_its_last_kept_step_when_asked(tmp_path):
+    saved = []
+    (tmp_path / "ranks").mkdir()
+
+    def save(step, state):
+        saved.append((step, state))
+        return tmp_path / f"step_{step:06d}"
+
+    keeper = rescue.Rescue(tmp_path, 1, save)
+    live = {"w": np.ones(3, dtype=np.float32)}
+    state = rescue.copy_state([iter(live.items()), iter(live.items()), iter(live.items())])
+    live["w"] += 1  # the next step changes the live tensors; the kept copy must not move
+    keeper.keep(7, state, {"step": 7, "loss": 2.0})
+    rescue.request(tmp_path, 1)
+    keeper.linger(5)
+    answer = rescue.answer(tmp_path)
+    assert answer["step"] == 7 and answer["row"]["loss"] == 2.0 and saved[0][0] == 7
+    np.testing.assert_array_equal(saved[0][1][0]["w"], np.ones(3))
+
+
+def test_the_first_step_after_a_start_gets_the_start_up_grace_and_later_steps_do_not():
+    from compare.launch.watchdog import starting
+
+    resumed = {0: {"step": 5, "start_step": 5, "status": "running"}, 1: {"step": 5, "start_step": 5, "status": "running"}}
+    assert starting(resumed, [0, 1], local=True)  # compiling its first step
+    assert starting({0: resumed[0]}, [0, 1], local=True)  # rank 1 not joined yet
+    assert not starting({**resumed, 1: {"step": 6, "start_step": 5, "status": "running"}}, [0, 1], local=True)
+
+
+def test_immutable_state_is_kept_without_a_copy():
+    live = {"w": np.ones(3, dtype=np.float32)}
+    kept = rescue.copy_state([iter(live.items())] * 3, copy=False)
+    assert np.shares_memory(kept[0]["w"], live["w"])  # MLX's arrays never change: a view is the step's state
