@@ -15,19 +15,16 @@ from __future__ import annotations
 
 import json
 import os
-import platform
-import shutil
-import sys
 import tomllib
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from common.errors import UserError
-from common.costmodel.rates import parse_rate
 from common.data.sampler import check_divisible
 from common.model.spec import ModelSpec, preset
 from common.parallel.pipeline import SCHEDULES as PP_SCHEDULES
 from common.parallel import STRATEGIES, Layout, layout, mesh_fields
+from common.placement import check_placement
 
 FRAMEWORKS = ("mlx", "torch")
 # jaccl and jaccl-ring: RDMA over Thunderbolt 5 between Macs (a mesh, or a ring of neighbours), through
@@ -37,7 +34,6 @@ HOSTFILE_ONLY_BACKENDS = ("jaccl", "jaccl-ring")
 # MLX backends whose group splits into sub-groups (`Group.split`), which a mesh needs: mlx 0.32.4's ring refuses
 # ("[ring] Group split not supported"), jaccl is untried (docs/strategies.md "Meshes").
 MLX_SPLIT_BACKENDS = ("mpi", "nccl")
-LINK_BACKENDS = {"mlx": ("ring", "mpi"), "torch": ("gloo",)}  # the TCP ones, which --link can shape
 COMMUNICATION_STREAMS = ("auto", "cpu", "default")  # mlx_impl/comm.py
 SEQUENCE_MODES = ("packing", "padding")
 DEVICES = ("auto", "cpu", "cuda", "mps", "gpu")
@@ -142,20 +138,6 @@ class RunConfig:
     overwrite: bool = False
     quiet: bool = False
     report_to: str = ""              # comma list of TRACKERS, written from metrics.jsonl after the run
-
-    def check_two_level_link(self) -> None:
-        """--link-inner and --group-size go together, with --link, and cut the ranks into 2 or more groups."""
-        if not (self.link_inner or self.group_size):
-            return
-        if not (self.link_inner and self.group_size):
-            raise UserError("--link-inner and --group-size go together (the link inside a group, and its ranks)")
-        if not self.link:
-            raise UserError(f"--link-inner {self.link_inner} needs --link RATE: the link between the groups")
-        parse_rate(self.link_inner)
-        if self.world_size > 1 and (self.group_size < 2 or self.world_size % self.group_size or self.group_size >= self.world_size):
-            raise UserError(f"--group-size {self.group_size} must be 2 or more and divide --nproc {self.world_size} "
-                            f"into 2 or more groups (for example --group-size {max(2, self.world_size // 2)} "
-                            f"with --nproc {2 * max(2, self.world_size // 2)})")
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -296,40 +278,7 @@ class RunConfig:
         for name in ("beta1", "beta2", "min_lr_ratio"):
             if not 0 <= getattr(self, name) < 1 + (name == "min_lr_ratio"):
                 raise UserError(f"{name} must be in [0, 1), got {getattr(self, name)}")
-        if self.nnodes > 1 and self.framework == "torch" and not self.rdzv_endpoint:
-            raise UserError("torch with nnodes > 1 needs --rdzv-endpoint HOST:PORT (node 0's address)")
-        if self.nnodes > 1 and self.framework == "mlx":
-            # One host's share of a ring job, started here without ssh (see compare/launch/runner.py).
-            if self.resolved_backend != "ring":
-                raise UserError(f"MLX with nnodes > 1 runs the ring backend, not {self.resolved_backend} "
-                                "(MPI: --backend mpi --nproc N --hostfile FILE starts every host through mpirun)")
-            if not self.hostfile:
-                raise UserError("MLX with nnodes > 1 needs --hostfile FILE listing every node's ring address")
-            if self.nproc != 1:
-                raise UserError("MLX with nnodes > 1 starts one rank per node: use --nproc 1 (list a host "
-                                "twice in the hostfile and start two nodes on it for two ranks there)")
-        if self.link:
-            parse_rate(self.link)
-            if self.hostfile or self.nnodes > 1:
-                raise UserError(f"--link {self.link} emulates a link between the ranks of this machine; it "
-                                "cannot be combined with --hostfile or --nnodes (there the link is real)")
-            if self.resolved_backend not in LINK_BACKENDS[self.framework]:
-                raise UserError(f"--link {self.link}: the {self.resolved_backend} backend does not talk over "
-                                f"TCP; emulated links work with {', '.join(LINK_BACKENDS[self.framework])}")
-        self.check_two_level_link()
-        if self.launcher == "slurm" and (self.hostfile or self.nnodes > 1 or self.link):
-            raise UserError("--launcher slurm starts the ranks on the allocation's nodes; it cannot be combined with "
-                            "--hostfile, --nnodes or --link")
-        if self.max_restarts < 0:
-            raise UserError(f"max_restarts must be >= 0, got {self.max_restarts}")
-        if not 0 <= self.min_nproc <= self.nproc:
-            raise UserError(f"min_nproc must be in [1, nproc={self.nproc}], got {self.min_nproc}")
-        if self.max_restarts and self.nnodes > 1:
-            raise UserError("--max-restarts restarts a job that one dpcompare starts whole; with --nnodes each node's "
-                            "dpcompare would restart alone (restart every node with --resume)")
-        if 0 < self.min_nproc < self.nproc and self.hostfile:
-            raise UserError("--min-nproc below --nproc shrinks a job of local ranks; a hostfile's ranks are its hosts "
-                            "(restarts at the same size work: --max-restarts)")
+        check_placement(self)  # where the ranks run: nodes, hostfiles, links, launcher, restarts
         if not 0 <= self.node_rank < self.nnodes:
             raise UserError(f"node_rank {self.node_rank} must be in [0, nnodes={self.nnodes})")
         if not 0 <= self.val_fraction < 1:
@@ -404,28 +353,6 @@ def read_toml(path: str) -> dict:
     except OSError as err:
         raise UserError(f"config file {path} cannot be read: {err.strerror}") from None
     return resolve_config_paths(values, Path(path).absolute().parent, f" in {path}")
-
-
-def native_cpu_kernels(choice: str) -> bool:
-    """Whether --mlx-cpu-jit `choice` builds MLX's compiled CPU kernels with -march=native on this machine
-    (compare/machine/environment.py mlx_cpu_jit: Linux x86-64 with a g++)."""
-    return choice != "baseline" and sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64") \
-        and shutil.which("g++") is not None
-
-
-def resolved_mlx_exp(cfg: "RunConfig", device: str, system: str, native_kernels: bool) -> str:
-    """The exp MLX's softmax, cross-entropy and SiLU use: "fused" (mlx_impl/fast_exp.py) or "native" (mx.exp).
-
-    auto picks what measured faster (benchmarks/bench_exp.py and the tokens/s sittings in
-    docs/cpu-performance.md): on a Linux CPU, fused where MLX's compiled exp is its baseline build (a libm call
-    per element: 2x slower than the fused one); MLX's own with -march=native kernels (native_kernels:
-    --mlx-cpu-jit gave them), where the fused exp's extra array costs what its faster arithmetic saves; MLX's
-    own on Metal and CUDA (fast already) and on macOS (Accelerate)."""
-    if cfg.mlx_exp != "auto":
-        return cfg.mlx_exp
-    if device != "cpu" or not system.startswith("linux"):
-        return "native"
-    return "native" if native_kernels else "fused"
 
 
 def _choice(name: str, value, allowed, where: str = "") -> None:

@@ -25,7 +25,7 @@ never get there: they exponentiate x - max <= 0).
 
 The bits of 2^k are one more array the size of x; against MLX's -march=native exp, its fresh pages cost about what
 the vectorised arithmetic saves, so --mlx-exp auto uses this only where it measured faster: with baseline
-kernels (common/config.py resolved_mlx_exp; docs/cpu-performance.md, benchmarks/bench_exp.py).
+kernels (common/kernels.py resolved_mlx_exp; docs/cpu-performance.md, benchmarks/bench_exp.py).
 
 The gradient is the output times the cotangent (mx.custom_function), as for MLX's exp: the backward never
 differentiates the polynomial.

@@ -35,7 +35,8 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from common.checkpoint.sharded import LocalState
 from common.checkpoint.tensorsource import TensorSource, as_source
-from common.config import RunConfig, native_cpu_kernels, resolved_mlx_exp
+from common.config import RunConfig
+from common.kernels import native_cpu_kernels, resolved_mlx_exp
 from common.model.spec import ModelSpec
 from common.model.weights import parameter_shapes
 from common.train.protocols import Batch, Phase, StateStream, Strategy, StrategyClass, World, no_phase

@@ -102,9 +102,9 @@ def mlx_cpu_jit(choice: str, cache_root: Path) -> tuple[str, dict]:
 
 def mlx_exp(cfg) -> str:
     """What --mlx-exp gives the MLX ranks, as the report says it. The rank decides by the same rule with its
-    own device (common/config.py resolved_mlx_exp); here the device is the one asked for, a CPU on Linux
+    own device (common/kernels.py resolved_mlx_exp); here the device is the one asked for, a CPU on Linux
     unless a GPU is named."""
-    from common.config import native_cpu_kernels, resolved_mlx_exp
+    from common.kernels import native_cpu_kernels, resolved_mlx_exp
 
     device = "gpu" if cfg.device in ("gpu", "cuda", "mps") or (sys.platform == "darwin" and cfg.device == "auto") \
         else "cpu"

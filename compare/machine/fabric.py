@@ -29,7 +29,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.config import LINK_BACKENDS, RunConfig
+from common.config import RunConfig
+from common.placement import LINK_BACKENDS
 from common.errors import UserError
 from common.costmodel.rates import NO_DELAY_NOTE, describe_rate, parse_rate
 from common.costmodel.probe import RESULT_PREFIX, fit

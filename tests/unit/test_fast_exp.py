@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from common.config import RunConfig, resolved_mlx_exp
+from common.config import RunConfig
+from common.kernels import resolved_mlx_exp
 
 mx = pytest.importorskip("mlx.core")
 
