@@ -87,6 +87,12 @@ class Linear(nn.Linear):
 class Embedding(nn.Embedding):
     """The lookup stays float32 (LlamaModel casts its output); as the tied output head, cast at use."""
 
+    def reset_parameters(self) -> None:
+        # On the meta device (where every rank builds its model: step.py) there is nothing to draw, and normal_
+        # there runs torch's Python reference, whose wrapper imports torch._dynamo: 1 s of a torch rank's start.
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
     def as_linear(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight.to(x.dtype))
 

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from .adamw import AdamW
 from .load import local
 
 
@@ -29,7 +30,7 @@ def numpy_stream(named: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, np.nd
         yield name, as_float32(value)
 
 
-def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+def state_bytes(model: nn.Module, optimizer: AdamW) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer state on this rank. A gradient has its parameter's
     shape on this rank (a shard under fsdp, a slice under tp), so the two take the same bytes."""
     states = (t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor))

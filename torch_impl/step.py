@@ -18,13 +18,12 @@ holds the full gradient of its own pieces, so nothing is averaged.
 """
 from __future__ import annotations
 
-from typing import Mapping, Protocol, Sequence, cast
+from typing import Callable, Mapping, Protocol, Sequence, cast
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from common.checkpoint.sharded import LocalState
 from common.checkpoint.tensorsource import TensorSource, as_source
@@ -33,18 +32,15 @@ from common.model.spec import ModelSpec
 from common.model.weights import parameter_shapes
 from common.train.protocols import Batch, Phase, StateStream, Strategy, StrategyClass, World, no_phase
 
+from .adamw import AdamW
 from .comm import CommCounter, communication_stream
 from .ddp import Replicated
-from .fsdp import Sharding
 from .grads import clip_by_norm
 from .load import filled_like, read_local
-from .mesh import mesh_strategy
 from .microsteps import Grads, StepFunctions, wait_for
 from .model import Llama, cross_entropy, load_weights, token_loss_sum  # noqa: F401 (diagnose, tests)
 from .opclasses import Workloads, workloads
-from .pp import Pipeline
 from .rank_state import state_bytes
-from .tp import TensorParallel
 from .trace import Tracer
 
 FRAMEWORK = "torch"
@@ -58,20 +54,42 @@ class StepStrategy(Strategy[Llama, nn.Module, StepFunctions, torch.Tensor, Grads
     def keeps_grads(self) -> bool: ...
 
 
-# Typed so that mypy (`make lint`) checks every class's constructor and members against StepStrategy.
-STRATEGIES: dict[str, StrategyClass[CommCounter, StepStrategy]] = {
-    "ddp": Replicated, "fsdp": Sharding, "tp": TensorParallel, "pp": Pipeline,
-    "mesh": mesh_strategy}  # --mesh: the strategies of its axes, composed (mesh.py)
+def _sharding() -> StrategyClass[CommCounter, StepStrategy]:
+    from .fsdp import Sharding
+    return Sharding
+
+
+def _tensor_parallel() -> StrategyClass[CommCounter, StepStrategy]:
+    from .tp import TensorParallel
+    return TensorParallel
+
+
+def _pipeline() -> StrategyClass[CommCounter, StepStrategy]:
+    from .pp import Pipeline
+    return Pipeline
+
+
+def _mesh() -> StrategyClass[CommCounter, StepStrategy]:
+    from .mesh import mesh_strategy
+    return mesh_strategy  # --mesh: the strategies of its axes, composed (mesh.py)
+
+
+# Each strategy's class, imported when a run builds it (unlike MLX's step.py, whose strategies import nothing
+# heavy): fsdp, tp, pp and meshes import torch.distributed.tensor or pipelining, and with them torch._dynamo,
+# 1.1 s of every rank's start (AMD EPYC Zen 4) that a ddp rank has no use for. Typed, so that mypy (`make lint`)
+# checks every class's constructor and members against StepStrategy.
+STRATEGIES: dict[str, Callable[[], StrategyClass[CommCounter, StepStrategy]]] = {
+    "ddp": lambda: Replicated, "fsdp": _sharding, "tp": _tensor_parallel, "pp": _pipeline, "mesh": _mesh}
 
 
 def strategy_for(cfg: RunConfig, world: World, comm: CommCounter) -> StepStrategy:
-    return STRATEGIES[cfg.strategy](cfg, world, comm)
+    return STRATEGIES[cfg.strategy]()(cfg, world, comm)
 
 
 def _param_groups(model: nn.Module) -> list[dict[str, list[nn.Parameter]]]:
     """AdamW's parameter groups: sharded DTensors and plain tensors apart, since foreach kernels take one kind at
     a time (tp has both; every other strategy one kind, so one group)."""
-    groups = [{"params": [p for p in model.parameters() if isinstance(p, DTensor) == sharded]}
+    groups = [{"params": [p for p in model.parameters() if hasattr(p, "to_local") == sharded]}  # a DTensor
               for sharded in (False, True)]
     return [g for g in groups if g["params"]]
 
@@ -100,9 +118,8 @@ class Trainer:
         self.wrapped: nn.Module = self.strategy.wrap(self.model, as_source(weights))
         if cfg.torch_compile:
             self.wrapped = cast(nn.Module, torch.compile(self.wrapped))  # an OptimizedModule
-        self.optimizer = torch.optim.AdamW(_param_groups(self.model), lr=cfg.lr,
-                                           betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
-                                           weight_decay=cfg.weight_decay)
+        self.optimizer = AdamW(_param_groups(self.model), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                               eps=cfg.adam_eps, weight_decay=cfg.weight_decay)  # torch's update (adamw.py)
         self.names = {p: n for n, p in self.model.named_parameters()}
 
     def train_step(self, batches: Sequence[Batch], lr: float, global_tokens: int, sync: bool = True,

@@ -72,7 +72,9 @@ def class_members(path: Path) -> dict[str, dict[str, tuple[str, ...] | None]]:
 
 # Files with no counterpart in the other framework, and why (each file's docstring says more).
 # fast_exp.py: MLX's CPU exp runs one element at a time, torch's is vectorised (mlx_impl/fast_exp.py).
-FRAMEWORK_ONLY = {"mlx_impl": {"fast_exp.py"}, "torch_impl": set()}
+# adamw.py: torch's AdamW update without a torch.optim.Optimizer, whose construction imports torch._dynamo
+# (torch_impl/adamw.py); MLX's step builds mlx.optimizers.AdamW, which costs nothing to import.
+FRAMEWORK_ONLY = {"mlx_impl": {"fast_exp.py"}, "torch_impl": {"adamw.py"}}
 # Public names that only one framework has, per file: (the names, why).
 NAME_ONLY = {
     "comm.py": ({"average_gradients", "Watch", "FixedCount", "AllReduceCounter", "SendCounter"},
@@ -107,6 +109,8 @@ MEMBER_ONLY = [
     (("microsteps.py:StepFunctions",), {"micro_step", "eval_step", "model", "wrapped"}, "what a strategy runs of the "
      "Trainer: MLX its compiled micro-step and eval, torch its model, bare and as the step runs it"),
     (("model.py:*",), {"forward"}, "a torch module's entry point; MLX's is __call__"),
+    (("model.py:Embedding",), {"reset_parameters"}, "torch draws a module's weights as it builds it, on the meta "
+     "device too, where the draw imports torch._dynamo; MLX's modules draw nothing that a rank would skip"),
 ]
 
 
