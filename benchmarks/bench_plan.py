@@ -6,6 +6,8 @@ strategy, on loopback and on shaped links (issue 24's acceptance: within 15 %), 
     # N=4 as two machines of 2: a link `OUTER/INNER` is --link OUTER --link-inner INNER --group-size 2
     python benchmarks/bench_plan.py --preset tiny --nproc 4 --group-size 2 --links none,100mbit/1gbit \
         --strategies ddp,fsdp,tp,pp --set model.n_layers=4 --set model.n_kv_heads=4
+    # and meshes (issue 37), each its own compare at --nproc 1 (the calibration) plus the mesh at N
+    ... --meshes "dp=2,pp=2;dp=2,tp=2;fsdp=2,tp=2"   # MLX's meshes run on MPI
 
 Per link one `dpcompare compare --nproc 1,2` (with `--link RATE` unless the link is `none`: plain loopback).
 compare writes each N=2 run's `prediction` (compare/plan.py: calibrated on the N=1 run of the same framework
@@ -29,7 +31,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer steps")
     parser.add_argument("--preset", default="small")
     parser.add_argument("--links", default="none,1gbit,200mbit")
-    parser.add_argument("--strategies", default="ddp,fsdp,tp")
+    parser.add_argument("--strategies", default="ddp,fsdp,tp", help="one-axis strategies at N ('' for none)")
+    parser.add_argument("--meshes", default="", help="meshes at N, ';'-separated: 'dp=2,pp=2;fsdp=2,tp=2'")
     parser.add_argument("--frameworks", default="mlx,torch")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--seq-len", type=int, default=128)
@@ -50,31 +53,41 @@ def main() -> None:
             load = benchlib.load_average() if a.no_wait else benchlib.wait_for_quiet()
             outer, _, inner = link.partition("/")
             levels = ["--link", outer] + (["--link-inner", inner, "--group-size", str(a.group_size)] if inner else [])
-            out = Path(work) / link.replace("/", "-")
-            argv = benchlib.DPCOMPARE + [
-                "compare", "--frameworks", a.frameworks, "--nproc", f"1,{a.nproc}", "--strategies", a.strategies,
-                "--preset", a.preset, "--steps", str(steps), "--seq-len", str(a.seq_len), "--global-batch-size",
-                str(a.batch), "--eval-every", "0", "--profile-steps", str(a.profile_steps),
-                *benchlib.data_args(a.preset), "--out", str(out), "--quiet", "--no-samples", "--device", a.device,
-                *[x for item in a.set for x in ("--set", item)], *([] if link == "none" else levels)]
-            proc = subprocess.run(argv, cwd=benchlib.REPO, capture_output=True, text=True)
-            if proc.returncode not in (0, 1):  # 1: a run failed, its row says so; anything else: the compare did
-                raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}:\n{proc.stderr[-2000:]}")
-            for summary_path in sorted(out.glob(f"*-n{a.nproc}/summary.json")):
-                s = json.loads(summary_path.read_text())
-                p = s.get("prediction") or {}
-                source = json.loads((out / p["from"] / "summary.json").read_text()) if p.get("from") else {}
-                rows.append({"link": link, "run": summary_path.parent.name, "status": s.get("status"),
-                             "measured_step_s": s.get("step_time_s"), "predicted_step_s": p.get("step_s"),
-                             "error": (p["step_s"] / s["step_time_s"] - 1) if p.get("step_s") and s.get("step_time_s")
-                             else None, "predicted_from": p.get("from"), "link_used": p.get("link"),
-                             "measured_link": s.get("link"), "note": p.get("note"), "levels": p.get("levels"),
-                             "n1_step_s": source.get("step_time_s"), "load_average_at_start": load})
+            # one compare for the one-axis strategies, then one per mesh (a compare adds one mesh)
+            jobs = ([("", ["--nproc", f"1,{a.nproc}", "--strategies", a.strategies])] if a.strategies else []) + [
+                (f"-mesh{i}", ["--nproc", "1", "--mesh", mesh]) for i, mesh in enumerate(filter(None, a.meshes.split(";")))]
+            for suffix, shape in jobs:
+                rows += measure(a, steps, link, levels, Path(work) / (link.replace("/", "-") + suffix), shape, load)
     benchlib.print_table(rows, [("link", "link", ""), ("run", "run", ""), ("n1_step_s", "N=1 s", ".4f"),
                                 ("load_average_at_start", "load", ".1f"), ("measured_step_s", "measured s", ".4f"),
                                 ("predicted_step_s", "predicted s", ".4f"), ("error", "error", "+.1%")],
                          f"{a.preset}, N={a.nproc} predicted from N=1")
     benchlib.write_result(a.out, "plan", vars(a) | {"steps": steps}, rows)
+
+
+def measure(a, steps: int, link: str, levels: list[str], out: Path, shape: list[str], load: float) -> list[dict]:
+    """One compare (N=1 and the runs at N that `shape` asks for); a row per run at N: measured and predicted."""
+    argv = benchlib.DPCOMPARE + [
+        "compare", "--frameworks", a.frameworks, *shape, "--preset", a.preset, "--steps", str(steps), "--seq-len",
+        str(a.seq_len), "--global-batch-size", str(a.batch), "--eval-every", "0", "--profile-steps",
+        str(a.profile_steps), *benchlib.data_args(a.preset), "--out", str(out), "--quiet", "--no-samples",
+        "--device", a.device,
+        *[x for item in a.set for x in ("--set", item)], *([] if link == "none" else levels)]
+    rows = []
+    proc = subprocess.run(argv, cwd=benchlib.REPO, capture_output=True, text=True)
+    if proc.returncode not in (0, 1):  # 1: a run failed, its row says so; anything else: the compare did
+        raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}:\n{proc.stderr[-2000:]}")
+    for summary_path in sorted(out.glob(f"*-n{a.nproc}/summary.json")):
+        s = json.loads(summary_path.read_text())
+        p = s.get("prediction") or {}
+        source = json.loads((out / p["from"] / "summary.json").read_text()) if p.get("from") else {}
+        rows.append({"link": link, "run": summary_path.parent.name, "status": s.get("status"),
+                     "measured_step_s": s.get("step_time_s"), "predicted_step_s": p.get("step_s"),
+                     "error": (p["step_s"] / s["step_time_s"] - 1) if p.get("step_s") and s.get("step_time_s")
+                     else None, "predicted_from": p.get("from"), "link_used": p.get("link"),
+                     "measured_link": s.get("link"), "note": p.get("note"), "levels": p.get("levels"),
+                     "n1_step_s": source.get("step_time_s"), "load_average_at_start": load})
+    return rows
 
 
 if __name__ == "__main__":

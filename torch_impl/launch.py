@@ -10,8 +10,10 @@ from __future__ import annotations
 import datetime
 import os
 import sys
+from pathlib import Path
 
 from common.errors import UserError
+from common.train.forkranks import fork_ranks
 from common.train.loop import World, rank_main
 
 
@@ -63,9 +65,10 @@ def pick_device(requested: str, local_rank: int, world_size: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    fork_ranks(lambda: _preload(argv[0]))  # under `spawn --fork`: from here on, one of the ranks
     from .step import Trainer
 
-    argv = sys.argv[1:] if argv is None else argv
     code = rank_main(argv[0], start_world, Trainer)
     import torch.distributed as dist
 
@@ -73,6 +76,20 @@ def main(argv: list[str] | None = None) -> int:
     if code == 0 and dist.is_initialized():
         dist.destroy_process_group()
     return code
+
+
+def _preload(run_dir: str) -> None:
+    """What every rank of a CPU job imports before its first step (common/train/forkranks.py): torch, the
+    step, the strategy's module (DTensor, pipelining), and torch._dynamo, which DDP's constructor imports."""
+    import torch._dynamo  # noqa: F401
+
+    from common.metrics import read_json
+    from common.runplan import PLAN_FILE
+
+    from .step import STRATEGIES
+    strategy = (read_json(Path(run_dir) / PLAN_FILE, None) or {}).get("config", {}).get("strategy")
+    if strategy in STRATEGIES:  # an unreadable plan is each rank's error to report, as without --fork
+        STRATEGIES[strategy]()
 
 
 if __name__ == "__main__":
