@@ -198,9 +198,9 @@ class ShardedTensorParallel(MicroSteps):
     def local_state(self, shapes: Mapping[str, tuple[int, ...]], weights: Mapping[str, mx.array],
                     exp_avg: Mapping[str, mx.array], exp_avg_sq: Mapping[str, mx.array]) -> LocalState:
         """--checkpoint-format sharded (common/checkpoint/sharded.py): each piece is the block local_index reads
-        (a row-parallel weight's on two axes: fsdp's rows of tp's columns), the vocabulary's pad rows cut; a
-        tensor ranks hold alike is written by the first of them: one tp does not split by tp rank 0, the final
-        norm fsdp does not shard by fsdp rank 0 too. No collectives."""
+        (a row-parallel weight's on two axes: fsdp's rows of tp's columns), the vocabulary's pad rows cut. A
+        tensor several ranks hold alike is written by the first of them: one tp leaves whole by tp rank 0 of its
+        fsdp rank, the final norm (which fsdp leaves whole too) by rank 0 alone. No collectives."""
         def hf(flat: Mapping[str, mx.array]) -> dict[str, np.ndarray]:
             return {hf_name(key): value for key, value in local_numpy(flat).items()}
 
