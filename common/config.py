@@ -296,9 +296,6 @@ class RunConfig:
                             "backend cannot split its group (mlx 0.32.4 splits on mpi and nccl only): "
                             "use --backend mpi (docs/strategies.md)")
         strategy = self.layout
-        if self.checkpoint_format == "sharded" and not strategy.writes_sharded_checkpoints:
-            raise UserError(f"--checkpoint-format sharded cannot describe the pieces of --mesh {self.mesh} (a block "
-                            "of rows of columns); use --checkpoint-format hf, which resumes under any mesh")
         strategy.check_batch(self.global_batch_size, self.grad_accum, self.pp_microbatches)
         stages = strategy.mesh.axis("pp") if strategy.mesh.has("pp") else 1
         if self.framework == "torch" and 1 < stages and self.pp_microbatches < stages:

@@ -27,7 +27,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from common.checkpoint.sharded import LocalState
+from common.checkpoint.sharded import LocalState, box_of, pieces_at
 from common.checkpoint.tensorsource import Index, TensorSource
 from common.config import RunConfig
 from common.parallel.fsdp import fsdp_rows
@@ -42,7 +42,7 @@ from .grads import sum_of_squares
 from .load import SHARD, hf_name
 from .microsteps import Grads, Losses, MicroSteps, StepFunctions
 from .pp import Pipeline
-from .rank_state import as_float32
+from .rank_state import as_float32, local_numpy
 from .tp import TensorParallel
 
 MODEL_PARALLEL: dict[str, type[TensorParallel] | type[Pipeline]] = {"tp": TensorParallel, "pp": Pipeline}
@@ -197,6 +197,17 @@ class ShardedTensorParallel(MicroSteps):
 
     def local_state(self, shapes: Mapping[str, tuple[int, ...]], weights: Mapping[str, mx.array],
                     exp_avg: Mapping[str, mx.array], exp_avg_sq: Mapping[str, mx.array]) -> LocalState:
-        """Refused before the run (common/parallel/composed.py writes_sharded_checkpoints): a row-parallel weight's
-        piece lies on two axes, which the sharded index cannot describe."""
-        raise NotImplementedError("--checkpoint-format sharded with fsdp x tp")
+        """--checkpoint-format sharded (common/checkpoint/sharded.py): each piece is the block local_index reads
+        (a row-parallel weight's on two axes: fsdp's rows of tp's columns), the vocabulary's pad rows cut. A
+        tensor several ranks hold alike is written by the first of them: one tp leaves whole by tp rank 0 of its
+        fsdp rank, the final norm (which fsdp leaves whole too) by rank 0 alone. No collectives."""
+        def hf(flat: Mapping[str, mx.array]) -> dict[str, np.ndarray]:
+            return {hf_name(key): value for key, value in local_numpy(flat).items()}
+
+        def written(name: str) -> bool:  # by this rank: no other rank before it holds the same piece
+            return not (self.tp.rank and tp_split_axis(name) is None) and \
+                not (self.fsdp.rank and name not in self.fsdp.sharded)
+
+        where = {name: box_of(self.local_index(name, shapes[name]), shapes[name])
+                 for name in map(hf_name, weights) if written(name)}
+        return pieces_at((hf(weights), hf(exp_avg), hf(exp_avg_sq)), where)

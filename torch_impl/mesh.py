@@ -27,12 +27,12 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from common.checkpoint.sharded import LocalState
+from common.checkpoint.sharded import LocalState, box_of, pieces_at
 from common.checkpoint.tensorsource import Index, TensorSource
 from common.config import RunConfig
 from common.parallel.fsdp import fsdp_rows
 from common.parallel.mesh import Mesh
-from common.parallel.tp import tp_index
+from common.parallel.tp import tp_index, tp_split_axis
 from common.train.protocols import Batch, ForwardBackwardResult, Phase, StateStream, World, no_phase
 
 from .comm import CommCounter
@@ -42,7 +42,7 @@ from .load import load_local
 from .microsteps import Grads, StepFunctions
 from .model import Llama
 from .pp import Pipeline
-from .rank_state import as_float32
+from .rank_state import as_float32, local_numpy
 from .tp import TensorParallel
 
 MODEL_PARALLEL: dict[str, type[TensorParallel] | type[Pipeline]] = {"tp": TensorParallel, "pp": Pipeline}
@@ -197,6 +197,10 @@ class ShardedTensorParallel(Sharding):
 
     def local_state(self, shapes: Mapping[str, tuple[int, ...]], weights: Mapping[str, torch.Tensor],
                     exp_avg: Mapping[str, torch.Tensor], exp_avg_sq: Mapping[str, torch.Tensor]) -> LocalState:
-        """Refused before the run (common/parallel/composed.py writes_sharded_checkpoints): a row-parallel weight's
-        piece lies on two axes, which the sharded index cannot describe."""
-        raise NotImplementedError("--checkpoint-format sharded with fsdp x tp")
+        """--checkpoint-format sharded (common/checkpoint/sharded.py): each piece is the block local_index reads
+        (a row-parallel weight's on two axes: fsdp's rows of tp's columns; FSDP2 keeps uneven shards unpadded
+        in to_local); a tensor tp does not split, which the tp ranks hold alike, is written by tp rank 0 (FSDP2
+        shards every tensor over fsdp, the final norm too). No collectives."""
+        where = {name: box_of(self.local_index(name, shapes[name]), shapes[name]) for name in weights
+                 if not (self.tp.rank and tp_split_axis(name) is None)}
+        return pieces_at((local_numpy(weights), local_numpy(exp_avg), local_numpy(exp_avg_sq)), where)

@@ -5,13 +5,18 @@
         shards/rank_00000.safetensors    this rank's pieces: weights.<name>, exp_avg.<name>, exp_avg_sq.<name>
         shards/rank_00001.safetensors    (a rank that holds nothing of its own writes an empty file)
         shards/index.json                every HF tensor's global shape and, per piece, the rank file that
-                                         holds it and its place: {"axis", "start", "stop"} of the global
-                                         tensor, or axis null for the whole tensor
+                                         holds it and its place: the block of the global tensor from
+                                         "start" to "stop" (one number per dimension, stop exclusive)
 
-What a rank writes is its strategy's `local_state` (mlx_impl/ and torch_impl/ ddp.py, fsdp.py, tp.py, pp.py):
-fsdp its shard of each sharded tensor, tp its block of each split one, pp its stage's tensors; a tensor
-every rank holds whole (ddp's, tp's replicated norms and embedding) is written once, by rank 0. So saving
-costs a rank no memory beyond what it holds, and no communication beyond two barriers.
+What a rank writes is its strategy's `local_state` (mlx_impl/ and torch_impl/ ddp.py, fsdp.py, tp.py, pp.py,
+mesh.py): fsdp its shard of each sharded tensor, tp its block of each split one, pp its stage's tensors, fsdp x
+tp its rows of its tp block (for a row-parallel weight a block on two axes: rows by fsdp, columns by tp); a
+tensor several ranks hold alike (ddp's, tp's replicated norms and embedding) is written once, by the first of
+them. So saving costs a rank no memory beyond what it holds, and no communication beyond two barriers.
+
+A piece is a block, a (start, stop) per dimension, because that is what any of these layouts holds and what a
+reader asks for. Version 1 of the index (written before fsdp x tp could save sharded) gave each piece one
+axis, {"axis", "start", "stop"}, axis null for the whole tensor; `read_index` reads it as the same blocks.
 
 Atomic as the hf format: all ranks write into one temporary directory that rank 0 created; after a barrier
 rank 0 builds the index from the rank files' headers (each file's metadata records its pieces), checks that
@@ -41,12 +46,13 @@ SHARDS, INDEX = "shards", "index.json"
 SHARDED_TMP = ".tmp_step_{step:06d}_sharded"  # the checkpoint being written, under checkpoints/
 KINDS = ("weights", "exp_avg", "exp_avg_sq")
 FORMAT = "dpcompare-sharded"
-VERSION = 1
+VERSION = 2        # what this dpcompare writes: a piece is a block, start and stop per dimension
+READS = (1, 2)     # version 1: a piece along one axis (the module docstring)
 
-Where = tuple[int, int, int] | None  # (axis, start, stop) of the global tensor, or None: the whole tensor
+Box = tuple[tuple[int, int], ...]  # a piece's place in the global tensor: (start, stop) per dimension
 Named = dict[str, np.ndarray]  # numpy tensors under HF names
 # A strategy's local_state: (weights, exp_avg, exp_avg_sq, where) of what this rank writes
-LocalState = tuple[Named, Named, Named, dict[str, Where]]
+LocalState = tuple[Named, Named, Named, dict[str, Box]]
 
 
 def rank_file(rank: int) -> str:
@@ -66,12 +72,12 @@ def write_safetensors(path: Path, shapes: dict[str, tuple], read: Callable[[str]
             out.write(name, read(name))
 
 
-def write_rank_file(directory: Path, rank: int, state: tuple[Named, Named, Named], where: dict[str, Where]) -> Path:
+def write_rank_file(directory: Path, rank: int, state: tuple[Named, Named, Named], where: dict[str, Box]) -> Path:
     """This rank's pieces (state: weights, exp_avg, exp_avg_sq under HF names; `where` their places)."""
     arrays = {f"{kind}.{name}": part[name] for kind, part in zip(KINDS, state) for name in where}
     path = Path(directory) / rank_file(rank)
     write_safetensors(path, {k: tuple(np.shape(v)) for k, v in arrays.items()}, arrays.__getitem__,
-                      {"pieces": json.dumps({name: list(w) if w is not None else None for name, w in where.items()})})
+                      {"pieces": json.dumps({name: [list(bounds) for bounds in box] for name, box in where.items()})})
     return path
 
 
@@ -84,11 +90,11 @@ def write_index(directory: Path, shapes: dict[str, tuple], world_size: int, extr
     for rank in range(world_size):
         with safe_open(str(directory / rank_file(rank)), framework="numpy") as handle:
             pieces = json.loads((handle.metadata() or {}).get("pieces", "{}"))
-        for name, where in pieces.items():
+        for name, box in pieces.items():
             if name not in tensors:
                 raise ValueError(f"rank {rank} wrote {name}, which this model has not")
-            axis, start, stop = where if where is not None else (None, None, None)
-            tensors[name]["pieces"].append({"file": rank_file(rank), "axis": axis, "start": start, "stop": stop})
+            tensors[name]["pieces"].append({"file": rank_file(rank), "start": [start for start, _ in box],
+                                            "stop": [stop for _, stop in box]})
     index = {"format": FORMAT, "version": VERSION, "world_size": world_size,
              "files": [rank_file(r) for r in range(world_size)], "tensors": tensors, **extra}
     for name, entry in tensors.items():  # a bug in a strategy's local_state shows here, not at the resume
@@ -120,81 +126,114 @@ def save_sharded(run_dir: Path, step: int, rank: int, world_size: int, barrier: 
 
 
 def pieces_of(rank: int, named: dict, axes: dict[str, int | None], shapes: Mapping[str, tuple],
-              offsets: dict[str, int] | None = None) -> dict[str, Where]:
-    """Where each of this rank's tensors lies in the global one, for a strategy's local_state: a tensor split
-    along axes[name] starts at offsets[name] (default: rank x its local length, an even split; a padded last
-    shard is cut to the global length by `trim`), and a tensor not split (axis None) that every rank holds
-    whole is written by rank 0 alone (`axes` lists only the tensors every rank replicates; pp's stages hold
-    disjoint tensors and give no axes). A piece that holds nothing (a padded shard past the end) is left out."""
-    where: dict[str, Where] = {}
+              offsets: dict[str, int] | None = None) -> dict[str, Box]:
+    """Where each of this rank's tensors lies in the global one, for a strategy whose pieces lie along one axis:
+    a tensor split along axes[name] starts at offsets[name] (default: rank x its local length, an even split;
+    a padded last shard is cut to the global length by `trim`), and a tensor not split (axis None) that every
+    rank holds whole is written by rank 0 alone (`axes` lists only the tensors every rank replicates; pp's
+    stages hold disjoint tensors and give no axes). A piece that holds nothing (a padded shard past the end)
+    is left out."""
+    where: dict[str, Box] = {}
     for name, array in named.items():
+        whole = tuple((0, size) for size in shapes[name])
         if name not in axes:
-            where[name] = None
+            where[name] = whole
             continue
         axis = axes[name]
         if axis is None:
             if rank == 0:
-                where[name] = None
+                where[name] = whole
             continue
         size = np.shape(array)[axis]
         start = (offsets or {}).get(name, rank * size)
         stop = min(start + size, shapes[name][axis])
         if stop > start:
-            where[name] = (axis, start, stop)
+            where[name] = whole[:axis] + ((start, stop),) + whole[axis + 1:]
     return where
 
 
-def trim(named: dict, where: dict[str, Where]) -> dict:
-    """The tensors that `where` keeps, each cut to its piece's length (a padded shard's padding dropped)."""
+def box_of(index: tuple, shape: tuple) -> Box:
+    """The block a TensorSource index (a strategy's local_index: a tuple of contiguous slices, leading axes)
+    selects of a tensor of `shape`, clipped to it: a padded shard's rows past the end are not in it."""
+    return tuple(_bounds(index, shape))
+
+
+def trim(named: dict, where: dict[str, Box]) -> dict:
+    """The tensors that `where` keeps, each cut to its block's extent (a padded shard's padding, always at the
+    end of an axis, dropped)."""
     out = {}
-    for name, w in where.items():
+    for name, box in where.items():
         array = named[name]
-        if w is not None:
-            axis, start, stop = w
-            if np.shape(array)[axis] != stop - start:
-                index = [slice(None)] * np.ndim(array)
-                index[axis] = slice(0, stop - start)
-                array = array[tuple(index)]
+        extent = tuple(stop - start for start, stop in box)
+        if tuple(np.shape(array)) != extent:
+            if any(held < size for held, size in zip(np.shape(array), extent)) or np.ndim(array) != len(extent):
+                raise ValueError(f"{name}: the rank holds {tuple(np.shape(array))}, less than its piece {box}")
+            array = array[tuple(slice(0, size) for size in extent)]
         out[name] = array
     return out
 
 
+def pieces_at(state: tuple[Named, Named, Named], where: dict[str, Box]) -> LocalState:
+    """(weights, exp_avg, exp_avg_sq, where) of the blocks `where` names, each cut to its extent; an empty block
+    (a padded shard wholly past the end) is left out: a strategy's local_state."""
+    where = {name: box for name, box in where.items() if all(stop > start for start, stop in box)}
+    weights, exp_avg, exp_avg_sq = state
+    return trim(weights, where), trim(exp_avg, where), trim(exp_avg_sq, where), where
+
+
 def local_pieces(rank: int, state: tuple[Named, Named, Named], axes: dict, shapes: Mapping[str, tuple],
                  offsets: dict | None = None) -> LocalState:
-    """(weights, exp_avg, exp_avg_sq, where) of what this rank writes: a strategy's local_state."""
-    weights, exp_avg, exp_avg_sq = state
-    where = pieces_of(rank, weights, axes, shapes, offsets)
-    return trim(weights, where), trim(exp_avg, where), trim(exp_avg_sq, where), where
+    """(weights, exp_avg, exp_avg_sq, where) of what this rank writes, its pieces along one axis (pieces_of)."""
+    return pieces_at(state, pieces_of(rank, state[0], axes, shapes, offsets))
 
 
 # ---- reading ------------------------------------------------------------------------------------
 def _check_tiling(name: str, entry: dict, where: str) -> None:
-    """The pieces lie inside the tensor, along one axis each, and cover it exactly once (sizes add up)."""
+    """The pieces lie inside the tensor, none overlaps another, and their sizes add up to the tensor's: so they
+    cover it exactly once."""
     shape = tuple(entry["shape"])
-    total = 0
+    boxes: list[tuple[list[tuple[int, int]], str]] = []
     for piece in entry["pieces"]:
-        axis = piece["axis"]
-        if axis is None:
-            total += math.prod(shape)
-            continue
-        if not (0 <= axis < len(shape) and 0 <= piece["start"] < piece["stop"] <= shape[axis]):
-            raise UserError(f"{where}: {name}'s piece in {piece['file']} ({axis}, {piece['start']}, {piece['stop']}) "
-                            f"lies outside its shape {shape}")
-        total += math.prod(shape) // shape[axis] * (piece["stop"] - piece["start"])
+        box = list(zip(piece["start"], piece["stop"]))
+        if len(box) != len(shape) or not all(0 <= a < b <= size for (a, b), size in zip(box, shape)):
+            raise UserError(f"{where}: {name}'s piece in {piece['file']} (from {piece['start']} to "
+                            f"{piece['stop']}) lies outside its shape {shape}")
+        for other, file in boxes:
+            if all(a < d and c < b for (a, b), (c, d) in zip(box, other)):
+                raise UserError(f"{where}: {name}'s pieces in {file} and {piece['file']} overlap")
+        boxes.append((box, piece["file"]))
+    total = sum(math.prod(b - a for a, b in box) for box, _ in boxes)
     if total != math.prod(shape):
         raise UserError(f"{where}: the pieces of {name} hold {total} of its {math.prod(shape)} elements; "
                         "the checkpoint is incomplete")
 
 
+def _as_blocks(index: dict) -> dict:
+    """A version-1 index's pieces, {"axis", "start", "stop"} along one axis (axis null: the whole tensor), as
+    the blocks of version 2."""
+    for entry in index["tensors"].values():
+        shape = entry["shape"]
+        for piece in entry["pieces"]:
+            axis, start, stop = piece.pop("axis"), piece["start"], piece["stop"]
+            piece["start"] = [start if d == axis else 0 for d in range(len(shape))]
+            piece["stop"] = [stop if d == axis else size for d, size in enumerate(shape)]
+    return index
+
+
 def read_index(checkpoint: Path) -> dict:
-    """The validated index of a sharded checkpoint: readable, every rank file present, every tensor tiled."""
+    """The validated index of a sharded checkpoint, in version 2's form: readable, every rank file present,
+    every tensor tiled."""
     shards = Path(checkpoint) / SHARDS
     try:
         index = json.loads((shards / INDEX).read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise UserError(f"checkpoint {checkpoint}: {SHARDS}/{INDEX} is unreadable ({err})") from None
-    if index.get("format") != FORMAT or index.get("version") != VERSION:
-        raise UserError(f"checkpoint {checkpoint}: {SHARDS}/{INDEX} is not a {FORMAT} index of version {VERSION}")
+    if index.get("format") != FORMAT or index.get("version") not in READS:
+        raise UserError(f"checkpoint {checkpoint}: {SHARDS}/{INDEX} is not a {FORMAT} index of version "
+                        f"{' or '.join(map(str, READS))} (it says {index.get('format')!r} version "
+                        f"{index.get('version')!r})")
+    if index["version"] == 1:
+        index = _as_blocks(index)
     missing = [f for f in index["files"] if not (shards / f).is_file()]
     if missing:
         raise UserError(f"checkpoint {checkpoint}: {SHARDS}/{missing[0]} is missing ({len(missing)} of the "
@@ -250,13 +289,9 @@ class ShardedSource:
         out = np.empty([stop - start for start, stop in box], dtype=np.float32)
         covered = 0
         for piece in self.index["tensors"][name]["pieces"]:
-            axis = piece["axis"]
-            origin = [0] * len(shape)
-            extent = list(shape)
-            if axis is not None:
-                origin[axis], extent[axis] = piece["start"], piece["stop"]
+            origin = piece["start"]
             lo = [max(b[0], o) for b, o in zip(box, origin)]
-            hi = [min(b[1], e) for b, e in zip(box, extent)]
+            hi = [min(b[1], e) for b, e in zip(box, piece["stop"])]
             if any(a >= b for a, b in zip(lo, hi)):
                 continue
             src = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, origin))

@@ -127,11 +127,6 @@ class MeshLayout(Layout):
                     raise UserError(f"{prefix}: fsdp={fsdp} cannot shard {name}: axis 0 holds {rows} rows on each "
                                     f"tp rank ({shape[0]} / tp={tp}), not divisible by {fsdp}")
 
-    @property
-    def writes_sharded_checkpoints(self) -> bool:
-        """fsdp x tp: a row-parallel weight's piece is a block of rows (fsdp) of columns (tp), on two axes."""
-        return not (self.mesh.has("fsdp") and self.mesh.has("tp"))
-
     def check_batch(self, global_batch: int, grad_accum: int, pp_microbatches: int) -> None:
         """The model axis cuts the batch of one data rank (pp: into --pp-microbatches pieces)."""
         if self.model_part is not None:

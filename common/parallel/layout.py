@@ -126,12 +126,6 @@ class Layout(ABC):
             raise UserError(f"--strategy {self.name} does not support biases (model.{field} = true, from the "
                             "checkpoint's config); use --strategy ddp")
 
-    @property
-    def writes_sharded_checkpoints(self) -> bool:
-        """Whether each rank's pieces lie along one axis of each tensor, as --checkpoint-format sharded's index
-        describes them (common/checkpoint/sharded.py)."""
-        return True
-
     def check_batch(self, global_batch: int, grad_accum: int, pp_microbatches: int) -> None:
         """Refuse a batch this strategy cannot cut (RunConfig's global batch, --grad-accum, --pp-microbatches)."""
 

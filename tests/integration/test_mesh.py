@@ -1,7 +1,7 @@
 """--mesh end to end: the compositions compute what one ddp rank computes, in both frameworks (MLX on MPI), and a
-checkpoint written under one mesh resumes under another mesh and in the other framework. Unit tests
-(tests/unit/test_mesh.py) cover the mesh's layout and refusals; the full 10-step matrix is run by hand
-(docs/strategies.md "Meshes")."""
+checkpoint written under one mesh resumes under another mesh and in the other framework, in both formats (sharded
+under fsdp x tp: pieces on two axes). Unit tests (tests/unit/test_mesh.py, test_sharded_blocks.py) cover the mesh's
+layout and refusals and the pieces; the full 10-step matrix is run by hand (docs/strategies.md "Meshes")."""
 import json
 
 import numpy as np
@@ -14,19 +14,28 @@ pytestmark = pytest.mark.skipif(__import__("shutil").which("mpirun") is None, re
 
 
 def test_meshes_in_two_frameworks_train_one_ddp_ranks_run_across_a_checkpoint(uninterrupted, cache_dir, tmp_path):
-    """torch dp2 x pp2 trains steps 1-3 (accumulating two micro-steps), MLX dp2 x tp2 resumes its checkpoint for
-    steps 4-6: every step equals the session's MLX ddp x1 run on the same horizon. Tolerance 1e-5 per step (the
-    issue's); measured 2.7e-7 at most on AMD EPYC Zen 4 over 20 steps of such switches (docs/strategies.md).
-    fsdp2 x tp2, another 25-50 s of 4 ranks on 2 cores, is left to its layout's unit tests and the hand-run
-    matrix."""
+    """torch dp2 x pp2 trains steps 1-2 (accumulating two micro-steps) and saves whole HF files, torch fsdp2 x tp2
+    resumes them for steps 3-4 and saves sharded (a row-parallel weight's piece a block on two axes), MLX dp2 x tp2
+    resumes those pieces for steps 5-6: every step equals the session's MLX ddp x1 run on the same horizon.
+    Tolerance 1e-5 per step (the issue's); measured 2.9e-7 at most on AMD EPYC Zen 4 over 12 steps of such
+    switches, sharded under fsdp x tp included (docs/strategies.md). The pieces themselves, MLX's fsdp x tp
+    writing them and the re-slicing: tests/unit/test_sharded_blocks.py."""
     out = tmp_path / "switched"
     # 4 MLX ranks on 2 cores compiling kernels the session has not (a cold cache) go minutes without a step
     common = (*FAST, *HORIZON, "--out", out, "--profile-steps", 0, "--nproc", 4, "--collective-timeout-s", 300)
     dpcompare("run", *common, "--framework", "torch", "--mesh", "pp=2,dp=2", "--pp-microbatches", 2,
-              "--grad-accum", 2, "--steps", 3, cache_dir=cache_dir, timeout=900)
+              "--grad-accum", 2, "--steps", 2, cache_dir=cache_dir, timeout=900)
+    dpcompare("run", *common, "--framework", "torch", "--mesh", "fsdp=2,tp=2", "--checkpoint-format", "sharded",
+              "--steps", 4, "--resume", cache_dir=cache_dir, timeout=900)
+    assert resumed_from(out) == 2
+    index = json.loads((out / "checkpoints" / "step_000004" / "shards" / "index.json").read_text())
+    half, ffn = 32, 176  # tiny: dim 64, ffn_dim 176; rank r is fsdp r // 2, tp r % 2
+    assert [(p["start"], p["stop"]) for p in index["tensors"]["model.layers.1.mlp.down_proj.weight"]["pieces"]] == [
+        ([0, 0], [half, ffn // 2]), ([0, ffn // 2], [half, ffn]), ([half, 0], [2 * half, ffn // 2]),
+        ([half, ffn // 2], [2 * half, ffn])]
     dpcompare("run", *common, "--framework", "mlx", "--mesh", "dp=2,tp=2", "--steps", 6, "--resume",
               cache_dir=cache_dir, timeout=900)
-    assert resumed_from(out) == 3
+    assert resumed_from(out) == 4
     expected = losses(uninterrupted("mlx", "ddp", 1))[:6]
     np.testing.assert_allclose(losses(out), expected, rtol=0, atol=1e-5)
     summary = json.loads((out / "summary.json").read_text())

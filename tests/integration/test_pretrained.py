@@ -104,8 +104,10 @@ def test_tied_embeddings_under_pp_equal_one_ddp_rank_and_their_checkpoints_switc
               cache_dir=cache_dir)
     np.testing.assert_allclose(losses(switched), losses(out / "mlx-pp-n2"), rtol=0, atol=1e-5)
     index = json.loads((switched / "checkpoints" / "step_000003" / "shards" / "index.json").read_text())
-    pieces = index["tensors"]["model.embed_tokens.weight"]["pieces"]
-    assert [(p["file"], p["axis"]) for p in pieces] == [("rank_00000.safetensors", None)]  # one copy: the first stage's
+    embedding = index["tensors"]["model.embed_tokens.weight"]
+    # one copy, the whole matrix: the first stage's
+    assert [(p["file"], p["start"], p["stop"]) for p in embedding["pieces"]] == \
+        [("rank_00000.safetensors", [0, 0], embedding["shape"])]
 
     # ... whose sharded step 3, resumed by one torch ddp rank, continues torch ddp's curve
     again = rewound(switched, tmp_path / "again", step=3)

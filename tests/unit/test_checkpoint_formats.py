@@ -52,9 +52,11 @@ def sharded(tmp_path):
 def test_local_pieces_trims_padding_and_writes_replicated_tensors_once(sharded):
     tensors = read_index(sharded)["tensors"]
     assert [(p["file"], p["start"], p["stop"]) for p in tensors["rows"]["pieces"]] == \
-        [(rank_file(0), 0, 2), (rank_file(1), 2, 4), (rank_file(2), 4, 5)]
+        [(rank_file(0), [0, 0], [2, 3]), (rank_file(1), [2, 0], [4, 3]), (rank_file(2), [4, 0], [5, 3])]
+    assert [(p["start"], p["stop"]) for p in tensors["cols"]["pieces"]] == [([0, 0], [4, 2]), ([0, 2], [4, 4]),
+                                                                             ([0, 4], [4, 6])]
     assert [p["file"] for p in tensors["replicated"]["pieces"]] == [rank_file(0)]
-    assert tensors["stage"]["pieces"] == [{"file": rank_file(2), "axis": None, "start": None, "stop": None}]
+    assert tensors["stage"]["pieces"] == [{"file": rank_file(2), "start": [0, 0], "stop": [2, 2]}]
 
 
 @pytest.mark.parametrize("name, index", [
