@@ -24,8 +24,8 @@ are counted in the first step's point-to-point sends (torch_impl/comm.py's SendC
 Tied embeddings (common/parallel/embedding_group.py, Megatron-LM's embedding group): the first and the last
 stage each hold the matrix, the last using it as its head, and forward_backward ends by summing its gradient
 over the two (one all_reduce; the time breakdown's communication), before the norm; beyond 2 stages over a
-sub-group of the two ranks (`dist.new_group`, built by every rank at wrap), where MLX's ring, which cannot
-split a group, sums over the whole pipeline.
+sub-group of the two ranks (`dist.new_group`, every pipeline's built by every rank at wrap, on a mesh too),
+where MLX's ring, which cannot split a group, sums over the whole pipeline.
 """
 from __future__ import annotations
 
@@ -87,12 +87,21 @@ class Pipeline(StageBookkeeping):
         load_local(model, self.device, source, self.local_index)
         self.model, self.dtype, self.dim = model, inner.compute_dtype, spec.dim
         self.module = Stage(self)
-        # The embedding group's process group: a sub-group of the two ranks beyond 2 stages, which every rank builds
-        # (new_group's rule); at 2 stages the pipeline's own group (on a mesh, this pipeline's, not the world's:
-        # the world's would also add the other dp replicas' gradients).
-        self.tied_group = (dist.new_group(self.embedding.ranks()) if self.embedding.tied
-                           and not self.embedding.spans_pipeline else self.group)
+        self.tied_group = self._embedding_group()
         return model
+
+    def _embedding_group(self) -> dist.ProcessGroup | None:
+        """The embedding group's process group. At 2 stages the pipeline's own group (on a mesh, this pipeline's,
+        not the world's: the world's would also add the other dp replicas' gradients). Beyond, a group of the
+        two ranks: new_group must be called by every rank of the job for every group, in one order, so each
+        rank builds every pipeline's (EmbeddingGroup.job_groups) and keeps its own; a middle stage keeps none."""
+        if not self.embedding.tied or self.embedding.spans_pipeline:
+            return self.group
+        rank, mine = dist.get_rank(), None
+        for ranks in self.embedding.job_groups(self.mesh):
+            group = dist.new_group(ranks)
+            mine = group if rank in ranks else mine
+        return mine
 
     # ---- the schedule ---------------------------------------------------------------------------------------
     def forward_backward(self, step: StepFunctions, batches: Sequence[Batch], scale: float,

@@ -113,12 +113,9 @@ class MeshLayout(Layout):
             if spec.n_layers < pp:
                 raise UserError(f"{prefix}: pp={pp} stages need one transformer block each at least, but "
                                 f"model.n_layers = {spec.n_layers} < {pp}")
-            self.parts["pp"].check(spec)  # its own further refusals
-            if spec.tie_embeddings and pp > 2 and self.mesh.size > pp:
-                # Beyond 2 stages the embedding group is a sub-group of each pipeline's two ends, which every rank
-                # of the mesh would have to build for every pipeline: not built yet.
-                raise UserError(f"{prefix}: tied embeddings over pp={pp} stages inside a mesh are not supported yet; "
-                                "use pp=2, one-axis --strategy pp, or an untied model")
+            # its own further refusals; a tied model runs on every pipeline of the mesh, each with its own
+            # embedding group (common/parallel/embedding_group.py job_groups)
+            self.parts["pp"].check(spec)
         if self.mesh.has("fsdp"):
             fsdp = self.mesh.axis("fsdp")
             for name, shape in parameter_shapes(spec).items():
