@@ -72,6 +72,7 @@ class Pipeline(StageBookkeeping):
     full_state_on_every_rank = True  # export_state sums the stages' parts on every rank
     communicates = False             # no gradient is averaged; activations move inside forward_backward
     loss_over = "world"              # the last stage holds the loss sum
+    _compiles_fused_vjp = True       # the last stage's loss and gradients at once (1f1b): compiled, as a micro-step
 
     def __init__(self, cfg: RunConfig, world: World, comm: CommCounter):
         self.group, self.comm, self.stream = world.group, comm, comm.stream
@@ -95,14 +96,20 @@ class Pipeline(StageBookkeeping):
             inner.pop("norm")
             if "lm_head" in model:
                 model.pop("lm_head")
+        self._split_stage(model)
         self.model, self.dtype, self.dim = model, inner.compute_dtype, spec.dim
         self.tied_group = self._embedding_group()
         self.keys = [k for k, _ in tree_flatten(model.trainable_parameters())]
         # Compiled like the Trainer's micro-step: the parameters are inputs (set into the model while tracing,
         # put back after each call), so one trace serves every call of the same shapes.
-        self._compiled_vjp, self._compiled_forward = mx.compile(self._stage_vjp), mx.compile(self._stage_forward)
+        self._compiled_vjp = mx.compile(self._stage_vjp) if self._compiles_fused_vjp else self._stage_vjp
+        self._compiled_forward = mx.compile(self._stage_forward)
         load_local(model, source, self.local_index)
         return model
+
+    def _split_stage(self, model: nn.Module) -> None:
+        """Where a mesh's tp axis splits the stage's blocks, before their keys are listed and they are loaded
+        (mlx_impl/mesh.py's TensorParallelStages); one-axis pp keeps them whole."""
 
     def _embedding_group(self) -> mx.distributed.Group:
         """The embedding group's communicator. At 2 stages the pipeline's own group (on a mesh, this pipeline's).
