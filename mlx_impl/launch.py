@@ -64,9 +64,9 @@ def main(argv: list[str] | None = None) -> int:
         return worlds[-1]
 
     code = rank_main(argv[0], started, Trainer)
-    # A mesh's sub-groups must be freed while MPI is up (mlx_impl/mesh.py): the trainer that holds them is
-    # garbage by now, in reference cycles.
-    if worlds and worlds[0].axes:
+    # Split groups (a mesh's axes, mlx_impl/mesh.py; a pipeline's embedding group, pp.py) must be freed while MPI is
+    # up: the trainer that holds them is garbage by now, in reference cycles.
+    if worlds and worlds[0].group is not None:
         import gc
 
         from .mesh import release_axes

@@ -27,7 +27,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from common.checkpoint.sharded import LocalState, box_of, pieces_at
+from common.checkpoint.sharded import LocalState, box_of, local_pieces, pieces_at
 from common.checkpoint.tensorsource import Index, TensorSource
 from common.config import RunConfig
 from common.parallel.fsdp import fsdp_rows
@@ -68,6 +68,8 @@ def mesh_strategy(cfg: RunConfig, world: World, comm: CommCounter):
     mesh = Mesh.parse(cfg.mesh)
     if mesh.has("fsdp"):
         return ShardedTensorParallel(cfg, world, comm)
+    if mesh.has("pp") and mesh.has("tp"):
+        return TensorParallelStages(cfg, world, comm)
     return DataParallelOver(cfg, world, comm)
 
 
@@ -211,3 +213,74 @@ class ShardedTensorParallel(MicroSteps):
         where = {name: box_of(self.local_index(name, shapes[name]), shapes[name])
                  for name in map(hf_name, weights) if written(name)}
         return pieces_at((hf(weights), hf(exp_avg), hf(exp_avg_sq)), where)
+
+
+class TensorParallelStages(Pipeline):
+    """pp x tp: pp.py's Pipeline over the pp axis, each stage's blocks split over the stage's tp sub-group by tp.py's
+    layers. Stage s's tp rank i exchanges activations with stage s+1's tp rank i (their pp sub-group): every tp
+    rank holds the whole activation after its row-parallel all_sum, and sends it whole (Megatron's scatter-gather,
+    1/tp of it per rank, is left out). The embedding, the final norm and the head are replicated over tp, as under
+    tp, so the last stage's tp ranks all hold the loss: tp rank 0 reports it (the Trainer sums over the world)."""
+
+    # The last stage's fused vjp (1f1b) runs uncompiled, as every other stage's training functions do: tp's
+    # all_sums are then counted as they run, piece by piece (a compiled function counts its one trace: one piece).
+    _compiles_fused_vjp = False
+
+    def __init__(self, cfg: RunConfig, world: World, comm: CommCounter):
+        super().__init__(cfg, world.axes["pp"], comm)
+        self.tp = TensorParallel(cfg, world.axes["tp"], comm)
+
+    def _split_stage(self, model: nn.Module) -> None:
+        self.tp._parallelize(model, self.layers)
+
+    def local_index(self, name: str, shape: tuple[int, ...]) -> Index | None:
+        """The stage's own tensors (pp), tp's block of each."""
+        return self.tp.local_index(name, shape) if self.holds(name) else None
+
+    def forward_backward(self, step: StepFunctions, batches: Sequence[Batch], scale: float,
+                         phase: Phase = no_phase, wait: bool = False,
+                         sync: bool = True) -> ForwardBackwardResult[Losses, Grads]:
+        counted, traced = "micro_step" in self.comm.per_call, self.comm.traced_bytes
+        result = super().forward_backward(step, batches, scale, phase, wait, sync)
+        if not counted:  # the first step: pp's sends per micro-step (pp.py), and now tp's all_sums beside them
+            self.comm.per_call["micro_step"] += (self.comm.traced_bytes - traced) // len(batches)
+        return ForwardBackwardResult(self._reported(result.losses), result.grads)
+
+    def eval_losses(self, step: StepFunctions, batches: Sequence[Batch]) -> Losses:
+        return self._reported(super().eval_losses(step, batches))
+
+    def _reported(self, token_losses: Losses) -> Losses:
+        """The token losses tp rank 0 holds (the last stage's), none on the other tp ranks, which hold the same."""
+        return token_losses if self.tp.rank == 0 else []
+
+    def global_norm(self, grads: Grads) -> mx.array:
+        """Squares of every tensor once over the mesh: the tp-split ones summed over the stage's tp group, the
+        replicated ones once (a tied matrix on the first stage only), then the stages summed over pp."""
+        zero = mx.array(0.0)
+        split, replicated = zero, zero
+        for key, g in tree_flatten(grads):
+            if not self.counts(key):
+                continue
+            if tp_split_axis(key) is None:
+                replicated = replicated + sum_of_squares(g)
+            else:
+                split = split + sum_of_squares(g)
+        total = mx.distributed.all_sum(split, group=self.tp.group) + replicated
+        return mx.sqrt(mx.distributed.all_sum(total, group=self.group))
+
+    def _all_sum(self, value: mx.array | None, shape: tuple[int, ...]) -> np.ndarray:
+        """export_state's tensor summed over the stages, a tp-split one first made whole over its tp group along
+        the axis where it is short (every tp rank of the stage holds the same tensors, so their gathers pair up)."""
+        if value is not None and tuple(value.shape) != tuple(shape):
+            axis = next(a for a, (mine, whole) in enumerate(zip(value.shape, shape)) if mine != whole)
+            moved = mx.array(np.moveaxis(as_float32(value), axis, 0))
+            value = mx.array(np.moveaxis(np.array(mx.distributed.all_gather(moved, group=self.tp.group)), 0, axis))
+        return super()._all_sum(value, shape)
+
+    def local_state(self, shapes: Mapping[str, tuple[int, ...]], weights: Mapping[str, mx.array],
+                    exp_avg: Mapping[str, mx.array], exp_avg_sq: Mapping[str, mx.array]) -> LocalState:
+        """The stage's own tensors (a tied matrix: the first stage's copy), each tp rank its block of the split
+        ones; tp rank 0 the replicated ones (common/checkpoint/sharded.py). No collectives."""
+        own = (self.counted(local_numpy(weights)), self.counted(local_numpy(exp_avg)),
+               self.counted(local_numpy(exp_avg_sq)))
+        return local_pieces(self.tp.rank, own, {name: tp_split_axis(name) for name in own[0]}, shapes)

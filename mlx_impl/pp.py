@@ -30,8 +30,10 @@ stages' dicts (zeros where a stage holds nothing) so every rank has the whole st
 
 Tied embeddings (common/parallel/embedding_group.py, Megatron-LM's embedding group): the first and the last
 stage each hold the matrix, the last using it as its head, and forward_backward ends by summing its gradient
-over the two (one all_sum; the time breakdown's communication), before the norm: the ring backend cannot split
-a group, so beyond 2 stages the sum runs over the whole pipeline, the middle stages adding zeros.
+over the two (one all_sum; the time breakdown's communication), before the norm. Beyond 2 stages the two are a
+split of the pipeline's group where the backend splits (MPI, nccl; on a mesh always); the ring backend cannot
+split a group, so there the sum runs over the whole pipeline, the middle stages adding zeros. Split groups are
+freed before MPI finalizes (launch.py).
 
 The bubble, the layers and tensors a stage holds and its figures are common/parallel/pipeline_stage.py's
 (`StageBookkeeping`, which `Pipeline` extends); the barriers around each training step are one-element all_sums.
@@ -49,7 +51,7 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from common.checkpoint.sharded import LocalState, local_pieces
 from common.checkpoint.tensorsource import TensorSource
-from common.config import RunConfig
+from common.config import MLX_SPLIT_BACKENDS, RunConfig
 from common.parallel.embedding_group import TIED_MATRIX
 from common.parallel.pipeline import stage_ops
 from common.parallel.pipeline_stage import StageBookkeeping
@@ -70,9 +72,11 @@ class Pipeline(StageBookkeeping):
     full_state_on_every_rank = True  # export_state sums the stages' parts on every rank
     communicates = False             # no gradient is averaged; activations move inside forward_backward
     loss_over = "world"              # the last stage holds the loss sum
+    _compiles_fused_vjp = True       # the last stage's loss and gradients at once (1f1b): compiled, as a micro-step
 
     def __init__(self, cfg: RunConfig, world: World, comm: CommCounter):
         self.group, self.comm, self.stream = world.group, comm, comm.stream
+        self.splits = cfg.resolved_backend in MLX_SPLIT_BACKENDS  # Group.split works (the embedding group)
         super().__init__(cfg, self.group.rank(), self.group.size())
         self.ops = stage_ops(self.schedule, self.stage, self.n_stages, self.n_micro)
         # gpipe's last stage runs every forward before any backward, like the others: its fused compiled
@@ -92,16 +96,29 @@ class Pipeline(StageBookkeeping):
             inner.pop("norm")
             if "lm_head" in model:
                 model.pop("lm_head")
+        self._split_stage(model)
         self.model, self.dtype, self.dim = model, inner.compute_dtype, spec.dim
-        # The embedding group's communicator: the pipeline's own (2 stages; beyond, ring cannot split a group, so
-        # the middle stages add zeros). A caller with a 2-rank sub-group (MPI's Group.split) may set it instead.
-        self.tied_group = self.group
+        self.tied_group = self._embedding_group()
         self.keys = [k for k, _ in tree_flatten(model.trainable_parameters())]
         # Compiled like the Trainer's micro-step: the parameters are inputs (set into the model while tracing,
         # put back after each call), so one trace serves every call of the same shapes.
-        self._compiled_vjp, self._compiled_forward = mx.compile(self._stage_vjp), mx.compile(self._stage_forward)
+        self._compiled_vjp = mx.compile(self._stage_vjp) if self._compiles_fused_vjp else self._stage_vjp
+        self._compiled_forward = mx.compile(self._stage_forward)
         load_local(model, source, self.local_index)
         return model
+
+    def _split_stage(self, model: nn.Module) -> None:
+        """Where a mesh's tp axis splits the stage's blocks, before their keys are listed and they are loaded
+        (mlx_impl/mesh.py's TensorParallelStages); one-axis pp keeps them whole."""
+
+    def _embedding_group(self) -> mx.distributed.Group:
+        """The embedding group's communicator. At 2 stages the pipeline's own group (on a mesh, this pipeline's).
+        Beyond, where the backend splits (MPI, nccl), the pipeline's group split in two: its ends (the group)
+        and its middle stages (a group they never use); every stage of the pipeline calls the split. On ring,
+        which cannot split, the pipeline's own group: the middle stages add zeros."""
+        if not self.embedding.tied or self.embedding.spans_pipeline or not self.splits:
+            return self.group
+        return self.group.split(0 if self.holds_embedding else 1, self.stage)
 
     # ---- the schedule ---------------------------------------------------------------------------------------
     def forward_backward(self, step: StepFunctions, batches: Sequence[Batch], scale: float,
@@ -131,8 +148,8 @@ class Pipeline(StageBookkeeping):
     def _sum_tied_gradient(self, grads: Grads | None) -> Grads | None:
         """The tied matrix's gradient summed over the embedding group (common/parallel/embedding_group.py), after
         the step's window (no bubble) and before the norm: each copy then holds the lookup's and the head's
-        parts, as one rank's gradient does, and AdamW keeps the copies equal. The ring backend cannot split a
-        group, so beyond 2 stages the sum runs over the whole pipeline, the middle stages adding zeros."""
+        parts, as one rank's gradient does, and AdamW keeps the copies equal. Where the group could not be split
+        (ring), beyond 2 stages the sum runs over the whole pipeline, the middle stages adding zeros."""
         if not self.holds_embedding and self.tied_group is not self.group:
             return grads  # a middle stage outside the group's own communicator
         embedding = grads["model"]["embed_tokens"] if grads is not None and self.holds_embedding else None

@@ -14,7 +14,7 @@ Mirrors torch_impl/tp.py.
 """
 from __future__ import annotations
 
-from typing import Iterator, Mapping
+from typing import Iterable, Iterator, Mapping
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -63,18 +63,24 @@ class TensorParallel(MicroSteps):
         """Shard the unevaluated model in place: each split weight becomes this rank's block (the lazy init
         sliced, then replaced by the block read from the source: mlx_impl/load.py), then the layers that
         communicate take the place of the plain ones."""
+        self._parallelize(model)
+        load_local(model, source, self.local_index)
+        return model
+
+    def _parallelize(self, model: nn.Module, layers: Iterable[int] | None = None) -> None:
+        """Each split weight of the unevaluated blocks `layers` (a pipeline stage's; None: every block) cut to this
+        rank's block of the lazy init, and the layers that communicate in place of the plain ones."""
         local = [(k, v[tp_index(k, v.shape, self.rank, self.size)])
                  for k, v in tree_flatten(model.parameters()) if tp_split_axis(k) is not None]
         model.update(tree_unflatten(local))
-        load_local(model, source, self.local_index)
-        for block in model.model.layers:
+        blocks = model.model.layers
+        for block in (blocks if layers is None else [blocks[i] for i in layers]):
             attn, mlp = block.self_attn, block.mlp
             attn.n_heads, attn.n_kv_heads = attn.n_heads // self.size, attn.n_kv_heads // self.size
             attn.o_proj = RowParallelLinear.from_sharded(attn.o_proj, self)
             mlp.down_proj = RowParallelLinear.from_sharded(mlp.down_proj, self)
             block.input_layernorm = GradSumRMSNorm.from_norm(block.input_layernorm, self)
             block.post_attention_layernorm = GradSumRMSNorm.from_norm(block.post_attention_layernorm, self)
-        return model
 
     def local_index(self, name: str, shape: tuple[int, ...]) -> Index:
         return tp_index(name, shape, self.rank, self.size)

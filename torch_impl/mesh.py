@@ -27,7 +27,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from common.checkpoint.sharded import LocalState, box_of, pieces_at
+from common.checkpoint.sharded import LocalState, box_of, local_pieces, pieces_at
 from common.checkpoint.tensorsource import Index, TensorSource
 from common.config import RunConfig
 from common.parallel.fsdp import fsdp_rows
@@ -67,6 +67,8 @@ def mesh_strategy(cfg: RunConfig, world: World, comm: CommCounter):
     mesh = Mesh.parse(cfg.mesh)
     if mesh.has("fsdp"):
         return ShardedTensorParallel(cfg, world, comm)
+    if mesh.has("pp") and mesh.has("tp"):
+        return TensorParallelStages(cfg, world, comm)
     return DataParallelOver(cfg, world, comm)
 
 
@@ -204,3 +206,66 @@ class ShardedTensorParallel(Sharding):
         where = {name: box_of(self.local_index(name, shapes[name]), shapes[name]) for name in weights
                  if not (self.tp.rank and tp_split_axis(name) is None)}
         return pieces_at((local_numpy(weights), local_numpy(exp_avg), local_numpy(exp_avg_sq)), where)
+
+
+class TensorParallelStages(Pipeline):
+    """pp x tp: pp.py's Pipeline over the pp axis, each stage's blocks split over the stage's tp group by tp.py's
+    plan. Stage s's tp rank i exchanges activations with stage s+1's tp rank i (their pp group): every tp rank
+    holds the whole activation after its row-parallel all-reduce, and sends it whole (Megatron's scatter-gather,
+    1/tp of it per rank, is left out). The embedding, the final norm and the head are replicated over tp, as under
+    tp, so the last stage's tp ranks all hold the loss: tp rank 0 reports it (the Trainer sums over the world)."""
+
+    def __init__(self, cfg: RunConfig, world: World, comm: CommCounter):
+        super().__init__(cfg, world.axes["pp"], comm)
+        self.tp = TensorParallel(cfg, world.axes["tp"], comm)
+
+    def _split_stage(self, model: Llama) -> None:
+        self.tp._parallelize(model, self.layers)
+
+    def local_index(self, name: str, shape: tuple[int, ...]) -> Index | None:
+        """The stage's own tensors (pp), tp's block of each."""
+        return self.tp.local_index(name, shape) if self.holds(name) else None
+
+    def forward_backward(self, step: StepFunctions, batches: Sequence[Batch], scale: float,
+                         phase: Phase = no_phase, wait: bool = False,
+                         sync: bool = True) -> ForwardBackwardResult[torch.Tensor, Grads]:
+        result = super().forward_backward(step, batches, scale, phase, wait, sync)
+        return ForwardBackwardResult(self._reported(result.losses), result.grads)
+
+    def eval_losses(self, step: StepFunctions, batches: Sequence[Batch]) -> torch.Tensor:
+        return self._reported(super().eval_losses(step, batches))
+
+    def _reported(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        """The loss sum tp rank 0 holds (the last stage's), 0 on the other tp ranks, which hold the same sum."""
+        return loss_sum if self.tp.rank == 0 else torch.zeros_like(loss_sum)
+
+    @torch.no_grad()
+    def global_norm(self, grads: Grads) -> torch.Tensor:
+        """Squares of every tensor once over the mesh: the tp-split ones summed over the stage's tp group, the
+        replicated ones once (a tied matrix on the first stage only), then the stages summed over pp."""
+        dtype = norm_dtype(self.device)
+        uncounted = self._uncounted_grads()
+        counted = [g for g in grads if id(g) not in uncounted]
+
+        def squares(tensors: list[torch.Tensor]) -> torch.Tensor:
+            return torch.stack([sum_of_squares(t, dtype) for t in tensors]).sum() if tensors else \
+                torch.zeros((), dtype=dtype, device=self.device)
+
+        split = squares([g.to_local() for g in counted if isinstance(g, DTensor)])
+        dist.all_reduce(split, group=self.tp.group)
+        total = split + squares([g for g in counted if not isinstance(g, DTensor)])
+        dist.all_reduce(total, group=self.group)
+        return total.sqrt()
+
+    def _all_sum(self, value: torch.Tensor | None, shape: tuple[int, ...]) -> np.ndarray:
+        """export_state's tensor summed over the stages, a tp-split one first made whole over its tp group (every
+        tp rank of the stage holds the same tensors, so their gathers pair up)."""
+        return super()._all_sum(value.full_tensor() if isinstance(value, DTensor) else value, shape)
+
+    def local_state(self, shapes: Mapping[str, tuple[int, ...]], weights: Mapping[str, torch.Tensor],
+                    exp_avg: Mapping[str, torch.Tensor], exp_avg_sq: Mapping[str, torch.Tensor]) -> LocalState:
+        """The stage's own tensors (a tied matrix: the first stage's copy), each tp rank its block of the split
+        ones; tp rank 0 the replicated ones (common/checkpoint/sharded.py). No collectives."""
+        own = (self.counted(local_numpy(weights)), self.counted(local_numpy(exp_avg)),
+               self.counted(local_numpy(exp_avg_sq)))
+        return local_pieces(self.tp.rank, own, {name: tp_split_axis(name) for name in own[0]}, shapes)

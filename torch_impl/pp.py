@@ -24,8 +24,8 @@ are counted in the first step's point-to-point sends (torch_impl/comm.py's SendC
 Tied embeddings (common/parallel/embedding_group.py, Megatron-LM's embedding group): the first and the last
 stage each hold the matrix, the last using it as its head, and forward_backward ends by summing its gradient
 over the two (one all_reduce; the time breakdown's communication), before the norm; beyond 2 stages over a
-sub-group of the two ranks (`dist.new_group`, built by every rank at wrap), where MLX's ring, which cannot
-split a group, sums over the whole pipeline.
+sub-group of the two ranks (`dist.new_group`, every pipeline's built by every rank at wrap, on a mesh too),
+where MLX's ring, which cannot split a group, sums over the whole pipeline.
 """
 from __future__ import annotations
 
@@ -84,15 +84,29 @@ class Pipeline(StageBookkeeping):
             del inner.norm
             if hasattr(model, "lm_head"):
                 del model.lm_head
+        self._split_stage(model)
         load_local(model, self.device, source, self.local_index)
-        self.model, self.dtype, self.dim = model, inner.compute_dtype, spec.dim
+        self.model, self.dtype, self.dim, self.vocab_size = model, inner.compute_dtype, spec.dim, spec.vocab_size
         self.module = Stage(self)
-        # The embedding group's process group: a sub-group of the two ranks beyond 2 stages, which every rank builds
-        # (new_group's rule); at 2 stages the pipeline's own group (on a mesh, this pipeline's, not the world's:
-        # the world's would also add the other dp replicas' gradients).
-        self.tied_group = (dist.new_group(self.embedding.ranks()) if self.embedding.tied
-                           and not self.embedding.spans_pipeline else self.group)
+        self.tied_group = self._embedding_group()
         return model
+
+    def _split_stage(self, model: Llama) -> None:
+        """Where a mesh's tp axis splits the stage's blocks, before they are loaded (torch_impl/mesh.py's
+        TensorParallelStages); one-axis pp keeps them whole."""
+
+    def _embedding_group(self) -> dist.ProcessGroup | None:
+        """The embedding group's process group. At 2 stages the pipeline's own group (on a mesh, this pipeline's,
+        not the world's: the world's would also add the other dp replicas' gradients). Beyond, a group of the
+        two ranks: new_group must be called by every rank of the job for every group, in one order, so each
+        rank builds every pipeline's (EmbeddingGroup.job_groups) and keeps its own; a middle stage keeps none."""
+        if not self.embedding.tied or self.embedding.spans_pipeline:
+            return self.group
+        rank, mine = dist.get_rank(), None
+        for ranks in self.embedding.job_groups(self.mesh):
+            group = dist.new_group(ranks)
+            mine = group if rank in ranks else mine
+        return mine
 
     # ---- the schedule ---------------------------------------------------------------------------------------
     def forward_backward(self, step: StepFunctions, batches: Sequence[Batch], scale: float,
@@ -124,7 +138,7 @@ class Pipeline(StageBookkeeping):
                     self._sum_tied_gradient()
                     wait_for(wait, self.device)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        # the first step's shape inference runs the loss once more, on a micro-batch: the schedule's are the last
+        # the schedule's losses are the last ones (the library's shape inference, skipped by _build, would add one)
         if self.sums:
             loss_sum = loss_sum + sum(self.sums[-self.n_micro * len(batches):])
         return ForwardBackwardResult(loss_sum, [p.grad for p in self.model.parameters() if p.grad is not None])
@@ -142,11 +156,17 @@ class Pipeline(StageBookkeeping):
 
     def _build(self, inputs: torch.Tensor) -> PipelineScheduleSingle:
         """The schedule over this rank's PipelineStage, shaped by a micro-batch of `inputs`."""
-        micro = inputs.shape[0] // self.n_micro
+        micro, seq_len = inputs.shape[0] // self.n_micro, inputs.shape[1]
         example = (inputs[:micro].contiguous() if self.first else
-                   torch.zeros((micro, inputs.shape[1], self.dim), dtype=self.dtype, device=self.device))
+                   torch.zeros((micro, seq_len, self.dim), dtype=self.dtype, device=self.device, requires_grad=True))
+        # The output given too (activations, or the last stage's logits, in the compute dtype; requiring a gradient,
+        # which the schedule then passes back): the stages skip the library's shape inference, which would run a
+        # micro-batch's forward more in the first step (and on a mesh's tp axis its all-reduces, which that
+        # step's count would take for every step's).
+        output = torch.zeros((micro, seq_len, self.vocab_size if self.last else self.dim), dtype=self.dtype,
+                             device=self.device, requires_grad=True)
         self.stage_runner = PipelineStage(self.module, self.stage, self.n_stages, self.device, input_args=(example,),
-                                          group=self.group)
+                                          output_args=(output,), group=self.group)
         return SCHEDULES[self.schedule](self.stage_runner, n_microbatches=self.n_micro,
                                         loss_fn=self._loss, scale_grads=False)  # on every stage: it turns the backward on
 

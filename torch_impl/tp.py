@@ -15,7 +15,7 @@ the step's shapes are those of every step). Mirrors mlx_impl/tp.py.
 """
 from __future__ import annotations
 
-from typing import Iterator, Mapping, cast
+from typing import Iterable, Iterator, Mapping, cast
 
 import numpy as np
 import torch
@@ -62,9 +62,11 @@ class TensorParallel(MicroSteps):
         load_local(model, self.device, source, self.local_index)
         return model
 
-    def _parallelize(self, model: Llama) -> None:
-        """The tp plan on the meta model: each block's weights become DTensors over the tp DeviceMesh."""
-        for block in model.model.layers:
+    def _parallelize(self, model: Llama, layers: Iterable[int] | None = None) -> None:
+        """The tp plan on the meta model: each block's weights become DTensors over the tp DeviceMesh (the blocks
+        `layers`, a pipeline stage's; None: every block)."""
+        blocks = model.model.layers
+        for block in (blocks if layers is None else [blocks[i] for i in layers]):
             parallelize_module(block, self.mesh, {
                 "self_attn": PrepareModuleInput(input_layouts=(Replicate(), None),
                                                 desired_input_layouts=(Replicate(), None)),

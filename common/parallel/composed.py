@@ -13,8 +13,14 @@ composed object answers the same questions as they do (common/parallel/layout.py
               its gradients, fsdp gathers and reduce-scatters it (its one-axis collectives scaled by the share)
     memory    tp splits the activations, pp keeps the first stage's, fsdp gathers its units of the share
 
+pp x tp has two model axes: a rank holds its stage's tensors, the split ones over tp (`stage_share`); the
+slowest stage's blocks' FLOPs are split over tp, its head is not (pp.py's stage_work_fraction); a tp group
+all-reduces the activations of its own stage's blocks only (`stage_tp_collectives`), and pp sends whole
+activations between the ranks of equal tp coordinate.
+
 The frameworks compose the same way (mlx_impl/mesh.py, torch_impl/mesh.py): the model-parallel strategy runs on
-its axis's sub-group, the data axis reduces its gradients over the data sub-group.
+its axis's sub-group, the data axis reduces its gradients over the data sub-group; under pp x tp the pipeline runs
+on the pp sub-group and each stage's blocks are split over the tp sub-group.
 """
 from __future__ import annotations
 
@@ -30,14 +36,15 @@ from common.model.weights import parameter_shapes
 from common.parallel.ddp import DdpLayout, gradient_all_reduce
 from common.parallel.fsdp import FsdpLayout
 from common.parallel.layout import AxisCollectives, Layout, Measured, total_parameters
-from common.parallel.pipeline import stage_of
+from common.parallel.embedding_group import EmbeddingGroup
+from common.parallel.pipeline import stage_holds, stage_layers
 from common.parallel.pp import PpLayout
 from common.parallel.tp import TpLayout, tp_split_axis
 
 AXIS_LAYOUTS: dict[str, type[Layout]] = {"dp": DdpLayout, "fsdp": FsdpLayout, "tp": TpLayout, "pp": PpLayout}
 MODEL_AXES = ("tp", "pp")
 # The compositions both frameworks run (mlx_impl/mesh.py, torch_impl/mesh.py), as sets of axes.
-COMPOSITIONS = (frozenset({"dp", "tp"}), frozenset({"fsdp", "tp"}), frozenset({"dp", "pp"}))
+COMPOSITIONS = (frozenset({"dp", "tp"}), frozenset({"fsdp", "tp"}), frozenset({"dp", "pp"}), frozenset({"pp", "tp"}))
 
 
 def composition_names() -> str:
@@ -75,18 +82,30 @@ class MeshLayout(Layout):
     def data_part(self) -> Layout | None:
         return self.parts[self.mesh.data_axis] if self.mesh.data_axis else None
 
+    @property
+    def tp_stages(self) -> bool:
+        """pp x tp: two model axes, each pipeline stage's blocks split over a tp group."""
+        return self.mesh.has("pp") and self.mesh.has("tp")
+
     def model_share(self, spec: ModelSpec, framework: str = "torch") -> float:
-        """The share of the parameters the model axis leaves the rank that holds the most (before fsdp)."""
+        """The share of the parameters the model axes leave the rank that holds the most (before fsdp)."""
+        if self.mesh.has("pp"):
+            return max(self.stage_share(spec, stage) for stage in range(self.mesh.axis("pp")))
         part = self.model_part
         return 1.0 if part is None else part.local_parameters(spec, framework) / total_parameters(spec)
 
     def rank0_model_share(self, spec: ModelSpec) -> float:
         """The same for rank 0, whose counts summary.json reports (under pp: the first stage's blocks)."""
-        if self.mesh.has("pp"):
-            shapes, pp = parameter_shapes(spec), self.mesh.axis("pp")
-            held = sum(math.prod(s) for k, s in shapes.items() if stage_of(k, spec.n_layers, pp) == 0)
-            return held / total_parameters(spec)
-        return self.model_share(spec)
+        return self.stage_share(spec, 0) if self.mesh.has("pp") else self.model_share(spec)
+
+    def stage_share(self, spec: ModelSpec, stage: int) -> float:
+        """The share of the parameters a rank of pipeline stage `stage` holds: the stage's tensors (a tied
+        matrix's copy on the last stage too), those tp splits over the tp axis where there is one."""
+        pp, tp = self.mesh.axis("pp"), self.mesh.axis("tp") if self.mesh.has("tp") else 1
+        group = EmbeddingGroup.of(spec, pp)
+        held = sum(math.prod(s) / (tp if tp_split_axis(k) is not None else 1)
+                   for k, s in parameter_shapes(spec).items() if stage_holds(k, spec.n_layers, stage, group))
+        return held / total_parameters(spec)
 
     # ---- the run ------------------------------------------------------------------------------------
     def check(self, spec: ModelSpec) -> None:
@@ -113,12 +132,9 @@ class MeshLayout(Layout):
             if spec.n_layers < pp:
                 raise UserError(f"{prefix}: pp={pp} stages need one transformer block each at least, but "
                                 f"model.n_layers = {spec.n_layers} < {pp}")
-            self.parts["pp"].check(spec)  # its own further refusals
-            if spec.tie_embeddings and pp > 2 and self.mesh.size > pp:
-                # Beyond 2 stages the embedding group is a sub-group of each pipeline's two ends, which every rank
-                # of the mesh would have to build for every pipeline: not built yet.
-                raise UserError(f"{prefix}: tied embeddings over pp={pp} stages inside a mesh are not supported yet; "
-                                "use pp=2, one-axis --strategy pp, or an untied model")
+            # its own further refusals; a tied model runs on every pipeline of the mesh, each with its own
+            # embedding group (common/parallel/embedding_group.py job_groups)
+            self.parts["pp"].check(spec)
         if self.mesh.has("fsdp"):
             fsdp = self.mesh.axis("fsdp")
             for name, shape in parameter_shapes(spec).items():
@@ -138,10 +154,17 @@ class MeshLayout(Layout):
         return held / self.mesh.axis("fsdp") if self.mesh.has("fsdp") else held
 
     def work_fraction(self, w: Workload) -> float:
+        if self.tp_stages:
+            pp = self.parts["pp"]
+            assert isinstance(pp, PpLayout)
+            return pp.stage_work_fraction(w, block_split=self.mesh.axis("tp"))
         model = self.model_part.work_fraction(w) if self.model_part is not None else 1.0
         return model / self.dp_size
 
     def busy_fraction(self, w: Workload) -> float:
+        if self.tp_stages:  # without the bubble, as pp's own
+            m = w.pp_microbatches
+            return self.work_fraction(w) * m / (m + self.mesh.axis("pp") - 1)
         model = self.model_part.busy_fraction(w) if self.model_part is not None else 1.0
         return model / self.dp_size
 
@@ -150,12 +173,26 @@ class MeshLayout(Layout):
         out = []
         for name, part in self.parts.items():
             size = self.mesh.axis(name)
-            if name in MODEL_AXES:
+            if name == "tp" and self.tp_stages:
+                colls = self.stage_tp_collectives(part, w, reduce_scatter)
+            elif name in MODEL_AXES:
                 colls = part.collectives(w, reduce_scatter)
             else:
                 colls = self.data_collectives(part, w, reduce_scatter)
             out.append(AxisCollectives(name, size, colls))
         return out
+
+    def stage_blocks(self, spec: ModelSpec, stage: int | None = None) -> int:
+        """The transformer blocks of pipeline stage `stage` (None: of the stage that holds the most)."""
+        pp = self.mesh.axis("pp")
+        stages = range(pp) if stage is None else [stage]
+        return max(len(stage_layers(spec.n_layers, pp, s)) for s in stages)
+
+    def stage_tp_collectives(self, part: Layout, w: Workload, reduce_scatter: str) -> list[Collective]:
+        """pp x tp: a tp group all-reduces the activations of its stage's blocks only (the fullest stage's)."""
+        share = self.stage_blocks(w.spec) / w.spec.n_layers
+        return [replace(c, calls=round(c.calls * share), what=c.what + " (of the stage's blocks)")
+                for c in part.collectives(w, reduce_scatter)]
 
     def data_collectives(self, part: Layout, w: Workload, reduce_scatter: str) -> list[Collective]:
         """The data axis's gradient reduction of the rank's model share (the module docstring)."""
@@ -182,6 +219,11 @@ class MeshLayout(Layout):
         data = self.data_part
         if isinstance(data, DdpLayout):
             total += int(self.rank0_model_share(spec) * data.gradient_bytes(spec, dtype))
+        if self.tp_stages:  # rank 0's tp group all-reduces the activations of the first stage's blocks
+            tp = self.parts["tp"]
+            assert isinstance(tp, TpLayout)
+            total += int(4 * self.stage_blocks(spec, 0) * grad_accum
+                         * tp.all_reduce_bytes(micro_batch_size, seq_len, spec, dtype))
         return total
 
     # ---- the memory ---------------------------------------------------------------------------------

@@ -13,14 +13,16 @@ follow:
     count once the global gradient norm and the checkpoints count the first stage's copy only: HF files hold
                `model.embed_tokens.weight` once, as tied checkpoints do, and a sharded index lists one piece
 
-With 2 stages the group is the whole pipeline. With more, the middle stages are not in it: torch sums over a
-sub-group of the two ranks; MLX's ring backend cannot split a group (FACTS.md), so MLX sums over the whole
-pipeline and the middle stages add zeros (exact: x + 0 = x), at (p - 1) / p x 2 V d x 4 bytes on every rank
-instead of V d x 4 on two. Its cost beside the activations: one all-reduce of V x dim float32 per optimizer step
-(common/parallel/pp.py counts it), and the last stage holds V x dim more weights, gradients and AdamW moments.
+With 2 stages the group is the whole pipeline. With more, the middle stages are not in it: the group is a
+communicator of the two ranks, torch's `dist.new_group` (which every rank of the job builds for every pipeline,
+in one order: `job_groups`), MLX's `Group.split` of the pipeline's group on the backends that split (MPI, nccl).
+MLX's ring backend cannot split a group (FACTS.md), so there MLX sums over the whole pipeline and the middle
+stages add zeros (exact: x + 0 = x), at (p - 1) / p x 2 V d x 4 bytes on every rank instead of V d x 4 on two.
+Its cost beside the activations: one all-reduce of V x dim float32 per optimizer step (common/parallel/pp.py
+counts it), and the last stage holds V x dim more weights, gradients and AdamW moments.
 
 `EmbeddingGroup` speaks of stages; `ranks` maps them to the ranks of a job, so a mesh (pp beside other axes)
-builds one group per pipeline from its own stage-to-rank map.
+has one group per pipeline, from each pipeline's own stage-to-rank map (`job_groups`).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from common.model.spec import ModelSpec
+from common.parallel.mesh import Mesh
 
 TIED_MATRIX = "model.embed_tokens.weight"
 TIED_BYTES_PER_ELEMENT = 4  # the gradient is summed in float32, the master dtype, whatever --dtype
@@ -66,6 +69,12 @@ class EmbeddingGroup:
         """The group's ranks, given where each stage runs (one-axis pp: stage s is rank s; on a mesh, the ranks
         of one pipeline)."""
         return [rank_of_stage(stage) for stage in self.stages]
+
+    def job_groups(self, mesh: Mesh) -> list[list[int]]:
+        """The embedding group of every pipeline of the job, as ranks: one per group of the mesh's pp axis (one
+        for one-axis pp; on `--mesh dp=2,pp=3`, [0, 4] and [1, 5]), in the order of `Mesh.groups`, the one order
+        in which every rank builds them (torch's new_group is called by every rank, for every group, in order)."""
+        return [self.ranks(pipeline.__getitem__) for pipeline in mesh.groups("pp")]
 
     def elements(self, spec: ModelSpec) -> int:
         """Elements of the tied matrix (what the last stage holds beyond its own blocks), 0 when untied."""

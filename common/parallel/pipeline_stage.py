@@ -46,6 +46,7 @@ class StageBookkeeping:
 
     def __init__(self, cfg: RunConfig, stage: int, n_stages: int):
         self.stage, self.n_stages = stage, n_stages
+        self.mesh = cfg.layout.mesh  # the job's ranks: one pp axis, or pp beside others (the embedding groups')
         self.first, self.last = stage == 0, stage == n_stages - 1
         self.n_micro, self.schedule = cfg.pp_microbatches, cfg.pp_schedule
         self.idle: list[float] = []  # per training step: this stage's measured idle fraction

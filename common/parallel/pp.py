@@ -71,11 +71,16 @@ class PpLayout(Layout):
                    for stage in range(n))
 
     def work_fraction(self, w: Workload) -> float:
+        return self.stage_work_fraction(w)
+
+    def stage_work_fraction(self, w: Workload, block_split: int = 1) -> float:
+        """The slowest stage's share of the FLOPs, inflated by the bubble; `block_split`: the ranks each stage's
+        blocks are split over (a mesh's tp axis; the head stays whole on the last stage, as tp keeps it)."""
         n = self.ranks
         if n == 1:
             return 1.0 / n
         layers, head, total = layer_and_head_flops(w)
-        per_block = layers / w.spec.n_layers
+        per_block = layers / w.spec.n_layers / block_split
         slowest = max(len(stage_layers(w.spec.n_layers, n, s)) * per_block + (head if s == n - 1 else 0.0)
                       for s in range(n))
         m = w.pp_microbatches

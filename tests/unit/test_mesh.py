@@ -67,6 +67,34 @@ def test_state_work_and_traffic_compose_per_axis():
     assert dptp.collectives(w) == axes["dp"].collectives + axes["tp"].collectives
 
 
+def test_pp_x_tp_splits_each_stages_blocks_over_its_tp_group():
+    mesh = Mesh.parse("tp=2,pp=2")
+    # stage s's tp rank i talks to stage s+1's tp rank i: the pp groups pair equal tp coordinates
+    assert mesh.groups("tp") == [(0, 1), (2, 3)] and mesh.groups("pp") == [(0, 2), (1, 3)]
+    pptp, pp2 = layout("mesh", 4, "pp=2,tp=2"), layout("pp", 2)
+    pptp.check(TINY)
+    shapes = __import__("common.model.weights", fromlist=["x"]).parameter_shapes(TINY)
+    split = {k for k in shapes if k.split(".")[-2] in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj",
+                                                      "o_proj", "down_proj")}
+    stages = [("model.embed", "model.layers.0."), ("model.layers.1.", "model.norm", "lm_head")]
+    held = [sum(math.prod(s) // (2 if k in split else 1) for k, s in shapes.items() if k.startswith(prefixes))
+            for prefixes in stages]
+    assert pptp.local_parameters(TINY) == max(held) < pp2.local_parameters(TINY)
+    # the slowest stage's FLOPs (its block over tp, the head whole on the last), stretched by the bubble
+    w = Workload(TINY, 32, 8, grad_accum=2, pp_microbatches=4)
+    assert pp2.work_fraction(w) / 2 < pptp.work_fraction(w) < pp2.work_fraction(w)
+    axes = {a.axis: a for a in pptp.axis_collectives(w)}
+    (tp_act,) = axes["tp"].collectives
+    tp2 = layout("tp", 2).collectives(w)[0]
+    assert (tp_act.nbytes, tp_act.calls) == (tp2.nbytes, tp2.calls // 2)  # one of the two blocks per stage
+    assert axes["pp"].collectives == pp2.collectives(w)
+    # rank 0 counts the first stage's sends and its tp group's 4 all-reduces per block and micro-step
+    assert pptp.comm_bytes_per_step_estimate(TINY, 4, 32, 2) == \
+        pp2.comm_bytes_per_step_estimate(TINY, 4, 32, 2) + 4 * 1 * 2 * (4 * 32 * 64 * 4)
+    with pytest.raises(UserError, match="tp=3 does not divide model.n_heads = 4"):
+        layout("mesh", 6, "pp=2,tp=3").check(TINY)
+
+
 def test_the_estimate_is_what_rank_0_counts_on_each_axis():
     # dp x tp: tp's activations at one data rank's micro-batch, plus dp's all-reduce of the tp share's gradients
     tp_part = layout("tp", 2).comm_bytes_per_step_estimate(TINY, 4, 32, 1)
@@ -84,7 +112,7 @@ def test_bad_meshes_are_refused_in_one_line_naming_the_numbers():
     cases = [("dp=2,tp=3", 6, "tp=3 does not divide model.n_heads = 4"),
              ("pp=4,dp=2", 8, "pp=4 stages need one transformer block each at least, but model.n_layers = 2 < 4"),
              ("dp=3,tp=2", 4, "holds 3 x 2 = 6 ranks, but the run has 4"),
-             ("pp=2,tp=2", 4, "composing pp x tp is not supported"),
+             ("pp=2,fsdp=2", 4, "composing pp x fsdp is not supported"),
              ("dp=1,tp=2", 2, "axis dp=1 splits nothing")]
     for mesh, n, words in cases:
         with pytest.raises(UserError, match=words) as err:
@@ -108,8 +136,9 @@ def test_config_takes_a_mesh_and_a_one_axis_mesh_is_that_strategy():
         RunConfig.from_dict({"preset": "tiny", "nproc": 4, "mesh": "dp=2,tp=2", "backend": "ring"})
     with pytest.raises(UserError, match="leave --strategy out"):
         RunConfig.from_dict({"preset": "tiny", "nproc": 4, "mesh": "dp=2,tp=2", "strategy": "fsdp"})
-    with pytest.raises(UserError, match="composing pp x tp is not supported"):
-        RunConfig.from_dict({"preset": "tiny", "nproc": 4, "mesh": "tp=2,pp=2"})
+    with pytest.raises(UserError, match="composing pp x fsdp is not supported"):
+        RunConfig.from_dict({"preset": "tiny", "nproc": 4, "mesh": "fsdp=2,pp=2"})
+    assert RunConfig.from_dict({"preset": "tiny", "nproc": 4, "mesh": "tp=2,pp=2"}).mesh == "pp=2,tp=2"
     with pytest.raises(UserError, match="needs --mesh"):
         RunConfig.from_dict({"preset": "tiny", "nproc": 4, "strategy": "mesh"})
 

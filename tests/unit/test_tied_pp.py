@@ -13,6 +13,7 @@ from common.model.spec import preset
 from common.model.weights import parameter_shapes
 from common.parallel import comm_bytes_per_step_estimate, layout
 from common.parallel.embedding_group import TIED_MATRIX, EmbeddingGroup
+from common.parallel.mesh import Mesh
 from common.parallel.pipeline import stage_holds
 from common.parallel.pipeline_stage import StageBookkeeping
 from common.train.rank_checks import TrainingError
@@ -29,6 +30,23 @@ def test_the_embedding_group_is_the_first_and_last_stage_of_a_tied_model_only():
     assert EmbeddingGroup.of(TIED, 1).stages == ()
     assert four.counts(TIED_MATRIX, 0) and not four.counts(TIED_MATRIX, 3) and four.counts("model.norm.weight", 3)
     assert four.gradient_bytes(TIED) == TIED.vocab_size * TIED.dim * 4
+
+
+def test_every_pipeline_of_a_mesh_has_its_own_embedding_group_of_its_two_ends():
+    three = EmbeddingGroup.of(TIED, 3)
+    # pp outermost: pipeline i is ranks i, i + 2, i + 4 (common/parallel/mesh.py); its ends are stages 0 and 2
+    assert three.job_groups(Mesh.parse("dp=2,pp=3")) == [[0, 4], [1, 5]]
+    assert three.job_groups(Mesh.one_axis("pp", 3)) == [[0, 2]]  # one-axis pp: the job's one pipeline
+    four = EmbeddingGroup.of(TIED, 4).job_groups(Mesh.parse("pp=4,dp=3"))
+    assert four == [[0, 9], [1, 10], [2, 11]]
+    # each group's ranks are the first and the last stage of one pipeline, and no rank is in two groups
+    mesh = Mesh.parse("pp=4,dp=3")
+    assert [(mesh.coordinate(a, "pp"), mesh.coordinate(b, "pp")) for a, b in four] == [(0, 3)] * 3
+    assert len({r for g in four for r in g}) == 2 * 3
+    # a mesh's check takes a tied model over more than 2 stages (it used to refuse it)
+    layout("mesh", 6, "dp=2,pp=3").check(TIED)
+    assert StageBookkeeping(RunConfig.from_dict({"preset": "tiny", "nproc": 6, "mesh": "dp=2,pp=3",
+                                                 "model": {"n_layers": 3}}), 1, 3).mesh == Mesh.parse("dp=2,pp=3")
 
 
 def test_with_tied_embeddings_the_last_stage_also_holds_the_matrix_and_every_other_tensor_one_stage():
