@@ -6,7 +6,7 @@ strategy, on loopback and on shaped links (issue 24's acceptance: within 15 %), 
     # N=4 as two machines of 2: a link `OUTER/INNER` is --link OUTER --link-inner INNER --group-size 2
     python benchmarks/bench_plan.py --preset tiny --nproc 4 --group-size 2 --links none,100mbit/1gbit \
         --strategies ddp,fsdp,tp,pp --set model.n_layers=4 --set model.n_kv_heads=4
-    # and meshes (issue 37), each its own compare at --nproc 1 (the calibration) plus the mesh at N
+    # and meshes (issue 37), each its own compare at --nproc 1,N (the N=1 calibration, ddp and the mesh at N)
     ... --meshes "dp=2,pp=2;dp=2,tp=2;fsdp=2,tp=2"   # MLX's meshes run on MPI
 
 Per link one `dpcompare compare --nproc 1,2` (with `--link RATE` unless the link is `none`: plain loopback).
@@ -55,7 +55,8 @@ def main() -> None:
             levels = ["--link", outer] + (["--link-inner", inner, "--group-size", str(a.group_size)] if inner else [])
             # one compare for the one-axis strategies, then one per mesh (a compare adds one mesh)
             jobs = ([("", ["--nproc", f"1,{a.nproc}", "--strategies", a.strategies])] if a.strategies else []) + [
-                (f"-mesh{i}", ["--nproc", "1", "--mesh", mesh]) for i, mesh in enumerate(filter(None, a.meshes.split(";")))]
+                (f"-mesh{i}", ["--nproc", f"1,{a.nproc}", "--mesh", mesh])
+                for i, mesh in enumerate(filter(None, a.meshes.split(";")))]
             for suffix, shape in jobs:
                 rows += measure(a, steps, link, levels, Path(work) / (link.replace("/", "-") + suffix), shape, load)
     benchlib.print_table(rows, [("link", "link", ""), ("run", "run", ""), ("n1_step_s", "N=1 s", ".4f"),
@@ -79,6 +80,8 @@ def measure(a, steps: int, link: str, levels: list[str], out: Path, shape: list[
         raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}:\n{proc.stderr[-2000:]}")
     for summary_path in sorted(out.glob(f"*-n{a.nproc}/summary.json")):
         s = json.loads(summary_path.read_text())
+        if "--mesh" in shape and s.get("strategy") != "mesh":
+            continue  # the mesh's compare also runs ddp at N: the strategies' compare has that row
         p = s.get("prediction") or {}
         source = json.loads((out / p["from"] / "summary.json").read_text()) if p.get("from") else {}
         rows.append({"link": link, "run": summary_path.parent.name, "status": s.get("status"),
