@@ -64,8 +64,10 @@ def mlx_ring_node(job: Job) -> list[str]:
 
 def torch_spawner(job: Job) -> list[str]:
     # Our own spawner, as for the MLX ring: torchrun's agent adds seconds of start-up. On Linux with gloo the
-    # ranks are forked from one process that imported torch (common/train/forkranks.py): 2.1 CPU-s per rank.
-    fork = ["--fork"] if sys.platform == "linux" and job.backend == "gloo" else []
+    # training ranks are forked from one process that imported torch (common/train/forkranks.py): 2.1 CPU-s per
+    # rank. Only torch_impl.launch forks; another module (doctor's probe) would start as one rank, not N.
+    fork = ["--fork"] if sys.platform == "linux" and job.backend == "gloo" and job.module == "torch_impl.launch" \
+        else []
     return job.spawner("--torch", *fork)
 
 
