@@ -95,7 +95,8 @@ def runs_integration(config) -> bool:
 def pytest_sessionstart(session):
     """Under xdist, the xdist controller trains the integration lane's shared matrix before any worker
     exists, so that it trains alone (its time breakdown is judged to 15 %) and fills the workers' cache;
-    then the shaped-link compare, whose step the cost model's prediction is judged against (also 15 %)."""
+    then the shaped-link compare, whose step the cost model's prediction is judged against (also 15 %), and the
+    two-level link's run, whose all-reduce gives each level's rate (20 %)."""
     config = session.config
     if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None) \
             or not runs_integration(config):
@@ -108,7 +109,7 @@ def pytest_sessionstart(session):
     cache.mkdir(exist_ok=True)
     alone = [("the shared matrix", "matrix", MATRIX_ENV, build_matrix)]
     if can_emulate_links():
-        alone.append(("the shaped-link compare", "shaped-link", LINK_RUN_ENV, build_link_run))
+        alone.append(("the shaped-link compare and two-level run", "shaped-link", LINK_RUN_ENV, build_link_run))
     for title, folder, env_name, build in alone:
         root = base / folder
         root.mkdir(exist_ok=True)

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from helpers import FAST, dpcompare, namespaces, skip_unless_links, summary
+from helpers import dpcompare, namespaces, skip_unless_links, summary
 from integration.runs import LINK_RATE, LINK_RATE_BPS
 
 RATE, RATE_BPS = "400mbit", 400e6
@@ -61,7 +61,7 @@ def test_the_cost_model_predicts_a_two_rank_run_over_a_shaped_link_from_the_one_
 
 
 @pytest.mark.slow
-def test_a_two_level_link_carries_each_levels_rate_and_leaves_no_namespace(cache_dir, tmp_path):
+def test_a_two_level_link_carries_each_levels_rate_and_leaves_no_namespace(shaped_link_run):
     """torch x4 in two groups of two (compare/launch/topology.py): the ranks' own all-reduce inside each group
     and across the groups, each turned into its per-hop rate by the ring formula, is within 20 % of that level's
     shaped rate (the issue's bar), and so is the launcher's TCP probe of each. At the issue's 1gbit inside and
@@ -70,13 +70,11 @@ def test_a_two_level_link_carries_each_levels_rate_and_leaves_no_namespace(cache
     250mbit inside (243 per hop, TCP 239 at load 15). 100mbit between measured 81-102 per hop over five runs at
     load 7-16. Not slower: at 50mbit only the 1 MiB size fit the probe's 5 s, and gave 28 Mbit/s per hop
     (gloo's algorithm for that size crosses the uplink twice). Two steps, no profile rounds: the link is judged.
-    16 s for the run on a quiet machine, 98 s at load 15 with a cold cache."""
+    16 s for the run on a quiet machine, 98 s at load 15 with a cold cache. The run (integration/runs.py's
+    TWO_LEVEL_ARGS) is trained with the shaped-link compare, alone before the xdist workers start."""
     from common.costmodel.links import hop_bandwidth_Bps
 
-    skip_unless_links()
-    out = tmp_path / "two-level"
-    dpcompare("run", *FAST, "--framework", "torch", "--nproc", 4, "--steps", 2, "--profile-steps", 0,
-              "--link", "100mbit", "--link-inner", "250mbit", "--group-size", 2, "--out", out, cache_dir=cache_dir)
+    out = shaped_link_run.parent / "two-level"
     link = summary(out)["link"]
     assert link["group_size"] == 2 and len(link["namespaces"]) == 4 + 1 + 2, link
     assert not set(link["namespaces"]) & set(namespaces())  # all gone after a normal end
