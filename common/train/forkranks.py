@@ -15,7 +15,7 @@ changes: a forked rank runs the same `main` with the same argv, environment, wor
 inherited output, and the supervisor watch, rescue thread and signal handlers start after the fork.
 
 Forking is safe here because nothing that cannot cross a fork has started yet: no collective, no device
-(spawn asks for it on CPU runs only), and numpy's OpenBLAS pool handles forks itself (pthread_atfork).
+(spawn asks for it on gloo runs only, and the preload imports but initialises no device), and numpy's OpenBLAS pool handles forks itself (pthread_atfork).
 It applies only where spawn starts the ranks directly: not inside network namespaces (`ip netns exec`
 per rank), nor under torchrun, mpirun or Slurm.
 """
