@@ -2,6 +2,11 @@
 terminal and the report, read from summary.json's `restarts`."""
 from __future__ import annotations
 
+import re
+
+# compare/launch/watchdog.py's diagnoses: "... failed in step S: WORDS" and "... in step S; rank R reports: WORDS"
+RANK_WORDS = re.compile(r"in step \d+(?::|; rank \d+ reports:) (.+)", re.S)
+
 
 def restart_line(record: dict, max_restarts: int) -> str:
     """One line per restart, printed after the run and shown in the report."""
@@ -13,7 +18,17 @@ def restart_line(record: dict, max_restarts: int) -> str:
             if record["nproc_after"] != record["nproc_before"] else "")
     took = f", first step after {record['seconds']:.1f} s" if record.get("seconds") is not None else ""
     return (f"restart {record['attempt']}/{max_restarts}: rank {record['rank']} {record['cause']} in step "
-            f"{record['step']}; resumed from {how} ({record['steps_lost']} steps lost){size}{took}")
+            f"{record['step']}{reason(record)}; resumed from {how} ({record['steps_lost']} steps lost){size}{took}")
+
+
+def reason(record: dict, limit: int = 160) -> str:
+    """The rank's own words where it raised an error (a death or a stop has none), first line, shortened:
+    without them a start that failed for another reason than the one expected cannot be told from it."""
+    found = RANK_WORDS.search(record.get("error") or "")
+    message = found.group(1).strip().splitlines()[0].strip() if found and found.group(1).strip() else ""
+    if not message:
+        return ""
+    return f" ({message[:limit - 3]}...)" if len(message) > limit else f" ({message})"
 
 
 def restart_blocks(rows: list[dict]) -> list[tuple]:

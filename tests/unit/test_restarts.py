@@ -191,3 +191,16 @@ def test_immutable_state_is_kept_without_a_copy():
     live = {"w": np.ones(3, dtype=np.float32)}
     kept = rescue.copy_state([iter(live.items())] * 3, copy=False)
     assert np.shares_memory(kept[0]["w"], live["w"])  # MLX's arrays never change: a view is the step's state
+
+
+def test_a_restart_line_gives_the_ranks_own_words_and_none_for_a_death(tmp_path):
+    cfg = RunConfig(preset="tiny", nproc=2, max_restarts=2)
+    rows(tmp_path / "metrics.jsonl", range(1, 3))
+    restarts = Restarts(cfg)
+    failed = {"failed_rank": 1, "cause": "failed",
+              "error": "rank 1 failed in step 3: RuntimeError: [ring] could not reach 10.0.0.1\nTraceback ..."}
+    nxt = restarts.after_failure(cfg, failed, tmp_path, time.time(), {}, None)
+    restarts.after_failure(nxt, died(3), tmp_path, time.time(), {}, None)
+    first, second = (restart_line(record, 2) for record in restarts.records)
+    assert first.startswith("restart 1/2: rank 1 failed in step 3 (RuntimeError: [ring] could not reach 10.0.0.1); ")
+    assert second.startswith("restart 2/2: rank 1 died in step 3; ")
