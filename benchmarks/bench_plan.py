@@ -8,6 +8,9 @@ strategy, on loopback and on shaped links (issue 24's acceptance: within 15 %), 
         --strategies ddp,fsdp,tp,pp --set model.n_layers=4 --set model.n_kv_heads=4
     # and meshes (issue 37), each its own compare at --nproc 1,N (the N=1 calibration, ddp and the mesh at N)
     ... --meshes "dp=2,pp=2;dp=2,tp=2;fsdp=2,tp=2"   # MLX's meshes run on MPI
+    # and each axis's host work per call fitted on an N=2 run of its strategy (common/costmodel/fit.py): the
+    # strategies' compare runs at --nproc 1,2,N, and every row at N shows its error unfitted and fitted
+    ... --fit
 
 Per link one `dpcompare compare --nproc 1,2` (with `--link RATE` unless the link is `none`: plain loopback).
 compare writes each N=2 run's `prediction` (compare/plan.py: calibrated on the N=1 run of the same framework
@@ -23,6 +26,7 @@ import tempfile
 from pathlib import Path
 
 import benchlib
+from compare.plan import fit_runs, predicted_record
 
 
 def main() -> None:
@@ -42,6 +46,8 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], help="config fields, as dpcompare's --set")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--no-wait", action="store_true", help="start at once, whatever the load")
+    parser.add_argument("--fit", action="store_true", help="fit each axis's host work on an N=2 run of its "
+                        "strategy (the strategies' compare adds N=2) and show both errors")
     parser.add_argument("--profile-steps", type=int, default=3, help="breakdown rounds of every run (its N=1 "
                         "calibration needs them; at 200mbit a `small` fsdp step takes ~8 s)")
     a = parser.parse_args()
@@ -54,20 +60,30 @@ def main() -> None:
             outer, _, inner = link.partition("/")
             levels = ["--link", outer] + (["--link-inner", inner, "--group-size", str(a.group_size)] if inner else [])
             # one compare for the one-axis strategies, then one per mesh (a compare adds one mesh)
-            jobs = ([("", ["--nproc", f"1,{a.nproc}", "--strategies", a.strategies])] if a.strategies else []) + [
+            nprocs = f"1,2,{a.nproc}" if a.fit and a.nproc > 2 else f"1,{a.nproc}"
+            jobs = ([("", ["--nproc", nprocs, "--strategies", a.strategies])] if a.strategies else []) + [
                 (f"-mesh{i}", ["--nproc", f"1,{a.nproc}", "--mesh", mesh])
                 for i, mesh in enumerate(filter(None, a.meshes.split(";")))]
+            fit_dirs: list[Path] = []  # the strategies' N=2 runs, for the meshes' compares
             for suffix, shape in jobs:
-                rows += measure(a, steps, link, levels, Path(work) / (link.replace("/", "-") + suffix), shape, load)
-    benchlib.print_table(rows, [("link", "link", ""), ("run", "run", ""), ("n1_step_s", "N=1 s", ".4f"),
-                                ("load_average_at_start", "load", ".1f"), ("measured_step_s", "measured s", ".4f"),
-                                ("predicted_step_s", "predicted s", ".4f"), ("error", "error", "+.1%")],
-                         f"{a.preset}, N={a.nproc} predicted from N=1")
+                out = Path(work) / (link.replace("/", "-") + suffix)
+                rows += measure(a, steps, link, levels, out, shape, load, fit_dirs)
+                fit_dirs += [p.parent for p in out.glob("*-n2/summary.json")] if a.fit and a.nproc > 2 else []
+    columns = [("link", "link", ""), ("run", "run", ""), ("n1_step_s", "N=1 s", ".4f"),
+               ("load_average_at_start", "load", ".1f"), ("measured_step_s", "measured s", ".4f")]
+    if a.fit:
+        columns += [("unfitted_step_s", "unfitted s", ".4f"), ("unfitted_error", "unfitted", "+.1%"),
+                    ("fitted_on", "fitted on", "")]
+    columns += [("predicted_step_s", "predicted s", ".4f"), ("error", "error", "+.1%")]
+    benchlib.print_table(rows, columns, f"{a.preset}, N={a.nproc} predicted from N=1"
+                         + (", each axis fitted on its strategy's N=2 run" if a.fit else ""))
     benchlib.write_result(a.out, "plan", vars(a) | {"steps": steps}, rows)
 
 
-def measure(a, steps: int, link: str, levels: list[str], out: Path, shape: list[str], load: float) -> list[dict]:
-    """One compare (N=1 and the runs at N that `shape` asks for); a row per run at N: measured and predicted."""
+def measure(a, steps: int, link: str, levels: list[str], out: Path, shape: list[str], load: float,
+            fit_dirs: list[Path]) -> list[dict]:
+    """One compare (N=1 and the runs at N that `shape` asks for); a row per run at N: measured and predicted
+    (with --fit: its prediction fitted on the N=2 runs of this compare and of `fit_dirs`, and without)."""
     argv = benchlib.DPCOMPARE + [
         "compare", "--frameworks", a.frameworks, *shape, "--preset", a.preset, "--steps", str(steps), "--seq-len",
         str(a.seq_len), "--global-batch-size", str(a.batch), "--eval-every", "0", "--profile-steps",
@@ -84,7 +100,16 @@ def measure(a, steps: int, link: str, levels: list[str], out: Path, shape: list[
             continue  # the mesh's compare also runs ddp at N: the strategies' compare has that row
         p = s.get("prediction") or {}
         source = json.loads((out / p["from"] / "summary.json").read_text()) if p.get("from") else {}
-        rows.append({"link": link, "run": summary_path.parent.name, "status": s.get("status"),
+        fitted = {}
+        if a.fit and p.get("step_s") and p.get("from"):
+            unfitted = predicted_record(out / p["from"], s, s.get("strategy", "ddp"))  # compare's own may be fitted
+            candidates = {d: json.loads((d / "summary.json").read_text())
+                          for d in [*fit_dirs, *(q.parent for q in out.glob("*-n2/summary.json"))]}
+            p = predicted_record(out / p["from"], s, s.get("strategy", "ddp"), fit_runs(s, candidates))
+            fitted = {"unfitted_step_s": unfitted["step_s"], "unfitted_error": unfitted["step_s"] / s["step_time_s"] - 1,
+                      "fitted_on": ",".join(sorted(p.get("fitted_on", {}))) or "-",
+                      "host_s_per_call": p.get("host_s_per_call")}
+        rows.append({**fitted, "link": link, "run": summary_path.parent.name, "status": s.get("status"),
                      "measured_step_s": s.get("step_time_s"), "predicted_step_s": p.get("step_s"),
                      "error": (p["step_s"] / s["step_time_s"] - 1) if p.get("step_s") and s.get("step_time_s")
                      else None, "predicted_from": p.get("from"), "link_used": p.get("link"),

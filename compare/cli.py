@@ -141,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
                                        "strategies and links, from a measured run (docs/scaling.md)")
     plan.add_argument("--from", dest="from_run", metavar="RUN_DIR", required=True,
                       help="a finished run to calibrate on (its summary.json's time breakdown and peak memory)")
+    plan.add_argument("--fit", action="append", metavar="RUN_DIR", help="a finished N=2 run of one strategy (fsdp, tp, "
+                      "pp, ddp) of the same workload: its host work per collective call is fitted and charged at "
+                      "every N (repeat for each strategy; docs/scaling.md)")
     plan.add_argument("--nproc", default="2,4,8,16,64", help="comma list of world sizes (default 2,4,8,16,64)")
     plan.add_argument("--strategies", default="ddp,fsdp,tp", help="comma list of ddp, fsdp, tp (default all)")
     plan.add_argument("--fabric", metavar="FABRIC.json", help="the link as `dpcompare doctor --fabric --out` "
@@ -157,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                             "--strategies), the fastest named (docs/scaling.md)")
     plan.add_argument("--device-memory-gb", type=float, help="memory per rank, GB: say whether each plan fits")
     plan.add_argument("--out", help="where plan.json and plan.png go (default RUN_DIR/plan)")
-    plan.set_defaults(handler=cmd_plan, paths={"from_run": ("--from", "dir"), "fabric": ("--fabric", "file"),
+    plan.set_defaults(handler=cmd_plan, paths={"from_run": ("--from", "dir"), "fit": ("--fit", "dir"),
+                                               "fabric": ("--fabric", "file"),
                                                "fabric_inner": ("--fabric-inner", "file"),
                                                "out": ("--out", "out_dir")})
 

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from common.costmodel.calibrate import Calibration, calibrate
+from common.costmodel.fit import fit_host_costs
 from common.costmodel.levels import Links, links_from_record
 from common.costmodel.links import loopback_link
 from common.costmodel.memory import WORKSPACE_BYTES, predicted_peak
@@ -25,7 +26,7 @@ from compare.plan_meshes import mesh_plan, mesh_table
 from common.errors import UserError
 from common.metrics import read_json, write_json
 from common.model.spec import ModelSpec, preset
-from common.parallel import STRATEGIES
+from common.parallel import STRATEGIES, layout
 
 FABRIC_KIND = "dpcompare doctor --fabric"
 DEFAULT_NPROC = "2,4,8,16,64"
@@ -199,6 +200,8 @@ def run_plan(args) -> int:
         raise UserError(f"--device-memory-gb must be a positive number, got {args.device_memory_gb}")
     link, link_how = choose_links(args, summary)
     cal = calibrate(summary, spec, source=str(run_dir))
+    if getattr(args, "fit", None):
+        cal = fit_host_costs(cal, [(d, s, cores_shared_by(s)) for d in args.fit for s in [read_run(Path(d))[0]]])
     memory = args.device_memory_gb * 1e9 if args.device_memory_gb else None
     meshes = mesh_plan(cal, link, world_sizes, memory) if getattr(args, "meshes", False) else None
     rows = meshes["rows"] if meshes else make_plan(cal, link, strategies, world_sizes, memory)
@@ -218,7 +221,10 @@ def run_plan(args) -> int:
             **({"best": meshes["best"], "refused": meshes["refused"]} if meshes else {})})
     except OSError as err:
         raise UserError(f"cannot write the plan into {out}: {err.strerror}") from None
-    print(f"plan from {what}\nlink {link_text}\n")
+    print(f"plan from {what}\nlink {link_text}")
+    for axis, seconds in cal.host_s_per_call.items():
+        print(f"host work on {axis}: {1e3 * seconds:.3g} ms per collective call, fitted on {cal.fitted_on[axis]}")
+    print()
     print(mesh_table(meshes, args.device_memory_gb) if meshes else table(rows, args.device_memory_gb))
     print()
     for strategy in strategies if not meshes else ():
@@ -232,11 +238,14 @@ def run_plan(args) -> int:
 
 
 # ---- compare: a prediction in every N > 1 run ------------------------------------------------------
-def add_predictions(run_dirs: list[Path]) -> None:
+def add_predictions(run_dirs: list[Path], fit_dirs: list[Path] = ()) -> None:
     """Every finished N > 1 run's summary.json gets `prediction`, made from the N=1 run of the same
     framework, strategy and dtype (for fsdp, tp and pp, which need 2 ranks: the ddp one), over the link the
-    job measured (its `link` record; loopback figures where it has none)."""
+    job measured (its `link` record; loopback figures where it has none). Each axis of a run at N > 2 is
+    fitted on an N=2 run of that axis's strategy among these runs and `fit_dirs`, where there is one
+    (common/costmodel/fit.py): never on the run itself, so a prediction is never fitted on what it predicts."""
     runs = {Path(d): read_json(Path(d) / "summary.json") or {} for d in run_dirs}
+    fits = {Path(d): read_json(Path(d) / "summary.json") or {} for d in fit_dirs}
     for run_dir, s in runs.items():
         if s.get("status") != "ok" or (s.get("world_size") or 1) < 2:
             continue
@@ -255,25 +264,44 @@ def add_predictions(run_dirs: list[Path]) -> None:
             if strategy != "ddp":
                 record["note"] = f"{strategy} has no N=1 run: predicted from the ddp N=1 run"
             try:
-                record.update(predicted_record(source, s, strategy))
+                record.update(predicted_record(source, s, strategy, fit_runs(s, {**fits, **runs})))
             except Exception as err:  # noqa: BLE001 - a run the model cannot read must not cost the report
                 record["note"] = f"no prediction: {err}"
         s["prediction"] = record
         write_json(run_dir / "summary.json", s)
 
 
-def predicted_record(source: Path, s: dict, strategy: str) -> dict:
-    """The `prediction` fields of run summary `s`, calibrated on the run in `source`."""
+def fit_runs(s: dict, candidates: dict[Path, dict]) -> list[tuple[str, dict, float]]:
+    """The N=2 one-axis runs among `candidates` to fit run `s`'s axes on (one per axis), for a run at N > 2."""
+    n = s.get("world_size") or 1
+    mesh = (s.get("config") or {}).get("mesh") or ""
+    axes = set(layout(s.get("strategy", "ddp"), n, mesh).mesh.names) if n > 2 else set()
+    out: dict[str, tuple[str, dict, float]] = {}
+    for d, o in candidates.items():
+        if (o.get("status") != "ok" or o.get("world_size") != 2 or (o.get("config") or {}).get("mesh")
+                or (o.get("framework"), o.get("dtype")) != (s.get("framework"), s.get("dtype"))
+                or o.get("tokens_per_step") != s.get("tokens_per_step")):
+            continue
+        axis = layout(o.get("strategy", "ddp"), 2).axis_name
+        if axis in axes and axis not in out:
+            out[axis] = (d.name, o, cores_shared_by(o))
+    return list(out.values())
+
+
+def predicted_record(source: Path, s: dict, strategy: str, fits: list[tuple[str, dict, float]] = ()) -> dict:
+    """The `prediction` fields of run summary `s`, calibrated on the run in `source` and fitted on `fits`."""
     link = links_from_record(s.get("link"), s.get("framework", ""), s.get("backend", ""))
     link_note = "the job's link record"
     if link is None:
         link, link_note = loopback_link(s.get("backend") or "gloo"), "no link record: assumed loopback"
-    p = predict(calibrate_run(source), strategy, s["world_size"], link, backend=s.get("backend"),
+    cal = fit_host_costs(calibrate_run(source), list(fits))
+    p = predict(cal, strategy, s["world_size"], link, backend=s.get("backend"),
                 mesh=(s.get("config") or {}).get("mesh") or "", cores_shared_by=cores_shared_by(s))
     measured = s.get("step_time_s")
     return {"step_s": p.step_s, "tokens_per_s": p.tokens_per_s, "compute_s": p.compute_s,
             "exposed_comm_s": p.exposed_comm_s, "memory_bytes_per_rank": p.memory_bytes["total"], "link": link.name,
             "levels": p.levels, "cores_shared_by": cores_shared_by(s),
+            "host_s_per_call": cal.host_s_per_call, "fitted_on": cal.fitted_on,
             "link_source": f"{link_note} ({link.source})",
             "step_error": (p.step_s / measured - 1) if measured else None}
 

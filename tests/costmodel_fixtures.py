@@ -64,11 +64,11 @@ def link_record(requested: str | None = "1gbit", latency_s: float = 200e-6, band
             "note": "test fixture"}
 
 
-def write_run(run_dir: Path, summary_dict: dict) -> Path:
+def write_run(run_dir: Path, summary_dict: dict, spec: dict = SPEC) -> Path:
     """A run directory as the runner leaves it, as far as the cost model reads it."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "summary.json").write_text(json.dumps(summary_dict))
-    (run_dir / "run_config.json").write_text(json.dumps({"config": summary_dict["config"], "spec": SPEC,
+    (run_dir / "run_config.json").write_text(json.dumps({"config": summary_dict["config"], "spec": spec,
                                                          "world_size": summary_dict["world_size"]}))
     return run_dir

@@ -42,6 +42,10 @@ class Calibration:
     sync_overhead_s: float = 0.0    # what a measured ddp sync costs beyond its collectives, per step
     on_cpu: bool = False            # measured on a CPU (fsdp's FSDP_HOST_S_PER_CALL, FSDP_HIDDEN_SHARE apply)
     releases_heap: bool = False     # on Linux without --tune-malloc (fsdp's HEAP_RELEASE_BYTES_PER_S applies)
+    # per mesh axis: host seconds per collective call, fitted on an N=2 run of that axis's strategy (fit.py), and
+    # the run each came from; an axis without one keeps its strategy's own constants
+    host_s_per_call: dict = field(default_factory=dict)
+    fitted_on: dict = field(default_factory=dict)
 
 
 def calibration_from_flops(w: Workload, achieved_flops_per_s: float, source: str) -> Calibration:
@@ -77,7 +81,7 @@ def calibrate(summary: dict, spec: ModelSpec, source: str = "") -> Calibration:
         # Their collectives (pp: its sends) run inside forward and backward, where the breakdown cannot tell them from
         # compute: the model's own estimate of all of them (not overlapped) is taken off the step instead.
         rs = reduce_scatter_traffic(framework, backend)
-        host = lay.host_s(w, lay.collectives(w, rs), not on_gpu, releases_heap)
+        host = lay.host_s(w, lay.axis_collectives(w, rs), not on_gpu, releases_heap, {})
         exposed = sum(t.seconds for t in axis_times(lay, w, rs, link or loopback_link(backend))) + host
     compute = step_s - exposed
     if compute < 0.2 * step_s:  # the link estimate exceeds what was measured: keep a floor, and say so

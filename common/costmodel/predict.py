@@ -60,7 +60,8 @@ def predict(cal: Calibration, strategy: str, n: int, link: Links | None, device_
     times = axis_times(lay, w, reduce_scatter_traffic(w.framework, backend), link) if link is not None else []
     comm = sum(t.seconds for t in times)  # no link: no collectives
     exposed = exposed_comm_s(lay, cal, times)
-    host = lay.host_s(w, colls, cal.on_cpu, cal.releases_heap)
+    host = lay.host_s(w, lay.axis_collectives(w, reduce_scatter_traffic(w.framework, backend)), cal.on_cpu,
+                      cal.releases_heap, cal.host_s_per_call)
     compute += host
     if cores_shared_by > 1:  # ranks take turns on the cores: their busy time, not their idle slots, is stretched
         busy = ((cal.forward_s + cal.backward_s) * lay.busy_fraction(w) + cal.optimizer_s * lay.state_fraction(w)

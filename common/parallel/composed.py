@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import ClassVar
+from typing import ClassVar, Mapping
 
 from common.costmodel.links import Collective, Link
 from common.costmodel.workload import Workload
@@ -247,6 +247,11 @@ class MeshLayout(Layout):
         """Each axis's time under its own strategy's rule: tp's all-reduces all exposed, pp its critical path, the
         data axis what the calibration did not overlap (common/costmodel/axes.py sums them)."""
         return self.parts[axis.axis].exposed_comm_s(cal, axis.collectives, link, comm_s)
+
+    def axis_host_s(self, w: Workload, axis: AxisCollectives, on_cpu: bool, releases_heap: bool,
+                    fitted: Mapping[str, float]) -> float:
+        """Each axis's host work under its own strategy's rule (its fit, or fsdp's constants)."""
+        return self.parts[axis.axis].axis_host_s(w, axis, on_cpu, releases_heap, fitted)
 
     def streamed_checkpoint_bytes(self, w: Workload, rank: int) -> float:
         return max(part.checkpoint_bytes(w, rank) for part in self.parts.values())

@@ -224,7 +224,7 @@ class FsdpLayout(Layout):
         micro-step."""
         return w.grad_accum * (self.activation_bytes(w) + block_elements(parameter_shapes(w.spec)) * MASTER_BYTES)
 
-    def host_s(self, w: Workload, colls: list[Collective], on_cpu: bool, releases_heap: bool) -> float:
+    def unfitted_host_s(self, w: Workload, colls: list[Collective], on_cpu: bool, releases_heap: bool) -> float:
         """On a CPU: FSDP_HOST_S_PER_CALL per gather and reduce-scatter call, and where the run releases its heap
         (Calibration.releases_heap), the release and its faults (HEAP_RELEASE_BYTES_PER_S)."""
         if not (colls and on_cpu):

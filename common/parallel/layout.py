@@ -10,7 +10,8 @@ holds everything the framework-neutral code knows about the strategy, so nothing
     the traffic      collectives (per optimizer step), axis_collectives (the same per mesh axis, with the size of
                      its groups), comm_bytes_per_step_estimate (summary.json)
     the memory       activation_bytes, gathered_bytes, checkpoint_bytes, copies_gradients_for_reduce
-    the time         exposed_comm_s (what the link adds to the step), host_s (host work beyond the link's)
+    the time         exposed_comm_s (what the link adds to the step), host_s (host work beyond the link's:
+                     fitted per call on an N=2 run where there is one, common/costmodel/fit.py)
 
 The cost model (common/costmodel/, docs/scaling.md) composes these into a step's time and memory. An object
 is built on a Mesh (common/parallel/mesh.py) and reads its own axis, named after it (ddp's is `dp`). A run of one
@@ -22,7 +23,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import ClassVar, Mapping, Protocol
 
 from common.costmodel.links import Collective, Link
 from common.costmodel.workload import Workload
@@ -253,6 +254,19 @@ class Layout(ABC):
         a one-axis object's own rule; a mesh asks the object of that axis (common/parallel/composed.py)."""
         return self.exposed_comm_s(cal, axis.collectives, link, comm_s)
 
-    def host_s(self, w: Workload, colls: list[Collective], on_cpu: bool, releases_heap: bool) -> float:
-        """Host work per step beyond the link's time, added to compute (fsdp on a CPU)."""
+    def host_s(self, w: Workload, axes: list[AxisCollectives], on_cpu: bool, releases_heap: bool,
+               fitted: Mapping[str, float]) -> float:
+        """Host work per step beyond the link's time, added to compute: each axis's under its own rule."""
+        return sum(self.axis_host_s(w, axis, on_cpu, releases_heap, fitted) for axis in axes if axis.collectives)
+
+    def axis_host_s(self, w: Workload, axis: AxisCollectives, on_cpu: bool, releases_heap: bool,
+                    fitted: Mapping[str, float]) -> float:
+        """One axis's host work: `fitted[axis]` seconds per collective call where an N=2 run of that axis's
+        strategy was fitted (common/costmodel/fit.py), else the strategy's own constants (`unfitted_host_s`)."""
+        if axis.axis in fitted:
+            return fitted[axis.axis] * sum(c.calls for c in axis.collectives)
+        return self.unfitted_host_s(w, axis.collectives, on_cpu, releases_heap)
+
+    def unfitted_host_s(self, w: Workload, colls: list[Collective], on_cpu: bool, releases_heap: bool) -> float:
+        """Host work no run of this strategy measured: 0 (fsdp on a CPU has constants of its own)."""
         return 0.0

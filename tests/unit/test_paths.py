@@ -35,7 +35,7 @@ PATH_ARGS = [
     ("export", [], "run_dir", "dir"), ("export", ["runs-a", "--out"], "out", "new"),
     ("plan", ["--from"], "from_run", "dir"), ("plan", ["--from", "runs-a", "--fabric"], "fabric", "file"),
     ("plan", ["--from", "runs-a", "--fabric-inner"], "fabric_inner", "file"),
-    ("plan", ["--from", "runs-a", "--out"], "out", "new"),
+    ("plan", ["--from", "runs-a", "--out"], "out", "new"), ("plan", ["--from", "runs-a", "--fit"], "fit", "dir"),
     ("doctor", ["--hostfile"], "hostfile", "file"), ("doctor", ["--out"], "out", "new"),
 ]
 MINIMAL = {"export": ["--out", "exported"], "plan": ["--from", "runs-a"], "report": ["runs-a"]}

@@ -1,0 +1,62 @@
+"""Host work per collective call, fitted on one N=2 run of a strategy: what a ddp N=1 calibration cannot see.
+
+A strategy's collectives cost the host more than the link's time: torch FSDP2's hooks and flat-buffer copies,
+DTensor's dispatch around tp's all-reduces, the many small sends of an MLX pipeline, a ddp sync's bucket copies.
+None of it runs in the N=1 run the model is calibrated on, and each strategy's share differs by framework, CPU
+and model size (a constant fitted on `small` over-predicted torch fsdp on `tiny` by 80 %, docs/scaling.md).
+
+The fit: an N=2 run of the strategy, predicted from the calibration with that axis's host work at 0 over the link
+the run measured; the step it measured beyond that prediction, divided by the axis's collective calls per step,
+is the axis's host seconds per call (none below 0: a run faster than its prediction gets 0, and a note). A
+prediction at N > 2, of that strategy or of a mesh with that axis, then charges each call of the axis that much
+(common/parallel/layout.py `axis_host_s`), stretched like all compute where ranks share cores (predict.py).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from common.costmodel.calibrate import Calibration
+from common.costmodel.levels import links_from_record
+from common.costmodel.links import loopback_link
+from common.costmodel.predict import predict
+from common.errors import UserError
+from common.parallel import layout
+
+
+def fit_host_costs(cal: Calibration, runs: list[tuple[str, dict, float]]) -> Calibration:
+    """`cal` with each run's axis fitted: `runs` holds (its name, its summary.json, ranks per core it ran at)."""
+    per_call, fitted_on, notes = dict(cal.host_s_per_call), dict(cal.fitted_on), list(cal.notes)
+    for source, summary, shared in runs:
+        axis, seconds, note = fit_one(cal, summary, source, shared)
+        per_call[axis], fitted_on[axis] = seconds, source
+        if note:
+            notes.append(note)
+    return replace(cal, host_s_per_call=per_call, fitted_on=fitted_on, notes=notes)
+
+
+def fit_one(cal: Calibration, s: dict, source: str, cores_shared_by: float = 1.0) -> tuple[str, float, str]:
+    """(axis, host seconds per call, a note or "") from one finished one-axis run at N >= 2 of cal's workload."""
+    strategy, n = s.get("strategy", "ddp"), int(s.get("world_size") or 1)
+    if s.get("status") != "ok" or not s.get("step_time_s"):
+        raise UserError(f"{source}: only a finished run with a measured step can be fitted on")
+    if (s.get("config") or {}).get("mesh") or n < 2:
+        raise UserError(f"{source}: fit on a run of one strategy at 2 ranks or more, not "
+                        f"{(s.get('config') or {}).get('mesh') or f'{strategy} x{n}'}")
+    w = cal.workload
+    if (s.get("framework"), s.get("dtype") or "float32") != (w.framework, w.dtype) \
+            or int(s.get("tokens_per_step") or w.tokens_per_step) != w.tokens_per_step:
+        raise UserError(f"{source}: a {s.get('framework')} {s.get('dtype')} run of "
+                        f"{s.get('tokens_per_step')} tokens per step cannot be fitted against the calibration's "
+                        f"{w.framework} {w.dtype} run of {w.tokens_per_step}")
+    backend = s.get("backend") or cal.backend
+    link = links_from_record(s.get("link"), w.framework, backend) or loopback_link(backend)
+    axis = layout(strategy, n).axis_name
+    bare = replace(cal, host_s_per_call={**cal.host_s_per_call, axis: 0.0})
+    p = predict(bare, strategy, n, link, backend=backend, cores_shared_by=cores_shared_by)
+    calls = sum(c.calls for c in p.collectives)
+    if not calls:
+        raise UserError(f"{source}: {strategy} x{n} runs no collective to fit a cost per call on")
+    beyond = float(s["step_time_s"]) - p.step_s
+    note = (f"{source}: measured {float(s['step_time_s']):.3g} s per step, under the {p.step_s:.3g} s predicted "
+            f"without host work: {axis}'s host work fitted as 0" if beyond < 0 else "")
+    return axis, max(0.0, beyond) / (calls * max(1.0, cores_shared_by)), note

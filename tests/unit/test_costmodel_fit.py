@@ -1,0 +1,83 @@
+"""Host work per collective call fitted on an N=2 run of a strategy (common/costmodel/fit.py), charged at N > 2 to
+that strategy and to every mesh with its axis, and what compare's predictions fit on (compare/plan.py)."""
+import json
+from dataclasses import replace
+
+import pytest
+from costmodel_fixtures import SPEC, summary, write_run
+
+from common.costmodel.calibrate import calibrate
+from common.costmodel.fit import fit_host_costs, fit_one
+from common.costmodel.links import loopback_link
+from common.costmodel.predict import predict
+from common.errors import UserError
+from common.model.spec import ModelSpec
+from compare.plan import add_predictions
+
+SPEC4 = {**SPEC, "n_kv_heads": 4}
+TINY = ModelSpec.from_dict(SPEC4)  # tp over 4 ranks splits the kv heads
+PER_CALL = 2e-3
+
+
+def measured_at(cal, strategy, n, extra_per_call, mesh=""):
+    """A summary of `strategy` x n whose step is the bare prediction plus `extra_per_call` per collective call."""
+    bare = predict(replace(cal, host_s_per_call={"dp": 0.0, "tp": 0.0, "fsdp": 0.0, "pp": 0.0}), strategy, n,
+                   loopback_link("gloo"), mesh=mesh)
+    s = summary("torch", 2, strategy)
+    s["world_size"] = s["config"]["nproc"] = n
+    s["step_time_s"] = s["breakdown"]["step_s"] = bare.step_s + extra_per_call * sum(c.calls for c in bare.collectives)
+    return s
+
+
+def test_the_fit_recovers_the_cost_per_call_an_n2_run_pays_and_charges_it_at_n4_and_in_meshes():
+    cal = calibrate(summary("torch", 1), TINY)
+    axis, seconds, note = fit_one(cal, measured_at(cal, "tp", 2, PER_CALL), "tp2")
+    assert (axis, note) == ("tp", "") and seconds == pytest.approx(PER_CALL)
+    fitted = fit_host_costs(cal, [("tp2", measured_at(cal, "tp", 2, PER_CALL), 1.0)])
+    assert fitted.fitted_on == {"tp": "tp2"}
+    for strategy, n, mesh in (("tp", 2, ""), ("mesh", 4, "dp=2,tp=2")):
+        with_fit, without = (predict(c, strategy, n, loopback_link("gloo"), mesh=mesh) for c in (fitted, cal))
+        tp_calls = sum(c.calls for c in with_fit.collectives if "activations" in c.what)
+        assert tp_calls > 0
+        assert with_fit.compute_s - without.compute_s == pytest.approx(PER_CALL * tp_calls)
+    stretched = predict(fitted, "tp", 4, loopback_link("gloo"), cores_shared_by=2)
+    assert stretched.compute_s > predict(fitted, "tp", 4, loopback_link("gloo")).compute_s
+
+
+def test_a_fit_replaces_fsdps_constants_and_a_run_faster_than_its_bare_prediction_fits_zero():
+    cal = calibrate(summary("torch", 1), TINY)
+    fast = measured_at(cal, "fsdp", 2, 0.0)
+    fast["step_time_s"] *= 0.9
+    axis, seconds, note = fit_one(cal, fast, "fsdp2")
+    assert (axis, seconds) == ("fsdp", 0.0) and "fitted as 0" in note
+    zeroed = fit_host_costs(cal, [("fsdp2", fast, 1.0)])
+    assert predict(zeroed, "fsdp", 4, loopback_link("gloo")).compute_s < predict(cal, "fsdp", 4,
+                                                                                  loopback_link("gloo")).compute_s
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda s: s.update(world_size=1), "at 2 ranks or more"),
+    (lambda s: s["config"].update(mesh="dp=2,tp=2"), "one strategy"),
+    (lambda s: s.update(tokens_per_step=8192), "cannot be fitted against"),
+    (lambda s: s.update(framework="mlx"), "cannot be fitted against"),
+    (lambda s: s.update(status="failed"), "only a finished run"),
+])
+def test_a_run_that_cannot_be_fitted_on_is_refused_in_one_line(change, message):
+    cal = calibrate(summary("torch", 1), TINY)
+    s = measured_at(cal, "tp", 2, PER_CALL)
+    change(s)
+    with pytest.raises(UserError, match=message):
+        fit_one(cal, s, "run")
+
+
+def test_compare_fits_an_n4_run_on_the_n2_run_of_its_axis_and_never_a_run_on_itself(tmp_path):
+    cal = calibrate(summary("torch", 1), TINY)
+    one = write_run(tmp_path / "torch-ddp-n1", summary("torch", 1), SPEC4)
+    two = write_run(tmp_path / "torch-tp-n2", measured_at(cal, "tp", 2, PER_CALL), SPEC4)
+    four = write_run(tmp_path / "torch-tp-n4", measured_at(cal, "tp", 4, PER_CALL), SPEC4)
+    add_predictions([one, two, four])
+    read = {d.name: json.loads((d / "summary.json").read_text())["prediction"] for d in (two, four)}
+    assert read["torch-tp-n2"]["fitted_on"] == {}
+    assert read["torch-tp-n4"]["fitted_on"] == {"tp": "torch-tp-n2"}
+    # the N=4 run paid PER_CALL per call, as its N=2 run did: fitted, the prediction is its step
+    assert read["torch-tp-n4"]["step_error"] == pytest.approx(0.0, abs=1e-9)
