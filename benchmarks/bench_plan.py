@@ -23,6 +23,7 @@ import argparse
 import json
 import subprocess
 import tempfile
+from contextlib import nullcontext
 from pathlib import Path
 
 import benchlib
@@ -48,27 +49,32 @@ def main() -> None:
     parser.add_argument("--no-wait", action="store_true", help="start at once, whatever the load")
     parser.add_argument("--fit", action="store_true", help="fit each axis's host work on an N=2 run of its "
                         "strategy (the strategies' compare adds N=2) and show both errors")
+    parser.add_argument("--keep", type=Path, help="train the compares under this directory and keep them")
     parser.add_argument("--profile-steps", type=int, default=3, help="breakdown rounds of every run (its N=1 "
                         "calibration needs them; at 200mbit a `small` fsdp step takes ~8 s)")
     a = parser.parse_args()
     steps = max(6, a.steps // 2) if a.quick else a.steps
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="bench_plan_") as work:
+    rows: list[dict] = []
+    fit_dirs: list[Path] = []  # N=2 runs to fit the runs at N on (--fit)
+    with (nullcontext(str(a.keep)) if a.keep else tempfile.TemporaryDirectory(prefix="bench_plan_")) as work:
         for link in a.links.split(","):
             # two ranks on 2 cores: another job's process halves a rank
             load = benchlib.load_average() if a.no_wait else benchlib.wait_for_quiet()
             outer, _, inner = link.partition("/")
             levels = ["--link", outer] + (["--link-inner", inner, "--group-size", str(a.group_size)] if inner else [])
-            # one compare for the one-axis strategies, then one per mesh (a compare adds one mesh)
-            nprocs = f"1,2,{a.nproc}" if a.fit and a.nproc > 2 else f"1,{a.nproc}"
+            # one compare for the one-axis strategies, then one per mesh (a compare adds one mesh); with --fit the
+            # strategies' compare adds N=2 where the link allows 2 ranks (two levels need two groups: there the
+            # N=2 runs of an earlier link's compare, loopback's, are fitted on)
+            nprocs = f"1,2,{a.nproc}" if a.fit and a.nproc > 2 and not inner else f"1,{a.nproc}"
             jobs = ([("", ["--nproc", nprocs, "--strategies", a.strategies])] if a.strategies else []) + [
                 (f"-mesh{i}", ["--nproc", f"1,{a.nproc}", "--mesh", mesh])
                 for i, mesh in enumerate(filter(None, a.meshes.split(";")))]
-            fit_dirs: list[Path] = []  # the strategies' N=2 runs, for the meshes' compares
+            base = Path(work) / link.replace("/", "-")  # the strategies' compare: with --fit every row's N=1
             for suffix, shape in jobs:
                 out = Path(work) / (link.replace("/", "-") + suffix)
-                rows += measure(a, steps, link, levels, out, shape, load, fit_dirs)
+                rows += measure(a, steps, link, levels, out, shape, load, fit_dirs, base if a.strategies else None)
                 fit_dirs += [p.parent for p in out.glob("*-n2/summary.json")] if a.fit and a.nproc > 2 else []
+                benchlib.write_result(a.out, "plan", vars(a) | {"steps": steps, "partial": True}, rows)
     columns = [("link", "link", ""), ("run", "run", ""), ("n1_step_s", "N=1 s", ".4f"),
                ("load_average_at_start", "load", ".1f"), ("measured_step_s", "measured s", ".4f")]
     if a.fit:
@@ -81,9 +87,11 @@ def main() -> None:
 
 
 def measure(a, steps: int, link: str, levels: list[str], out: Path, shape: list[str], load: float,
-            fit_dirs: list[Path]) -> list[dict]:
+            fit_dirs: list[Path], base: Path | None) -> list[dict]:
     """One compare (N=1 and the runs at N that `shape` asks for); a row per run at N: measured and predicted
-    (with --fit: its prediction fitted on the N=2 runs of this compare and of `fit_dirs`, and without)."""
+    (with --fit: its prediction fitted on the N=2 runs of this compare and of `fit_dirs`, and without, both
+    calibrated on the N=1 run of `base`, the strategies' compare of this link, which the fits were measured
+    against: a mesh's compare trains an N=1 run of its own, and MLX's moved 0.120 -> 0.169 s between two)."""
     argv = benchlib.DPCOMPARE + [
         "compare", "--frameworks", a.frameworks, *shape, "--preset", a.preset, "--steps", str(steps), "--seq-len",
         str(a.seq_len), "--global-batch-size", str(a.batch), "--eval-every", "0", "--profile-steps",
@@ -102,10 +110,12 @@ def measure(a, steps: int, link: str, levels: list[str], out: Path, shape: list[
         source = json.loads((out / p["from"] / "summary.json").read_text()) if p.get("from") else {}
         fitted = {}
         if a.fit and p.get("step_s") and p.get("from"):
-            unfitted = predicted_record(out / p["from"], s, s.get("strategy", "ddp"))  # compare's own may be fitted
+            cal_dir = base / p["from"] if base is not None and (base / p["from"]).is_dir() else out / p["from"]
+            source = json.loads((cal_dir / "summary.json").read_text())
+            unfitted = predicted_record(cal_dir, s, s.get("strategy", "ddp"))  # compare's own may be fitted
             candidates = {d: json.loads((d / "summary.json").read_text())
-                          for d in [*fit_dirs, *(q.parent for q in out.glob("*-n2/summary.json"))]}
-            p = predicted_record(out / p["from"], s, s.get("strategy", "ddp"), fit_runs(s, candidates))
+                          for d in [*(q.parent for q in out.glob("*-n2/summary.json")), *fit_dirs]}
+            p = predicted_record(cal_dir, s, s.get("strategy", "ddp"), fit_runs(s, candidates))
             fitted = {"unfitted_step_s": unfitted["step_s"], "unfitted_error": unfitted["step_s"] / s["step_time_s"] - 1,
                       "fitted_on": ",".join(sorted(p.get("fitted_on", {}))) or "-",
                       "host_s_per_call": p.get("host_s_per_call")}

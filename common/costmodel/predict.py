@@ -65,8 +65,11 @@ def predict(cal: Calibration, strategy: str, n: int, link: Links | None, device_
     compute += host
     if cores_shared_by > 1:  # ranks take turns on the cores: their busy time, not their idle slots, is stretched
         busy = ((cal.forward_s + cal.backward_s) * lay.busy_fraction(w) + cal.optimizer_s * lay.state_fraction(w)
-                + cal.other_s + host)
-        compute = max(compute, busy * cores_shared_by)
+                + cal.other_s)
+        # The host work per call is added once, not stretched: most of it is a rank waiting on its peers inside a
+        # collective, which leaves the core to another rank. Measured (docs/scaling.md, N=4 on 2 cores, loopback,
+        # fitted on N=2): 7 of 15 layouts within 20 % stretched, 13 of 15 not.
+        compute = max(compute, busy * cores_shared_by + host)
     step = compute + exposed
     one = (cal.forward_s + cal.backward_s + cal.optimizer_s + cal.other_s)  # ddp at N=1: the scaling baseline
     memory = memory_bytes(lay, w, cal.overhead_bytes)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from helpers import FAST
+from integration.jobs import stop_leftovers
 from integration.runs import (HALF, HORIZON, LINK_RUN_ENV, MATRIX_ENV, PP_MICROBATCHES, SETUP, Matrix, build_link_run,
                               build_matrix, reference_flags, shared_root, train_once, train_padded, trained_alone)
 
@@ -79,3 +80,10 @@ def padded(cache_dir, tmp_path_factory):
         return train_padded(root, cache_dir, framework, nproc, grad_accum, strategy)
 
     return get
+
+
+@pytest.fixture(autouse=True)
+def no_job_left_behind():
+    """Every background job a test started (integration/jobs.py `start`) is stopped when the test ends."""
+    yield
+    stop_leftovers()

@@ -25,11 +25,34 @@ def skip_unless_available(backend):
         pytest.skip("Open MPI (mpirun) is not installed")
 
 
+STARTED: list[subprocess.Popen] = []  # every background job of the running test, for stop_leftovers
+
+
 def start(cache_dir, command, *args):
     """`dpcompare COMMAND --preset tiny ... ARGS` in the background, its output piped."""
     cmd = [sys.executable, "-m", "compare.cli", command, *FAST, *map(str, args)]
     env = {**os.environ, "DPCOMPARE_CACHE": str(cache_dir)}
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    STARTED.append(proc)
+    return proc
+
+
+def stop_leftovers():
+    """Stop what a test started and left running (a `wait_for_rank` that timed out raises before the test
+    signals its job, and an endless job would train on beside the next tests): SIGTERM, which dpcompare answers
+    by stopping its ranks (test_stop.py), then SIGKILL."""
+    while STARTED:
+        proc = STARTED.pop()
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=3 * STOP_LIMIT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
 
 
 def wait_for_rank(out, rank, min_step=2, timeout=90):

@@ -40,8 +40,11 @@ def test_the_fit_recovers_the_cost_per_call_an_n2_run_pays_and_charges_it_at_n4_
         tp_calls = sum(c.calls for c in with_fit.collectives if "activations" in c.what)
         assert tp_calls > 0
         assert with_fit.compute_s - without.compute_s == pytest.approx(PER_CALL * tp_calls)
-    stretched = predict(fitted, "tp", 4, loopback_link("gloo"), cores_shared_by=2)
-    assert stretched.compute_s > predict(fitted, "tp", 4, loopback_link("gloo")).compute_s
+    # 4 ranks on 2 cores: the compute is stretched, the host work per call added once (docs/scaling.md)
+    shared, alone = (predict(c, "tp", 4, loopback_link("gloo"), cores_shared_by=2) for c in (fitted, cal))
+    tp_calls = sum(c.calls for c in shared.collectives)
+    assert shared.compute_s > predict(fitted, "tp", 4, loopback_link("gloo")).compute_s
+    assert shared.compute_s - alone.compute_s == pytest.approx(PER_CALL * tp_calls)
 
 
 def test_a_fit_replaces_fsdps_constants_and_a_run_faster_than_its_bare_prediction_fits_zero():
@@ -81,3 +84,18 @@ def test_compare_fits_an_n4_run_on_the_n2_run_of_its_axis_and_never_a_run_on_its
     assert read["torch-tp-n4"]["fitted_on"] == {"tp": "torch-tp-n2"}
     # the N=4 run paid PER_CALL per call, as its N=2 run did: fitted, the prediction is its step
     assert read["torch-tp-n4"]["step_error"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_the_report_says_what_a_prediction_was_fitted_on(tmp_path):
+    from compare.report.render import prediction_blocks
+
+    cal = calibrate(summary("torch", 1), TINY)
+    runs = [write_run(tmp_path / name, s, SPEC4) for name, s in (
+        ("torch-ddp-n1", summary("torch", 1)), ("torch-tp-n2", measured_at(cal, "tp", 2, PER_CALL)),
+        ("torch-tp-n4", measured_at(cal, "tp", 4, PER_CALL)))]
+    add_predictions(runs)
+    rows = [{"label": d.name, "prediction": s.get("prediction"), "step_time_ms": 1e3 * s["step_time_s"]}
+            for d in runs for s in [json.loads((d / "summary.json").read_text())]]
+    text = repr(prediction_blocks(rows))
+    assert "torch-tp-n4: host work per collective call fitted on torch-tp-n2 (tp 2 ms)" in text
+    assert "torch-tp-n2: host work" not in text
