@@ -9,7 +9,8 @@ The fit: an N=2 run of the strategy, predicted from the calibration with that ax
 the run measured; the step it measured beyond that prediction, divided by the axis's collective calls per step,
 is the axis's host seconds per call (none below 0: a run faster than its prediction gets 0, and a note). A
 prediction at N > 2, of that strategy or of a mesh with that axis, then charges each call of the axis that much
-(common/parallel/layout.py `axis_host_s`), stretched like all compute where ranks share cores (predict.py).
+(common/parallel/layout.py `axis_host_s`), once, where the compute is stretched for ranks sharing cores
+(predict.py: most of it is waiting inside a collective, which leaves the core to another rank).
 """
 from __future__ import annotations
 
@@ -59,4 +60,4 @@ def fit_one(cal: Calibration, s: dict, source: str, cores_shared_by: float = 1.0
     beyond = float(s["step_time_s"]) - p.step_s
     note = (f"{source}: measured {float(s['step_time_s']):.3g} s per step, under the {p.step_s:.3g} s predicted "
             f"without host work: {axis}'s host work fitted as 0" if beyond < 0 else "")
-    return axis, max(0.0, beyond) / (calls * max(1.0, cores_shared_by)), note
+    return axis, max(0.0, beyond) / calls, note

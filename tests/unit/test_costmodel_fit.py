@@ -99,3 +99,12 @@ def test_the_report_says_what_a_prediction_was_fitted_on(tmp_path):
     text = repr(prediction_blocks(rows))
     assert "torch-tp-n4: host work per collective call fitted on torch-tp-n2 (tp 2 ms)" in text
     assert "torch-tp-n2: host work" not in text
+
+
+def test_a_fit_on_ranks_that_shared_cores_is_the_same_per_call_cost():
+    """The host work is charged once, unstretched (predict.py), so a run whose ranks shared cores fits the same."""
+    cal = calibrate(summary("torch", 1), TINY)
+    bare = predict(replace(cal, host_s_per_call={"tp": 0.0}), "tp", 4, loopback_link("gloo"), cores_shared_by=2)
+    s = measured_at(cal, "tp", 4, 0.0)
+    s["step_time_s"] = bare.step_s + PER_CALL * sum(c.calls for c in bare.collectives)
+    assert fit_one(cal, s, "tp4", cores_shared_by=2)[1] == pytest.approx(PER_CALL)
