@@ -243,6 +243,10 @@ def cmd_run(args) -> int:
                             "pass --nproc 2 or more")
         check_can_emulate(cfg.link)
     inputs = prepare_inputs(cfg)
+    from .launch.linknotes import hf_gather_note
+
+    if note := hf_gather_note(cfg, inputs.spec):
+        print(f"dpcompare: note: {note}", file=sys.stderr)
     summary = launch(cfg, inputs, run_dir)
     if summary["status"] == "ok":
         from .plan import add_memory_predictions

@@ -19,6 +19,7 @@ from common.parallel.mesh import Mesh
 from .flags import config_from_args
 from .plan import add_memory_predictions, add_predictions
 from .report.labels import run_dirname, run_label, strategy_name
+from .launch.linknotes import hf_gather_note
 from .report.restarts import restart_line
 from .launch.hosts import check_hostfile
 from .launch.runner import check_run_dir, launch, prepare_inputs
@@ -70,6 +71,8 @@ def run_matrix(args) -> int:
     for cfg in configs.values() if not submit else ():
         slurm.check(cfg)  # inside an allocation: srun, and enough tasks for every run
     inputs = prepare_inputs(base)
+    for note in filter(None, (hf_gather_note(cfg, inputs.spec) for cfg in configs.values())):
+        print(f"dpcompare: note: {note}", file=sys.stderr)
     out.mkdir(parents=True, exist_ok=True)
     if submit:
         try:
