@@ -108,3 +108,27 @@ def test_a_fit_on_ranks_that_shared_cores_is_the_same_per_call_cost():
     s = measured_at(cal, "tp", 4, 0.0)
     s["step_time_s"] = bare.step_s + PER_CALL * sum(c.calls for c in bare.collectives)
     assert fit_one(cal, s, "tp4", cores_shared_by=2)[1] == pytest.approx(PER_CALL)
+
+
+def test_fitted_host_work_on_the_slow_link_between_machines_hides_behind_that_links_time():
+    """dp=2,tp=2 on two machines of two: tp inside a machine (its host work added whole), dp across the slow link
+    (its host work, mostly waiting, held by the link's own time: only what exceeds it is added)."""
+    from common.costmodel.axes import axis_times
+    from common.costmodel.levels import TwoLevelLink
+    from common.costmodel.links import Link
+    from common.parallel import layout
+
+    cal = calibrate(summary("torch", 1), TINY)
+    links = TwoLevelLink(Link.wire(10, 50), Link.wire(0.1, 200), 2)
+    lay = layout("mesh", 4, "dp=2,tp=2")
+    [dp] = [t for t in axis_times(lay, cal.workload, "native", links) if t.axis.axis == "dp"]
+    assert dp.link.level == "outer"
+    dp_waits = lay.axis_exposed_comm_s(cal, dp.axis, dp.link.link, dp.seconds)
+    dp_calls = sum(c.calls for c in dp.axis.collectives)
+    assert dp_waits > 0 and dp_calls > 0
+    bare = predict(cal, "mesh", 4, links, mesh="dp=2,tp=2")
+    tp_calls = sum(c.calls for c in bare.collectives if "activations" in c.what)
+    for dp_per_call, dp_added in ((0.5 * dp_waits / dp_calls, 0.0), (3 * dp_waits / dp_calls, 2 * dp_waits)):
+        fitted = replace(cal, host_s_per_call={"dp": dp_per_call, "tp": PER_CALL})
+        added = predict(fitted, "mesh", 4, links, mesh="dp=2,tp=2").compute_s - bare.compute_s
+        assert added == pytest.approx(PER_CALL * tp_calls + dp_added)
