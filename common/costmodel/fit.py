@@ -20,7 +20,7 @@ from common.costmodel.axes import axis_times
 from common.costmodel.calibrate import Calibration
 from common.costmodel.levels import links_from_record
 from common.costmodel.links import loopback_link
-from common.costmodel.predict import predict
+from common.costmodel.predict import outer_waits, predict
 from common.errors import UserError
 from common.parallel import layout
 from common.parallel.fsdp import reduce_scatter_traffic
@@ -53,7 +53,8 @@ def fit_one(cal: Calibration, s: dict, source: str, cores_shared_by: float = 1.0
                         f"{w.framework} {w.dtype} run of {w.tokens_per_step}")
     backend = s.get("backend") or cal.backend
     link = links_from_record(s.get("link"), w.framework, backend) or loopback_link(backend)
-    axis = layout(strategy, n).axis_name
+    lay = layout(strategy, n)
+    axis = lay.axis_name
     bare = replace(cal, host_s_per_call={**cal.host_s_per_call, axis: 0.0})
     p = predict(bare, strategy, n, link, backend=backend, cores_shared_by=cores_shared_by)
     calls = sum(c.calls for c in p.collectives)
@@ -61,10 +62,7 @@ def fit_one(cal: Calibration, s: dict, source: str, cores_shared_by: float = 1.0
         raise UserError(f"{source}: {strategy} x{n} runs no collective to fit a cost per call on")
     beyond = float(s["step_time_s"]) - p.step_s
     # over the slow link between machines the prediction hides the host work behind the link's time (predict.py)
-    lay = layout(strategy, n)
-    hidden = sum(lay.axis_exposed_comm_s(bare, t.axis, t.link.link, t.seconds)
-                 for t in axis_times(lay, w, reduce_scatter_traffic(w.framework, backend), link)
-                 if t.link.level == "outer")
+    hidden = outer_waits(lay, bare, axis_times(lay, w, reduce_scatter_traffic(w.framework, backend), link)).get(axis, 0.0)
     note = (f"{source}: measured {float(s['step_time_s']):.3g} s per step, under the {p.step_s:.3g} s predicted "
             f"without host work: {axis}'s host work fitted as 0" if beyond < 0 else "")
     return axis, (beyond + hidden) / calls if beyond > 0 else 0.0, note

@@ -55,13 +55,14 @@ def predict(cal: Calibration, strategy: str, n: int, link: Links | None, device_
     backend = backend or cal.backend
     compute = ((cal.forward_s + cal.backward_s) * lay.work_fraction(w)
                + cal.optimizer_s * lay.state_fraction(w) + cal.other_s)
-    colls = lay.collectives(w, reduce_scatter_traffic(w.framework, backend))
+    rs = reduce_scatter_traffic(w.framework, backend)
+    colls = lay.collectives(w, rs)
     if colls and link is None:
         raise UserError(f"predicting {strategy} at N={n} needs a link (its latency and bandwidth)")
-    times = axis_times(lay, w, reduce_scatter_traffic(w.framework, backend), link) if link is not None else []
+    times = axis_times(lay, w, rs, link) if link is not None else []
     comm = sum(t.seconds for t in times)  # no link: no collectives
     exposed = exposed_comm_s(lay, cal, times)
-    host = host_s(lay, cal, lay.axis_collectives(w, reduce_scatter_traffic(w.framework, backend)), times)
+    host = host_s(lay, cal, lay.axis_collectives(w, rs), times)
     compute += host
     if cores_shared_by > 1:  # ranks take turns on the cores: their busy time, not their idle slots, is stretched
         busy = ((cal.forward_s + cal.backward_s) * lay.busy_fraction(w) + cal.optimizer_s * lay.state_fraction(w)
@@ -89,8 +90,7 @@ def host_s(lay: Layout, cal: Calibration, axes: list[AxisCollectives], times: li
     already holds it: only what exceeds the axis's exposed time there is added. Measured (docs/scaling.md, N=4
     over 100mbit between machines of 1gbit, fitted on loopback): 12 of 16 layouts within 20 % so, 8 of 16 added
     whole; on loopback hiding it behind every axis's time lost 6 of 13 rows."""
-    outer = {t.axis.axis: lay.axis_exposed_comm_s(cal, t.axis, t.link.link, t.seconds) for t in times
-             if t.link.level == "outer"}
+    outer = outer_waits(lay, cal, times)
     total = 0.0
     for axis in axes:
         if axis.collectives:
@@ -98,6 +98,12 @@ def host_s(lay: Layout, cal: Calibration, axes: list[AxisCollectives], times: li
             total += max(0.0, seconds - outer[axis.axis]) if axis.axis in outer and axis.axis in cal.host_s_per_call \
                 else seconds
     return total
+
+
+def outer_waits(lay: Layout, cal: Calibration, times: list[AxisTime]) -> dict[str, float]:
+    """Per axis across a two-level link's slow level: the time the step waits for its collectives there."""
+    return {t.axis.axis: lay.axis_exposed_comm_s(cal, t.axis, t.link.link, t.seconds) for t in times
+            if t.link.level == "outer"}
 
 
 def bottleneck(p: Prediction, device_memory_bytes: float | None = None) -> str:
