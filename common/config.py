@@ -128,6 +128,10 @@ class RunConfig:
     # joined by the `link` one (compare/launch/topology.py)
     link_inner: str = ""
     group_size: int = 0
+    # a job of 2 or more ranks times its own all-reduce before training (common/costmodel/probe.py): the cost
+    # model's link (summary.json link.allreduce). Off: 0.2-0.9 s less per loopback job, up to 5 s per probe over a
+    # slow link, and predictions from the TCP probe's or the backend's assumed loopback figures instead.
+    link_probe: bool = True
     launcher: str = "auto"           # LAUNCHERS: srun inside a Slurm allocation, or this machine's own launchers
     timing_warmup_steps: int = 3
     profile_steps: int = 8           # rounds of extra steps after the run for the time breakdown (common/train/breakdown.py); 0 = none

@@ -97,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     compare = sub.add_parser("compare", help="run both frameworks at several world sizes and report")
     compare.add_argument("--frameworks", default="mlx,torch", help="comma list, e.g. mlx,torch")
     compare.add_argument("--nproc", default="1,2", help="comma list of world sizes, e.g. 1,2")
-    compare.add_argument("--strategies", help="comma list of ddp, fsdp, tp, pp (default: --strategy, or ddp)")
+    compare.add_argument("--strategies", help="comma list of ddp, fsdp, tp, pp (default: --strategy, or ddp); "
+                         "without ddp, a 1 in --nproc still runs the ddp x1 reference")
     compare.add_argument("--dtypes", help="comma list of float32, bfloat16 (default: --dtype, or float32)")
     compare.add_argument("--strict", action="store_true", help="exit 3 when a parity verdict fails")
     compare.add_argument("--report-on-interrupt", action="store_true",

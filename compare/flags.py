@@ -53,6 +53,8 @@ RUN_FLAGS = [
     ("--link-inner", str, "two-level link: the rate inside each group of --group-size ranks (one machine of a "
                           "cluster), --link the rate between the groups (docs/links.md)"),
     ("--group-size", int, "two-level link: ranks per group (consecutive ranks; must divide --nproc)"),
+    ("--link-probe", "switch", "time the job's own all-reduce before training, the cost model's link (default; "
+                               "--no-link-probe: skip it, 0.2-0.9 s on loopback, up to 15 s over a slow link)"),
     ("--launcher", str, "auto (srun inside a Slurm allocation, else this machine's launchers), local, or slurm "
                        "(docs/clusters.md)"),
     ("--collective-timeout-s", float, "seconds without progress before a job is declared hung"),

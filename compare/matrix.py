@@ -118,12 +118,17 @@ def expand_matrix(base, frameworks, strategies, dtypes, world_sizes, out: Path,
     reason (fsdp and tp need 2 ranks or more; a mesh runs at its own rank count)."""
     configs, left_out = {}, []
     grid = Mesh.parse(mesh) if mesh else None
-    for strategy in strategies:
+    # `--strategies pp --nproc 1,2`: the 1 asks for the reference every strategy is judged against, ddp x1,
+    # which is run first even though ddp is not listed (once something at 2 or more ranks is left to judge).
+    reference = "ddp" not in strategies and 1 in world_sizes
+    for strategy in (["ddp"] if reference else []) + list(strategies):
         cell_mesh = grid.text if grid and strategy == MESH_STRATEGY else ""
         name = strategy_name(strategy, cell_mesh)
         for dtype in dtypes:
             for fw in frameworks:
                 for n in world_sizes:
+                    if reference and strategy == "ddp" and n != 1:
+                        continue
                     if strategy != "ddp" and n == 1:
                         left_out.append(f"{run_label(fw, n, name, dtype)} left out: {name} needs 2 or "
                                         "more ranks (its reference is the ddp run)")
@@ -142,6 +147,12 @@ def expand_matrix(base, frameworks, strategies, dtypes, world_sizes, out: Path,
                     if cfg.link and cfg.world_size > 1:
                         check_can_emulate(cfg.link)
                     configs[(run_label(fw, n, name, dtype), run_dir)] = cfg
+    if reference:
+        added = [label for (label, _), cfg in configs.items() if cfg.strategy == "ddp"]
+        if len(added) == len(configs):  # nothing at 2 or more ranks to judge against it
+            configs = {}
+        else:
+            left_out.append(f"{', '.join(added)} added: the reference the other runs are judged against")
     if not configs:
         raise UserError("nothing to run: " + "; ".join(left_out))
     return configs, left_out

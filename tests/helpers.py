@@ -13,10 +13,12 @@ SHARED_DATA = ROOT.parent / "shared" / "data"
 # Small and fast: a few hundred KB of builtin stories, tiny model, short sequences, and 2 rounds of profile
 # steps instead of the default 8 (the breakdown is still written; the shared matrix, whose breakdown is judged,
 # asks for 8): 18 fewer steps in every run of the suite. No op-class profile either (0.3-0.5 s of every 1-rank
-# run at these shapes); the matrix, whose op profile is judged, asks for it.
+# run at these shapes); the matrix, whose op profile is judged, asks for it. No probe of the job's all-reduce
+# before training (0.2-0.9 s of every multi-rank job, over a hundred of them): the runs whose link or prediction
+# is judged ask for it (--link-probe, after FAST: the last flag wins).
 FAST = ["--preset", "tiny", "--seq-len", "32", "--global-batch-size", "8", "--warmup-steps", "2",
         "--eval-every", "0", "--quiet", "--set", "builtin_corpus_bytes=400000", "--set", "builtin_vocab_size=512",
-        "--profile-steps", "2", "--no-op-profile"]
+        "--profile-steps", "2", "--no-op-profile", "--no-link-probe"]
 
 
 def dpcompare(*args, cache_dir: Path, timeout: float = 300, env: dict | None = None, check: bool = True,

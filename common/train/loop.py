@@ -177,7 +177,7 @@ def setup_run(run_dir: Path, world: World, trainer_cls: TrainerClass) -> Run:
     if rank == 0:
         truncate_metrics(metrics_path, start_step)
     metrics = MetricsWriter(metrics_path, enabled=rank == 0)
-    if world.collectives is not None:  # the link this job talks over, as its own all-reduce sees it
+    if world.collectives is not None and cfg.link_probe:  # the link this job talks over, as its all-reduce sees it
         collectives = world.collectives()
         status.update(force=True, allreduce=probe_allreduce(collectives, cfg.resolved_backend))
         if strategy_layout.measures_all_gather and collectives.all_gather is not None:

@@ -12,7 +12,7 @@ from helpers import FAST, dpcompare, losses
 # 8 profile steps of each kind) keeps the time breakdown's timer noise small next to a step.
 STEPS, EVAL_EVERY, LR = 8, 4, "1e-3"
 SETUP = (*FAST, "--seq-len", 128, "--global-batch-size", 32, "--steps", STEPS, "--lr", LR, "--eval-every", EVAL_EVERY,
-         "--profile-steps", 8, "--op-profile", "--report-to", "tensorboard")
+         "--profile-steps", 8, "--op-profile", "--report-to", "tensorboard", "--link-probe")
 
 
 @dataclass(frozen=True)
@@ -69,14 +69,15 @@ def trained_alone(env_name: str) -> Path | None:
 # the median is over 8: alone, single steps still ran 30-65 ms long (311 and 296 of 6 steps once gave -12.7 %);
 # over 8 the error was -5.1 % to +3.3 % in six runs (AMD EPYC Zen 5, one after another).
 LINK_RATE, LINK_RATE_BPS = "20mbit", 20e6
-LINK_ARGS = (*FAST, "--frameworks", "torch", "--nproc", "1,2", "--steps", 10, "--link", LINK_RATE, "--no-samples")
+LINK_ARGS = (*FAST, "--frameworks", "torch", "--nproc", "1,2", "--steps", 10, "--link", LINK_RATE, "--no-samples",
+             "--link-probe")
 
 
 # torch x4 over a two-level link, the run whose own all-reduce test_link.py turns into each level's rate (within
 # 20 %). Trained alone too: beside the other worker's ranks gloo's all-reduce at 250 Mbit/s was CPU-bound at 198
 # Mbit/s per hop in one CI (-21 %). Two steps, no profile rounds: the link is judged, not the step.
 TWO_LEVEL_ARGS = (*FAST, "--framework", "torch", "--nproc", 4, "--steps", 2, "--profile-steps", 0, "--link", "100mbit",
-                  "--link-inner", "250mbit", "--group-size", 2)
+                  "--link-inner", "250mbit", "--group-size", 2, "--link-probe")
 
 
 def build_link_run(root: Path, cache_dir: Path) -> Path:

@@ -125,7 +125,7 @@ def test_a_crashing_rank_ends_the_job_with_its_error_naming_the_rank(framework, 
     out = tmp_path / "run"
     started = time.time()
     proc = dpcompare("run", *FAST, "--framework", framework, "--nproc", 2, "--backend", backend, "--steps", 50,
-                     *link, "--out", out, cache_dir=cache_dir, check=False,
+                     *link, "--link-probe", "--out", out, cache_dir=cache_dir, check=False,
                      env={"DPCOMPARE_INJECT_FAULT": f"framework={framework},rank=1,step=4"})
     assert proc.returncode == 1 and time.time() - started < 60
     assert "rank 1 failed in step 4: RuntimeError: injected fault at step 4" in proc.stderr, proc.stderr

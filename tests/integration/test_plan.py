@@ -17,6 +17,7 @@ def test_compare_predicts_every_two_rank_run_and_plan_calibrates_on_one(matrix, 
         s = json.loads((matrix.run(framework, 2) / "summary.json").read_text())
         p = s["prediction"]
         assert p["from"] == f"{framework}-n1"
+        assert s["link"]["allreduce"]["bandwidth_Bps"] > 0  # the matrix's --link-probe, after FAST's --no-link-probe
         assert WITHIN[0] < p["step_s"] / s["step_time_s"] < WITHIN[1], p
         assert abs(p["tokens_per_s"] * p["step_s"] / s["tokens_per_step"] - 1) < 1e-9
         assert "prediction" not in json.loads((matrix.run(framework, 1) / "summary.json").read_text())

@@ -31,6 +31,9 @@ def test_two_rank_run_trains_and_writes_the_schema(framework, cache_dir, tmp_pat
     assert len(s["peak_mem_bytes"]) == 2 and all(v > 0 for v in s["peak_mem_bytes"])
     assert s["tokens_per_s"] > 0 and s["final_eval_loss"] is not None
     assert (out / "checkpoints" / "step_000040" / "model.safetensors").exists()
+    # FAST's --no-link-probe: no all-reduce timed before training (the matrix's runs, which time theirs, are read
+    # by test_plan.py, and a shaped link's by test_link.py and test_faults.py)
+    assert s["config"]["link_probe"] is False and s["link"]["allreduce"] is None
 
 
 @pytest.mark.skipif(environment.mpirun() is None, reason="Open MPI (mpirun) is not installed")

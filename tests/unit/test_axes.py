@@ -113,6 +113,20 @@ def test_a_matrix_leaves_out_sharded_runs_on_one_rank_and_names_every_run(tmp_pa
         expand_matrix(base, ["mlx"], ["fsdp"], ["float32"], [1], tmp_path)
 
 
+def test_a_matrix_without_ddp_still_runs_the_ddp_reference_its_1_asks_for(tmp_path):
+    """`--strategies pp --nproc 1,2`: ddp x1 first (what pp x2 is judged against), not ddp x2; without the 1,
+    no reference; and a reference with nothing to judge is still nothing to run."""
+    base = RunConfig(nproc=2)
+    configs, left_out = expand_matrix(base, ["mlx", "torch"], ["pp"], ["float32"], [1, 2], tmp_path)
+    assert [label for label, _ in configs] == ["mlx x1", "torch x1", "mlx pp x2", "torch pp x2"]
+    assert [cfg.strategy for cfg in configs.values()] == ["ddp", "ddp", "pp", "pp"]
+    assert "mlx x1, torch x1 added: the reference the other runs are judged against" in left_out
+    configs, left_out = expand_matrix(base, ["mlx"], ["pp"], ["float32"], [2], tmp_path)
+    assert [label for label, _ in configs] == ["mlx pp x2"] and not any("added" in r for r in left_out)
+    with pytest.raises(UserError, match="nothing to run"):
+        expand_matrix(base, ["mlx", "torch"], ["tp", "fsdp"], ["float32"], [1], tmp_path)
+
+
 def test_compare_refuses_a_taken_run_directory_before_anything_trains(tmp_path, cache_dir):
     out = tmp_path / "cmp"
     (out / "torch-n2").mkdir(parents=True)
