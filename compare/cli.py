@@ -245,8 +245,9 @@ def cmd_run(args) -> int:
         check_can_emulate(cfg.link)
     inputs = prepare_inputs(cfg)
     from .launch.linknotes import hf_gather_note
+    from .machine.sharing import ring_polling_note
 
-    if note := hf_gather_note(cfg, inputs.spec):
+    for note in filter(None, (hf_gather_note(cfg, inputs.spec), ring_polling_note(cfg))):
         print(f"dpcompare: note: {note}", file=sys.stderr)
     summary = launch(cfg, inputs, run_dir)
     if summary["status"] == "ok":

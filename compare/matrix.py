@@ -20,6 +20,7 @@ from .flags import config_from_args
 from .plan import add_memory_predictions, add_predictions
 from .report.labels import run_dirname, run_label, strategy_name
 from .launch.linknotes import hf_gather_note
+from .machine.sharing import ring_polling_note
 from .report.restarts import restart_line
 from .launch.hosts import check_hostfile
 from .launch.runner import check_run_dir, launch, prepare_inputs
@@ -71,7 +72,9 @@ def run_matrix(args) -> int:
     for cfg in configs.values() if not submit else ():
         slurm.check(cfg)  # inside an allocation: srun, and enough tasks for every run
     inputs = prepare_inputs(base)
-    for note in filter(None, (hf_gather_note(cfg, inputs.spec) for cfg in configs.values())):
+    notes = [hf_gather_note(cfg, inputs.spec) for cfg in configs.values()]
+    notes += [ring_polling_note(cfg) for cfg in configs.values()]
+    for note in dict.fromkeys(filter(None, notes)):  # each once: the ring's is the same for every MLX run of a size
         print(f"dpcompare: note: {note}", file=sys.stderr)
     out.mkdir(parents=True, exist_ok=True)
     if submit:

@@ -119,6 +119,12 @@ def descendants(pid):
     return found
 
 
+def said(stderr: str) -> list[str]:
+    """What dpcompare said on stderr, less the notes it prints before a job starts (`dpcompare: note: ...`, such
+    as MLX's ring on a machine whose cores its ranks fill: compare/machine/sharing.py)."""
+    return [line for line in stderr.strip().splitlines() if not line.startswith("dpcompare: note: ")]
+
+
 def signal_and_time(proc, run_dir, sig):
     """Send `sig` to the dpcompare process only; (seconds to its exit, seconds until no process of the
     job is left, stderr). Leftovers are killed so that a failing test leaves nothing behind."""

@@ -124,7 +124,7 @@ def test_a_stop_signal_to_dpcompare_ends_a_pipeline_and_leaves_nothing_running(f
     exited, gone, stderr = jobs.signal_and_time(proc, out, sig)  # asserts that nothing is left
     assert proc.returncode == 128 + sig, stderr
     assert exited < jobs.STOP_LIMIT_S and gone < jobs.STOP_LIMIT_S
-    assert f"interrupted by {sig.name}" in stderr and len(stderr.strip().splitlines()) == 1, stderr
+    assert f"interrupted by {sig.name}" in stderr and len(jobs.said(stderr)) == 1, stderr
     assert summary(out)["status"] == "interrupted"
     assert jobs.rank_statuses(out) == ["interrupted", "interrupted"]
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from helpers import FAST, can_emulate_links, dpcompare, losses, namespaces, summary
-from integration.jobs import alive, all_rank_pids
+from integration.jobs import alive, all_rank_pids, said
 from integration.runs import HORIZON
 
 pytestmark = pytest.mark.slow
@@ -91,7 +91,7 @@ def test_exhausted_restarts_end_the_job_with_one_line_per_failure_and_nothing_le
     out = tmp_path / "run"
     proc = restarted("mlx", "ddp", out, "--max-restarts", 1, *link, env=fault("mlx", world=2), cache_dir=cache_dir)
     assert proc.returncode == 1
-    lines = proc.stderr.strip().splitlines()
+    lines = said(proc.stderr)
     assert len(lines) == 2 and lines[0].startswith("restart 1/1: rank "), proc.stderr
     assert "rank 1" in lines[1] and "died in step 6" in lines[1] and "[restarts exhausted: 1]" in lines[1]
     if not lines[0].startswith("restart 1/1: rank 1 died in step 6"):
