@@ -25,6 +25,14 @@ from common.errors import UserError
 # All-reduce at N=2 over loopback on the reference machine (docs/benchmarks.md, "All-reduce against message
 # size": the 4 KB median and the 108 MB bandwidth), for runs whose summary.json has no `link` record.
 LOOPBACK_ALLREDUCE = {"ring": (82e-6, 0.86e9), "mpi": (12e-6, 1.19e9), "gloo": (335e-6, 1.84e9)}
+# Backends whose waiting ranks poll their sockets and so keep a core busy while they wait (mlx 0.32's ring:
+# ring.cpp SocketThread::worker; compare/machine/sharing.py has the measurements): where ranks share cores, a
+# pipeline stage's idle slots do not leave its core to another rank.
+POLLING_WAITS = frozenset({("mlx", "ring")})
+
+
+def waits_poll(framework: str, backend: str | None) -> bool:
+    return (framework, backend) in POLLING_WAITS
 
 
 @dataclass(frozen=True)

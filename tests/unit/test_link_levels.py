@@ -145,3 +145,9 @@ def test_a_local_cpu_runs_compute_is_stretched_by_the_ranks_threads_per_core_and
     # a pipeline's stages idle in its bubble and leave the core to others: less than twice, never under alone
     alone, shared = (predict(cal, "pp", 4, SLOW, cores_shared_by=k) for k in (1.0, 2.0))
     assert alone.compute_s < shared.compute_s < 2 * alone.compute_s
+    # ... unless its backend polls while it waits (MLX's ring, compare/machine/sharing.py): the idle slots keep
+    # the core, so the whole stage, bubble and all, is stretched
+    mlx = calibrate(summary("mlx", 1), ModelSpec.from_dict(WIDE))
+    alone, shared = (predict(mlx, "pp", 4, SLOW, backend="ring", cores_shared_by=k) for k in (1.0, 2.0))
+    assert shared.compute_s == pytest.approx(2 * alone.compute_s)
+    assert predict(mlx, "pp", 4, SLOW, backend="mpi", cores_shared_by=2).compute_s < shared.compute_s
