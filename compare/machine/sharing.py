@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 
 from common.config import RunConfig
+from common.costmodel.links import waits_poll
 
 from . import environment as env
 
@@ -31,8 +32,7 @@ def usable_cores() -> int:
 def ring_polling_note(cfg: RunConfig, cores: int | None = None) -> str | None:
     """One line where MLX ring ranks started on this machine (no hostfile, one node) fill its cores with their
     compute threads, leaving none to the ring's polling; None elsewhere."""
-    if cfg.framework != "mlx" or cfg.world_size < 2 or cfg.resolved_backend != "ring" or cfg.hostfile \
-            or cfg.nnodes > 1:
+    if not waits_poll(cfg.framework, cfg.resolved_backend) or cfg.world_size < 2 or cfg.hostfile or cfg.nnodes > 1:
         return None
     cores = usable_cores() if cores is None else cores
     busy = cfg.nproc * cfg.threads_per_rank
