@@ -14,29 +14,25 @@ each pair alternated twice in one sitting):
 """
 from __future__ import annotations
 
-import os
-
 from common.config import RunConfig
 from common.costmodel.links import waits_poll
 
 from . import environment as env
 
 
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # macOS has no affinity call
-        return os.cpu_count() or 1
+def polls_on_full_cores(framework: str, backend: str | None, ranks: int, threads: int, cores: int,
+                        local: bool) -> bool:
+    """Whether `ranks` of a backend that polls while it waits (common/costmodel/links.py waits_poll), all on one
+    machine (`local`: no hostfile, one node), fill its `cores` with their compute threads, leaving none to the
+    polling: the rule of the note below and of the report's warning (compare/report/findings.py)."""
+    return local and ranks >= 2 and waits_poll(framework, backend) and ranks * threads >= cores
 
 
 def ring_polling_note(cfg: RunConfig, cores: int | None = None) -> str | None:
-    """One line where MLX ring ranks started on this machine (no hostfile, one node) fill its cores with their
-    compute threads, leaving none to the ring's polling; None elsewhere."""
-    if not waits_poll(cfg.framework, cfg.resolved_backend) or cfg.world_size < 2 or cfg.hostfile or cfg.nnodes > 1:
-        return None
-    cores = usable_cores() if cores is None else cores
-    busy = cfg.nproc * cfg.threads_per_rank
-    if busy < cores:
+    """One line before an MLX ring job that polls_on_full_cores; None elsewhere."""
+    cores = env.cpu_count() if cores is None else cores
+    if not polls_on_full_cores(cfg.framework, cfg.resolved_backend, cfg.world_size, cfg.threads_per_rank, cores,
+                               local=not cfg.hostfile and cfg.nnodes == 1):
         return None
     instead = ("--backend mpi waits at a fraction of that CPU (pp x4 on 2 cores: 0.16 s a step against 0.37 s "
                "on the ring)" if env.mpirun() is not None else

@@ -7,10 +7,10 @@ import shlex
 from dataclasses import fields
 
 from common.config import RunConfig
-from common.costmodel.links import waits_poll
 from common.metrics import throughput_stats
 from common.train.opclasses import difference_sentence, largest_difference
 
+from ..machine.sharing import polls_on_full_cores
 from .mfu import PeakFinder
 from .labels import run_parts
 from .parity import RunData, run_verdict
@@ -213,9 +213,9 @@ def fairness_info(runs: list[RunData], rows: list[dict], context: dict) -> dict:
         if row["ok"] and row["device"] == "cpu" and cpus and row["world_size"] * (row["threads_per_rank"] or 1) > cpus:
             warnings.append(f"{row['label']}: {row['world_size']} ranks x {row['threads_per_rank']} thread(s) on "
                             f"{cpus} CPUs: ranks share cores, so its speed measures oversubscription")
-        if row["ok"] and row["device"] == "cpu" and cpus and waits_poll(row["framework"], row["backend"]) \
-                and row["world_size"] * (row["threads_per_rank"] or 1) >= cpus and not run.config.get("hostfile") \
-                and (run.config.get("nnodes") or 1) == 1:
+        if row["ok"] and row["device"] == "cpu" and cpus and polls_on_full_cores(
+                row["framework"], row["backend"], row["world_size"], row["threads_per_rank"] or 1, cpus,
+                local=not run.config.get("hostfile") and (run.config.get("nnodes") or 1) == 1):
             warnings.append(f"{row['label']}: MLX's ring polls its sockets while a rank waits, and these ranks' "
                             f"threads fill the {cpus} CPUs, so a waiting rank takes a core from one that computes "
                             "(pp x4 on 2 cores: 0.37 s a step on the ring, 0.16 s on MPI; docs/cpu-performance.md)")
