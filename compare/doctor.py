@@ -47,7 +47,8 @@ def doctor(measure_peak: bool = False) -> str:
         usable = {b: ok for b, ok in mlx["backends"].items()}
         lines += [
             f"  device      {mlx['default_device']} (gpu available: {mlx['gpu']})",
-            f"  ring        {'yes' if usable['ring'] else 'no'} (localhost and hostfile ranks over TCP)",
+            f"  ring        {'yes' if usable['ring'] else 'no'} (localhost and hostfile ranks over TCP; a waiting rank "
+            f"polls its sockets, which costs steps where the ranks fill the {machine['cpus']} CPUs)",
             f"  mpi         {'yes' if usable['mpi'] else 'no'}; mpirun: {env.mpirun() or 'not found'}; "
             f"libmpi: {env.libmpi() or 'not found'}",
             f"  nccl        {'yes' if usable['nccl'] else 'no'}",
