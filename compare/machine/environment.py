@@ -63,6 +63,12 @@ def mlx_blas(choice: str) -> tuple[str, dict]:
     return f"openblas ({library}, preloaded; {core})", {"LD_PRELOAD": preload, **core_env}
 
 
+# A new kernel cache where an old one may hold kernels built otherwise: until stop 46 a local MPI job's ranks built
+# theirs with the plain g++ into the native cache (mlx_mpirun: Open MPI's prefix put /usr/bin first on PATH), and
+# MLX names a kernel by its graph, so a later native run read them back.
+JIT_CACHE_GENERATION = "-2"
+
+
 def mlx_cpu_jit(choice: str, cache_root: Path) -> tuple[str, dict]:
     """(description, extra env) for MLX ranks: the flags of the kernels MLX compiles for mx.compile.
 
@@ -82,7 +88,7 @@ def mlx_cpu_jit(choice: str, cache_root: Path) -> tuple[str, dict]:
         if choice == "native":
             raise UserError("--mlx-cpu-jit native: g++ not found (Debian: apt install g++)")
         return baseline + "; no g++ found", {}
-    root = Path(cache_root) / f"mlx-jit-native-{_cpu_signature()}"
+    root = Path(cache_root) / f"mlx-jit-native-{_cpu_signature()}{JIT_CACHE_GENERATION}"
     wrapper = root / "bin" / "g++"
     pch = precompiled_preamble(compiler, root)
     include = f' -I "{pch}"' if pch else ""
@@ -113,6 +119,7 @@ def precompiled_preamble(compiler: str, root: Path) -> Path | None:
     0.19 s per kernel, the same bytes out (AMD EPYC Zen 4). g++ ignores a .gch built with other flags or by
     another g++ and reads the header itself, so a stale one costs speed, never correctness. None where MLX's
     headers are not found or the build fails (then every kernel parses the preamble, as before)."""
+    import contextlib
     import importlib.metadata
     import importlib.util
     import subprocess
@@ -132,14 +139,13 @@ def precompiled_preamble(compiler: str, root: Path) -> Path | None:
         target.parent.mkdir(parents=True, exist_ok=True)
         built = subprocess.run([compiler, "-march=native", *MLX_KERNEL_FLAGS, "-x", "c++-header", "-I", str(include),
                                 str(include / PREAMBLE), "-o", str(tmp)], capture_output=True, timeout=300)
-        if built.returncode != 0:
-            return None
-        tmp.replace(target)  # atomic: a concurrent run's g++ sees the whole file or none
+        if built.returncode == 0:
+            tmp.replace(target)  # atomic: a concurrent run's g++ sees the whole file or none
     except (OSError, subprocess.TimeoutExpired):
-        return None
-    finally:
+        pass  # no precompiled header: the kernels build as before
+    with contextlib.suppress(OSError):
         tmp.unlink(missing_ok=True)
-    return folder
+    return folder if target.is_file() else None
 
 
 def mlx_exp(cfg) -> str:

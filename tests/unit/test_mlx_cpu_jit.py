@@ -68,3 +68,14 @@ def test_native_kernels_read_mlxs_preamble_precompiled_and_come_out_the_same_byt
     subprocess.run(["g++", "-march=native", *flags, "-o", str(tmp_path / "b.so")], capture_output=True, check=True)
     assert (tmp_path / "a.so").read_bytes() == (tmp_path / "b.so").read_bytes()
     assert env.mlx_cpu_jit("native", tmp_path)[1] == extra  # built once: the same wrapper and folder again
+
+
+@needs_gxx
+def test_a_precompiled_header_that_cannot_be_built_leaves_the_kernels_building_as_before(tmp_path):
+    """A file where the header's folder should be (an unwritable cache alike): the run goes on without it."""
+    root = tmp_path / f"mlx-jit-native-{env._cpu_signature()}{env.JIT_CACHE_GENERATION}"
+    root.mkdir()
+    (root / "pch").write_text("not a folder")
+    description, extra = env.mlx_cpu_jit("native", tmp_path)
+    wrapper = os.path.join(extra["PATH"].split(os.pathsep)[0], "g++")
+    assert description == "native (-march=native)" and " -I " not in open(wrapper).read()

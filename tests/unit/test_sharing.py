@@ -11,7 +11,7 @@ def note(cores: int, **fields) -> str | None:
 def test_the_note_names_the_ranks_threads_and_cores_where_the_ring_fills_them():
     line = note(2, nproc=4)
     assert line is not None and line.startswith("mlx x4 on the ring backend: 4 ranks of 1 thread fill this "
-                                                "machine's 2 cores") and "0.37 s" in line
+                                                "machine's 2 cores") and "0.33 s" in line
     assert note(4, nproc=2, threads_per_rank=2).startswith("mlx x2 on the ring backend: 2 ranks of 2 threads")
 
 
