@@ -10,7 +10,7 @@ from common.config import RunConfig
 from common.metrics import throughput_stats
 from common.train.opclasses import difference_sentence, largest_difference
 
-from ..machine.sharing import polls_on_full_cores
+from ..machine.sharing import MEASURED, polls_on_full_cores
 from .mfu import PeakFinder
 from .labels import run_parts
 from .parity import RunData, run_verdict
@@ -218,7 +218,7 @@ def fairness_info(runs: list[RunData], rows: list[dict], context: dict) -> dict:
                 local=not run.config.get("hostfile") and (run.config.get("nnodes") or 1) == 1):
             warnings.append(f"{row['label']}: MLX's ring polls its sockets while a rank waits, and these ranks' "
                             f"threads fill the {cpus} CPUs, so a waiting rank takes a core from one that computes "
-                            "(pp x4 on 2 cores: 0.33 s a step on the ring, 0.14 s on MPI; docs/cpu-performance.md)")
+                            f"({MEASURED}; docs/cpu-performance.md)")
     hosts = {(r.summary.get("machine") or {}).get("host") for r in runs if r.summary.get("machine")}
     if len(hosts) > 1:
         warnings.append(f"runs come from different machines ({', '.join(sorted(map(str, hosts)))}): "
