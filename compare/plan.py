@@ -140,8 +140,12 @@ def measured_points(run_dir: Path, summary: dict) -> list[dict]:
     return points
 
 
-def plot(rows: list[dict], points: list[dict], title: str, path: Path) -> None:
-    import matplotlib
+def plot(rows: list[dict], points: list[dict], title: str, path: Path) -> bool:
+    """Draw the plan's figure at path; False without matplotlib (plan.json and the table still say it all)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -169,6 +173,7 @@ def plot(rows: list[dict], points: list[dict], title: str, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
+    return True
 
 
 def table(rows: list[dict], device_memory_gb: float | None) -> str:
@@ -213,11 +218,11 @@ def run_plan(args) -> int:
     link_text = describe_links(link, link_how)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        plot(rows, points, f"predicted from {what}\nlink {link.name}", out / "plan.png")
+        drawn = plot(rows, points, f"predicted from {what}\nlink {link.name}", out / "plan.png")
         write_json(out / "plan.json", {
             "from": str(run_dir), "calibrated_on": what, "link": links_json(link, link_how),
             "device_memory_bytes": memory, "calibration": {k: v for k, v in vars(cal).items() if k not in ("workload", "link")},
-            "predictions": rows, "measured": points, "figure": "plan.png",
+            "predictions": rows, "measured": points, "figure": "plan.png" if drawn else None,
             **({"best": meshes["best"], "refused": meshes["refused"]} if meshes else {})})
     except OSError as err:
         raise UserError(f"cannot write the plan into {out}: {err.strerror}") from None
@@ -233,7 +238,8 @@ def run_plan(args) -> int:
             print(f"{strategy} x{feasible[-1]['world_size']}: bottleneck is {feasible[-1]['bottleneck']}")
     for note in cal.notes:
         print(f"note: {note}", file=sys.stderr)
-    print(f"\nplan: {out / 'plan.json'}  ({out / 'plan.png'}); assumptions: docs/scaling.md")
+    figure = f"({out / 'plan.png'})" if drawn else "(no figure: matplotlib is not installed)"
+    print(f"\nplan: {out / 'plan.json'}  {figure}; assumptions: docs/scaling.md")
     return 0
 
 

@@ -6,11 +6,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
+import numpy as np
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
-import numpy as np  # noqa: E402
+try:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # the backend must be chosen first
+except ImportError:  # a declared dependency, but a minimal environment (the lent GPU machines have none) still
+    plt = None  # gets its report, without figures: report.md says so
 
 COLORS = {"mlx": "#1f77b4", "torch": "#ee4c2c"}  # MLX blue, PyTorch's orange-red
 OTHER_COLORS = ["#2ca02c", "#9467bd", "#8c564b", "#17becf"]
@@ -27,8 +31,10 @@ def style(world_size: int, sizes: list[int]) -> str:
     return STYLES[sizes.index(world_size) % len(STYLES)] if world_size in sizes else "-"
 
 
-def make_plots(runs: list, parity: dict, rows: list[dict], scaling: dict, out_dir: Path) -> dict[str, str]:
-    """Write every figure that has data into out_dir; {name: file name}."""
+def make_plots(runs: list, parity: dict, rows: list[dict], scaling: dict, out_dir: Path) -> dict[str, str] | None:
+    """Write every figure that has data into out_dir; {name: file name}. None without matplotlib."""
+    if plt is None:
+        return None
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     sizes = sorted({r.world_size for r in runs})

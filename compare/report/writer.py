@@ -78,8 +78,10 @@ def write_report(run_dirs: list[Path], out_dir: Path, tol: Tolerances, context: 
                      "runs": [{"label": r["label"], "launcher": r["command"], "dpcompare": r["rerun"]}
                               for r in rows]},
     }
-    summary["plots"] = {name: f"plots/{file}" for name, file in
-                        make_plots(runs, parity, rows, scaling, out_dir / "plots").items()}
+    made = make_plots(runs, parity, rows, scaling, out_dir / "plots")
+    summary["plots"] = {name: f"plots/{file}" for name, file in (made or {}).items()}
+    if made is None:
+        summary["fairness"]["notes"].append("figures skipped: matplotlib is not installed (pip install matplotlib)")
     out_dir.mkdir(parents=True, exist_ok=True)
     write_json(out_dir / "summary.json", summary)
     blocks = report_blocks(summary)

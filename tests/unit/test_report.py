@@ -121,6 +121,17 @@ def test_plots_without_data_are_skipped(tmp_path):
     assert (tmp_path / "out" / "report.html").exists()
 
 
+def test_without_matplotlib_the_report_is_written_and_says_its_figures_are_skipped(tmp_path, monkeypatch):
+    """matplotlib is declared, but a minimal environment (the lent GPU machines) lacks it: the report, the verdict
+    and compare's predictions must not hang on the figures."""
+    from compare.report import plots
+    monkeypatch.setattr(plots, "plt", None)
+    run = make_run(tmp_path, "mlx", 1)
+    summary = write_report([run], tmp_path / "out", Tolerances(), CONTEXT)
+    assert summary["plots"] == {} and not (tmp_path / "out" / "plots").exists()
+    assert "figures skipped: matplotlib is not installed" in (tmp_path / "out" / "report.md").read_text()
+
+
 def test_the_report_never_overwrites_a_run_directory(tmp_path):
     run = make_run(tmp_path, "mlx", 1)
     with pytest.raises(UserError, match="run directory"):
