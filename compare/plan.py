@@ -308,7 +308,7 @@ def predicted_record(source: Path, s: dict, strategy: str, fits: list[tuple[str,
             "exposed_comm_s": p.exposed_comm_s, "memory_bytes_per_rank": p.memory_bytes["total"], "link": link.name,
             "levels": p.levels, "cores_shared_by": cores_shared_by(s),
             "host_s_per_call": cal.host_s_per_call, "fitted_on": cal.fitted_on,
-            "link_source": f"{link_note} ({link.source})",
+            "link_source": f"{link_note} ({link.source})", "caveat": p.caveat,
             "step_error": (p.step_s / measured - 1) if measured else None}
 
 

@@ -78,7 +78,7 @@ def mesh_table(plan: dict, device_memory_gb: float | None) -> str:
     body = []
     for r in plan["rows"]:
         n = r["world_size"]
-        mark = " *" if plan["best"][n]["fastest"] == r["label"] else ""
+        mark = (" *" if plan["best"][n]["fastest"] == r["label"] else "") + (" †" if r.get("caveat") else "")
         levels = ", ".join(f"{axis} {level}" for axis, level in r["levels"].items()) or "–"
         cells = (r["label"] + mark, str(n), f"{r['step_s']:.4g}", f"{r['tokens_per_s']:,.0f}",
                  f"{100 * r['exposed_share']:.0f}%", f"{r['memory_bytes']['total'] / 1e9:.3f}", levels)
@@ -86,10 +86,12 @@ def mesh_table(plan: dict, device_memory_gb: float | None) -> str:
     widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *body]]
     lines.append("")
+    lines += [f"† {caveat}" for caveat in dict.fromkeys(r["caveat"] for r in plan["rows"] if r.get("caveat"))]
     for n, best in plan["best"].items():
         if n == 1:
             continue
-        line = f"N={n}: fastest {best['fastest'] or 'none'}"
+        dagger = {r["label"] for r in plan["rows"] if r["world_size"] == n and r.get("caveat")}
+        line = f"N={n}: fastest {best['fastest'] or 'none'}" + (" †" if best["fastest"] in dagger else "")
         if device_memory_gb:
             line += f"; fastest that fits {device_memory_gb:g} GB: {best['fastest_fitting'] or 'none'}"
         if plan["refused"].get(n):

@@ -35,6 +35,7 @@ class Prediction:
     fits: bool | None
     bottleneck: str
     levels: dict                     # per axis: the link level its collectives cross ("inner", "outer", ...)
+    caveat: str | None = None        # how measured runs of this layout missed the prediction (Layout.prediction_caveat)
 
     def to_dict(self) -> dict:
         out = dict(vars(self))
@@ -83,7 +84,7 @@ def predict(cal: Calibration, strategy: str, n: int, link: Links | None, device_
                       step, w.tokens_per_step / step, one / (n * step), exposed / step,
                       sum(t.wire_bytes for t in times), colls, memory, fits, "",
                       {t.axis.axis: t.link.level + (f" shared by {t.link.share}" if t.link.share > 1 else "")
-                       for t in times})
+                       for t in times}, lay.prediction_caveat())
     pred.bottleneck = bottleneck(pred, device_memory_bytes)
     return pred
 

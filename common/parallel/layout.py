@@ -270,3 +270,9 @@ class Layout(ABC):
     def unfitted_host_s(self, w: Workload, colls: list[Collective], on_cpu: bool, releases_heap: bool) -> float:
         """Host work no run of this strategy measured: 0 (fsdp on a CPU has constants of its own)."""
         return 0.0
+
+    def prediction_caveat(self) -> str | None:
+        """How measured runs missed this object's predicted step the same way every time (docs/scaling.md),
+        shown beside its predictions so that a plan naming it fastest is read with that in mind; None where the
+        misses went both ways."""
+        return None
