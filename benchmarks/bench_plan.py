@@ -8,7 +8,7 @@ strategy, on loopback and on shaped links (issue 24's acceptance: within 15 %), 
         --strategies ddp,fsdp,tp,pp --set model.n_layers=4 --set model.n_kv_heads=4
     # and meshes (issue 37), each its own compare at --nproc 1,N (the N=1 calibration, ddp and the mesh at N)
     ... --meshes "dp=2,pp=2;dp=2,tp=2;fsdp=2,tp=2"   # MLX's meshes run on MPI
-    # and each axis's host work per call fitted on an N=2 run of its strategy (common/costmodel/fit.py): the
+    # and each axis's host work per byte moved fitted on an N=2 run of its strategy (common/costmodel/fit.py): the
     # strategies' compare runs at --nproc 1,2,N, and every row at N shows its error unfitted and fitted
     ... --fit
 
@@ -118,7 +118,7 @@ def measure(a, steps: int, link: str, levels: list[str], out: Path, shape: list[
             p = predicted_record(cal_dir, s, s.get("strategy", "ddp"), fit_runs(s, candidates))
             fitted = {"unfitted_step_s": unfitted["step_s"], "unfitted_error": unfitted["step_s"] / s["step_time_s"] - 1,
                       "fitted_on": ",".join(sorted(p.get("fitted_on", {}))) or "-",
-                      "host_s_per_call": p.get("host_s_per_call")}
+                      "host_s_per_byte": p.get("host_s_per_byte")}
         rows.append({**fitted, "link": link, "run": summary_path.parent.name, "status": s.get("status"),
                      "measured_step_s": s.get("step_time_s"), "predicted_step_s": p.get("step_s"),
                      "error": (p["step_s"] / s["step_time_s"] - 1) if p.get("step_s") and s.get("step_time_s")

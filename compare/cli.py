@@ -143,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--from", dest="from_run", metavar="RUN_DIR", required=True,
                       help="a finished run to calibrate on (its summary.json's time breakdown and peak memory)")
     plan.add_argument("--fit", action="append", metavar="RUN_DIR", help="a finished N=2 run of one strategy (fsdp, tp, "
-                      "pp, ddp) of the same workload: its host work per collective call is fitted and charged at "
+                      "pp, ddp) of the same workload: its host work per byte moved is fitted and charged at "
                       "every N (repeat for each strategy; docs/scaling.md)")
     plan.add_argument("--nproc", default="2,4,8,16,64", help="comma list of world sizes (default 2,4,8,16,64)")
     plan.add_argument("--strategies", default="ddp,fsdp,tp", help="comma list of ddp, fsdp, tp (default all)")

@@ -7,7 +7,7 @@ common/parallel/ (ddp.py, fsdp.py, tp.py, pp.py); the modules here compose them 
     links.py      Link, Collective: a collective's time over a link (the ring formulas), the links a run records
     workload.py   Workload: what a step trains
     calibrate.py  Calibration: a measured run reduced to per-phase seconds
-    fit.py        each axis's host work per collective call, fitted on an N=2 run of its strategy
+    fit.py        each axis's host work per byte its collectives move, fitted on an N=2 run of its strategy
     predict.py    Prediction: a step's time and memory at any N over any link, and its bottleneck
     memory.py     memory per rank, and the predicted peak with the frameworks' fitted factors
     rates.py      link rates as users write them (--link 1gbit);  probe.py: the all-reduce a run times
@@ -26,7 +26,7 @@ Time of one step at N ranks:
     is subtracted first.
   - f_work: the share of the global batch's matmul FLOPs (common/model/flops.py) one rank computes; f_state: the
     share of the parameters a rank updates (AdamW touches what it holds). `other` (host overhead per step) is
-    taken as constant; host_s is each axis's host work per call (fit.py where an N=2 run was fitted, else its
+    taken as constant; host_s is each axis's host work per byte it moves (fit.py where an N=2 run was fitted, else its
     strategy's constants: fsdp's on a CPU), added once where ranks share cores, and on an axis across a two-level
     link's slow level only beyond that axis's exposed time (predict.py's host_s).
   - overlap: measured from a calibration run at N > 1 with a known link, as 1 - exposed / modelled (the

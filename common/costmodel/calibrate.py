@@ -42,9 +42,9 @@ class Calibration:
     sync_overhead_s: float = 0.0    # what a measured ddp sync costs beyond its collectives, per step
     on_cpu: bool = False            # measured on a CPU (fsdp's FSDP_HOST_S_PER_CALL, FSDP_HIDDEN_SHARE apply)
     releases_heap: bool = False     # on Linux without --tune-malloc (fsdp's HEAP_RELEASE_BYTES_PER_S applies)
-    # per mesh axis: host seconds per collective call, fitted on an N=2 run of that axis's strategy (fit.py), and
-    # the run each came from; an axis without one keeps its strategy's own constants
-    host_s_per_call: dict = field(default_factory=dict)
+    # per mesh axis: host seconds per byte its collectives move, fitted on an N=2 run of that axis's strategy
+    # (fit.py), and the run each came from; an axis without one keeps its strategy's own constants
+    host_s_per_byte: dict = field(default_factory=dict)
     fitted_on: dict = field(default_factory=dict)
 
 

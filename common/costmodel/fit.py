@@ -1,4 +1,5 @@
-"""Host work per collective call, fitted on one N=2 run of a strategy: what a ddp N=1 calibration cannot see.
+"""Host work per byte an axis's collectives move, fitted on one N=2 run of a strategy: what a ddp N=1 calibration
+cannot see.
 
 A strategy's collectives cost the host more than the link's time: torch FSDP2's hooks and flat-buffer copies,
 DTensor's dispatch around tp's all-reduces, the many small sends of an MLX pipeline, a ddp sync's bucket copies.
@@ -6,11 +7,17 @@ None of it runs in the N=1 run the model is calibrated on, and each strategy's s
 and model size (a constant fitted on `small` over-predicted torch fsdp on `tiny` by 80 %, docs/scaling.md).
 
 The fit: an N=2 run of the strategy, predicted from the calibration with that axis's host work at 0 over the link
-the run measured; the step it measured beyond that prediction, divided by the axis's collective calls per step,
-is the axis's host seconds per call (none below 0: a run faster than its prediction gets 0, and a note). A
-prediction at N > 2, of that strategy or of a mesh with that axis, then charges each call of the axis that much
-(common/parallel/layout.py `axis_host_s`), once, where the compute is stretched for ranks sharing cores
-(predict.py: most of it is waiting inside a collective, which leaves the core to another rank).
+the run measured; the step it measured beyond that prediction, divided by the bytes the axis's collectives move
+per step (calls x payload), is the axis's host seconds per byte (none below 0: a run faster than its prediction
+gets 0, and a note). A prediction at N > 2, of that strategy or of a mesh with that axis, then charges each byte
+the axis moves that much (common/parallel/layout.py `axis_host_s`), once, where the compute is stretched for ranks
+sharing cores (predict.py: most of it is waiting inside a collective, which leaves the core to another rank).
+
+Per byte, not per call: the work is mostly copies (buckets, flat buffers, DTensor's redistributions, a pipeline's
+serialised sends) and waits that grow with the payload. The two agree for a strategy alone, whose calls move the
+same bytes at N=2 and N=4; they differ in a mesh, where another axis halves what each call carries (dp=2,tp=2's
+dp all-reduces half the gradients). Recomputed on every kept run of docs/scaling.md ("Sitting 5"): with a core
+per rank 22 of 32 layouts within 20 % per byte, 15 per call; on 2 shared cores 58 of 87 and 60.
 """
 from __future__ import annotations
 
@@ -28,17 +35,18 @@ from common.parallel.fsdp import reduce_scatter_traffic
 
 def fit_host_costs(cal: Calibration, runs: list[tuple[str, dict, float]]) -> Calibration:
     """`cal` with each run's axis fitted: `runs` holds (its name, its summary.json, ranks per core it ran at)."""
-    per_call, fitted_on, notes = dict(cal.host_s_per_call), dict(cal.fitted_on), list(cal.notes)
+    per_byte, fitted_on, notes = dict(cal.host_s_per_byte), dict(cal.fitted_on), list(cal.notes)
     for source, summary, shared in runs:
         axis, seconds, note = fit_one(cal, summary, source, shared)
-        per_call[axis], fitted_on[axis] = seconds, source
+        per_byte[axis], fitted_on[axis] = seconds, source
         if note:
             notes.append(note)
-    return replace(cal, host_s_per_call=per_call, fitted_on=fitted_on, notes=notes)
+    return replace(cal, host_s_per_byte=per_byte, fitted_on=fitted_on, notes=notes)
 
 
 def fit_one(cal: Calibration, s: dict, source: str, cores_shared_by: float = 1.0) -> tuple[str, float, str]:
-    """(axis, host seconds per call, a note or "") from one finished one-axis run at N >= 2 of cal's workload."""
+    """(axis, host seconds per byte moved, a note or "") from one finished one-axis run at N >= 2 of cal's
+    workload."""
     strategy, n = s.get("strategy", "ddp"), int(s.get("world_size") or 1)
     if s.get("status") != "ok" or not s.get("step_time_s"):
         raise UserError(f"{source}: only a finished run with a measured step can be fitted on")
@@ -55,14 +63,14 @@ def fit_one(cal: Calibration, s: dict, source: str, cores_shared_by: float = 1.0
     link = links_from_record(s.get("link"), w.framework, backend) or loopback_link(backend)
     lay = layout(strategy, n)
     axis = lay.axis_name
-    bare = replace(cal, host_s_per_call={**cal.host_s_per_call, axis: 0.0})
+    bare = replace(cal, host_s_per_byte={**cal.host_s_per_byte, axis: 0.0})
     p = predict(bare, strategy, n, link, backend=backend, cores_shared_by=cores_shared_by)
-    calls = sum(c.calls for c in p.collectives)
-    if not calls:
-        raise UserError(f"{source}: {strategy} x{n} runs no collective to fit a cost per call on")
+    moved = sum(c.calls * c.nbytes for c in p.collectives)
+    if not moved:
+        raise UserError(f"{source}: {strategy} x{n} moves no bytes in collectives to fit a host cost on")
     beyond = float(s["step_time_s"]) - p.step_s
     # over the slow link between machines the prediction hides the host work behind the link's time (predict.py)
     hidden = outer_waits(lay, bare, axis_times(lay, w, reduce_scatter_traffic(w.framework, backend), link)).get(axis, 0.0)
     note = (f"{source}: measured {float(s['step_time_s']):.3g} s per step, under the {p.step_s:.3g} s predicted "
             f"without host work: {axis}'s host work fitted as 0" if beyond < 0 else "")
-    return axis, (beyond + hidden) / calls if beyond > 0 else 0.0, note
+    return axis, (beyond + hidden) / moved if beyond > 0 else 0.0, note

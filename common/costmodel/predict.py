@@ -72,7 +72,7 @@ def predict(cal: Calibration, strategy: str, n: int, link: Links | None, device_
         # levels (docs/scaling.md).
         held = lay.work_fraction(w) if waits_poll(w.framework, backend) else lay.busy_fraction(w)
         busy = (cal.forward_s + cal.backward_s) * held + cal.optimizer_s * lay.state_fraction(w) + cal.other_s
-        # The host work per call is added once, not stretched: most of it is a rank waiting on its peers inside a
+        # The host work is added once, not stretched: most of it is a rank waiting on its peers inside a
         # collective, which leaves the core to another rank. Measured (docs/scaling.md, N=4 on 2 cores, loopback,
         # fitted on N=2): 7 of 15 layouts within 20 % stretched, 13 of 15 not.
         compute = max(compute, busy * cores_shared_by + host)
@@ -99,8 +99,8 @@ def host_s(lay: Layout, cal: Calibration, axes: list[AxisCollectives], times: li
     total = 0.0
     for axis in axes:
         if axis.collectives:
-            seconds = lay.axis_host_s(cal.workload, axis, cal.on_cpu, cal.releases_heap, cal.host_s_per_call)
-            total += max(0.0, seconds - outer[axis.axis]) if axis.axis in outer and axis.axis in cal.host_s_per_call \
+            seconds = lay.axis_host_s(cal.workload, axis, cal.on_cpu, cal.releases_heap, cal.host_s_per_byte)
+            total += max(0.0, seconds - outer[axis.axis]) if axis.axis in outer and axis.axis in cal.host_s_per_byte \
                 else seconds
     return total
 

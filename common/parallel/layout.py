@@ -11,7 +11,7 @@ holds everything the framework-neutral code knows about the strategy, so nothing
                      its groups), comm_bytes_per_step_estimate (summary.json)
     the memory       activation_bytes, gathered_bytes, checkpoint_bytes, copies_gradients_for_reduce
     the time         exposed_comm_s (what the link adds to the step), host_s (host work beyond the link's:
-                     fitted per call on an N=2 run where there is one, common/costmodel/fit.py)
+                     fitted per byte moved on an N=2 run where there is one, common/costmodel/fit.py)
 
 The cost model (common/costmodel/, docs/scaling.md) composes these into a step's time and memory. An object
 is built on a Mesh (common/parallel/mesh.py) and reads its own axis, named after it (ddp's is `dp`). A run of one
@@ -261,10 +261,10 @@ class Layout(ABC):
 
     def axis_host_s(self, w: Workload, axis: AxisCollectives, on_cpu: bool, releases_heap: bool,
                     fitted: Mapping[str, float]) -> float:
-        """One axis's host work: `fitted[axis]` seconds per collective call where an N=2 run of that axis's
-        strategy was fitted (common/costmodel/fit.py), else the strategy's own constants (`unfitted_host_s`)."""
+        """One axis's host work: `fitted[axis]` seconds per byte its collectives move, where an N=2 run of that
+        axis's strategy was fitted (common/costmodel/fit.py), else the strategy's own constants (`unfitted_host_s`)."""
         if axis.axis in fitted:
-            return fitted[axis.axis] * sum(c.calls for c in axis.collectives)
+            return fitted[axis.axis] * sum(c.calls * c.nbytes for c in axis.collectives)
         return self.unfitted_host_s(w, axis.collectives, on_cpu, releases_heap)
 
     def unfitted_host_s(self, w: Workload, colls: list[Collective], on_cpu: bool, releases_heap: bool) -> float:

@@ -164,19 +164,26 @@ def prediction_blocks(rows: list[dict]) -> list[tuple]:
                else "–"), fmt(r["prediction"]["tokens_per_s"], ",.0f"), fmt(r.get("tokens_per_s"), ",.0f"))
              for r in have]
     notes = [f"{r['label']}: {r['prediction']['note']}" for r in rows if (r.get("prediction") or {}).get("note")]
-    notes += [f"{r['label']}: host work per collective call fitted on "
-              + ", ".join(f"{run} ({axis} {1e3 * r['prediction']['host_s_per_call'][axis]:.2g} ms)"
-                          for axis, run in r["prediction"]["fitted_on"].items())
+    notes += [f"{r['label']}: host work fitted on " + ", ".join(f"{run} ({axis} {fitted_cost(r['prediction'], axis)})"
+                                                            for axis, run in r["prediction"]["fitted_on"].items())
               for r in have if r["prediction"].get("fitted_on")]
     notes += [f"{r['label']}: {r['prediction']['caveat']}" for r in have if r["prediction"].get("caveat")]
     return [("h2", "Predicted and measured"),
             ("p", "The cost model (common/costmodel/, docs/scaling.md) predicts each multi-rank run from the "
                   "1-rank run of its framework and dtype and the link the job measured: compute scaled by the "
                   "work each rank does, plus the ring collectives' time at that link. A run at more than 2 ranks "
-                  "also pays the host work per collective call that the 2-rank run of each of its axes' "
+                  "also pays the host work per byte moved that the 2-rank run of each of its axes' "
                   "strategies measured, where the comparison has one."),
             ("table", ("run", "predicted from", "link", "predicted step ms", "measured step ms", "difference",
                        "predicted tokens/s", "measured tokens/s"), table)] + ([("ul", notes)] if notes else [])
+
+
+def fitted_cost(prediction: dict, axis: str) -> str:
+    """An axis's fitted host work as the report says it: per MB moved (before stop 47 the runs stored it per
+    collective call, and a report rebuilt from them says so)."""
+    if axis in (prediction.get("host_s_per_byte") or {}):
+        return f"{1e9 * prediction['host_s_per_byte'][axis]:.2g} ms per MB"
+    return f"{1e3 * (prediction.get('host_s_per_call') or {}).get(axis, 0.0):.2g} ms per call"
 
 
 def breakdown_blocks(rows: list[dict]) -> list[tuple]:

@@ -1,5 +1,5 @@
-"""Host work per collective call fitted on an N=2 run of a strategy (common/costmodel/fit.py), charged at N > 2 to
-that strategy and to every mesh with its axis, and what compare's predictions fit on (compare/plan.py)."""
+"""Host work per byte moved fitted on an N=2 run of a strategy (common/costmodel/fit.py), charged at N > 2 to that
+strategy and to every mesh with its axis, and what compare's predictions fit on (compare/plan.py)."""
 import json
 from dataclasses import replace
 
@@ -16,35 +16,44 @@ from compare.plan import add_predictions
 
 SPEC4 = {**SPEC, "n_kv_heads": 4}
 TINY = ModelSpec.from_dict(SPEC4)  # tp over 4 ranks splits the kv heads
-PER_CALL = 2e-3
+PER_BYTE = 2e-9  # 2 ms per MB moved
 
 
-def measured_at(cal, strategy, n, extra_per_call, mesh=""):
-    """A summary of `strategy` x n whose step is the bare prediction plus `extra_per_call` per collective call."""
-    bare = predict(replace(cal, host_s_per_call={"dp": 0.0, "tp": 0.0, "fsdp": 0.0, "pp": 0.0}), strategy, n,
+def moved(collectives) -> int:
+    return sum(c.calls * c.nbytes for c in collectives)
+
+
+def measured_at(cal, strategy, n, extra_per_byte, mesh=""):
+    """A summary of `strategy` x n whose step is the bare prediction plus `extra_per_byte` per byte its collectives
+    move."""
+    bare = predict(replace(cal, host_s_per_byte={"dp": 0.0, "tp": 0.0, "fsdp": 0.0, "pp": 0.0}), strategy, n,
                    loopback_link("gloo"), mesh=mesh)
     s = summary("torch", 2, strategy)
     s["world_size"] = s["config"]["nproc"] = n
-    s["step_time_s"] = s["breakdown"]["step_s"] = bare.step_s + extra_per_call * sum(c.calls for c in bare.collectives)
+    s["step_time_s"] = s["breakdown"]["step_s"] = bare.step_s + extra_per_byte * moved(bare.collectives)
     return s
 
 
-def test_the_fit_recovers_the_cost_per_call_an_n2_run_pays_and_charges_it_at_n4_and_in_meshes():
+def test_the_fit_recovers_the_cost_per_byte_an_n2_run_pays_and_charges_it_at_n4_and_in_meshes():
     cal = calibrate(summary("torch", 1), TINY)
-    axis, seconds, note = fit_one(cal, measured_at(cal, "tp", 2, PER_CALL), "tp2")
-    assert (axis, note) == ("tp", "") and seconds == pytest.approx(PER_CALL)
-    fitted = fit_host_costs(cal, [("tp2", measured_at(cal, "tp", 2, PER_CALL), 1.0)])
+    axis, seconds, note = fit_one(cal, measured_at(cal, "tp", 2, PER_BYTE), "tp2")
+    assert (axis, note) == ("tp", "") and seconds == pytest.approx(PER_BYTE)
+    fitted = fit_host_costs(cal, [("tp2", measured_at(cal, "tp", 2, PER_BYTE), 1.0)])
     assert fitted.fitted_on == {"tp": "tp2"}
+    added = {}
     for strategy, n, mesh in (("tp", 2, ""), ("mesh", 4, "dp=2,tp=2")):
         with_fit, without = (predict(c, strategy, n, loopback_link("gloo"), mesh=mesh) for c in (fitted, cal))
-        tp_calls = sum(c.calls for c in with_fit.collectives if "activations" in c.what)
-        assert tp_calls > 0
-        assert with_fit.compute_s - without.compute_s == pytest.approx(PER_CALL * tp_calls)
-    # 4 ranks on 2 cores: the compute is stretched, the host work per call added once (docs/scaling.md)
+        tp = [c for c in with_fit.collectives if "activations" in c.what]
+        assert tp and moved(tp) > 0
+        added[mesh or strategy] = with_fit.compute_s - without.compute_s
+        assert added[mesh or strategy] == pytest.approx(PER_BYTE * moved(tp))
+    # the mesh's tp groups carry half the rows (dp=2 halves them) in as many calls: half the host work, where a
+    # cost per call would charge it whole
+    assert added["dp=2,tp=2"] == pytest.approx(added["tp"] / 2)
+    # 4 ranks on 2 cores: the compute is stretched, the host work added once (docs/scaling.md)
     shared, alone = (predict(c, "tp", 4, loopback_link("gloo"), cores_shared_by=2) for c in (fitted, cal))
-    tp_calls = sum(c.calls for c in shared.collectives)
     assert shared.compute_s > predict(fitted, "tp", 4, loopback_link("gloo")).compute_s
-    assert shared.compute_s - alone.compute_s == pytest.approx(PER_CALL * tp_calls)
+    assert shared.compute_s - alone.compute_s == pytest.approx(PER_BYTE * moved(shared.collectives))
 
 
 def test_a_fit_replaces_fsdps_constants_and_a_run_faster_than_its_bare_prediction_fits_zero():
@@ -67,7 +76,7 @@ def test_a_fit_replaces_fsdps_constants_and_a_run_faster_than_its_bare_predictio
 ])
 def test_a_run_that_cannot_be_fitted_on_is_refused_in_one_line(change, message):
     cal = calibrate(summary("torch", 1), TINY)
-    s = measured_at(cal, "tp", 2, PER_CALL)
+    s = measured_at(cal, "tp", 2, PER_BYTE)
     change(s)
     with pytest.raises(UserError, match=message):
         fit_one(cal, s, "run")
@@ -76,13 +85,13 @@ def test_a_run_that_cannot_be_fitted_on_is_refused_in_one_line(change, message):
 def test_compare_fits_an_n4_run_on_the_n2_run_of_its_axis_and_never_a_run_on_itself(tmp_path):
     cal = calibrate(summary("torch", 1), TINY)
     one = write_run(tmp_path / "torch-ddp-n1", summary("torch", 1), SPEC4)
-    two = write_run(tmp_path / "torch-tp-n2", measured_at(cal, "tp", 2, PER_CALL), SPEC4)
-    four = write_run(tmp_path / "torch-tp-n4", measured_at(cal, "tp", 4, PER_CALL), SPEC4)
+    two = write_run(tmp_path / "torch-tp-n2", measured_at(cal, "tp", 2, PER_BYTE), SPEC4)
+    four = write_run(tmp_path / "torch-tp-n4", measured_at(cal, "tp", 4, PER_BYTE), SPEC4)
     add_predictions([one, two, four])
     read = {d.name: json.loads((d / "summary.json").read_text())["prediction"] for d in (two, four)}
     assert read["torch-tp-n2"]["fitted_on"] == {}
     assert read["torch-tp-n4"]["fitted_on"] == {"tp": "torch-tp-n2"}
-    # the N=4 run paid PER_CALL per call, as its N=2 run did: fitted, the prediction is its step
+    # the N=4 run paid PER_BYTE per byte moved, as its N=2 run did: fitted, the prediction is its step
     assert read["torch-tp-n4"]["step_error"] == pytest.approx(0.0, abs=1e-9)
 
 
@@ -91,23 +100,27 @@ def test_the_report_says_what_a_prediction_was_fitted_on(tmp_path):
 
     cal = calibrate(summary("torch", 1), TINY)
     runs = [write_run(tmp_path / name, s, SPEC4) for name, s in (
-        ("torch-ddp-n1", summary("torch", 1)), ("torch-tp-n2", measured_at(cal, "tp", 2, PER_CALL)),
-        ("torch-tp-n4", measured_at(cal, "tp", 4, PER_CALL)))]
+        ("torch-ddp-n1", summary("torch", 1)), ("torch-tp-n2", measured_at(cal, "tp", 2, PER_BYTE)),
+        ("torch-tp-n4", measured_at(cal, "tp", 4, PER_BYTE)))]
     add_predictions(runs)
     rows = [{"label": d.name, "prediction": s.get("prediction"), "step_time_ms": 1e3 * s["step_time_s"]}
             for d in runs for s in [json.loads((d / "summary.json").read_text())]]
     text = repr(prediction_blocks(rows))
-    assert "torch-tp-n4: host work per collective call fitted on torch-tp-n2 (tp 2 ms)" in text
+    assert "torch-tp-n4: host work fitted on torch-tp-n2 (tp 2 ms per MB)" in text
     assert "torch-tp-n2: host work" not in text
+    # a run from before stop 47 stored its fit per call: a rebuilt report still reads it
+    old = {**rows[2], "prediction": {**rows[2]["prediction"], "host_s_per_call": {"tp": 3e-3}}}
+    del old["prediction"]["host_s_per_byte"]
+    assert "torch-tp-n4: host work fitted on torch-tp-n2 (tp 3 ms per call)" in repr(prediction_blocks([old]))
 
 
-def test_a_fit_on_ranks_that_shared_cores_is_the_same_per_call_cost():
+def test_a_fit_on_ranks_that_shared_cores_is_the_same_cost_per_byte():
     """The host work is charged once, unstretched (predict.py), so a run whose ranks shared cores fits the same."""
     cal = calibrate(summary("torch", 1), TINY)
-    bare = predict(replace(cal, host_s_per_call={"tp": 0.0}), "tp", 4, loopback_link("gloo"), cores_shared_by=2)
+    bare = predict(replace(cal, host_s_per_byte={"tp": 0.0}), "tp", 4, loopback_link("gloo"), cores_shared_by=2)
     s = measured_at(cal, "tp", 4, 0.0)
-    s["step_time_s"] = bare.step_s + PER_CALL * sum(c.calls for c in bare.collectives)
-    assert fit_one(cal, s, "tp4", cores_shared_by=2)[1] == pytest.approx(PER_CALL)
+    s["step_time_s"] = bare.step_s + PER_BYTE * moved(bare.collectives)
+    assert fit_one(cal, s, "tp4", cores_shared_by=2)[1] == pytest.approx(PER_BYTE)
 
 
 def test_fitted_host_work_on_the_slow_link_between_machines_hides_behind_that_links_time():
@@ -124,11 +137,11 @@ def test_fitted_host_work_on_the_slow_link_between_machines_hides_behind_that_li
     [dp] = [t for t in axis_times(lay, cal.workload, "native", links) if t.axis.axis == "dp"]
     assert dp.link.level == "outer"
     dp_waits = lay.axis_exposed_comm_s(cal, dp.axis, dp.link.link, dp.seconds)
-    dp_calls = sum(c.calls for c in dp.axis.collectives)
-    assert dp_waits > 0 and dp_calls > 0
+    dp_bytes = moved(dp.axis.collectives)
+    assert dp_waits > 0 and dp_bytes > 0
     bare = predict(cal, "mesh", 4, links, mesh="dp=2,tp=2")
-    tp_calls = sum(c.calls for c in bare.collectives if "activations" in c.what)
-    for dp_per_call, dp_added in ((0.5 * dp_waits / dp_calls, 0.0), (3 * dp_waits / dp_calls, 2 * dp_waits)):
-        fitted = replace(cal, host_s_per_call={"dp": dp_per_call, "tp": PER_CALL})
+    tp_bytes = moved(c for c in bare.collectives if "activations" in c.what)
+    for dp_per_byte, dp_added in ((0.5 * dp_waits / dp_bytes, 0.0), (3 * dp_waits / dp_bytes, 2 * dp_waits)):
+        fitted = replace(cal, host_s_per_byte={"dp": dp_per_byte, "tp": PER_BYTE})
         added = predict(fitted, "mesh", 4, links, mesh="dp=2,tp=2").compute_s - bare.compute_s
-        assert added == pytest.approx(PER_CALL * tp_calls + dp_added)
+        assert added == pytest.approx(PER_BYTE * tp_bytes + dp_added)
