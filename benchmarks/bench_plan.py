@@ -8,6 +8,8 @@ strategy, on loopback and on shaped links (issue 24's acceptance: within 15 %), 
         --strategies ddp,fsdp,tp,pp --set model.n_layers=4 --set model.n_kv_heads=4
     # and meshes (issue 37), each its own compare at --nproc 1,N (the N=1 calibration, ddp and the mesh at N)
     ... --meshes "dp=2,pp=2;dp=2,tp=2;fsdp=2,tp=2"   # MLX's meshes run on MPI
+    # an earlier sitting's tables again, with the model as it is now (the same flags, its --keep directory)
+    ... --recompute DIR
     # and each axis's host work per byte moved fitted on an N=2 run of its strategy (common/costmodel/fit.py): the
     # strategies' compare runs at --nproc 1,2,N, and every row at N shows its error unfitted and fitted
     ... --fit
@@ -50,16 +52,21 @@ def main() -> None:
     parser.add_argument("--fit", action="store_true", help="fit each axis's host work on an N=2 run of its "
                         "strategy (the strategies' compare adds N=2) and show both errors")
     parser.add_argument("--keep", type=Path, help="train the compares under this directory and keep them")
+    parser.add_argument("--recompute", type=Path, metavar="KEPT", help="train nothing: the tables again from a "
+                        "--keep directory of an earlier sitting (the same flags), with the model as it is now")
     parser.add_argument("--profile-steps", type=int, default=3, help="breakdown rounds of every run (its N=1 "
                         "calibration needs them; at 200mbit a `small` fsdp step takes ~8 s)")
     a = parser.parse_args()
     steps = max(6, a.steps // 2) if a.quick else a.steps
     rows: list[dict] = []
     fit_dirs: list[Path] = []  # N=2 runs to fit the runs at N on (--fit)
-    with (nullcontext(str(a.keep)) if a.keep else tempfile.TemporaryDirectory(prefix="bench_plan_")) as work:
+    kept = a.recompute or a.keep
+    if a.recompute and not a.recompute.is_dir():
+        parser.error(f"--recompute {a.recompute}: no such directory")
+    with (nullcontext(str(kept)) if kept else tempfile.TemporaryDirectory(prefix="bench_plan_")) as work:
         for link in a.links.split(","):
             # two ranks on 2 cores: another job's process halves a rank
-            load = benchlib.load_average() if a.no_wait else benchlib.wait_for_quiet()
+            load = benchlib.load_average() if a.no_wait or a.recompute else benchlib.wait_for_quiet()
             outer, _, inner = link.partition("/")
             levels = ["--link", outer] + (["--link-inner", inner, "--group-size", str(a.group_size)] if inner else [])
             # one compare for the one-axis strategies, then one per mesh (a compare adds one mesh); with --fit the
@@ -99,9 +106,12 @@ def measure(a, steps: int, link: str, levels: list[str], out: Path, shape: list[
         "--device", a.device,
         *[x for item in a.set for x in ("--set", item)], *([] if link == "none" else levels)]
     rows = []
-    proc = subprocess.run(argv, cwd=benchlib.REPO, capture_output=True, text=True)
-    if proc.returncode not in (0, 1):  # 1: a run failed, its row says so; anything else: the compare did
-        raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}:\n{proc.stderr[-2000:]}")
+    if a.recompute:  # the compare ran in an earlier sitting: its runs are read again
+        load = float("nan")
+    else:
+        proc = subprocess.run(argv, cwd=benchlib.REPO, capture_output=True, text=True)
+        if proc.returncode not in (0, 1):  # 1: a run failed, its row says so; anything else: the compare did
+            raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}:\n{proc.stderr[-2000:]}")
     for summary_path in sorted(out.glob(f"*-n{a.nproc}/summary.json")):
         s = json.loads(summary_path.read_text())
         if "--mesh" in shape and s.get("strategy") != "mesh":

@@ -9,8 +9,8 @@
 #
 # `run` writes plan_torch.json, plan_mlx.json, their logs and the kept runs (no checkpoints) under $OUT (default
 # runs/lent), prints both tables, and stops each framework before its share of ~9 minutes is spent. Extra
-# bench_plan flags go after `run` (for example `--set backend=mpi`, sitting 5c). Rerun the tables from the kept
-# runs with the model as it stands: docs/scaling.md, "Fitted on N=2".
+# bench_plan flags go after `run` (for example `--set backend=mpi`, sitting 5c). Unpack kept_runs.tgz here and
+# `bench_plan.py --recompute /tmp/lent_torch ...` (the same flags) prints the tables again with the model as it stands.
 set -u
 cd "$(dirname "$0")/.."
 case "${1:-}" in
