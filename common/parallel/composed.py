@@ -260,8 +260,8 @@ class MeshLayout(Layout):
         if not self.tp_stages:
             return None
         # Every loopback sitting of `tiny` at N=4 (docs/scaling.md, sittings 1-5: MLX -18 to -46 %, torch -27 to
-        # -46 %, 2 cores shared or a core per rank); over two levels it went both ways. Charging tp once per piece
-        # fixed loopback and broke the two levels, so the model is not bent to it.
+        # -46 %, 2 cores shared or a core per rank); over two levels it went both ways. Counting tp's calls once
+        # per piece moves only their latency under the per-byte fit, and per call it helped loopback and broke the
+        # two levels, so the model is not bent to it.
         return ("pp x tp ran 18-46 % slower than predicted on loopback in every sitting measured: its tp groups "
                 "all-reduce once per block and pipeline piece (docs/scaling.md)")
-
