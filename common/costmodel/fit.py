@@ -16,8 +16,9 @@ sharing cores (predict.py: most of it is waiting inside a collective, which leav
 Per byte, not per call: the work is mostly copies (buckets, flat buffers, DTensor's redistributions, a pipeline's
 serialised sends) and waits that grow with the payload. The two agree for a strategy alone, whose calls move the
 same bytes at N=2 and N=4; they differ in a mesh, where another axis halves what each call carries (dp=2,tp=2's
-dp all-reduces half the gradients). Recomputed on every kept run of docs/scaling.md ("Sitting 5"): with a core
-per rank 22 of 32 layouts within 20 % per byte, 15 per call; on 2 shared cores 58 of 87 and 60.
+dp all-reduces half the gradients). Recomputed on every kept run of docs/scaling.md ("Sitting 5", "Sitting 6"):
+with a core per rank 22 of 32 layouts within 20 % per byte, 15 per call; on 2 shared cores 78 of 119 and 83, where
+a wait per call that no N=2 run measures (ranks taking turns on a core) is missing and per call happened to cover it.
 """
 from __future__ import annotations
 
