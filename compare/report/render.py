@@ -182,7 +182,7 @@ def fitted_cost(prediction: dict, axis: str) -> str:
     """An axis's fitted host work as the report says it: per MB moved (before stop 47 the runs stored it per
     collective call, and a report rebuilt from them says so)."""
     if axis in (prediction.get("host_s_per_byte") or {}):
-        return f"{1e9 * prediction['host_s_per_byte'][axis]:.2g} ms per MB"
+        return f"{1e9 * prediction['host_s_per_byte'][axis]:.3g} ms per MB"
     return f"{1e3 * (prediction.get('host_s_per_call') or {}).get(axis, 0.0):.2g} ms per call"
 
 
