@@ -66,7 +66,7 @@ def main() -> None:
     with (nullcontext(str(kept)) if kept else tempfile.TemporaryDirectory(prefix="bench_plan_")) as work:
         for link in a.links.split(","):
             # two ranks on 2 cores: another job's process halves a rank
-            load = benchlib.load_average() if a.no_wait or a.recompute else benchlib.wait_for_quiet()
+            load = float("nan") if a.recompute else benchlib.load_average() if a.no_wait else benchlib.wait_for_quiet()
             outer, _, inner = link.partition("/")
             levels = ["--link", outer] + (["--link-inner", inner, "--group-size", str(a.group_size)] if inner else [])
             # one compare for the one-axis strategies, then one per mesh (a compare adds one mesh); with --fit the
@@ -106,9 +106,7 @@ def measure(a, steps: int, link: str, levels: list[str], out: Path, shape: list[
         "--device", a.device,
         *[x for item in a.set for x in ("--set", item)], *([] if link == "none" else levels)]
     rows = []
-    if a.recompute:  # the compare ran in an earlier sitting: its runs are read again
-        load = float("nan")
-    else:
+    if not a.recompute:  # with it, the compare ran in an earlier sitting and its runs are read again
         proc = subprocess.run(argv, cwd=benchlib.REPO, capture_output=True, text=True)
         if proc.returncode not in (0, 1):  # 1: a run failed, its row says so; anything else: the compare did
             raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}:\n{proc.stderr[-2000:]}")
