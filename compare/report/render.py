@@ -38,7 +38,7 @@ def per_rank(values: list) -> str:
 def report_blocks(s: dict) -> list[tuple]:
     """("h1"|"h2"|"p"|"ul"|"verdict"|"table"|"figs"|"pre", ...) blocks, rendered as markdown and HTML."""
     v = s["verdicts"]
-    blocks = [("h1", "dpcompare: MLX vs PyTorch data parallelism"),
+    blocks = [("h1", "dpcompare: MLX vs PyTorch distributed training"),
               ("p", f"Report created {s['created']} from {len(s['runs'])} run(s)."
                     + "".join(f" Started from the checkpoint {c['path']} (model.safetensors sha256 "
                               f"{c['weights_sha256'][:16]}...)." for c in s.get("init_from") or [])),
