@@ -142,13 +142,10 @@ def measured_points(run_dir: Path, summary: dict) -> list[dict]:
 
 def plot(rows: list[dict], points: list[dict], title: str, path: Path) -> bool:
     """Draw the plan's figure at path; False without matplotlib (plan.json and the table still say it all)."""
-    try:
-        import matplotlib
-    except ImportError:
-        return False
+    from compare.report.plots import plt  # matplotlib with the Agg backend, or None: chosen once, there
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    if plt is None:
+        return False
 
     colors = {"ddp": "#1f77b4", "fsdp": "#2ca02c", "tp": "#9467bd"}
     fig, ax = plt.subplots(figsize=(7, 4.4))
