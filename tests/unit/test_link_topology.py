@@ -8,7 +8,7 @@ import pytest
 from common.config import RunConfig
 from common.errors import UserError
 from compare.launch.netns import NAMESPACE, EmulatedLink, _base36, orphaned
-from compare.launch.topology import Topology, bucket_bytes
+from compare.launch.topology import Topology, bucket_bytes, peak_bytes
 
 ADDRESSES = [f"10.232.7.{r + 1}" for r in range(8)]
 
@@ -61,6 +61,15 @@ def test_the_bucket_of_each_level_is_4_ms_at_its_rate_with_a_64_kb_floor():
     cmds = Topology("dpc1x0", 4, "100mbit", "1gbit", 2).commands(ADDRESSES)
     bursts = {int(c[c.index("rate") + 1].removesuffix("bit")): int(c[c.index("burst") + 1]) for c in cmds if "tbf" in c}
     assert bursts == {10**8: 64 * 1024, 10**9: 500_000} == {rate: bucket_bytes(rate) for rate in bursts}
+
+
+def test_every_bucket_has_a_peak_bucket_of_100_us_at_a_quarter_over_its_rate_and_one_frame_at_least():
+    """Without it a message that fits in the bucket crossed an idle link at the veth's speed (topology.py)."""
+    cmds = Topology("dpc1x0", 4, "20mbit", "1gbit", 2).commands(ADDRESSES)
+    peaks = {int(c[c.index("rate") + 1].removesuffix("bit")):
+             (int(c[c.index("peakrate") + 1].removesuffix("bit")), int(c[c.index("mtu") + 1])) for c in cmds if "tbf" in c}
+    assert peaks == {2 * 10**7: (25 * 10**6, 1514), 10**9: (125 * 10**7, 12_500)}
+    assert {rate: peak_bytes(rate) for rate in peaks} == {rate: mtu for rate, (_, mtu) in peaks.items()}
 
 
 @pytest.mark.parametrize("ranks, hub", [(2, None), (4, "dpc1x0h")])
