@@ -52,6 +52,9 @@ def main() -> None:
     parser.add_argument("--fit", action="store_true", help="fit each axis's host work on an N=2 run of its "
                         "strategy (the strategies' compare adds N=2) and show both errors")
     parser.add_argument("--keep", type=Path, help="train the compares under this directory and keep them")
+    parser.add_argument("--fit-on", type=Path, action="append", default=[], metavar="KEPT",
+                        help="also fit on the N=2 runs kept under KEPT by an earlier sitting's --keep (one on "
+                        "loopback with --nproc 2, say, before one with --strategies '' over a two-level link)")
     parser.add_argument("--recompute", type=Path, metavar="KEPT", help="train nothing: the tables again from a "
                         "--keep directory of an earlier sitting (the same flags), with the model as it is now")
     parser.add_argument("--profile-steps", type=int, default=3, help="breakdown rounds of every run (its N=1 "
@@ -59,10 +62,12 @@ def main() -> None:
     a = parser.parse_args()
     steps = max(6, a.steps // 2) if a.quick else a.steps
     rows: list[dict] = []
-    fit_dirs: list[Path] = []  # N=2 runs to fit the runs at N on (--fit)
+    # N=2 runs to fit the runs at N on (--fit)
+    fit_dirs: list[Path] = [q.parent for kept_fits in a.fit_on for q in sorted(kept_fits.glob("*/*-n2/summary.json"))]
     kept = a.recompute or a.keep
-    if a.recompute and not a.recompute.is_dir():
-        parser.error(f"--recompute {a.recompute}: no such directory")
+    for folder in [a.recompute, *a.fit_on]:
+        if folder and not folder.is_dir():
+            parser.error(f"{folder}: no such directory")
     with (nullcontext(str(kept)) if kept else tempfile.TemporaryDirectory(prefix="bench_plan_")) as work:
         for link in a.links.split(","):
             # two ranks on 2 cores: another job's process halves a rank

@@ -203,7 +203,8 @@ def run_plan(args) -> int:
     link, link_how = choose_links(args, summary)
     cal = calibrate(summary, spec, source=str(run_dir))
     if getattr(args, "fit", None):
-        cal = fit_host_costs(cal, [(d, s, cores_shared_by(s)) for d in args.fit for s in [read_run(Path(d))[0]]])
+        cal = fit_host_costs(cal, [(d, s, cores_shared_by(s), n1_beside(Path(d), s))
+                                   for d in args.fit for s in [read_run(Path(d))[0]]])
     memory = args.device_memory_gb * 1e9 if args.device_memory_gb else None
     meshes = mesh_plan(cal, link, world_sizes, memory) if getattr(args, "meshes", False) else None
     rows = meshes["rows"] if meshes else make_plan(cal, link, strategies, world_sizes, memory)
@@ -275,12 +276,27 @@ def add_predictions(run_dirs: list[Path], fit_dirs: list[Path] = ()) -> None:
         write_json(run_dir / "summary.json", s)
 
 
-def fit_runs(s: dict, candidates: dict[Path, dict]) -> list[tuple[str, dict, float]]:
-    """The N=2 one-axis runs among `candidates` to fit run `s`'s axes on (one per axis), for a run at N > 2."""
+def n1_beside(run_dir: Path, s: dict) -> Calibration | None:
+    """The calibration of the ddp N=1 run of the compare that trained `run_dir` (its sibling `<framework>-n1`), to
+    fit `run_dir`'s host work against (common/costmodel/fit.py); None where there is none of its workload."""
+    beside = run_dir.parent / f"{s.get('framework')}-n1"
+    o = read_json(beside / "summary.json") if beside != run_dir else None
+    if not isinstance(o, dict) or o.get("status") != "ok" or o.get("strategy", "ddp") != "ddp" \
+            or (o.get("dtype"), o.get("tokens_per_step")) != (s.get("dtype"), s.get("tokens_per_step")):
+        return None
+    try:
+        return calibrate_run(beside)
+    except UserError:
+        return None
+
+
+def fit_runs(s: dict, candidates: dict[Path, dict]) -> list[tuple[str, dict, float, Calibration | None]]:
+    """The N=2 one-axis runs among `candidates` to fit run `s`'s axes on (one per axis), for a run at N > 2,
+    each with the N=1 run trained beside it."""
     n = s.get("world_size") or 1
     mesh = (s.get("config") or {}).get("mesh") or ""
     axes = set(layout(s.get("strategy", "ddp"), n, mesh).mesh.names) if n > 2 else set()
-    out: dict[str, tuple[str, dict, float]] = {}
+    out: dict[str, tuple[str, dict, float, Calibration | None]] = {}
     for d, o in candidates.items():
         if (o.get("status") != "ok" or o.get("world_size") != 2 or (o.get("config") or {}).get("mesh")
                 or (o.get("framework"), o.get("dtype")) != (s.get("framework"), s.get("dtype"))
@@ -288,11 +304,11 @@ def fit_runs(s: dict, candidates: dict[Path, dict]) -> list[tuple[str, dict, flo
             continue
         axis = layout(o.get("strategy", "ddp"), 2).axis_name
         if axis in axes and axis not in out:
-            out[axis] = (d.name, o, cores_shared_by(o))
+            out[axis] = (d.name, o, cores_shared_by(o), n1_beside(d, o))
     return list(out.values())
 
 
-def predicted_record(source: Path, s: dict, strategy: str, fits: list[tuple[str, dict, float]] = ()) -> dict:
+def predicted_record(source: Path, s: dict, strategy: str, fits: list[tuple] = ()) -> dict:
     """The `prediction` fields of run summary `s`, calibrated on the run in `source` and fitted on `fits`."""
     link = links_from_record(s.get("link"), s.get("framework", ""), s.get("backend", ""))
     link_note = "the job's link record"

@@ -34,11 +34,17 @@ from common.parallel import layout
 from common.parallel.fsdp import reduce_scatter_traffic
 
 
-def fit_host_costs(cal: Calibration, runs: list[tuple[str, dict, float]]) -> Calibration:
-    """`cal` with each run's axis fitted: `runs` holds (its name, its summary.json, ranks per core it ran at)."""
+def fit_host_costs(cal: Calibration, runs: list[tuple]) -> Calibration:
+    """`cal` with each run's axis fitted: `runs` holds (its name, its summary.json, ranks per core it ran at) and,
+    optionally, the calibration of the N=1 run trained beside it (None: `cal`).
+
+    Beside it, where there is one: the host work is what the N=2 run measured beyond its prediction from the
+    N=1 run of the same sitting. Fitted against another N=1 run (the one a mesh's row is calibrated on), the fit
+    took in whatever the machine did between the two: on the lent 16-core machine MLX's N=1 step measured
+    0.139-0.214 s across the compares of one sitting (docs/scaling.md, "Sitting 7")."""
     per_byte, fitted_on, notes = dict(cal.host_s_per_byte), dict(cal.fitted_on), list(cal.notes)
-    for source, summary, shared in runs:
-        axis, seconds, note = fit_one(cal, summary, source, shared)
+    for source, summary, shared, *beside in runs:
+        axis, seconds, note = fit_one(beside[0] if beside and beside[0] is not None else cal, summary, source, shared)
         per_byte[axis], fitted_on[axis] = seconds, source
         if note:
             notes.append(note)

@@ -145,3 +145,27 @@ def test_fitted_host_work_on_the_slow_link_between_machines_hides_behind_that_li
         fitted = replace(cal, host_s_per_byte={"dp": dp_per_byte, "tp": PER_BYTE})
         added = predict(fitted, "mesh", 4, links, mesh="dp=2,tp=2").compute_s - bare.compute_s
         assert added == pytest.approx(PER_BYTE * tp_bytes + dp_added)
+
+
+def test_an_n2_run_is_fitted_against_the_n1_run_trained_beside_it_not_the_one_the_row_is_calibrated_on(tmp_path):
+    """The machine ran 30 % slower while the fits' compare trained (the lent machine's N=1 step moved 0.139-0.214 s
+    within one sitting): fitted against its own N=1 run, the N=2 run gives back the host work it paid; fitted
+    against the faster N=1 of the row being predicted, that 30 % would have been taken for host work."""
+    from compare.plan import fit_runs, n1_beside
+
+    slow = summary("torch", 1)
+    slow["breakdown"] = {k: v * 1.3 if isinstance(v, float) else v for k, v in slow["breakdown"].items()}
+    slow["step_time_s"] *= 1.3
+    slow_cal, row_cal = calibrate(slow, TINY), calibrate(summary("torch", 1), TINY)
+    write_run(tmp_path / "fits" / "torch-n1", slow, SPEC4)
+    two = write_run(tmp_path / "fits" / "torch-tp-n2", measured_at(slow_cal, "tp", 2, PER_BYTE), SPEC4)
+    four = measured_at(row_cal, "tp", 4, PER_BYTE)
+    beside = n1_beside(two, json.loads((two / "summary.json").read_text()))
+    assert beside is not None and beside.forward_s == pytest.approx(slow_cal.forward_s)
+    [fit] = fit_runs(four, {two: json.loads((two / "summary.json").read_text())})
+    assert fit[3] is not None
+    assert fit_host_costs(row_cal, [fit]).host_s_per_byte["tp"] == pytest.approx(PER_BYTE)
+    assert fit_host_costs(row_cal, [fit[:3]]).host_s_per_byte["tp"] > 1.5 * PER_BYTE  # against the row's own N=1
+    # no N=1 run beside it (a folder of N=2 runs alone): the row's calibration, as before
+    lone = write_run(tmp_path / "lone" / "torch-tp-n2", measured_at(row_cal, "tp", 2, PER_BYTE), SPEC4)
+    assert n1_beside(lone, json.loads((lone / "summary.json").read_text())) is None
