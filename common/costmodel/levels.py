@@ -67,6 +67,12 @@ def axis_link(links: Links, mesh: Mesh, axis: str) -> AxisLink:
     if share > 1:
         outer = replace(outer, name=f"{outer.name} shared by {share}", bandwidth_Bps=outer.bandwidth_Bps / share,
                         gather_bandwidth_Bps=outer.gather_bandwidth_Bps / share if outer.gather_bandwidth_Bps else None)
+    # Point to point (a pipeline), each boundary between neighbouring coordinates is its own hop: pp x4 on machines
+    # of two crosses machines between stages 1 and 2 only, and its other boundaries stay inside a machine.
+    crosses = [any(g[b] // per_machine != g[b + 1] // per_machine for g in axis_groups)
+               for b in range(mesh.axis(axis) - 1)]
+    if not all(crosses):
+        outer = replace(outer, stage_hops=tuple(outer if c else links.inner for c in crosses))
     return AxisLink(axis, outer, "outer", share)
 
 

@@ -46,6 +46,9 @@ class Link:
     source: str = ""
     gather_hop_latency_s: float | None = None
     gather_bandwidth_Bps: float | None = None
+    # A pipeline's boundaries in stage order where they cross different links (a two-level link: levels.py);
+    # empty where every boundary is this link. A pipeline's sends cross one boundary each, not the slowest one.
+    stage_hops: tuple["Link", ...] = ()
 
     def __post_init__(self):
         if not (self.hop_latency_s >= 0 and self.bandwidth_Bps > 0 and math.isfinite(self.bandwidth_Bps)):
