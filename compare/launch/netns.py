@@ -194,7 +194,7 @@ class EmulatedLink:
         top = self.topology
         out = {"requested": self.rate, "rate_bps": self.rate_bps, "emulated": True,
                "tcp_bandwidth_Bps": measured.get("bandwidth_Bps"), "tcp_latency_s": measured.get("latency_s"),
-               "allreduce": None, "namespaces": top.all_namespaces}
+               "tcp_message_Bps": measured.get("message_Bps"), "allreduce": None, "namespaces": top.all_namespaces}
         if not top.two_level:
             out["note"] = (f"{self.ranks} ranks in network namespaces joined by veth pairs"
                            f"{' and a bridge' if self.hub else ''} at {describe_rate(self.rate_bps)}; {NO_DELAY_NOTE}")
@@ -203,7 +203,7 @@ class EmulatedLink:
         out["group_size"] = self.group_size
         out["inner"] = {"requested": self.inner_rate, "rate_bps": inner_bps,
                         "tcp_bandwidth_Bps": inner.get("bandwidth_Bps"), "tcp_latency_s": inner.get("latency_s"),
-                        "allreduce": None}
+                        "tcp_message_Bps": inner.get("message_Bps"), "allreduce": None}
         out["note"] = (f"{self.ranks} ranks in {top.groups} groups of {self.group_size} (one machine each): "
                        f"{describe_rate(inner_bps)} inside a group (a bridge per group), "
                        f"{describe_rate(self.rate_bps)} between groups (one uplink per group to a router's "

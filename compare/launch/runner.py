@@ -253,7 +253,9 @@ def run_attempt(cfg: RunConfig, inputs: Inputs, run_dir: Path, restarts: Restart
                     inner = attempt.link_record.get("inner")
                     log_line(log, f"link: {attempt.link_record['note']}; TCP measured "
                                   f"{(attempt.link_record['tcp_bandwidth_Bps'] or 0) * 8e-6:.0f} Mbit/s, "
-                                  f"{(attempt.link_record['tcp_latency_s'] or 0) * 1e6:.0f} us one way"
+                                  f"{(attempt.link_record['tcp_latency_s'] or 0) * 1e6:.0f} us one way, a 64 KB "
+                                  f"message after idling {(attempt.link_record.get('tcp_message_Bps') or 0) * 8e-6:.0f}"
+                                  " Mbit/s"
                                   + (f"; inside a group {(inner['tcp_bandwidth_Bps'] or 0) * 8e-6:.0f} Mbit/s"
                                      if inner else ""))
                 # A session of its own: the whole job can be signalled at once, and nothing outlives it.

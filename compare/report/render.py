@@ -362,6 +362,8 @@ def level_figures(level: dict) -> str:
     hop = hop_bandwidth_Bps(allreduce)
     measured = [f"TCP {level['tcp_bandwidth_Bps'] * 8e-6:,.0f} Mbit/s" if level.get("tcp_bandwidth_Bps") else None,
                 f"{level['tcp_latency_s'] * 1e6:,.0f} µs one way" if level.get("tcp_latency_s") else None,
+                f"a 64 KB message after idling {level['tcp_message_Bps'] * 8e-6:,.0f} Mbit/s"
+                if level.get("tcp_message_Bps") else None,
                 f"its all-reduce {allreduce['bandwidth_Bps'] / 1e6:,.1f} MB/s over {allreduce.get('world_size')} ranks"
                 f" ({hop * 8e-6:,.0f} Mbit/s per hop)" if hop else None]
     return ", ".join(m for m in measured if m) or "nothing"
