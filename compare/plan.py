@@ -23,6 +23,7 @@ from common.costmodel.predict import predict
 from common.costmodel.workload import workload_of
 from compare.plan_links import choose_links, describe_links, links_json
 from compare.plan_meshes import mesh_plan, mesh_table
+from compare.report.labels import run_dirname
 from common.errors import UserError
 from common.metrics import read_json, write_json
 from common.model.spec import ModelSpec, preset
@@ -277,9 +278,9 @@ def add_predictions(run_dirs: list[Path], fit_dirs: list[Path] = ()) -> None:
 
 
 def n1_beside(run_dir: Path, s: dict) -> Calibration | None:
-    """The calibration of the ddp N=1 run of the compare that trained `run_dir` (its sibling `<framework>-n1`), to
+    """The calibration of the ddp N=1 run of the compare that trained `run_dir` (the sibling compare names so), to
     fit `run_dir`'s host work against (common/costmodel/fit.py); None where there is none of its workload."""
-    beside = run_dir.parent / f"{s.get('framework')}-n1"
+    beside = run_dir.parent / run_dirname(s.get("framework", ""), 1, "ddp", s.get("dtype") or "float32")
     o = read_json(beside / "summary.json") if beside != run_dir else None
     if not isinstance(o, dict) or o.get("status") != "ok" or o.get("strategy", "ddp") != "ddp" \
             or (o.get("dtype"), o.get("tokens_per_step")) != (s.get("dtype"), s.get("tokens_per_step")):
