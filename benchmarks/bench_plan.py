@@ -131,7 +131,7 @@ def measure(a, steps: int, link: str, levels: list[str], out: Path, shape: list[
             p = predicted_record(cal_dir, s, s.get("strategy", "ddp"), fit_runs(s, candidates))
             fitted = {"unfitted_step_s": unfitted["step_s"], "unfitted_error": unfitted["step_s"] / s["step_time_s"] - 1,
                       "fitted_on": ",".join(sorted(p.get("fitted_on", {}))) or "-",
-                      "host_s_per_byte": p.get("host_s_per_byte")}
+                      "host_s_per_byte": p.get("host_s_per_byte"), "host_s_per_call": p.get("host_s_per_call")}
         rows.append({**fitted, "link": link, "run": summary_path.parent.name, "status": s.get("status"),
                      "measured_step_s": s.get("step_time_s"), "predicted_step_s": p.get("step_s"),
                      "error": (p["step_s"] / s["step_time_s"] - 1) if p.get("step_s") and s.get("step_time_s")

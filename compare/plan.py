@@ -229,6 +229,8 @@ def run_plan(args) -> int:
     for axis, seconds in cal.host_s_per_byte.items():
         print(f"host work on {axis}: {1e9 * seconds:.3g} ms per MB its collectives move, fitted on "
               f"{cal.fitted_on[axis]}")
+    for axis, seconds in cal.host_s_per_call.items():
+        print(f"host work on {axis}: {1e3 * seconds:.3g} ms per call, fitted on {cal.fitted_on[axis]}")
     print()
     print(mesh_table(meshes, args.device_memory_gb) if meshes else table(rows, args.device_memory_gb))
     print()
@@ -322,7 +324,7 @@ def predicted_record(source: Path, s: dict, strategy: str, fits: list[tuple] = (
     return {"step_s": p.step_s, "tokens_per_s": p.tokens_per_s, "compute_s": p.compute_s,
             "exposed_comm_s": p.exposed_comm_s, "memory_bytes_per_rank": p.memory_bytes["total"], "link": link.name,
             "levels": p.levels, "cores_shared_by": cores_shared_by(s),
-            "host_s_per_byte": cal.host_s_per_byte, "fitted_on": cal.fitted_on,
+            "host_s_per_byte": cal.host_s_per_byte, "host_s_per_call": cal.host_s_per_call, "fitted_on": cal.fitted_on,
             "link_source": f"{link_note} ({link.source})", "caveat": p.caveat,
             "step_error": (p.step_s / measured - 1) if measured else None}
 

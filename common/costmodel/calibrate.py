@@ -42,10 +42,17 @@ class Calibration:
     sync_overhead_s: float = 0.0    # what a measured ddp sync costs beyond its collectives, per step
     on_cpu: bool = False            # measured on a CPU (fsdp's FSDP_HOST_S_PER_CALL, FSDP_HIDDEN_SHARE apply)
     releases_heap: bool = False     # on Linux without --tune-malloc (fsdp's HEAP_RELEASE_BYTES_PER_S applies)
-    # per mesh axis: host seconds per byte its collectives move, fitted on an N=2 run of that axis's strategy
-    # (fit.py), and the run each came from; an axis without one keeps its strategy's own constants
+    # per mesh axis: host seconds per byte its collectives move, or per call where its strategy's host work goes
+    # by the call (Layout.host_unit), fitted on an N=2 run of that axis's strategy (fit.py), and the run each came
+    # from; an axis without one keeps its strategy's own constants
     host_s_per_byte: dict = field(default_factory=dict)
     fitted_on: dict = field(default_factory=dict)
+    host_s_per_call: dict = field(default_factory=dict)
+
+    @property
+    def host_s_fitted(self) -> dict:
+        """Every fitted axis's seconds per unit of its strategy's host work (one of the two dicts holds it)."""
+        return {**self.host_s_per_byte, **self.host_s_per_call}
 
 
 def calibration_from_flops(w: Workload, achieved_flops_per_s: float, source: str) -> Calibration:

@@ -13,6 +13,9 @@ gets 0, and a note). A prediction at N > 2, of that strategy or of a mesh with t
 the axis moves that much (common/parallel/layout.py `axis_host_s`), once, where the compute is stretched for ranks
 sharing cores (predict.py: most of it is waiting inside a collective, which leaves the core to another rank).
 
+In the unit of the axis's strategy (Layout.host_unit): per byte, but per call for torch's tp, whose DTensor
+dispatch costs each call the same whatever it carries (common/parallel/tp.py has the measurements).
+
 Per byte, not per call: the work is mostly copies (buckets, flat buffers, DTensor's redistributions, a pipeline's
 serialised sends) and waits that grow with the payload. The two agree for a strategy alone, whose calls move the
 same bytes at N=2 and N=4; they differ in a mesh, where another axis halves what each call carries (dp=2,tp=2's
@@ -42,18 +45,22 @@ def fit_host_costs(cal: Calibration, runs: list[tuple]) -> Calibration:
     N=1 run of the same sitting. Fitted against another N=1 run (the one a mesh's row is calibrated on), the fit
     took in whatever the machine did between the two: on the lent 16-core machine MLX's N=1 step measured
     0.139-0.214 s across the compares of one sitting (docs/scaling.md, "Sitting 7")."""
-    per_byte, fitted_on, notes = dict(cal.host_s_per_byte), dict(cal.fitted_on), list(cal.notes)
+    per_unit = {"byte": dict(cal.host_s_per_byte), "call": dict(cal.host_s_per_call)}
+    fitted_on, notes = dict(cal.fitted_on), list(cal.notes)
     for source, summary, shared, *beside in runs:
         axis, seconds, note = fit_one(beside[0] if beside and beside[0] is not None else cal, summary, source, shared)
-        per_byte[axis], fitted_on[axis] = seconds, source
+        unit = layout(summary.get("strategy", "ddp"), 2).host_unit(cal.workload.framework)
+        per_unit["call" if unit == "byte" else "byte"].pop(axis, None)
+        per_unit[unit][axis], fitted_on[axis] = seconds, source
         if note:
             notes.append(note)
-    return replace(cal, host_s_per_byte=per_byte, fitted_on=fitted_on, notes=notes)
+    return replace(cal, host_s_per_byte=per_unit["byte"], host_s_per_call=per_unit["call"], fitted_on=fitted_on,
+                   notes=notes)
 
 
 def fit_one(cal: Calibration, s: dict, source: str, cores_shared_by: float = 1.0) -> tuple[str, float, str]:
-    """(axis, host seconds per byte moved, a note or "") from one finished one-axis run at N >= 2 of cal's
-    workload."""
+    """(axis, host seconds per unit of the axis's strategy's host work (Layout.host_unit: a byte moved, or a
+    call), a note or "") from one finished one-axis run at N >= 2 of cal's workload."""
     strategy, n = s.get("strategy", "ddp"), int(s.get("world_size") or 1)
     if s.get("status") != "ok" or not s.get("step_time_s"):
         raise UserError(f"{source}: only a finished run with a measured step can be fitted on")
@@ -70,9 +77,9 @@ def fit_one(cal: Calibration, s: dict, source: str, cores_shared_by: float = 1.0
     link = links_from_record(s.get("link"), w.framework, backend) or loopback_link(backend)
     lay = layout(strategy, n)
     axis = lay.axis_name
-    bare = replace(cal, host_s_per_byte={**cal.host_s_per_byte, axis: 0.0})
+    bare = replace(cal, host_s_per_byte={**cal.host_s_per_byte, axis: 0.0}, host_s_per_call={**cal.host_s_per_call, axis: 0.0})
     p = predict(bare, strategy, n, link, backend=backend, cores_shared_by=cores_shared_by)
-    moved = sum(c.calls * c.nbytes for c in p.collectives)
+    moved = lay.host_quantity(p.collectives, w.framework)
     if not moved:
         raise UserError(f"{source}: {strategy} x{n} moves no bytes in collectives to fit a host cost on")
     beyond = float(s["step_time_s"]) - p.step_s

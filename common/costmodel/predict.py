@@ -99,8 +99,8 @@ def host_s(lay: Layout, cal: Calibration, axes: list[AxisCollectives], times: li
     total = 0.0
     for axis in axes:
         if axis.collectives:
-            seconds = lay.axis_host_s(cal.workload, axis, cal.on_cpu, cal.releases_heap, cal.host_s_per_byte)
-            total += max(0.0, seconds - outer[axis.axis]) if axis.axis in outer and axis.axis in cal.host_s_per_byte \
+            seconds = lay.axis_host_s(cal.workload, axis, cal.on_cpu, cal.releases_heap, cal.host_s_fitted)
+            total += max(0.0, seconds - outer[axis.axis]) if axis.axis in outer and axis.axis in cal.host_s_fitted \
                 else seconds
     return total
 

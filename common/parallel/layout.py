@@ -261,11 +261,21 @@ class Layout(ABC):
 
     def axis_host_s(self, w: Workload, axis: AxisCollectives, on_cpu: bool, releases_heap: bool,
                     fitted: Mapping[str, float]) -> float:
-        """One axis's host work: `fitted[axis]` seconds per byte its collectives move, where an N=2 run of that
-        axis's strategy was fitted (common/costmodel/fit.py), else the strategy's own constants (`unfitted_host_s`)."""
+        """One axis's host work: `fitted[axis]` seconds per unit of it (`host_unit`: a byte its collectives move,
+        or a call), where an N=2 run of that axis's strategy was fitted (common/costmodel/fit.py), else the
+        strategy's own constants (`unfitted_host_s`)."""
         if axis.axis in fitted:
-            return fitted[axis.axis] * sum(c.calls * c.nbytes for c in axis.collectives)
+            return fitted[axis.axis] * self.host_quantity(axis.collectives, w.framework)
         return self.unfitted_host_s(w, axis.collectives, on_cpu, releases_heap)
+
+    def host_unit(self, framework: str) -> str:
+        """What this strategy's host work grows with: "byte", the bytes its collectives move (copies into buckets
+        and flat buffers, serialised sends), or "call", a cost each call pays whatever it carries."""
+        return "byte"
+
+    def host_quantity(self, colls: list[Collective], framework: str) -> float:
+        """How many units of `host_unit` a step's `colls` make."""
+        return sum(c.calls * (c.nbytes if self.host_unit(framework) == "byte" else 1) for c in colls)
 
     def unfitted_host_s(self, w: Workload, colls: list[Collective], on_cpu: bool, releases_heap: bool) -> float:
         """Host work no run of this strategy measured: 0 (fsdp on a CPU has constants of its own)."""

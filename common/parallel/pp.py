@@ -17,7 +17,7 @@ Its cost (common/costmodel/, docs/scaling.md):
     memory     the first stage's blocks' activations, for every piece of a micro-step (as gpipe keeps them)
     exposed    only the critical path: a piece's slot is its stage compute, or 2 t_send of the slowest boundary
                when that is slower (an activation and a gradient per piece cross every boundary; 1 t_send, as
-               if the two directions overlapped, put 61 of 108 kept runs within 20 % against 68); fill and
+               if the two directions overlapped, put 66 of 108 kept runs within 20 % against 72); fill and
                drain add 2 t_send per boundary per micro-step, each boundary at its own link (over two levels
                pp x4 on machines of two crosses one slow hop of three); the tied gradient's all-reduce (2
                ranks) adds its whole time. Nothing else overlaps.

@@ -172,18 +172,19 @@ def prediction_blocks(rows: list[dict]) -> list[tuple]:
             ("p", "The cost model (common/costmodel/, docs/scaling.md) predicts each multi-rank run from the "
                   "1-rank run of its framework and dtype and the link the job measured: compute scaled by the "
                   "work each rank does, plus the ring collectives' time at that link. A run at more than 2 ranks "
-                  "also pays the host work per byte moved that the 2-rank run of each of its axes' "
+                  "also pays the host work per byte moved (per call on torch's tp) that the 2-rank run of each of its axes' "
                   "strategies measured, where the comparison has one."),
             ("table", ("run", "predicted from", "link", "predicted step ms", "measured step ms", "difference",
                        "predicted tokens/s", "measured tokens/s"), table)] + ([("ul", notes)] if notes else [])
 
 
 def fitted_cost(prediction: dict, axis: str) -> str:
-    """An axis's fitted host work as the report says it: per MB moved (before stop 47 the runs stored it per
-    collective call, and a report rebuilt from them says so)."""
+    """An axis's fitted host work as the report says it, in its strategy's unit (Layout.host_unit): per MB moved,
+    or per collective call (torch's tp; before stop 47 every axis was stored per call, and a report rebuilt from
+    those runs says so)."""
     if axis in (prediction.get("host_s_per_byte") or {}):
         return f"{1e9 * prediction['host_s_per_byte'][axis]:.3g} ms per MB"
-    return f"{1e3 * (prediction.get('host_s_per_call') or {}).get(axis, 0.0):.2g} ms per call"
+    return f"{1e3 * (prediction.get('host_s_per_call') or {}).get(axis, 0.0):.3g} ms per call"
 
 
 def breakdown_blocks(rows: list[dict]) -> list[tuple]:

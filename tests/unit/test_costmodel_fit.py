@@ -17,32 +17,34 @@ from compare.plan import add_predictions
 SPEC4 = {**SPEC, "n_kv_heads": 4}
 TINY = ModelSpec.from_dict(SPEC4)  # tp over 4 ranks splits the kv heads
 PER_BYTE = 2e-9  # 2 ms per MB moved
+PER_CALL = 3e-4  # 0.3 ms per collective call
 
 
 def moved(collectives) -> int:
     return sum(c.calls * c.nbytes for c in collectives)
 
 
-def measured_at(cal, strategy, n, extra_per_byte, mesh=""):
-    """A summary of `strategy` x n whose step is the bare prediction plus `extra_per_byte` per byte its collectives
-    move."""
+def measured_at(cal, strategy, n, extra_per_byte=0.0, mesh="", extra_per_call=0.0):
+    """A summary of `strategy` x n in cal's framework whose step is the bare prediction plus `extra_per_byte` per
+    byte its collectives move and `extra_per_call` per call."""
+    s = summary(cal.workload.framework, 2, strategy)
     bare = predict(replace(cal, host_s_per_byte={"dp": 0.0, "tp": 0.0, "fsdp": 0.0, "pp": 0.0}), strategy, n,
-                   loopback_link("gloo"), mesh=mesh)
-    s = summary("torch", 2, strategy)
+                   loopback_link(s["backend"]), backend=s["backend"], mesh=mesh)
     s["world_size"] = s["config"]["nproc"] = n
-    s["step_time_s"] = s["breakdown"]["step_s"] = bare.step_s + extra_per_byte * moved(bare.collectives)
+    s["step_time_s"] = s["breakdown"]["step_s"] = (bare.step_s + extra_per_byte * moved(bare.collectives)
+                                                   + extra_per_call * sum(c.calls for c in bare.collectives))
     return s
 
 
 def test_the_fit_recovers_the_cost_per_byte_an_n2_run_pays_and_charges_it_at_n4_and_in_meshes():
-    cal = calibrate(summary("torch", 1), TINY)
+    cal = calibrate(summary("mlx", 1), TINY)  # MLX's tp goes by the byte (torch's by the call: below)
     axis, seconds, note = fit_one(cal, measured_at(cal, "tp", 2, PER_BYTE), "tp2")
     assert (axis, note) == ("tp", "") and seconds == pytest.approx(PER_BYTE)
     fitted = fit_host_costs(cal, [("tp2", measured_at(cal, "tp", 2, PER_BYTE), 1.0)])
     assert fitted.fitted_on == {"tp": "tp2"}
     added = {}
     for strategy, n, mesh in (("tp", 2, ""), ("mesh", 4, "dp=2,tp=2")):
-        with_fit, without = (predict(c, strategy, n, loopback_link("gloo"), mesh=mesh) for c in (fitted, cal))
+        with_fit, without = (predict(c, strategy, n, loopback_link("ring"), backend="ring", mesh=mesh) for c in (fitted, cal))
         tp = [c for c in with_fit.collectives if "activations" in c.what]
         assert tp and moved(tp) > 0
         added[mesh or strategy] = with_fit.compute_s - without.compute_s
@@ -51,9 +53,27 @@ def test_the_fit_recovers_the_cost_per_byte_an_n2_run_pays_and_charges_it_at_n4_
     # cost per call would charge it whole
     assert added["dp=2,tp=2"] == pytest.approx(added["tp"] / 2)
     # 4 ranks on 2 cores: the compute is stretched, the host work added once (docs/scaling.md)
-    shared, alone = (predict(c, "tp", 4, loopback_link("gloo"), cores_shared_by=2) for c in (fitted, cal))
-    assert shared.compute_s > predict(fitted, "tp", 4, loopback_link("gloo")).compute_s
+    shared, alone = (predict(c, "tp", 4, loopback_link("ring"), cores_shared_by=2) for c in (fitted, cal))
+    assert shared.compute_s > predict(fitted, "tp", 4, loopback_link("ring")).compute_s
     assert shared.compute_s - alone.compute_s == pytest.approx(PER_BYTE * moved(shared.collectives))
+
+
+def test_torchs_tp_host_work_is_fitted_per_call_and_a_mesh_making_as_many_calls_pays_it_whole():
+    """DTensor's dispatch around each all-reduce costs a call whatever it carries (TpLayout.host_unit): dp=2,tp=2's
+    tp groups make tp x2's calls on half the rows, and pay what tp x2 paid."""
+    cal = calibrate(summary("torch", 1), TINY)
+    two = measured_at(cal, "tp", 2, 0.0, extra_per_call=PER_CALL)
+    axis, seconds, note = fit_one(cal, two, "tp2")
+    assert (axis, note) == ("tp", "") and seconds == pytest.approx(PER_CALL)
+    fitted = fit_host_costs(cal, [("tp2", two, 1.0)])
+    assert fitted.host_s_per_call == {"tp": pytest.approx(PER_CALL)} and "tp" not in fitted.host_s_per_byte
+    added = {}
+    for strategy, n, mesh in (("tp", 2, ""), ("mesh", 4, "dp=2,tp=2")):
+        with_fit, without = (predict(c, strategy, n, loopback_link("gloo"), mesh=mesh) for c in (fitted, cal))
+        tp = [c for c in with_fit.collectives if "activations" in c.what]
+        added[mesh or strategy] = with_fit.compute_s - without.compute_s
+        assert added[mesh or strategy] == pytest.approx(PER_CALL * sum(c.calls for c in tp))
+    assert added["dp=2,tp=2"] == pytest.approx(added["tp"])
 
 
 def test_a_fit_replaces_fsdps_constants_and_a_run_faster_than_its_bare_prediction_fits_zero():
@@ -95,29 +115,33 @@ def test_compare_fits_an_n4_run_on_the_n2_run_of_its_axis_and_never_a_run_on_its
     assert read["torch-tp-n4"]["step_error"] == pytest.approx(0.0, abs=1e-9)
 
 
-def test_the_report_says_what_a_prediction_was_fitted_on(tmp_path):
+@pytest.mark.parametrize("framework, extra, says", [("mlx", {"extra_per_byte": PER_BYTE}, "2 ms per MB"),
+                                                     ("torch", {"extra_per_call": PER_CALL}, "0.3 ms per call")])
+def test_the_report_says_what_a_prediction_was_fitted_on_in_its_strategys_unit(tmp_path, framework, extra, says):
     from compare.report.render import prediction_blocks
 
-    cal = calibrate(summary("torch", 1), TINY)
+    cal = calibrate(summary(framework, 1), TINY)
     runs = [write_run(tmp_path / name, s, SPEC4) for name, s in (
-        ("torch-ddp-n1", summary("torch", 1)), ("torch-tp-n2", measured_at(cal, "tp", 2, PER_BYTE)),
-        ("torch-tp-n4", measured_at(cal, "tp", 4, PER_BYTE)))]
+        (f"{framework}-n1", summary(framework, 1)), (f"{framework}-tp-n2", measured_at(cal, "tp", 2, **extra)),
+        (f"{framework}-tp-n4", measured_at(cal, "tp", 4, **extra)))]
     add_predictions(runs)
     rows = [{"label": d.name, "prediction": s.get("prediction"), "step_time_ms": 1e3 * s["step_time_s"]}
             for d in runs for s in [json.loads((d / "summary.json").read_text())]]
     text = repr(prediction_blocks(rows))
-    assert "torch-tp-n4: host work fitted on torch-tp-n2 (tp 2 ms per MB)" in text
-    assert "torch-tp-n2: host work" not in text
-    # a run from before stop 47 stored its fit per call: a rebuilt report still reads it
+    assert f"{framework}-tp-n4: host work fitted on {framework}-tp-n2 (tp {says})" in text
+    assert f"{framework}-tp-n2: host work" not in text
+    # a run from before stop 47 stored every fit per call: a rebuilt report still reads it
     old = {**rows[2], "prediction": {**rows[2]["prediction"], "host_s_per_call": {"tp": 3e-3}}}
     del old["prediction"]["host_s_per_byte"]
-    assert "torch-tp-n4: host work fitted on torch-tp-n2 (tp 3 ms per call)" in repr(prediction_blocks([old]))
+    assert f"{framework}-tp-n4: host work fitted on {framework}-tp-n2 (tp 3 ms per call)" in \
+        repr(prediction_blocks([old]))
 
 
 def test_a_fit_on_ranks_that_shared_cores_is_the_same_cost_per_byte():
     """The host work is charged once, unstretched (predict.py), so a run whose ranks shared cores fits the same."""
-    cal = calibrate(summary("torch", 1), TINY)
-    bare = predict(replace(cal, host_s_per_byte={"tp": 0.0}), "tp", 4, loopback_link("gloo"), cores_shared_by=2)
+    cal = calibrate(summary("mlx", 1), TINY)
+    bare = predict(replace(cal, host_s_per_byte={"tp": 0.0}), "tp", 4, loopback_link("ring"), backend="ring",
+                   cores_shared_by=2)
     s = measured_at(cal, "tp", 4, 0.0)
     s["step_time_s"] = bare.step_s + PER_BYTE * moved(bare.collectives)
     assert fit_one(cal, s, "tp4", cores_shared_by=2)[1] == pytest.approx(PER_BYTE)
@@ -131,7 +155,7 @@ def test_fitted_host_work_on_the_slow_link_between_machines_hides_behind_that_li
     from common.costmodel.links import Link
     from common.parallel import layout
 
-    cal = calibrate(summary("torch", 1), TINY)
+    cal = calibrate(summary("mlx", 1), TINY)  # tp per byte
     links = TwoLevelLink(Link.wire(10, 50), Link.wire(0.1, 200), 2)
     lay = layout("mesh", 4, "dp=2,tp=2")
     [dp] = [t for t in axis_times(lay, cal.workload, "native", links) if t.axis.axis == "dp"]
@@ -153,12 +177,12 @@ def test_an_n2_run_is_fitted_against_the_n1_run_trained_beside_it_not_the_one_th
     against the faster N=1 of the row being predicted, that 30 % would have been taken for host work."""
     from compare.plan import fit_runs, n1_beside
 
-    slow = summary("torch", 1)
+    slow = summary("mlx", 1)
     slow["breakdown"] = {k: v * 1.3 if isinstance(v, float) else v for k, v in slow["breakdown"].items()}
     slow["step_time_s"] *= 1.3
-    slow_cal, row_cal = calibrate(slow, TINY), calibrate(summary("torch", 1), TINY)
-    write_run(tmp_path / "fits" / "torch-n1", slow, SPEC4)
-    two = write_run(tmp_path / "fits" / "torch-tp-n2", measured_at(slow_cal, "tp", 2, PER_BYTE), SPEC4)
+    slow_cal, row_cal = calibrate(slow, TINY), calibrate(summary("mlx", 1), TINY)
+    write_run(tmp_path / "fits" / "mlx-n1", slow, SPEC4)
+    two = write_run(tmp_path / "fits" / "mlx-tp-n2", measured_at(slow_cal, "tp", 2, PER_BYTE), SPEC4)
     four = measured_at(row_cal, "tp", 4, PER_BYTE)
     beside = n1_beside(two, json.loads((two / "summary.json").read_text()))
     assert beside is not None and beside.forward_s == pytest.approx(slow_cal.forward_s)
@@ -167,5 +191,5 @@ def test_an_n2_run_is_fitted_against_the_n1_run_trained_beside_it_not_the_one_th
     assert fit_host_costs(row_cal, [fit]).host_s_per_byte["tp"] == pytest.approx(PER_BYTE)
     assert fit_host_costs(row_cal, [fit[:3]]).host_s_per_byte["tp"] > 1.5 * PER_BYTE  # against the row's own N=1
     # no N=1 run beside it (a folder of N=2 runs alone): the row's calibration, as before
-    lone = write_run(tmp_path / "lone" / "torch-tp-n2", measured_at(row_cal, "tp", 2, PER_BYTE), SPEC4)
+    lone = write_run(tmp_path / "lone" / "mlx-tp-n2", measured_at(row_cal, "tp", 2, PER_BYTE), SPEC4)
     assert n1_beside(lone, json.loads((lone / "summary.json").read_text())) is None
