@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import tempfile
 from contextlib import nullcontext
@@ -59,43 +60,79 @@ def main() -> None:
                         "--keep directory of an earlier sitting (the same flags), with the model as it is now")
     parser.add_argument("--profile-steps", type=int, default=3, help="breakdown rounds of every run (its N=1 "
                         "calibration needs them; at 200mbit a `small` fsdp step takes ~8 s)")
+    parser.add_argument("--repeat", type=int, default=1, metavar="K",
+                        help="K sittings, one after another (each under KEEP/repI, fitted on its own N=2 runs), "
+                        "then each layout's median error and how many sittings put it within 20 %%")
     a = parser.parse_args()
+    if a.repeat < 1:
+        parser.error(f"--repeat {a.repeat}: needs 1 or more sittings")
     steps = max(6, a.steps // 2) if a.quick else a.steps
-    rows: list[dict] = []
-    # N=2 runs to fit the runs at N on (--fit)
-    fit_dirs: list[Path] = [q.parent for kept_fits in a.fit_on for q in sorted(kept_fits.glob("*/*-n2/summary.json"))]
     kept = a.recompute or a.keep
     for folder in [a.recompute, *a.fit_on]:
         if folder and not folder.is_dir():
             parser.error(f"{folder}: no such directory")
+    rows: list[dict] = []
     with (nullcontext(str(kept)) if kept else tempfile.TemporaryDirectory(prefix="bench_plan_")) as work:
-        for link in a.links.split(","):
-            # two ranks on 2 cores: another job's process halves a rank
-            load = float("nan") if a.recompute else benchlib.load_average() if a.no_wait else benchlib.wait_for_quiet()
-            outer, _, inner = link.partition("/")
-            levels = ["--link", outer] + (["--link-inner", inner, "--group-size", str(a.group_size)] if inner else [])
-            # one compare for the one-axis strategies, then one per mesh (a compare adds one mesh); with --fit the
-            # strategies' compare adds N=2 where the link allows 2 ranks (two levels need two groups: there the
-            # N=2 runs of an earlier link's compare, loopback's, are fitted on)
-            nprocs = f"1,2,{a.nproc}" if a.fit and a.nproc > 2 and not inner else f"1,{a.nproc}"
-            jobs = ([("", ["--nproc", nprocs, "--strategies", a.strategies])] if a.strategies else []) + [
-                (f"-mesh{i}", ["--nproc", f"1,{a.nproc}", "--mesh", mesh])
-                for i, mesh in enumerate(filter(None, a.meshes.split(";")))]
-            base = Path(work) / link.replace("/", "-")  # the strategies' compare: with --fit every row's N=1
-            for suffix, shape in jobs:
-                out = Path(work) / (link.replace("/", "-") + suffix)
-                rows += measure(a, steps, link, levels, out, shape, load, fit_dirs, base if a.strategies else None)
-                fit_dirs += [p.parent for p in out.glob("*-n2/summary.json")] if a.fit and a.nproc > 2 else []
-                benchlib.write_result(a.out, "plan", vars(a) | {"steps": steps, "partial": True}, rows)
+        for i in range(a.repeat):
+            where = Path(work) / f"rep{i}" if a.repeat > 1 else Path(work)
+            rows += [r | {"sitting": i} for r in sitting(a, steps, where, i, rows)]
     columns = [("link", "link", ""), ("run", "run", ""), ("n1_step_s", "N=1 s", ".4f"),
                ("load_average_at_start", "load", ".1f"), ("measured_step_s", "measured s", ".4f")]
+    if a.repeat > 1:
+        columns.insert(0, ("sitting", "sitting", "d"))
     if a.fit:
         columns += [("unfitted_step_s", "unfitted s", ".4f"), ("unfitted_error", "unfitted", "+.1%"),
                     ("fitted_on", "fitted on", "")]
     columns += [("predicted_step_s", "predicted s", ".4f"), ("error", "error", "+.1%")]
-    benchlib.print_table(rows, columns, f"{a.preset}, N={a.nproc} predicted from N=1"
-                         + (", each axis fitted on its strategy's N=2 run" if a.fit else ""))
-    benchlib.write_result(a.out, "plan", vars(a) | {"steps": steps}, rows)
+    title = f"{a.preset}, N={a.nproc} predicted from N=1" + (", each axis fitted on its strategy's N=2 run" if a.fit else "")
+    benchlib.print_table(rows, columns, title)
+    summary = medians(rows) if a.repeat > 1 else []
+    if summary:
+        benchlib.print_table(summary, [("link", "link", ""), ("run", "run", ""), ("errors", "errors", ""),
+                                       ("median_error", "median", "+.1%"), ("within", "within 20 %", "")],
+                             f"each layout over the {a.repeat} sittings")
+    benchlib.write_result(a.out, "plan", vars(a) | {"steps": steps}, rows, **({"medians": summary} if summary else {}))
+
+
+def sitting(a, steps: int, work: Path, index: int, earlier: list[dict]) -> list[dict]:
+    """One sitting: per link, the strategies' compare and one compare per mesh, under `work`. Fitted (--fit) on
+    --fit-on's N=2 runs (its repI folder where it has one) and on this sitting's own."""
+    rows: list[dict] = []
+    fit_dirs: list[Path] = []  # N=2 runs to fit the runs at N on (--fit)
+    for kept_fits in a.fit_on:
+        own = kept_fits / f"rep{index}"
+        fit_dirs += [q.parent for q in sorted((own if own.is_dir() else kept_fits).glob("*/*-n2/summary.json"))]
+    for link in a.links.split(","):
+        # two ranks on 2 cores: another job's process halves a rank
+        load = float("nan") if a.recompute else benchlib.load_average() if a.no_wait else benchlib.wait_for_quiet()
+        outer, _, inner = link.partition("/")
+        levels = ["--link", outer] + (["--link-inner", inner, "--group-size", str(a.group_size)] if inner else [])
+        # one compare for the one-axis strategies, then one per mesh (a compare adds one mesh); with --fit the
+        # strategies' compare adds N=2 where the link allows 2 ranks (two levels need two groups: there the
+        # N=2 runs of an earlier link's compare, loopback's, are fitted on)
+        nprocs = f"1,2,{a.nproc}" if a.fit and a.nproc > 2 and not inner else f"1,{a.nproc}"
+        jobs = ([("", ["--nproc", nprocs, "--strategies", a.strategies])] if a.strategies else []) + [
+            (f"-mesh{i}", ["--nproc", f"1,{a.nproc}", "--mesh", mesh])
+            for i, mesh in enumerate(filter(None, a.meshes.split(";")))]
+        base = work / link.replace("/", "-")  # the strategies' compare: with --fit every row's N=1
+        for suffix, shape in jobs:
+            out = work / (link.replace("/", "-") + suffix)
+            rows += measure(a, steps, link, levels, out, shape, load, fit_dirs, base if a.strategies else None)
+            fit_dirs += [p.parent for p in out.glob("*-n2/summary.json")] if a.fit and a.nproc > 2 else []
+            benchlib.write_result(a.out, "plan", vars(a) | {"steps": steps, "partial": True},
+                                  earlier + [r | {"sitting": index} for r in rows])
+    return rows
+
+
+def medians(rows: list[dict]) -> list[dict]:
+    """Per (link, run): every sitting's error, their median, and in how many it was within 20 %."""
+    by: dict[tuple, list[float]] = {}
+    for r in rows:
+        if r.get("error") is not None:
+            by.setdefault((r["link"], r["run"]), []).append(r["error"])
+    return [{"link": link, "run": run, "errors": " ".join(f"{e:+.0%}" for e in errors),
+             "median_error": statistics.median(errors), "within": f"{sum(abs(e) <= 0.2 for e in errors)} of {len(errors)}"}
+            for (link, run), errors in by.items()]
 
 
 def measure(a, steps: int, link: str, levels: list[str], out: Path, shape: list[str], load: float,
