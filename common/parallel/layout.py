@@ -275,7 +275,8 @@ class Layout(ABC):
 
     def host_quantity(self, colls: list[Collective], framework: str) -> float:
         """How many units of `host_unit` a step's `colls` make."""
-        return sum(c.calls * (c.nbytes if self.host_unit(framework) == "byte" else 1) for c in colls)
+        per_byte = self.host_unit(framework) == "byte"
+        return sum(c.calls * (c.nbytes if per_byte else 1) for c in colls)
 
     def unfitted_host_s(self, w: Workload, colls: list[Collective], on_cpu: bool, releases_heap: bool) -> float:
         """Host work no run of this strategy measured: 0 (fsdp on a CPU has constants of its own)."""
