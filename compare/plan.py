@@ -295,12 +295,15 @@ def n1_beside(run_dir: Path, s: dict) -> Calibration | None:
 
 def fit_runs(s: dict, candidates: dict[Path, dict]) -> list[tuple[str, dict, float, Calibration | None]]:
     """The N=2 one-axis runs among `candidates` to fit run `s`'s axes on (one per axis), for a run at N > 2,
-    each with the N=1 run trained beside it."""
+    each with the N=1 run trained beside it. A run on `s`'s backend first, where both are at hand: a fit measures
+    the host work of the backend it ran on, and MLX's meshes run on MPI while its one-axis runs default to ring.
+    On the lent 16-core machine ring's tp x2 took 0.75-0.91 of its N=1 step in three sittings, MPI's 0.67 in one;
+    on the Zen 4 the two fits predicted MLX's meshes alike (docs/scaling.md, "Sitting 10")."""
     n = s.get("world_size") or 1
     mesh = (s.get("config") or {}).get("mesh") or ""
     axes = set(layout(s.get("strategy", "ddp"), n, mesh).mesh.names) if n > 2 else set()
     out: dict[str, tuple[str, dict, float, Calibration | None]] = {}
-    for d, o in candidates.items():
+    for d, o in sorted(candidates.items(), key=lambda kv: kv[1].get("backend") != s.get("backend")):
         if (o.get("status") != "ok" or o.get("world_size") != 2 or (o.get("config") or {}).get("mesh")
                 or (o.get("framework"), o.get("dtype")) != (s.get("framework"), s.get("dtype"))
                 or o.get("tokens_per_step") != s.get("tokens_per_step")):

@@ -16,7 +16,8 @@ pytestmark = pytest.mark.skipif(__import__("shutil").which("mpirun") is None, re
 def test_meshes_in_two_frameworks_train_one_ddp_ranks_run_across_a_checkpoint(uninterrupted, cache_dir, tmp_path):
     """torch dp2 x pp2 trains steps 1-2 (accumulating two micro-steps) and saves whole HF files, torch fsdp2 x tp2
     resumes them for steps 3-4 and saves sharded (a row-parallel weight's piece a block on two axes), MLX dp2 x tp2
-    resumes those pieces for steps 5-6: every step equals the session's MLX ddp x1 run on the same horizon.
+    resumes those pieces for steps 5-6, MLX pp2 x tp2 steps 7-8: every step equals the session's MLX ddp x1 run on
+    the same horizon.
     Tolerance 1e-5 per step (the issue's); measured 2.9e-7 at most on AMD EPYC Zen 4 over 12 steps of such
     switches, sharded under fsdp x tp included (docs/strategies.md). The pieces themselves, MLX's fsdp x tp
     writing them and the re-slicing: tests/unit/test_sharded_blocks.py."""
@@ -36,10 +37,16 @@ def test_meshes_in_two_frameworks_train_one_ddp_ranks_run_across_a_checkpoint(un
     dpcompare("run", *common, "--framework", "mlx", "--mesh", "dp=2,tp=2", "--steps", 6, "--resume",
               cache_dir=cache_dir, timeout=900)
     assert resumed_from(out) == 4
-    expected = losses(uninterrupted("mlx", "ddp", 1))[:6]
-    np.testing.assert_allclose(losses(out), expected, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(losses(out), losses(uninterrupted("mlx", "ddp", 1))[:6], rtol=0, atol=1e-5)
     summary = json.loads((out / "summary.json").read_text())
     # MLX counts what it gives its collectives: tp's activations plus dp's all-reduce of the tp shard, as estimated
     assert summary["comm_bytes_per_step"] == summary["comm_bytes_per_step_estimate"] > 0
     assert "mesh dp=2,tp=2, the ranks of each group: dp=2: [0,2] [1,3]; tp=2: [0,1] [2,3]" in \
+        (out / "log.txt").read_text()
+    # pp x tp, beyond the issue's three: tp inside each stage, so each stage's tp pair splits the blocks it holds
+    dpcompare("run", *common, "--framework", "mlx", "--mesh", "pp=2,tp=2", "--pp-microbatches", 2, "--steps", 8,
+              "--resume", cache_dir=cache_dir, timeout=900)
+    assert resumed_from(out) == 6
+    np.testing.assert_allclose(losses(out), losses(uninterrupted("mlx", "ddp", 1))[:8], rtol=0, atol=1e-5)
+    assert "mesh pp=2,tp=2, the ranks of each group: pp=2: [0,2] [1,3]; tp=2: [0,1] [2,3]" in \
         (out / "log.txt").read_text()

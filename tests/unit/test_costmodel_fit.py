@@ -193,3 +193,23 @@ def test_an_n2_run_is_fitted_against_the_n1_run_trained_beside_it_not_the_one_th
     # no N=1 run beside it (a folder of N=2 runs alone): the row's calibration, as before
     lone = write_run(tmp_path / "lone" / "mlx-tp-n2", measured_at(row_cal, "tp", 2, PER_BYTE), SPEC4)
     assert n1_beside(lone, json.loads((lone / "summary.json").read_text())) is None
+
+
+def test_a_mesh_is_fitted_on_the_n2_runs_of_its_own_backend_where_there_are_some(tmp_path):
+    """MLX's meshes run on MPI and its one-axis runs on ring by default: with both at hand each axis is fitted on
+    the run of the mesh's backend, and on the other's where its own has none."""
+    from compare.plan import fit_runs
+
+    cal = calibrate(summary("mlx", 1), TINY)
+    candidates = {}
+    for backend, extra in (("ring", 3 * PER_BYTE), ("mpi", PER_BYTE)):
+        s = measured_at(cal, "tp", 2, extra)
+        s["backend"] = backend
+        candidates[write_run(tmp_path / backend / "mlx-tp-n2", s, SPEC4)] = s
+    ddp = measured_at(cal, "ddp", 2)
+    candidates[write_run(tmp_path / "ring" / "mlx-n2", ddp, SPEC4)] = ddp
+    four = measured_at(cal, "mesh", 4, mesh="dp=2,tp=2")
+    four["config"]["mesh"] = "dp=2,tp=2"
+    for backend in ("mpi", "ring"):
+        chosen = {o["strategy"]: o["backend"] for _, o, *_ in fit_runs(four | {"backend": backend}, candidates)}
+        assert chosen == {"tp": backend, "ddp": "ring"}
