@@ -8,6 +8,7 @@
 #   # then through the device tool, with carry [".devcheck"]:
 #   bash benchmarks/lent_machine_plan.sh run              # sitting 5: loopback, one-axis strategies and meshes
 #   bash benchmarks/lent_machine_plan.sh two-level        # sitting 7: fits on loopback, meshes over 100mbit/1gbit
+#   FRAMEWORKS=mlx bash benchmarks/lent_machine_plan.sh sittings 2   # mesh_plan_sittings.sh, K sittings
 #
 # `run` writes plan_torch.json, plan_mlx.json, their logs and the kept runs (no checkpoints) under $OUT (default
 # runs/lent), prints both tables, and stops each framework before its share of ~9 minutes is spent. Extra
@@ -15,7 +16,9 @@
 # `bench_plan.py --recompute /tmp/lent_torch ...` (the same flags) prints the tables again with the model as it stands.
 # `two-level` trains, per framework, the N=1 and N=2 runs on loopback, then the three meshes of issue 37 over
 # 100mbit between groups of two on 1gbit fitted on them (`--fit-on`), then the meshes on loopback while time is
-# left, and returns one kept7.tgz (the device returns 8 files at most).
+# left, and returns one kept7.tgz (the device returns 8 files at most). `sittings K` runs
+# benchmarks/mesh_plan_sittings.sh (its flow, MLX fitted on ring and MPI, the medians at the end) within ~9 minutes
+# and returns sittings.tgz: an MLX sitting took ~4 minutes there in sitting 7's terms, torch ~6.
 set -u
 cd "$(dirname "$0")/.."
 case "${1:-}" in
@@ -35,11 +38,11 @@ prepare)
         printf '#!/bin/sh\nd=$(cd "$(dirname "$0")/.." && pwd)\nexec /lib64/ld-linux-x86-64.so.2 --library-path "$d/lib" "$d/%s.bin" "$@"\n' \
             $t > "$net/bin/$t"; chmod +x "$net/bin/$t"
     done; du -sh "$net"; exit 0 ;;
-run|two-level) mode=$1; shift ;;
-*) echo "usage: $0 prepare [PYTHON_VERSION] | run [bench_plan flags] | two-level" >&2; exit 2 ;;
+run|two-level|sittings) mode=$1; shift ;;
+*) echo "usage: $0 prepare [PYTHON_VERSION] | run [bench_plan flags] | two-level | sittings [K]" >&2; exit 2 ;;
 esac
 exec 2>&1
-PY=$(command -v python3 || command -v python); OUT=${OUT:-runs/lent}; mkdir -p "$OUT"; START=$SECONDS
+PY=${PY:-$(command -v python3 || command -v python)}; OUT=${OUT:-runs/lent}; mkdir -p "$OUT"; START=$SECONDS
 rm -rf /tmp/lent_torch /tmp/lent_mlx  # bench_plan --keep refuses a folder that holds an earlier sitting
 until_s() { echo $(( $1 - (SECONDS - START) )); }
 lscpu | grep -E '^Model name|^CPU\(s\)'; grep -q -m1 avx512f /proc/cpuinfo && echo avx512f || echo "no avx512f"
@@ -47,6 +50,11 @@ site=$PWD/.devcheck/site$($PY -c 'import sys; print(f"{sys.version_info[0]}{sys.
 export PYTHONPATH=$site OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 $PY -c "import torch; print('torch', torch.__version__)"; uptime
 command -v ip >/dev/null || export PATH=$PWD/.devcheck/net/bin:$PATH
+if [ "$mode" = sittings ]; then
+    rm -rf /tmp/sit; PY=$PY timeout 540 bash benchmarks/mesh_plan_sittings.sh /tmp/sit "${1:-2}"; echo "exit $?"
+    (cd /tmp && tar czf - --exclude=checkpoints --exclude='*.html' --exclude=plots sit) > "$OUT/sittings.tgz"; uptime
+    exit 0
+fi
 if [ "$mode" = two-level ]; then
     K=/tmp/s7; rm -rf $K; mkdir -p $K/out
     SHAPE=(--device cpu --no-wait --preset tiny --set model.n_layers=4 --set model.n_kv_heads=4 --seq-len 128
