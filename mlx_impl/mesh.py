@@ -68,7 +68,7 @@ def mesh_strategy(cfg: RunConfig, world: World, comm: CommCounter):
     mesh = Mesh.parse(cfg.mesh)
     if mesh.has("fsdp"):
         return ShardedTensorParallel(cfg, world, comm)
-    if mesh.has("pp") and mesh.has("tp"):
+    if mesh.has("pp") and mesh.has("tp") and not mesh.has("dp"):
         return TensorParallelStages(cfg, world, comm)
     return DataParallelOver(cfg, world, comm)
 
@@ -83,7 +83,9 @@ class DataParallelOver:
     def __init__(self, cfg: RunConfig, world: World, comm: CommCounter):
         mesh = Mesh.parse(cfg.mesh)
         model_axis = next(a for a in mesh.names if a in MODEL_PARALLEL)
-        self.inner: TensorParallel | Pipeline = MODEL_PARALLEL[model_axis](cfg, world.axes[model_axis], comm)
+        # pp x dp x tp: each dp replica is a pipeline of tp-split stages
+        self.inner: TensorParallel | Pipeline = TensorParallelStages(cfg, world, comm) if mesh.has("tp") and \
+            mesh.has("pp") else MODEL_PARALLEL[model_axis](cfg, world.axes[model_axis], comm)
         self.data = Replicated(cfg, world.axes["dp"], comm)
         self.data_rank = world.axes["dp"].rank
         self.loss_over = self.inner.loss_over

@@ -67,7 +67,7 @@ def mesh_strategy(cfg: RunConfig, world: World, comm: CommCounter):
     mesh = Mesh.parse(cfg.mesh)
     if mesh.has("fsdp"):
         return ShardedTensorParallel(cfg, world, comm)
-    if mesh.has("pp") and mesh.has("tp"):
+    if mesh.has("pp") and mesh.has("tp") and not mesh.has("dp"):
         return TensorParallelStages(cfg, world, comm)
     return DataParallelOver(cfg, world, comm)
 
@@ -84,7 +84,9 @@ class DataParallelOver:
     def __init__(self, cfg: RunConfig, world: World, comm: CommCounter):
         mesh = Mesh.parse(cfg.mesh)
         model_axis = next(a for a in mesh.names if a in MODEL_PARALLEL)
-        self.inner: TensorParallel | Pipeline = MODEL_PARALLEL[model_axis](cfg, world.axes[model_axis], comm)
+        # pp x dp x tp: each dp replica is a pipeline of tp-split stages
+        self.inner: TensorParallel | Pipeline = TensorParallelStages(cfg, world, comm) if mesh.has("tp") and \
+            mesh.has("pp") else MODEL_PARALLEL[model_axis](cfg, world.axes[model_axis], comm)
         dp = world.axes["dp"]
         self.dp_group, self.dp_size, self.data_rank, self.comm = dp.group, dp.size, dp.rank, comm
         self.loss_over = self.inner.loss_over

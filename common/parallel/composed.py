@@ -44,7 +44,8 @@ from common.parallel.tp import TpLayout, tp_split_axis
 AXIS_LAYOUTS: dict[str, type[Layout]] = {"dp": DdpLayout, "fsdp": FsdpLayout, "tp": TpLayout, "pp": PpLayout}
 MODEL_AXES = ("tp", "pp")
 # The compositions both frameworks run (mlx_impl/mesh.py, torch_impl/mesh.py), as sets of axes.
-COMPOSITIONS = (frozenset({"dp", "tp"}), frozenset({"fsdp", "tp"}), frozenset({"dp", "pp"}), frozenset({"pp", "tp"}))
+COMPOSITIONS = (frozenset({"dp", "tp"}), frozenset({"fsdp", "tp"}), frozenset({"dp", "pp"}), frozenset({"pp", "tp"}),
+                frozenset({"pp", "dp", "tp"}))
 
 
 def composition_names() -> str:
@@ -154,10 +155,10 @@ class MeshLayout(Layout):
         return held / self.mesh.axis("fsdp") if self.mesh.has("fsdp") else held
 
     def work_fraction(self, w: Workload) -> float:
-        if self.tp_stages:
+        if self.tp_stages:  # (pp x dp x tp: each dp replica's pipeline on its share of the rows)
             pp = self.parts["pp"]
             assert isinstance(pp, PpLayout)
-            return pp.stage_work_fraction(w, block_split=self.mesh.axis("tp"))
+            return pp.stage_work_fraction(w, block_split=self.mesh.axis("tp")) / self.dp_size
         model = self.model_part.work_fraction(w) if self.model_part is not None else 1.0
         return model / self.dp_size
 

@@ -16,17 +16,18 @@ pytestmark = pytest.mark.skipif(__import__("shutil").which("mpirun") is None, re
 def test_meshes_in_two_frameworks_train_one_ddp_ranks_run_across_a_checkpoint(uninterrupted, cache_dir, tmp_path):
     """torch dp2 x pp2 trains steps 1-2 (accumulating two micro-steps) and saves whole HF files, torch fsdp2 x tp2
     resumes them for steps 3-4 and saves sharded (a row-parallel weight's piece a block on two axes), MLX dp2 x tp2
-    resumes those pieces for steps 5-6, MLX pp2 x tp2 steps 7-8: every step equals the session's MLX ddp x1 run on
-    the same horizon.
+    resumes those pieces for steps 5-6, MLX pp2 x tp2 steps 7-8 and MLX pp2 x dp2 x tp2 (8 ranks) steps 9-10: every
+    step equals the session's MLX ddp x1 run on the same horizon.
     Tolerance 1e-5 per step (the issue's); measured 2.9e-7 at most on AMD EPYC Zen 4 over 12 steps of such
     switches, sharded under fsdp x tp included (docs/strategies.md). The pieces themselves, MLX's fsdp x tp
     writing them and the re-slicing: tests/unit/test_sharded_blocks.py."""
     out = tmp_path / "switched"
     # 4 MLX ranks on 2 cores compiling kernels the session has not (a cold cache) go minutes without a step
-    common = (*FAST, *HORIZON, "--out", out, "--profile-steps", 0, "--nproc", 4, "--collective-timeout-s", 300)
-    dpcompare("run", *common, "--framework", "torch", "--mesh", "pp=2,dp=2", "--pp-microbatches", 2,
+    common = (*FAST, *HORIZON, "--out", out, "--profile-steps", 0, "--collective-timeout-s", 300)
+    four = ("--nproc", 4)
+    dpcompare("run", *common, "--framework", "torch", *four, "--mesh", "pp=2,dp=2", "--pp-microbatches", 2,
               "--grad-accum", 2, "--steps", 2, cache_dir=cache_dir, timeout=900)
-    dpcompare("run", *common, "--framework", "torch", "--mesh", "fsdp=2,tp=2", "--checkpoint-format", "sharded",
+    dpcompare("run", *common, "--framework", "torch", *four, "--mesh", "fsdp=2,tp=2", "--checkpoint-format", "sharded",
               "--steps", 4, "--resume", cache_dir=cache_dir, timeout=900)
     assert resumed_from(out) == 2
     index = json.loads((out / "checkpoints" / "step_000004" / "shards" / "index.json").read_text())
@@ -34,7 +35,7 @@ def test_meshes_in_two_frameworks_train_one_ddp_ranks_run_across_a_checkpoint(un
     assert [(p["start"], p["stop"]) for p in index["tensors"]["model.layers.1.mlp.down_proj.weight"]["pieces"]] == [
         ([0, 0], [half, ffn // 2]), ([0, ffn // 2], [half, ffn]), ([half, 0], [2 * half, ffn // 2]),
         ([half, ffn // 2], [2 * half, ffn])]
-    dpcompare("run", *common, "--framework", "mlx", "--mesh", "dp=2,tp=2", "--steps", 6, "--resume",
+    dpcompare("run", *common, "--framework", "mlx", *four, "--mesh", "dp=2,tp=2", "--steps", 6, "--resume",
               cache_dir=cache_dir, timeout=900)
     assert resumed_from(out) == 4
     np.testing.assert_allclose(losses(out), losses(uninterrupted("mlx", "ddp", 1))[:6], rtol=0, atol=1e-5)
@@ -44,9 +45,18 @@ def test_meshes_in_two_frameworks_train_one_ddp_ranks_run_across_a_checkpoint(un
     assert "mesh dp=2,tp=2, the ranks of each group: dp=2: [0,2] [1,3]; tp=2: [0,1] [2,3]" in \
         (out / "log.txt").read_text()
     # pp x tp, beyond the issue's three: tp inside each stage, so each stage's tp pair splits the blocks it holds
-    dpcompare("run", *common, "--framework", "mlx", "--mesh", "pp=2,tp=2", "--pp-microbatches", 2, "--steps", 8,
+    dpcompare("run", *common, "--framework", "mlx", *four, "--mesh", "pp=2,tp=2", "--pp-microbatches", 2, "--steps", 8,
               "--resume", cache_dir=cache_dir, timeout=900)
     assert resumed_from(out) == 6
     np.testing.assert_allclose(losses(out), losses(uninterrupted("mlx", "ddp", 1))[:8], rtol=0, atol=1e-5)
     assert "mesh pp=2,tp=2, the ranks of each group: pp=2: [0,2] [1,3]; tp=2: [0,1] [2,3]" in \
+        (out / "log.txt").read_text()
+    # three axes at 8 ranks: each dp replica a pipeline of tp-split stages
+    dpcompare("run", *common, "--framework", "mlx", "--mesh", "pp=2,dp=2,tp=2", "--nproc", 8, "--pp-microbatches", 2,
+              "--steps", 10, "--resume", cache_dir=cache_dir, timeout=900)
+    assert resumed_from(out) == 8
+    np.testing.assert_allclose(losses(out), losses(uninterrupted("mlx", "ddp", 1))[:10], rtol=0, atol=1e-5)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["comm_bytes_per_step"] == summary["comm_bytes_per_step_estimate"] > 0
+    assert "pp=2: [0,4] [1,5] [2,6] [3,7]; dp=2: [0,2] [1,3] [4,6] [5,7]; tp=2: [0,1] [2,3] [4,5] [6,7]" in \
         (out / "log.txt").read_text()

@@ -95,6 +95,30 @@ def test_pp_x_tp_splits_each_stages_blocks_over_its_tp_group():
         layout("mesh", 6, "pp=2,tp=3").check(TINY)
 
 
+def test_three_axes_are_a_pipeline_of_tp_split_stages_per_dp_replica():
+    """pp x dp x tp at 8 ranks: what pp x tp holds and computes, on half the rows; tp's and pp's traffic at one data
+    rank's rows, dp's all-reduce of the rank's stage share; refused combinations name it among the supported."""
+    w = Workload(TINY, 32, 8, grad_accum=2, pp_microbatches=2, framework="mlx")
+    three, pptp = layout("mesh", 8, "pp=2,dp=2,tp=2"), layout("mesh", 4, "pp=2,tp=2")
+    three.check(TINY)
+    assert three.local_parameters(TINY) == pptp.local_parameters(TINY)
+    assert three.work_fraction(w) == pytest.approx(pptp.work_fraction(w) / 2)
+    assert three.busy_fraction(w) == pytest.approx(pptp.busy_fraction(w) / 2)
+    axes, two = ({a.axis: a for a in lay.axis_collectives(w)} for lay in (three, pptp))
+    assert {a: axes[a].group_size for a in axes} == {"pp": 2, "dp": 2, "tp": 2}
+    for axis in ("pp", "tp"):  # the same calls, each carrying half the rows
+        assert [(2 * c.nbytes, c.calls) for c in axes[axis].collectives] == \
+            [(c.nbytes, c.calls) for c in two[axis].collectives]
+    (grads,) = axes["dp"].collectives
+    assert grads.nbytes * grads.calls == pytest.approx(4 * pptp.local_parameters(TINY), abs=grads.calls)
+    # rank 0 counts pp x tp's payload (at its data rank's micro-batch, as given) plus dp's all-reduce of its stage's gradients
+    assert three.comm_bytes_per_step_estimate(TINY, 4, 32, 1) == pytest.approx(
+        pptp.comm_bytes_per_step_estimate(TINY, 4, 32, 1) + 4 * pptp.rank0_model_share(TINY) * total_parameters(TINY),
+        abs=4)
+    with pytest.raises(UserError, match="composing pp x fsdp x tp is not supported; supported meshes: .*pp x dp x tp"):
+        layout("mesh", 8, "pp=2,fsdp=2,tp=2").check(TINY)
+
+
 def test_the_estimate_is_what_rank_0_counts_on_each_axis():
     # dp x tp: tp's activations at one data rank's micro-batch, plus dp's all-reduce of the tp share's gradients
     tp_part = layout("tp", 2).comm_bytes_per_step_estimate(TINY, 4, 32, 1)
