@@ -11,7 +11,8 @@ The composition (common/parallel/composed.py says the same of the cost): the mod
 TensorParallel, pp.py's Pipeline) runs on its axis's sub-group as if that were the job, and the data axis
 reduces what it leaves:
 - dp (`DataParallelOver`): ddp.py's Replicated over the dp sub-group averages every gradient the rank holds
-  (its tp shards, or its stage's tensors) after the backward, in the Trainer's compiled update;
+  (its tp shards, or its stage's tensors) after the backward, in the Trainer's compiled update; over pp x tp
+  (three axes) its inner strategy is `TensorParallelStages`;
 - fsdp x tp (`ShardedTensorParallel`): fsdp.py's fully_shard wraps each tp-sharded block over the fsdp
   sub-group, so a rank holds 1/fsdp of its tp shard; the reduce-scatter runs in the backward as under fsdp.
 Data is sliced by the data coordinate (common/train/loop.py), the exact loss sums over the data group

@@ -9,7 +9,8 @@ TensorParallel on its axis's DeviceMesh, pp.py's Pipeline on its axis's group) r
 job, and the data axis reduces what it leaves:
 - dp (`DataParallelOver`): after the inner strategy's backward, every gradient the rank holds (its tp shards'
   local tensors, or its stage's) is averaged over the dp group in one flat all-reduce. DDP's wrapper is not
-  used: it does not take DTensor parameters, and a pipeline stage's backward runs inside the schedule.
+  used: it does not take DTensor parameters, and a pipeline stage's backward runs inside the schedule. Over
+  pp x tp (three axes) its inner strategy is `TensorParallelStages`.
 - fsdp x tp (`ShardedTensorParallel`): DTensor tp on the tp axis, then FSDP2's fully_shard on the fsdp axis
   (torchtitan's 2-D composition, which FACTS.md measured on gloo): a rank holds 1/fsdp of its tp shard.
 Data is sliced by the data coordinate (common/train/loop.py), the exact loss sums over the data group

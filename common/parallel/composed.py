@@ -16,7 +16,8 @@ composed object answers the same questions as they do (common/parallel/layout.py
 pp x tp has two model axes: a rank holds its stage's tensors, the split ones over tp (`stage_share`); the
 slowest stage's blocks' FLOPs are split over tp, its head is not (pp.py's stage_work_fraction); a tp group
 all-reduces the activations of its own stage's blocks only (`stage_tp_collectives`), and pp sends whole
-activations between the ranks of equal tp coordinate.
+activations between the ranks of equal tp coordinate. pp x dp x tp is that per dp replica, on its rows: the work
+over the data axis too, the traffic at one data rank's rows (as every axis's), dp's all-reduce of the stage share.
 
 The frameworks compose the same way (mlx_impl/mesh.py, torch_impl/mesh.py): the model-parallel strategy runs on
 its axis's sub-group, the data axis reduces its gradients over the data sub-group; under pp x tp the pipeline runs
