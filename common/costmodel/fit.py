@@ -11,7 +11,8 @@ the run measured; the step it measured beyond that prediction, divided by the by
 per step (calls x payload), is the axis's host seconds per byte (none below 0: a run faster than its prediction
 gets 0, and a note). A prediction at N > 2, of that strategy or of a mesh with that axis, then charges each byte
 the axis moves that much (common/parallel/layout.py `axis_host_s`), once, where the compute is stretched for ranks
-sharing cores (predict.py: most of it is waiting inside a collective, which leaves the core to another rank).
+sharing cores (predict.py: most of it is waiting inside a collective, which leaves the core to another rank), but
+as many times as ranks share a core for torch's fsdp, whose copies are the rank's own work (`host_stretches`).
 
 In the unit of the axis's strategy (Layout.host_unit): per byte, but per call for torch's tp, whose DTensor
 dispatch costs each call the same whatever it carries (common/parallel/tp.py has the measurements).
@@ -87,4 +88,6 @@ def fit_one(cal: Calibration, s: dict, source: str, cores_shared_by: float = 1.0
     hidden = outer_waits(lay, bare, axis_times(lay, w, reduce_scatter_traffic(w.framework, backend), link)).get(axis, 0.0)
     note = (f"{source}: measured {float(s['step_time_s']):.3g} s per step, under the {p.step_s:.3g} s predicted "
             f"without host work: {axis}'s host work fitted as 0" if beyond < 0 else "")
-    return axis, (beyond + hidden) / moved if beyond > 0 else 0.0, note
+    # host work that takes turns on shared cores (Layout.host_stretches) was paid that many times over (predict.py)
+    turns = cores_shared_by if lay.host_stretches(axis, w.framework) else 1.0
+    return axis, (beyond + hidden) / moved / turns if beyond > 0 else 0.0, note

@@ -64,7 +64,8 @@ def predict(cal: Calibration, strategy: str, n: int, link: Links | None, device_
     times = axis_times(lay, w, rs, link) if link is not None else []
     comm = sum(t.seconds for t in times)  # no link: no collectives
     exposed = exposed_comm_s(lay, cal, times)
-    host = host_s(lay, cal, lay.axis_collectives(w, rs), times)
+    axes = lay.axis_collectives(w, rs)
+    host = host_s(lay, cal, axes, times)
     compute += host
     if cores_shared_by > 1:  # ranks take turns on the cores: their busy time, not their idle slots, is stretched
         # A backend that polls while it waits keeps the core through pp's idle slots too (links.py POLLING_WAITS):
@@ -75,7 +76,9 @@ def predict(cal: Calibration, strategy: str, n: int, link: Links | None, device_
         # The host work is added once, not stretched: most of it is a rank waiting on its peers inside a
         # collective, which leaves the core to another rank. Measured (docs/scaling.md, N=4 on 2 cores, loopback,
         # fitted on N=2): 7 of 15 layouts within 20 % stretched, 13 of 15 not.
-        compute = max(compute, busy * cores_shared_by + host)
+        # Except host work that is the rank's own CPU work (Layout.host_stretches: torch FSDP2's copies), which takes
+        # its turns on the core as the compute does: (shared - 1) times it more (docs/scaling.md, "Sitting 11").
+        compute = max(compute, busy * cores_shared_by + host + stretched_host_s(lay, cal, axes) * (cores_shared_by - 1))
     step = compute + exposed
     one = (cal.forward_s + cal.backward_s + cal.optimizer_s + cal.other_s)  # ddp at N=1: the scaling baseline
     memory = memory_bytes(lay, w, cal.overhead_bytes)
@@ -103,6 +106,13 @@ def host_s(lay: Layout, cal: Calibration, axes: list[AxisCollectives], times: li
             total += max(0.0, seconds - outer[axis.axis]) if axis.axis in outer and axis.axis in cal.host_s_fitted \
                 else seconds
     return total
+
+
+def stretched_host_s(lay: Layout, cal: Calibration, axes: list[AxisCollectives]) -> float:
+    """The fitted host work of the axes whose host work is CPU work of the rank's own (Layout.host_stretches)."""
+    return sum(lay.axis_host_s(cal.workload, axis, cal.on_cpu, cal.releases_heap, cal.host_s_fitted)
+               for axis in axes if axis.collectives and axis.axis in cal.host_s_fitted
+               and lay.host_stretches(axis.axis, cal.workload.framework))
 
 
 def outer_waits(lay: Layout, cal: Calibration, times: list[AxisTime]) -> dict[str, float]:

@@ -255,6 +255,9 @@ class MeshLayout(Layout):
         """Each axis's host work under its own strategy's rule (its fit, or fsdp's constants)."""
         return self.parts[axis.axis].axis_host_s(w, axis, on_cpu, releases_heap, fitted)
 
+    def host_stretches(self, axis: str, framework: str) -> bool:
+        return self.parts[axis].host_stretches(axis, framework)
+
     def streamed_checkpoint_bytes(self, w: Workload, rank: int) -> float:
         return max(part.checkpoint_bytes(w, rank) for part in self.parts.values())
 

@@ -224,6 +224,15 @@ class FsdpLayout(Layout):
         micro-step."""
         return w.grad_accum * (self.activation_bytes(w) + block_elements(parameter_shapes(w.spec)) * MASTER_BYTES)
 
+    def host_stretches(self, axis: str, framework: str) -> bool:
+        """torch's: FSDP2 copies every gathered and reduce-scattered byte into and out of its flat buffers, work of
+        the rank's own. Stretched on shared cores, measured on AMD EPYC Zen 4 (4 ranks on 2 cores, docs/scaling.md
+        "Sitting 11"):
+        - all 162 kept rows of sittings 5-10: 126 within 20 %, against 124;
+        - held out, sitting 11's eight torch fsdp rows: mean |error| 7.1 %, against 12.4 %.
+        MLX's gathers are nodes of its graph: not stretched (its fsdp rows moved away from 0)."""
+        return framework == "torch"
+
     def unfitted_host_s(self, w: Workload, colls: list[Collective], on_cpu: bool, releases_heap: bool) -> float:
         """On a CPU: FSDP_HOST_S_PER_CALL per gather and reduce-scatter call, and where the run releases its heap
         (Calibration.releases_heap), the release and its faults (HEAP_RELEASE_BYTES_PER_S)."""

@@ -278,6 +278,12 @@ class Layout(ABC):
         per_byte = self.host_unit(framework) == "byte"
         return sum(c.calls * (c.nbytes if per_byte else 1) for c in colls)
 
+    def host_stretches(self, axis: str, framework: str) -> bool:
+        """Whether axis `axis`'s fitted host work is the rank's own CPU work, which ranks sharing a core take turns
+        on as on their compute (common/costmodel/predict.py), rather than a wait inside a collective, which leaves
+        the core to another rank: a wait by default."""
+        return False
+
     def unfitted_host_s(self, w: Workload, colls: list[Collective], on_cpu: bool, releases_heap: bool) -> float:
         """Host work no run of this strategy measured: 0 (fsdp on a CPU has constants of its own)."""
         return 0.0

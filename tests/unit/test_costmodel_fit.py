@@ -213,3 +213,22 @@ def test_a_mesh_is_fitted_on_the_n2_runs_of_its_own_backend_where_there_are_some
     for backend in ("mpi", "ring"):
         chosen = {o["strategy"]: o["backend"] for _, o, *_ in fit_runs(four | {"backend": backend}, candidates)}
         assert chosen == {"tp": backend, "ddp": "ring"}
+
+
+@pytest.mark.parametrize("framework, turns", [("torch", 2), ("mlx", 1)])
+def test_torchs_fsdp_host_work_takes_turns_on_shared_cores_and_a_fit_there_gives_it_back(framework, turns):
+    """torch FSDP2's copies are the rank's own CPU work: 4 ranks on 2 cores pay its fitted host work twice (MLX's
+    once, as every other axis's wait), and a run whose ranks shared cores fits the same cost per byte."""
+    cal = calibrate(summary(framework, 1), TINY)
+    s = measured_at(cal, "fsdp", 4)
+    link, backend = loopback_link(s["backend"]), s["backend"]
+
+    def at(per_byte, shared):
+        return predict(replace(cal, host_s_per_byte={"fsdp": per_byte}), "fsdp", 4, link, backend=backend,
+                       cores_shared_by=shared)
+
+    host = PER_BYTE * moved(at(0.0, 1).collectives)
+    assert at(PER_BYTE, 1).compute_s - at(0.0, 1).compute_s == pytest.approx(host)
+    assert at(PER_BYTE, 2).compute_s - at(0.0, 2).compute_s == pytest.approx(turns * host)
+    s["step_time_s"] = at(PER_BYTE, 2).step_s
+    assert fit_one(cal, s, "fsdp4", cores_shared_by=2)[1] == pytest.approx(PER_BYTE)
