@@ -371,7 +371,8 @@ def memory_record(run_dir: Path, s: dict) -> dict:
     measured = s.get("peak_mem_bytes" if on_gpu else "peak_rss_bytes") or [None] * n
     fixed = [0.0] * n if on_gpu else [f or 0.0 for f in (s.get("fixed_rss_bytes") or [None] * n)]
     fmt = (s.get("config") or {}).get("checkpoint_format", "hf")
-    per_rank = [predicted_peak(strategy, workload_of(s, spec), n, f, rank, fmt) for rank, f in enumerate(fixed)]
+    mesh = (s.get("config") or {}).get("mesh") or ""
+    per_rank = [predicted_peak(strategy, workload_of(s, spec), n, f, rank, fmt, mesh) for rank, f in enumerate(fixed)]
     if on_gpu:  # a GPU allocator's peak: no host workspace (the checkpoint's copies are host memory too)
         for parts in per_rank:
             parts.update(workspace=0.0, checkpoint=0.0, saving=0.0, peak_at="step")

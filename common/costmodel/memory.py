@@ -54,13 +54,13 @@ def memory_bytes(lay: Layout, w: Workload, overhead_bytes: float = 0.0) -> dict:
 
 
 def predicted_peak(strategy: str, w: Workload, n: int, fixed_bytes: float, rank: int = 0,
-                   checkpoint_format: str = "hf") -> dict:
+                   checkpoint_format: str = "hf", mesh: str = "") -> dict:
     """A rank's peak RSS from the shapes and its measured fixed footprint alone (nothing calibrated on the
     run's own peak): the larger of the step's (memory_bytes with the framework's factors, the fixed footprint
     and the workspace) and the checkpoint's (the state, the fixed footprint, the workspace and what saving
     holds; `peak_at` says which). The start-up is not counted: a sharded rank reads only its own part of the
-    model (issue 25), less than it holds in a step."""
-    lay = layout(strategy, n)
+    model (issue 25), less than it holds in a step. `mesh`: the axes of strategy "mesh" ("dp=2,tp=2")."""
+    lay = layout(strategy, n, mesh)
     parts = memory_bytes(lay, w)
     framework = w.framework if w.framework in WORKSPACE_BYTES else "torch"
     parts.update(fixed=fixed_bytes, workspace=WORKSPACE_BYTES[framework],

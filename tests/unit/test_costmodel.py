@@ -258,6 +258,7 @@ def test_the_predicted_peak_adds_the_fixed_footprint_to_what_the_rank_holds():
 
 
 def test_the_memory_record_compares_each_rank_with_its_measured_peak(tmp_path):
+    from common.costmodel.memory import predicted_peak
     from compare.plan import add_memory_predictions
     from costmodel_fixtures import write_run
 
@@ -276,6 +277,14 @@ def test_the_memory_record_compares_each_rank_with_its_measured_peak(tmp_path):
     add_memory_predictions([tmp_path / "gpu"])
     gpu = json.loads((tmp_path / "gpu" / "summary.json").read_text())["memory_prediction"]
     assert gpu["basis"] == "framework peak" and gpu["parts"]["fixed"] == gpu["parts"]["workspace"] == 0
+    # a mesh's run is predicted over its axes (it was "no prediction: --strategy mesh needs --mesh" before)
+    s = summary("torch", 2, "mesh")
+    s["config"]["mesh"] = "tp=2"
+    mesh = write_run(tmp_path / "torch-tp2-n2", s)
+    add_memory_predictions([mesh])
+    record = json.loads((mesh / "summary.json").read_text())["memory_prediction"]
+    assert "note" not in record and record["parts"]["params"] == \
+        predicted_peak("tp", Workload(TINY, 32, 8), 2, 0.0)["params"] < record["parts"]["total"]
 
 
 def test_fsdp_on_a_cpu_adds_fsdp2_host_work_in_torch_and_hides_part_of_mlx_collectives():
