@@ -75,18 +75,20 @@ def mesh_strategy(cfg: RunConfig, world: World, comm: CommCounter):
 
 
 class DataParallelOver:
-    """dp over a model-parallel strategy (tp or pp): the inner one trains on its sub-group, Replicated averages
-    its gradients over the dp sub-group."""
+    """dp over a model-parallel strategy (tp, pp, or pp x tp): the inner one trains on its sub-groups, Replicated
+    averages its gradients over the dp sub-group."""
 
     reduce_scatter = None
     full_state_on_every_rank = True
 
     def __init__(self, cfg: RunConfig, world: World, comm: CommCounter):
         mesh = Mesh.parse(cfg.mesh)
-        model_axis = next(a for a in mesh.names if a in MODEL_PARALLEL)
-        # pp x dp x tp: each dp replica is a pipeline of tp-split stages
-        self.inner: TensorParallel | Pipeline = TensorParallelStages(cfg, world, comm) if mesh.has("tp") and \
-            mesh.has("pp") else MODEL_PARALLEL[model_axis](cfg, world.axes[model_axis], comm)
+        self.inner: TensorParallel | Pipeline
+        if mesh.has("pp") and mesh.has("tp"):  # pp x dp x tp: each dp replica a pipeline of tp-split stages
+            self.inner = TensorParallelStages(cfg, world, comm)
+        else:
+            model_axis = next(a for a in mesh.names if a in MODEL_PARALLEL)
+            self.inner = MODEL_PARALLEL[model_axis](cfg, world.axes[model_axis], comm)
         self.data = Replicated(cfg, world.axes["dp"], comm)
         self.data_rank = world.axes["dp"].rank
         self.loss_over = self.inner.loss_over

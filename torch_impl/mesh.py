@@ -74,8 +74,8 @@ def mesh_strategy(cfg: RunConfig, world: World, comm: CommCounter):
 
 
 class DataParallelOver:
-    """dp over a model-parallel strategy (tp or pp): the inner one trains on its sub-group, then the gradients it
-    leaves are averaged over the dp group."""
+    """dp over a model-parallel strategy (tp, pp, or pp x tp): the inner one trains on its sub-groups, then the
+    gradients it leaves are averaged over the dp group."""
 
     reduce_scatter = None
     full_state_on_every_rank = True
@@ -84,10 +84,12 @@ class DataParallelOver:
 
     def __init__(self, cfg: RunConfig, world: World, comm: CommCounter):
         mesh = Mesh.parse(cfg.mesh)
-        model_axis = next(a for a in mesh.names if a in MODEL_PARALLEL)
-        # pp x dp x tp: each dp replica is a pipeline of tp-split stages
-        self.inner: TensorParallel | Pipeline = TensorParallelStages(cfg, world, comm) if mesh.has("tp") and \
-            mesh.has("pp") else MODEL_PARALLEL[model_axis](cfg, world.axes[model_axis], comm)
+        self.inner: TensorParallel | Pipeline
+        if mesh.has("pp") and mesh.has("tp"):  # pp x dp x tp: each dp replica a pipeline of tp-split stages
+            self.inner = TensorParallelStages(cfg, world, comm)
+        else:
+            model_axis = next(a for a in mesh.names if a in MODEL_PARALLEL)
+            self.inner = MODEL_PARALLEL[model_axis](cfg, world.axes[model_axis], comm)
         dp = world.axes["dp"]
         self.dp_group, self.dp_size, self.data_rank, self.comm = dp.group, dp.size, dp.rank, comm
         self.loss_over = self.inner.loss_over
