@@ -30,18 +30,17 @@ if [ "$(id -u)" = 0 ] && command -v ip >/dev/null; then LINKS=(two loop); else
     echo "no root or no ip: the meshes on loopback only"; fi
 link_args() { [ "$1" = two ] && echo "--links 100mbit/1gbit --group-size 2" || echo "--links none"; }
 bench() { "$PY" benchmarks/bench_plan.py "$@"; }
+fit_sets() { echo "$1-fits"; [ "$1" = mlx ] && echo mlx-fits-mpi; }
 lscpu | grep -E '^Model name|^CPU\(s\)'; grep -q -m1 avx512f /proc/cpuinfo && echo avx512f || echo "no avx512f"
 for ((i = 0; i < K; i++)); do
     for fw in ${FRAMEWORKS:-torch mlx}; do
         echo "== sitting $i, $fw: N=1,2 on loopback ($(date +%T), load $(cut -d' ' -f1 /proc/loadavg))"
-        bench --frameworks "$fw" --links none --strategies ddp,fsdp,tp,pp --nproc 2 "${SHAPE[@]}" \
-            --keep "$KEEP/$fw-fits/rep$i" --out "$KEEP/out/$fw-fits-$i.json" > "$KEEP/out/$fw-fits-$i.log" 2>&1 \
-            || { tail -n 3 "$KEEP/out/$fw-fits-$i.log"; exit 1; }
-        if [ "$fw" = mlx ]; then  # MLX's meshes run on MPI, its one-axis runs on ring: fits on both (fit_runs)
-            bench --frameworks mlx --links none --strategies ddp,fsdp,tp,pp --nproc 2 "${SHAPE[@]}" --set backend=mpi \
-                --keep "$KEEP/mlx-fits-mpi/rep$i" --out "$KEEP/out/mlx-fits-mpi-$i.json" \
-                > "$KEEP/out/mlx-fits-mpi-$i.log" 2>&1 || { tail -n 3 "$KEEP/out/mlx-fits-mpi-$i.log"; exit 1; }
-        fi
+        for fits in $(fit_sets "$fw"); do  # MLX's meshes run on MPI, its one-axis runs on ring: fits on both
+            bench --frameworks "$fw" --links none --strategies ddp,fsdp,tp,pp --nproc 2 "${SHAPE[@]}" \
+                $( [ "$fits" = mlx-fits-mpi ] && echo --set backend=mpi ) --keep "$KEEP/$fits/rep$i" \
+                --out "$KEEP/out/$fits-$i.json" > "$KEEP/out/$fits-$i.log" 2>&1 \
+                || { tail -n 3 "$KEEP/out/$fits-$i.log"; exit 1; }
+        done
         for link in "${LINKS[@]}"; do
             echo "== sitting $i, $fw: the meshes, $link ($(date +%T), load $(cut -d' ' -f1 /proc/loadavg))"
             # shellcheck disable=SC2046 # link_args is two words on purpose
@@ -56,7 +55,7 @@ done
 [ "$K" -gt 1 ] || exit 0
 echo "== each mesh over the $K sittings, with the model as it stands"
 for fw in ${FRAMEWORKS:-torch mlx}; do
-    for fits in "$fw-fits" $( [ "$fw" = mlx ] && echo mlx-fits-mpi ); do
+    for fits in $(fit_sets "$fw"); do
         for link in "${LINKS[@]}"; do
             echo "-- $fw, $link, fitted on $fits"
             # shellcheck disable=SC2046

@@ -69,7 +69,7 @@ def mesh_strategy(cfg: RunConfig, world: World, comm: CommCounter):
     mesh = Mesh.parse(cfg.mesh)
     if mesh.has("fsdp"):
         return ShardedTensorParallel(cfg, world, comm)
-    if mesh.has("pp") and mesh.has("tp") and not mesh.has("dp"):
+    if mesh.tp_stages and not mesh.has("dp"):
         return TensorParallelStages(cfg, world, comm)
     return DataParallelOver(cfg, world, comm)
 
@@ -84,7 +84,7 @@ class DataParallelOver:
     def __init__(self, cfg: RunConfig, world: World, comm: CommCounter):
         mesh = Mesh.parse(cfg.mesh)
         self.inner: TensorParallel | Pipeline
-        if mesh.has("pp") and mesh.has("tp"):  # pp x dp x tp: each dp replica a pipeline of tp-split stages
+        if mesh.tp_stages:  # pp x dp x tp: each dp replica a pipeline of tp-split stages
             self.inner = TensorParallelStages(cfg, world, comm)
         else:
             model_axis = next(a for a in mesh.names if a in MODEL_PARALLEL)

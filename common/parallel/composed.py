@@ -87,7 +87,7 @@ class MeshLayout(Layout):
     @property
     def tp_stages(self) -> bool:
         """pp x tp: two model axes, each pipeline stage's blocks split over a tp group."""
-        return self.mesh.has("pp") and self.mesh.has("tp")
+        return self.mesh.tp_stages
 
     def model_share(self, spec: ModelSpec, framework: str = "torch") -> float:
         """The share of the parameters the model axes leave the rank that holds the most (before fsdp)."""

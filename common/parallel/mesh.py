@@ -88,6 +88,11 @@ class Mesh:
         raise KeyError(f"the mesh has no axis {name!r}; it has {', '.join(self.names)}")
 
     @property
+    def tp_stages(self) -> bool:
+        """pp x tp (with dp beside it or not): each pipeline stage's blocks split over a tp group."""
+        return self.has("pp") and self.has("tp")
+
+    @property
     def data_axis(self) -> str | None:
         """The axis whose ranks read different samples (dp or fsdp), None where every rank reads the whole batch."""
         return next((name for name in self.names if name in DATA_AXES), None)
