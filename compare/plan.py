@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from common.costmodel.calibrate import Calibration, calibrate
@@ -24,6 +25,7 @@ from common.costmodel.workload import workload_of
 from compare.plan_links import choose_links, describe_links, links_json
 from compare.plan_meshes import mesh_plan, mesh_table
 from compare.report.labels import run_dirname
+from common.config import MLX_SPLIT_BACKENDS
 from common.errors import UserError
 from common.metrics import read_json, write_json
 from common.model.spec import ModelSpec, preset
@@ -203,9 +205,13 @@ def run_plan(args) -> int:
         raise UserError(f"--device-memory-gb must be a positive number, got {args.device_memory_gb}")
     link, link_how = choose_links(args, summary)
     cal = calibrate(summary, spec, source=str(run_dir))
-    if getattr(args, "fit", None):
-        cal = fit_host_costs(cal, [(d, s, cores_shared_by(s), n1_beside(Path(d), s))
-                                   for d in args.fit for s in [read_run(Path(d))[0]]])
+    fit_on = [(d, s, cores_shared_by(s), n1_beside(Path(d), s)) for d in args.fit or [] for s in [read_run(Path(d))[0]]]
+    if fit_on:
+        cal = fit_host_costs(cal, fit_on)
+    if getattr(args, "meshes", False) and summary.get("framework") == "mlx":
+        # an MLX mesh needs a group split: MPI (or nccl), whatever backend the fits ran on
+        note = fit_backend_note(fit_on, MLX_SPLIT_BACKENDS, "MLX's meshes run")
+        cal = replace(cal, notes=[*cal.notes, note]) if note else cal
     memory = args.device_memory_gb * 1e9 if args.device_memory_gb else None
     meshes = mesh_plan(cal, link, world_sizes, memory) if getattr(args, "meshes", False) else None
     rows = meshes["rows"] if meshes else make_plan(cal, link, strategies, world_sizes, memory)
@@ -321,6 +327,7 @@ def predicted_record(source: Path, s: dict, strategy: str, fits: list[tuple] = (
     if link is None:
         link, link_note = loopback_link(s.get("backend") or "gloo"), "no link record: assumed loopback"
     cal = fit_host_costs(calibrate_run(source), list(fits))
+    fit_note = fit_backend_note(fits, (s.get("backend"),), "this run is") if s.get("backend") else None
     p = predict(cal, strategy, s["world_size"], link, backend=s.get("backend"),
                 mesh=(s.get("config") or {}).get("mesh") or "", cores_shared_by=cores_shared_by(s))
     measured = s.get("step_time_s")
@@ -328,8 +335,24 @@ def predicted_record(source: Path, s: dict, strategy: str, fits: list[tuple] = (
             "exposed_comm_s": p.exposed_comm_s, "memory_bytes_per_rank": p.memory_bytes["total"], "link": link.name,
             "levels": p.levels, "cores_shared_by": cores_shared_by(s),
             "host_s_per_byte": cal.host_s_per_byte, "host_s_per_call": cal.host_s_per_call, "fitted_on": cal.fitted_on,
-            "link_source": f"{link_note} ({link.source})", "caveat": p.caveat,
+            "link_source": f"{link_note} ({link.source})", "caveat": p.caveat, "fit_note": fit_note,
             "step_error": (p.step_s / measured - 1) if measured else None}
+
+
+def fit_backend_note(fits: list[tuple], backends: tuple, what: str) -> str | None:
+    """One line where some of `fits` ((name, summary.json, ...) per fitted run) ran on a backend outside
+    `backends`, the ones the predicted runs use: a fit measures the host work of its own backend. On the lent
+    16-core machine MLX's tp x2 took 0.75-0.91 of its N=1 step on ring in three sittings, 0.67 on MPI in one, and
+    the ring-fitted predictions of MLX's dp2 x tp2 and fsdp2 x tp2 on MPI came out 12-41 % high (sittings 5a, 5b
+    and 7 of docs/scaling.md), the MPI-fitted ones -10 and +19 % (sitting 5c); None where every fit ran on one of
+    `backends`."""
+    other = [f"{Path(str(name)).name} ({summary.get('backend')})" for name, summary, *_ in fits
+             if summary.get("backend") and summary.get("backend") not in backends]
+    if not other:
+        return None
+    on = " or ".join(backends)
+    return (f"{what} on {on}, but {', '.join(other)} ran on another backend, whose host work per byte differs: "
+            f"for a closer prediction fit on N=2 runs with --backend {backends[0]}")
 
 
 def cores_shared_by(s: dict) -> float:

@@ -168,6 +168,7 @@ def prediction_blocks(rows: list[dict]) -> list[tuple]:
                                                             for axis, run in r["prediction"]["fitted_on"].items())
               for r in have if r["prediction"].get("fitted_on")]
     notes += [f"{r['label']}: {r['prediction']['caveat']}" for r in have if r["prediction"].get("caveat")]
+    notes += [f"{r['label']}: {r['prediction']['fit_note']}" for r in have if r["prediction"].get("fit_note")]
     return [("h2", "Predicted and measured"),
             ("p", "The cost model (common/costmodel/, docs/scaling.md) predicts each multi-rank run from the "
                   "1-rank run of its framework and dtype and the link the job measured: compute scaled by the "

@@ -215,6 +215,33 @@ def test_a_mesh_is_fitted_on_the_n2_runs_of_its_own_backend_where_there_are_some
         assert chosen == {"tp": backend, "ddp": "ring"}
 
 
+def test_a_prediction_fitted_on_another_backend_says_so_in_the_record_and_in_plan(tmp_path, capsys):
+    """MLX's mesh on MPI fitted on ring's N=2 runs (the default backend of one-axis runs) is told that a fit on MPI
+    runs predicts it closer, in compare's record and in `plan --meshes`; fitted on MPI runs, nothing is said."""
+    from compare.cli import main
+    from compare.plan import fit_runs, predicted_record
+
+    base = summary("mlx", 1)
+    source = write_run(tmp_path / "mlx-n1", base, SPEC4)
+    (source / "run_config.json").write_text(json.dumps({"config": base["config"], "spec": SPEC4, "world_size": 1}))
+    cal = calibrate(base, TINY)
+    four = measured_at(cal, "mesh", 4, mesh="dp=2,tp=2") | {"backend": "mpi"}
+    four["config"]["mesh"] = "dp=2,tp=2"
+    said = {}
+    for backend in ("ring", "mpi"):
+        fits = {}
+        for strategy in ("tp", "ddp"):
+            s = measured_at(cal, strategy, 2, PER_BYTE) | {"backend": backend}
+            fits[write_run(tmp_path / backend / f"mlx-{strategy}-n2", s, SPEC4)] = s
+        said[backend] = predicted_record(source, four, "mesh", fit_runs(four, fits))["fit_note"]
+        assert main(["plan", "--from", str(source), "--meshes", "--nproc", "4", "--out", str(tmp_path / backend / "p"),
+                     *[a for d in fits for a in ("--fit", str(d))]]) == 0
+        said[backend + " plan"] = [line for line in capsys.readouterr().err.splitlines() if "--backend mpi" in line]
+    assert said["mpi"] is None and said["mpi plan"] == []
+    assert "mlx-tp-n2 (ring)" in said["ring"] and "mlx-ddp-n2 (ring)" in said["ring"] and "--backend mpi" in said["ring"]
+    assert len(said["ring plan"]) == 1 and said["ring plan"][0].startswith("note: MLX's meshes run on mpi or nccl")
+
+
 @pytest.mark.parametrize("framework, turns", [("torch", 2), ("mlx", 1)])
 def test_torchs_fsdp_host_work_takes_turns_on_shared_cores_and_a_fit_there_gives_it_back(framework, turns):
     """torch FSDP2's copies are the rank's own CPU work: 4 ranks on 2 cores pay its fitted host work twice (MLX's
