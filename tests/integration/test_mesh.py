@@ -16,8 +16,8 @@ pytestmark = pytest.mark.skipif(__import__("shutil").which("mpirun") is None, re
 def test_meshes_in_two_frameworks_train_one_ddp_ranks_run_across_a_checkpoint(uninterrupted, cache_dir, tmp_path):
     """torch dp2 x pp2 trains steps 1-2 (accumulating two micro-steps) and saves whole HF files, torch fsdp2 x tp2
     resumes them for steps 3-4 and saves sharded (a row-parallel weight's piece a block on two axes), MLX dp2 x tp2
-    resumes those pieces for steps 5-6, MLX pp2 x tp2 steps 7-8 and MLX pp2 x dp2 x tp2 (8 ranks) steps 9-10: every
-    step equals the session's MLX ddp x1 run on the same horizon.
+    resumes those pieces for steps 5-6, MLX pp2 x tp2 steps 7-8, MLX pp2 x dp2 x tp2 (8 ranks) steps 9-10 and torch's
+    three axes steps 11-12: every step equals the session's MLX ddp x1 run on the same horizon.
     Tolerance 1e-5 per step (the issue's); measured 2.9e-7 at most on AMD EPYC Zen 4 over 12 steps of such
     switches, sharded under fsdp x tp included (docs/strategies.md). The pieces themselves, MLX's fsdp x tp
     writing them and the re-slicing: tests/unit/test_sharded_blocks.py."""
@@ -58,5 +58,13 @@ def test_meshes_in_two_frameworks_train_one_ddp_ranks_run_across_a_checkpoint(un
     np.testing.assert_allclose(losses(out), losses(uninterrupted("mlx", "ddp", 1))[:10], rtol=0, atol=1e-5)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["comm_bytes_per_step"] == summary["comm_bytes_per_step_estimate"] > 0
-    assert "pp=2: [0,4] [1,5] [2,6] [3,7]; dp=2: [0,2] [1,3] [4,6] [5,7]; tp=2: [0,1] [2,3] [4,5] [6,7]" in \
-        (out / "log.txt").read_text()
+    layout = "pp=2: [0,4] [1,5] [2,6] [3,7]; dp=2: [0,2] [1,3] [4,6] [5,7]; tp=2: [0,1] [2,3] [4,5] [6,7]"
+    assert layout in (out / "log.txt").read_text()
+    # and torch's three axes resume MLX's for steps 11-12: the same layout, the same count of bytes
+    dpcompare("run", *common, "--framework", "torch", "--mesh", "pp=2,dp=2,tp=2", "--nproc", 8, "--pp-microbatches", 2,
+              "--steps", 12, "--resume", cache_dir=cache_dir, timeout=900)
+    assert resumed_from(out) == 10
+    np.testing.assert_allclose(losses(out), losses(uninterrupted("mlx", "ddp", 1))[:12], rtol=0, atol=1e-5)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["framework"] == "torch" and summary["comm_bytes_per_step"] == summary["comm_bytes_per_step_estimate"] > 0
+    assert (out / "log.txt").read_text().count(layout) == 2
