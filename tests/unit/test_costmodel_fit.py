@@ -259,3 +259,32 @@ def test_torchs_fsdp_host_work_takes_turns_on_shared_cores_and_a_fit_there_gives
     assert at(PER_BYTE, 2).compute_s - at(0.0, 2).compute_s == pytest.approx(turns * host)
     s["step_time_s"] = at(PER_BYTE, 2).step_s
     assert fit_one(cal, s, "fsdp4", cores_shared_by=2)[1] == pytest.approx(PER_BYTE)
+
+
+def test_predict_runs_prints_each_run_against_compares_prediction_fitted_on_the_folders_n2_runs(tmp_path):
+    """benchmarks/predict_runs.py over a folder of runs as benchmarks/mesh_table.sh leaves it: the N=4 mesh on MPI is
+    predicted from the folder's N=1 run, fitted on its MPI N=2 runs (not ring/'s, which paid three times the host
+    work), and comes out within 1 % where its step is the fitted cost; a missing folder exits 2 in one line."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cal = calibrate(summary("mlx", 1), TINY)
+    write_run(tmp_path / "mlx-n1", summary("mlx", 1), SPEC4)
+    for folder, backend, extra in ((tmp_path, "mpi", PER_BYTE), (tmp_path / "ring", "ring", 3 * PER_BYTE)):
+        for strategy in ("tp", "ddp"):
+            name = "mlx-tp-n2" if strategy == "tp" else "mlx-n2"
+            write_run(folder / name, measured_at(cal, strategy, 2, extra) | {"backend": backend}, SPEC4)
+    four = measured_at(cal, "mesh", 4, PER_BYTE, mesh="dp=2,tp=2") | {"backend": "mpi"}
+    four["config"]["mesh"] = "dp=2,tp=2"
+    write_run(tmp_path / "mlx-dp2tp2-loop", four, SPEC4)
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "predict_runs.py"
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    [row] = [line for line in proc.stdout.splitlines() if line.startswith("| mlx-dp2tp2-loop ")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1] == "mpi" and cells[2] == f"{four['step_time_s']:.2f}" and cells[3].startswith("-")
+    # within 1 %: the runs were made over ring's loopback figures and are predicted over MPI's (their backend)
+    assert abs(float(cells[4].split("(")[1].split()[0])) < 1 and sorted(cells[5].split(", ")) == ["ddp (mpi)", "tp (mpi)"]
+    missing = subprocess.run([sys.executable, str(script), str(tmp_path / "nope")], capture_output=True, text=True)
+    assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1 and "nope" in missing.stderr
