@@ -351,7 +351,7 @@ def fit_backend_note(fits: list[tuple], backends: tuple, what: str) -> str | Non
     if not other:
         return None
     on = " or ".join(backends)
-    return (f"{what} on {on}, but {', '.join(other)} ran on another backend, whose host work per byte differs: "
+    return (f"{what} on {on}, but {', '.join(other)} ran on another backend, whose host work differs: "
             f"for a closer prediction fit on N=2 runs with --backend {backends[0]}")
 
 
