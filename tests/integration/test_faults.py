@@ -135,8 +135,11 @@ def test_a_crashing_rank_ends_the_job_with_its_error_naming_the_rank(framework, 
     if link:  # the names this run's link recorded (another test's may exist meanwhile)
         assert recorded["namespaces"] and not set(recorded["namespaces"]) & set(namespaces())
         # 1 Gbit/s shaped: TCP measured 955-963 Mbit/s here (AMD EPYC Zen 5); the gloo all-reduce of 4 MiB less.
+        # Below the rate it is CPU-bound beside the other xdist worker: 766 Mbit/s in one CI on the Zen 4 (stop 50),
+        # during 8-rank runs (test_link.py met 723 at load 14). So the shaping is held to its rate from above here,
+        # and to 20 % both ways by test_link.py, at rates a loaded 2-core machine carries, in runs trained alone.
         assert recorded["requested"] == "1gbit" and recorded["emulated"]
-        assert abs(recorded["tcp_bandwidth_Bps"] * 8 - 1e9) <= 0.2e9, recorded
+        assert 0.5e9 <= recorded["tcp_bandwidth_Bps"] * 8 <= 1.2e9, recorded
         assert recorded["allreduce"]["bandwidth_Bps"] * 8 <= 1.2e9, recorded
 
 

@@ -217,9 +217,10 @@ def test_a_mesh_is_fitted_on_the_n2_runs_of_its_own_backend_where_there_are_some
 
 def test_a_prediction_fitted_on_another_backend_says_so_in_the_record_and_in_plan(tmp_path, capsys):
     """MLX's mesh on MPI fitted on ring's N=2 runs (the default backend of one-axis runs) is told that a fit on MPI
-    runs predicts it closer, in compare's record and in `plan --meshes`; fitted on MPI runs, nothing is said."""
+    runs predicts it closer, in compare's record, its report and `plan --meshes`; fitted on MPI runs, nothing is said."""
     from compare.cli import main
     from compare.plan import fit_runs, predicted_record
+    from compare.report.render import prediction_blocks
 
     base = summary("mlx", 1)
     source = write_run(tmp_path / "mlx-n1", base, SPEC4)
@@ -233,7 +234,11 @@ def test_a_prediction_fitted_on_another_backend_says_so_in_the_record_and_in_pla
         for strategy in ("tp", "ddp"):
             s = measured_at(cal, strategy, 2, PER_BYTE) | {"backend": backend}
             fits[write_run(tmp_path / backend / f"mlx-{strategy}-n2", s, SPEC4)] = s
-        said[backend] = predicted_record(source, four, "mesh", fit_runs(four, fits))["fit_note"]
+        record = predicted_record(source, four, "mesh", fit_runs(four, fits))
+        said[backend] = record["fit_note"]
+        report = repr(prediction_blocks([{"label": "mlx-dp2tp2-n4", "prediction": {**record, "from": source.name},
+                                          "step_time_ms": 1e3 * four["step_time_s"]}]))
+        assert (f"mlx-dp2tp2-n4: {said[backend]}" in report) == (backend == "ring")
         assert main(["plan", "--from", str(source), "--meshes", "--nproc", "4", "--out", str(tmp_path / backend / "p"),
                      *[a for d in fits for a in ("--fit", str(d))]]) == 0
         said[backend + " plan"] = [line for line in capsys.readouterr().err.splitlines() if "--backend mpi" in line]
