@@ -205,7 +205,7 @@ def run_plan(args) -> int:
         raise UserError(f"--device-memory-gb must be a positive number, got {args.device_memory_gb}")
     link, link_how = choose_links(args, summary)
     cal = calibrate(summary, spec, source=str(run_dir))
-    fit_on = [(d, s, cores_shared_by(s), n1_beside(Path(d), s)) for d in args.fit or [] for s in [read_run(Path(d))[0]]]
+    fit_on = [(d, s, cores_shared_by(s), n1_beside(Path(d), s)) for d in getattr(args, "fit", None) or [] for s in [read_run(Path(d))[0]]]
     if fit_on:
         cal = fit_host_costs(cal, fit_on)
     if getattr(args, "meshes", False) and summary.get("framework") == "mlx":
