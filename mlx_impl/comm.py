@@ -109,11 +109,13 @@ def collectives_of(group, stream, device: str) -> Collectives:
         mine = mx.array([value if rank == 0 else 0.0], dtype=mx.float32)
         return cast(float, mx.distributed.all_sum(mine, group=group, stream=stream).item())  # a float32 array
 
-    def group_all_reduce(group_size: int):
-        """An all-reduce over this rank's group of `group_size` consecutive ranks; None where the backend has no
-        split (the ring: "[ring] Group split not supported")."""
+    def group_all_reduce(group_size: int, across: bool = False):
+        """An all-reduce over this rank's group of `group_size` consecutive ranks, or across=True over the ranks
+        at its place in every such group; None where the backend has no split (the ring: "[ring] Group split not
+        supported")."""
+        place, machine = rank % group_size, rank // group_size
         try:
-            sub = group.split(rank // group_size, rank % group_size)
+            sub = group.split(place, machine) if across else group.split(machine, place)
         except (RuntimeError, ValueError):
             return None
 

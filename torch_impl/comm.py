@@ -143,9 +143,14 @@ def collectives_of(group, stream, device: str, finish=lambda: None) -> Collectiv
         dist.all_reduce(mine)
         return mine.item()
 
-    def group_all_reduce(group_size: int):
-        """An all-reduce over this rank's group of `group_size` consecutive ranks (every rank makes every group)."""
-        sub, _ = dist.new_subgroups(group_size)
+    def group_all_reduce(group_size: int, across: bool = False):
+        """An all-reduce over this rank's group of `group_size` consecutive ranks, or across=True over the ranks
+        at its place in every such group (every rank makes every group)."""
+        world = dist.get_world_size()
+        if across:
+            sub, _ = dist.new_subgroups_by_enumeration([list(range(p, world, group_size)) for p in range(group_size)])
+        else:
+            sub, _ = dist.new_subgroups(group_size)
 
         def all_reduce_in_group(x) -> None:
             dist.all_reduce(x, group=sub)

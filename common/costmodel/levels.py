@@ -8,6 +8,11 @@ carries, at once, the traffic of every group of the axis that has a rank on it (
 both dp groups cross at the same time, each at half the card's rate). The ring's slowest hop sets its pace, so the
 whole collective runs at that shared rate; the latency per hop is the outer link's.
 
+Where the job measured those shared groups themselves (`across`: one rank per machine in each group, all groups at
+once, common/costmodel/probe.py), a shared axis takes its rate from them rather than from the whole job's
+all-reduce divided by the sharing: a backend's all-reduce need not move as many bytes a second per hop over two
+ranks as over all of them (MPI's does not: docs/scaling.md, "Sitting 13").
+
 The rank layout is the mesh's (tp innermost, pp outermost), so tp lands inside a machine wherever it fits and pp
 across machines: the level an axis gets follows from where its ranks are, never from its name.
 """
@@ -22,10 +27,12 @@ from common.parallel.mesh import Mesh
 
 @dataclass(frozen=True)
 class TwoLevelLink:
-    """A fast link inside each machine of `group_size` consecutive ranks, a slow one between machines."""
+    """A fast link inside each machine of `group_size` consecutive ranks, a slow one between machines; `across`,
+    where measured, is the outer link as each of `group_size` groups crossing it at once saw it."""
     inner: Link
     outer: Link
     group_size: int
+    across: Link | None = None
 
     def __post_init__(self):
         if self.group_size < 1:
@@ -37,7 +44,8 @@ class TwoLevelLink:
 
     @property
     def source(self) -> str:
-        return f"inside: {self.inner.source}; between: {self.outer.source}"
+        across = f"; shared between: {self.across.source}" if self.across else ""
+        return f"inside: {self.inner.source}; between: {self.outer.source}{across}"
 
 
 Links = Link | TwoLevelLink
@@ -64,7 +72,12 @@ def axis_link(links: Links, mesh: Mesh, axis: str) -> AxisLink:
     machines = -(-mesh.size // per_machine)
     share = max(sum(1 for g in axis_groups if any(rank // per_machine == m for rank in g)) for m in range(machines))
     outer = links.outer
-    if share > 1:
+    if share > 1 and links.across is not None:  # measured shared by group_size: the card's rate is that times it
+        scale = links.group_size / share
+        outer = replace(links.across, name=f"{outer.name} shared by {share}",
+                        bandwidth_Bps=links.across.bandwidth_Bps * scale,
+                        gather_bandwidth_Bps=outer.gather_bandwidth_Bps / share if outer.gather_bandwidth_Bps else None)
+    elif share > 1:
         outer = replace(outer, name=f"{outer.name} shared by {share}", bandwidth_Bps=outer.bandwidth_Bps / share,
                         gather_bandwidth_Bps=outer.gather_bandwidth_Bps / share if outer.gather_bandwidth_Bps else None)
     # Point to point (a pipeline), each boundary between neighbouring coordinates is its own hop: pp x4 on machines
@@ -96,4 +109,12 @@ def links_from_record(record: dict | None, framework: str = "", backend: str = "
     inner = link_from_record({**inner_record, "allreduce": inner_record.get("allreduce")
                               if (inner_record.get("allreduce") or {}).get("bandwidth_Bps") else None},
                              framework, backend)
-    return TwoLevelLink(inner, outer, int(record["group_size"])) if inner else outer
+    across_record = record.get("allreduce_across") or {}
+    across = None
+    if across_record.get("bandwidth_Bps") and across_record.get("latency_s") is not None:
+        across = Link.from_allreduce(outer.name, across_record["latency_s"], across_record["bandwidth_Bps"],
+                                     across_record.get("world_size") or 2,
+                                     f"the job's {across_record.get('backend', backend)} all-reduce across machines, "
+                                     f"{across_record.get('concurrent', record['group_size'])} groups at once, "
+                                     "measured at its start")
+    return TwoLevelLink(inner, outer, int(record["group_size"]), across) if inner else outer

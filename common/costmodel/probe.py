@@ -39,8 +39,10 @@ class Collectives:
     finish: Callable[[], None] = lambda: None
     all_gather: Callable[[object], None] | None = None  # gathers every rank's buffer, returns when done
     # An all-reduce over this rank's group of `group_size` consecutive ranks (every group at once), for the inner
-    # level of a two-level link; None where the backend cannot split its group (MLX's ring). Every rank calls it.
-    group_all_reduce: Callable[[int], Callable[[object], None] | None] | None = None
+    # level of a two-level link, or with across=True over the ranks at this rank's place in every group (one rank
+    # per machine: the groups that cross the slow link at once, as an outer mesh axis's do); None where the backend
+    # cannot split its group (MLX's ring). Every rank calls it.
+    group_all_reduce: Callable[[int, bool], Callable[[object], None] | None] | None = None
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -141,18 +143,26 @@ def probe_allreduce(c: Collectives, backend: str, op: str = "all_reduce") -> dic
     return {"backend": backend, "world_size": c.size, **fit(results)}
 
 
-def probe_group_allreduce(c: Collectives, backend: str, group_size: int) -> dict:
-    """The inner level of a two-level link: every group of `group_size` consecutive ranks all-reduces inside
-    itself at once (as an inner mesh axis does), timed as probe_allreduce times the whole job's, the ranks
-    started together by the whole job's barrier. `world_size` is the group's size, as the cost model inverts it;
+def probe_group_allreduce(c: Collectives, backend: str, group_size: int, across: bool = False) -> dict:
+    """One level of a two-level link, as its mesh axes use it, every group at once, the ranks started together
+    by the whole job's barrier and timed as probe_allreduce times the whole job's:
+    - inside (across=False): each group of `group_size` consecutive ranks all-reduces inside itself, as an inner
+      axis does; `world_size` is the group's size;
+    - across (across=True): the ranks at the same place in every group all-reduce together, `group_size` such
+      groups at once, each crossing the slow link and sharing each machine's card, as an outer axis does (dp=2 x
+      tp=2 on two machines of two: both dp groups). `world_size` is the number of machines, `concurrent` the groups
+      that share a card. MPI all-reduces two ranks more slowly per hop than four (docs/scaling.md, "Sitting 13"),
+      so the whole job's all-reduce over N ranks, divided by the sharing, is not what those groups see.
     `note` says why nothing was measured where the backend cannot split its group."""
-    split = c.group_all_reduce(group_size) if c.group_all_reduce is not None else None
+    ranks = c.size // group_size if across else group_size
+    split = c.group_all_reduce(group_size, across) if c.group_all_reduce is not None else None
     if split is None:
-        return {"backend": backend, "world_size": group_size, "latency_s": None, "bandwidth_Bps": None,
+        return {"backend": backend, "world_size": ranks, "latency_s": None, "bandwidth_Bps": None,
                 "note": f"not measured: {backend} cannot split its group (the TCP probe's figures stand)"}
     grouped = Collectives(c.rank, c.size, c.device, c.buffer, split, c.from_rank0)
     try:
-        return {**probe_allreduce(grouped, backend), "world_size": group_size}
+        return {**probe_allreduce(grouped, backend), "world_size": ranks,
+                **({"concurrent": group_size} if across else {})}
     finally:
         del grouped, split  # MLX: a sub-group is freed before MPI finalizes, or the process aborts at exit
 

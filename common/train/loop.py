@@ -185,6 +185,9 @@ def setup_run(run_dir: Path, world: World, trainer_cls: TrainerClass) -> Run:
         if cfg.group_size and cfg.link_inner:  # two levels: the link inside each group too (docs/links.md)
             status.update(force=True, allreduce_inner=probe_group_allreduce(collectives, cfg.resolved_backend,
                                                                             cfg.group_size))
+            if 1 < cfg.group_size < world.size:  # and the groups that cross machines at once, as outer axes do
+                status.update(force=True, allreduce_across=probe_group_allreduce(
+                    collectives, cfg.resolved_backend, cfg.group_size, across=True))
     global _rescue
     if cfg.max_restarts and world.size > 1 and strategy_layout.state_survives_a_lost_rank:
         _rescue = Rescue(run_dir, rank, saver(run_dir, spec, {**fingerprints, "framework": trainer.framework},

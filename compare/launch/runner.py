@@ -342,6 +342,8 @@ def summarize(cfg: RunConfig, run_dir: Path, argv: list[str], blas: str, wall_s:
         summary["link"] = {**link, "allreduce": rank0.get("allreduce")}
         if "inner" in link:  # two levels: the ranks' all-reduce inside their groups (None where they cannot split)
             summary["link"]["inner"] = {**link["inner"], "allreduce": rank0.get("allreduce_inner")}
+            # and across: one rank per machine in each group, every group at once (None where they cannot split)
+            summary["link"]["allreduce_across"] = rank0.get("allreduce_across")
         if rank0.get("allgather"):  # fsdp's own all-gather (common/parallel/fsdp.py measures_all_gather)
             summary["link"]["allgather"] = rank0["allgather"]
     if "pp_bubble_analytic" in rank0:  # pp (common/parallel/pipeline.py): each stage's idle fraction and what it held

@@ -354,6 +354,10 @@ def link_line(r: dict) -> str:
     line = f"{r['label']}: {link['note']}; measured {level_figures(link)}"
     if link.get("inner"):
         line += f"; inside a group {level_figures(link['inner'])}"
+    across = link.get("allreduce_across") or {}
+    if across.get("bandwidth_Bps"):  # one rank per machine in each group, every group at once (levels.py)
+        line += (f"; across machines, {across.get('concurrent')} groups at once, "
+                 f"{level_figures({'allreduce': across})}")
     return line
 
 

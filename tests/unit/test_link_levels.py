@@ -89,6 +89,26 @@ def test_a_two_level_runs_record_gives_both_levels_and_an_unsplit_inner_level_fa
     assert links_from_record(record).inner.bandwidth_Bps == 1.2e8  # the TCP probe's
 
 
+def test_a_shared_outer_axis_takes_the_rate_its_groups_measured_crossing_at_once_and_an_unshared_one_the_jobs():
+    """Sitting 13 (docs/scaling.md): MPI's whole-job all-reduce over 4 ranks put the 100 Mbit/s hop at 12 MB/s,
+    but its two 2-rank groups crossing at once moved 4 MB/s each, not 12 / 2."""
+    record = {"requested": "100mbit", "allreduce": {"world_size": 4, "latency_s": 6e-4, "bandwidth_Bps": 8e6},
+              "group_size": 2, "inner": {"requested": "1gbit", "tcp_bandwidth_Bps": 1.2e8, "tcp_latency_s": 3e-5},
+              "allreduce_across": {"world_size": 2, "concurrent": 2, "latency_s": 4e-4, "bandwidth_Bps": 4e6}}
+    links = links_from_record(record)
+    assert isinstance(links, TwoLevelLink) and links.across is not None
+    assert levels("dp=2,tp=2", links)["dp"] == ("outer", 2, pytest.approx(4e6))  # the groups' own: 2 ranks, 1 hop
+    assert axis_link(links, Mesh.parse("dp=2,tp=2"), "dp").link.hop_latency_s == pytest.approx(4e-4 / 2)
+    assert levels("dp=4", links)["dp"] == ("outer", 1, pytest.approx(8e6 * 6 / 4))  # one ring: the whole job's
+    assert "2 groups at once" in links.source
+    # machines of 4, an axis shared by 2 of the 4 groups measured at once: the card's rate, 4 x 4 MB/s, halved
+    four = TwoLevelLink(FAST, SLOW, 4, across=Link("across", 1e-4, 4e6))
+    assert levels("dp=4,tp=2", four)["dp"] == ("outer", 2, pytest.approx(8e6))
+    record["allreduce_across"] = {"world_size": 2, "latency_s": None, "bandwidth_Bps": None, "note": "ring"}
+    assert links_from_record(record).across is None
+    assert levels("dp=2,tp=2", links_from_record(record))["dp"] == ("outer", 2, pytest.approx(8e6 * 6 / 4 / 2))
+
+
 def test_the_plan_enumerates_every_factorisation_with_one_data_axis_in_rank_order():
     assert factorisations(1) == [()]
     assert {m for m in factorisations(4)} == {
