@@ -11,7 +11,7 @@ whole collective runs at that shared rate; the latency per hop is the outer link
 Where the job measured those shared groups themselves (`across`: one rank per machine in each group, all groups at
 once, common/costmodel/probe.py), a shared axis takes its rate from them rather than from the whole job's
 all-reduce divided by the sharing: a backend's all-reduce need not move as many bytes a second per hop over two
-ranks as over all of them (MPI's does not: docs/scaling.md, "Sitting 13").
+ranks as over all of them (MPI's does not, and the two differed by -29 to +45 %: docs/scaling.md, "Sitting 13").
 
 The rank layout is the mesh's (tp innermost, pp outermost), so tp lands inside a machine wherever it fits and pp
 across machines: the level an axis gets follows from where its ranks are, never from its name.

@@ -151,8 +151,9 @@ def probe_group_allreduce(c: Collectives, backend: str, group_size: int, across:
     - across (across=True): the ranks at the same place in every group all-reduce together, `group_size` such
       groups at once, each crossing the slow link and sharing each machine's card, as an outer axis does (dp=2 x
       tp=2 on two machines of two: both dp groups). `world_size` is the number of machines, `concurrent` the groups
-      that share a card. MPI all-reduces two ranks more slowly per hop than four (docs/scaling.md, "Sitting 13"),
-      so the whole job's all-reduce over N ranks, divided by the sharing, is not what those groups see.
+      that share a card. The whole job's all-reduce over N ranks, divided by the sharing, is not what those
+      groups see: MPI's over two ranks moves fewer bytes per hop than over four, and the two differed by -29 to
+      +45 % in docs/scaling.md's "Sitting 13".
     `note` says why nothing was measured where the backend cannot split its group."""
     ranks = c.size // group_size if across else group_size
     split = c.group_all_reduce(group_size, across) if c.group_all_reduce is not None else None

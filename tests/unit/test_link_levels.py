@@ -90,8 +90,8 @@ def test_a_two_level_runs_record_gives_both_levels_and_an_unsplit_inner_level_fa
 
 
 def test_a_shared_outer_axis_takes_the_rate_its_groups_measured_crossing_at_once_and_an_unshared_one_the_jobs():
-    """Sitting 13 (docs/scaling.md): MPI's whole-job all-reduce over 4 ranks put the 100 Mbit/s hop at 12 MB/s,
-    but its two 2-rank groups crossing at once moved 4 MB/s each, not 12 / 2."""
+    """Sitting 13 (docs/scaling.md): where MPI's whole-job all-reduce over 4 ranks put the 100 Mbit/s hop at
+    12 MB/s, its two 2-rank groups crossing at once can move 4 MB/s each, not 12 / 2."""
     record = {"requested": "100mbit", "allreduce": {"world_size": 4, "latency_s": 6e-4, "bandwidth_Bps": 8e6},
               "group_size": 2, "inner": {"requested": "1gbit", "tcp_bandwidth_Bps": 1.2e8, "tcp_latency_s": 3e-5},
               "allreduce_across": {"world_size": 2, "concurrent": 2, "latency_s": 4e-4, "bandwidth_Bps": 4e6}}
@@ -107,6 +107,20 @@ def test_a_shared_outer_axis_takes_the_rate_its_groups_measured_crossing_at_once
     record["allreduce_across"] = {"world_size": 2, "latency_s": None, "bandwidth_Bps": None, "note": "ring"}
     assert links_from_record(record).across is None
     assert levels("dp=2,tp=2", links_from_record(record))["dp"] == ("outer", 2, pytest.approx(8e6 * 6 / 4 / 2))
+
+
+def test_the_reports_link_line_gives_the_groups_crossing_at_once_beside_both_levels():
+    from compare.report.render import link_line
+
+    link = {"note": "two machines", "tcp_bandwidth_Bps": 12e6, "allreduce": {"world_size": 4, "latency_s": 6e-4,
+                                                                            "bandwidth_Bps": 8e6},
+            "inner": {"tcp_bandwidth_Bps": 1.2e8},
+            "allreduce_across": {"world_size": 2, "concurrent": 2, "latency_s": 4e-4, "bandwidth_Bps": 4e6}}
+    line = link_line({"label": "mlx dp2xtp2 x4", "link": link})
+    assert "its all-reduce 8.0 MB/s over 4 ranks (96 Mbit/s per hop)" in line
+    assert line.endswith("across machines, 2 groups at once, its all-reduce 4.0 MB/s over 2 ranks (32 Mbit/s per hop)")
+    del link["allreduce_across"]
+    assert "across machines" not in link_line({"label": "x", "link": link})
 
 
 def test_the_plan_enumerates_every_factorisation_with_one_data_axis_in_rank_order():
