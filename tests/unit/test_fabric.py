@@ -59,3 +59,31 @@ def test_an_all_gather_probe_gives_each_rank_its_part_and_fits_the_gathered_size
     assert [r["size_bytes"] for r in gathered] == [4096, 2**22]
     g, r = fit(gathered), fit(reduced)
     assert g["bandwidth_Bps"] == pytest.approx(2 * r["bandwidth_Bps"], rel=0.25)
+
+
+def test_two_levels_time_each_group_inside_and_the_groups_across_machines_each_at_its_own_rate():
+    """common/costmodel/probe.py's probe_group_allreduce: inside, every group of consecutive ranks at once; across,
+    the ranks at one place in every group (one per machine), `concurrent` such groups sharing each machine's
+    card. A rank's Collectives is asked for the split it needs; a backend that cannot split says so."""
+    from common.costmodel.probe import probe_group_allreduce
+    asked = []
+    inside, across = FakeLink(1e-4, 1e9), FakeLink(1e-4, 2.5e8)  # the slow hop, shared
+
+    def group_all_reduce(group_size, across_machines=False):
+        asked.append((group_size, across_machines))
+        return (across if across_machines else inside).collectives().all_reduce
+
+    c = FakeLink(1e-4, 5e8).collectives()
+    c = Collectives(rank=0, size=4, device="cpu", buffer=c.buffer, all_reduce=c.all_reduce, from_rank0=c.from_rank0,
+                    group_all_reduce=group_all_reduce)
+    got_inside = probe_group_allreduce(c, "mpi", 2)
+    got_across = probe_group_allreduce(c, "mpi", 2, across=True)
+    assert asked == [(2, False), (2, True)]
+    assert got_inside["world_size"] == 2 and "concurrent" not in got_inside
+    assert got_across["world_size"] == 2 and got_across["concurrent"] == 2  # 4 ranks: 2 machines, 2 groups at once
+    assert got_inside["bandwidth_Bps"] == pytest.approx(1e9, rel=0.3)
+    assert got_across["bandwidth_Bps"] == pytest.approx(2.5e8, rel=0.3)
+    ring = Collectives(rank=0, size=4, device="cpu", buffer=c.buffer, all_reduce=c.all_reduce, from_rank0=c.from_rank0,
+                       group_all_reduce=lambda group_size, across_machines=False: None)
+    unsplit = probe_group_allreduce(ring, "ring", 2, across=True)
+    assert unsplit["bandwidth_Bps"] is None and "cannot split" in unsplit["note"] and unsplit["world_size"] == 2
