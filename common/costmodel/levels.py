@@ -72,13 +72,10 @@ def axis_link(links: Links, mesh: Mesh, axis: str) -> AxisLink:
     machines = -(-mesh.size // per_machine)
     share = max(sum(1 for g in axis_groups if any(rank // per_machine == m for rank in g)) for m in range(machines))
     outer = links.outer
-    if share > 1 and links.across is not None:  # measured shared by group_size: the card's rate is that times it
-        scale = links.group_size / share
-        outer = replace(links.across, name=f"{outer.name} shared by {share}",
-                        bandwidth_Bps=links.across.bandwidth_Bps * scale,
-                        gather_bandwidth_Bps=outer.gather_bandwidth_Bps / share if outer.gather_bandwidth_Bps else None)
-    elif share > 1:
-        outer = replace(outer, name=f"{outer.name} shared by {share}", bandwidth_Bps=outer.bandwidth_Bps / share,
+    if share > 1:  # the card's rate, shared: measured by group_size groups at once where the job timed them
+        base, card_Bps = ((links.across, links.across.bandwidth_Bps * links.group_size) if links.across
+                          else (outer, outer.bandwidth_Bps))
+        outer = replace(base, name=f"{outer.name} shared by {share}", bandwidth_Bps=card_Bps / share,
                         gather_bandwidth_Bps=outer.gather_bandwidth_Bps / share if outer.gather_bandwidth_Bps else None)
     # Point to point (a pipeline), each boundary between neighbouring coordinates is its own hop: pp x4 on machines
     # of two crosses machines between stages 1 and 2 only, and its other boundaries stay inside a machine.

@@ -68,10 +68,10 @@ def test_a_two_level_link_carries_each_levels_rate_and_leaves_no_namespace(shape
     """torch x4 in two groups of two (compare/launch/topology.py): the ranks' own all-reduce inside each group
     and across the groups, each turned into its per-hop rate by the ring formula, is within 20 % of that level's
     shaped rate (the issue's bar), and so is the launcher's TCP probe of each; the groups crossing at once get
-    about half the outer rate each. At the issue's 1gbit inside and
-    100mbit between, measured at load 1-7: 953 and 956 Mbit/s per hop, TCP 958 and 97 (AMD EPYC Zen 4, 2 cores);
-    but at load 14 gloo's 1gbit all-reduce was CPU-bound at 723 Mbit/s, and at 400mbit 210, so the test shapes
-    250mbit inside (243 per hop, TCP 239 at load 15). 100mbit between measured 81-102 per hop over five runs at
+    about half the outer rate each. At the issue's 1gbit inside and 100mbit between, measured at load 1-7: 953
+    and 956 Mbit/s per hop, TCP 958 and 97 (AMD EPYC Zen 4, 2 cores); but at load 14 gloo's 1gbit all-reduce was
+    CPU-bound at 723 Mbit/s, and at 400mbit 210, so the test shapes 250mbit inside (243 per hop, TCP 239 at load
+    15). 100mbit between measured 81-102 per hop over five runs at
     load 7-16. Not slower: at 50mbit only the 1 MiB size fit the probe's 5 s, and gave 28 Mbit/s per hop
     (gloo's algorithm for that size crosses the uplink twice). Two steps, no profile rounds: the link is judged.
     16 s for the run on a quiet machine, 98 s at load 15 with a cold cache. The run (integration/runs.py's
