@@ -72,8 +72,8 @@ def test_a_two_level_link_carries_each_levels_rate_and_leaves_no_namespace(shape
     and 956 Mbit/s per hop, TCP 958 and 97 (AMD EPYC Zen 4, 2 cores); but at load 14 gloo's 1gbit all-reduce was
     CPU-bound at 723 Mbit/s, and at 400mbit 210. 250mbit inside gave 243 per hop (TCP 239) at load 15, but in one
     CI of stop 51 183 (TCP 241): at that rate 32 MiB does not fit the probe's 5 s, and gloo's 4 MiB all-reduce on
-    2 busy cores is CPU-bound. So the test shapes 200mbit inside: 194 and 193 per hop (TCP 193), from 4 MiB too. 100mbit between measured 81-102 per hop over five runs at
-    load 7-16. Not slower: at 50mbit only the 1 MiB size fit the probe's 5 s, and gave 28 Mbit/s per hop
+    2 busy cores is CPU-bound. So the test shapes 200mbit inside: 194 and 193 per hop (TCP 193), from 4 MiB too.
+    100mbit between measured 81-102 per hop over five runs at load 7-16. Not slower: at 50mbit only the 1 MiB size fit the probe's 5 s, and gave 28 Mbit/s per hop
     (gloo's algorithm for that size crosses the uplink twice). Two steps, no profile rounds: the link is judged.
     16 s for the run on a quiet machine, 98 s at load 15 with a cold cache. The run (integration/runs.py's
     TWO_LEVEL_ARGS) is trained with the shaped-link compare, alone before the xdist workers start."""
