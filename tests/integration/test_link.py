@@ -13,7 +13,7 @@ import pytest
 from helpers import dpcompare, namespaces, skip_unless_links, summary
 from integration.runs import LINK_RATE, LINK_RATE_BPS
 
-RATE, RATE_BPS = "400mbit", 400e6
+RATE, RATE_BPS = "250mbit", 250e6
 # The issue's target for the cost model. Measured here: -1.3 % and -0.5 % (torch x2, tiny, 100mbit: 63.5 ms
 # measured, 62.7 and 63.1 predicted; AMD EPYC Zen 5, 2 cores); small over 1gbit and 200mbit: -4 % to +6 %
 # (docs/scaling.md).
@@ -22,22 +22,24 @@ TOLERANCE = 0.15
 
 @pytest.mark.slow
 def test_a_shaped_link_carries_a_32_mb_all_reduce_within_20_percent_of_its_rate(cache_dir, tmp_path):
-    """A 40 s time budget: with 32 s, under the other xdist worker's load, torch's start-up left gloo too little
-    of its share and its sweep stopped at 1 MB (the default 55 s took 36 s here: the jobs fill their shares,
-    up to --max-calls per size; 5 calls of 32 MB give the median).
-    The figures are read from --out, not from the table's two decimals (0.05 GB/s at this rate)."""
+    """250mbit, not 400: in one CI of stop 51, beside the other xdist worker's tests on 2 cores, gloo's 32 MB
+    all-reduce was CPU-bound at 296 Mbit/s over 400mbit (-26 %). At 250mbit, beside test_axes.py: gloo 237 and
+    236, MLX's ring 218 and 225 (AMD EPYC Zen 4). A 50 s time budget (40 s at 400mbit; with 32 s, under the
+    other worker's load, torch's start-up left gloo too little of its share and its sweep stopped at 1 MB): the
+    jobs fill their shares, up to --max-calls per size; 5 calls of 32 MB give the median. 26-27 s here.
+    The figures are read from --out, not from the table's two decimals (0.03 GB/s at this rate)."""
     skip_unless_links()
     figures = tmp_path / "fabric.json"
     proc = dpcompare("doctor", "--fabric", "--link", RATE, "--backend", "ring,gloo", "--max-mb", 32,
-                     "--max-calls", 5, "--time-budget-s", 40, "--out", figures, cache_dir=cache_dir, timeout=120)
+                     "--max-calls", 5, "--time-budget-s", 50, "--out", figures, cache_dir=cache_dir, timeout=120)
     print(proc.stdout)
-    assert "emulated 400 Mbit/s link" in proc.stdout and "delay cannot be shaped" in proc.stdout
+    assert f"emulated {RATE_BPS / 1e6:.0f} Mbit/s link" in proc.stdout and "delay cannot be shaped" in proc.stdout
     rows = {f"{b['framework']} {b['backend']}": b for b in json.loads(figures.read_text())["backends"]}
     assert set(rows) == {"mlx ring", "torch gloo"}, proc.stdout
     for name, row in rows.items():
         assert row["error"] is None and row["large_bytes"] == 32 * 2**20, (name, proc.stdout)
         # At N=2 a ring all-reduce sends each rank's whole buffer once each way: its algorithm bandwidth is
-        # the link's. Measured here: 0.05 GB/s for both at 400mbit (AMD EPYC Zen 5, 2 cores).
+        # the link's.
         assert abs(row["bandwidth_Bps"] * 8 - RATE_BPS) <= 0.2 * RATE_BPS, (name, row["bandwidth_Bps"], proc.stdout)
 
 
