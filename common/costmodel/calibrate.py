@@ -48,6 +48,9 @@ class Calibration:
     host_s_per_byte: dict = field(default_factory=dict)
     fitted_on: dict = field(default_factory=dict)
     host_s_per_call: dict = field(default_factory=dict)
+    # Where the step is predicted, not measured: ranks per core's worth of threads (predict.py's cores_shared_by).
+    # A pipeline's slot is a piece's compute as it runs there (common/parallel/pp.py); 1 for the run itself.
+    cores_shared_by: float = 1.0
 
     @property
     def host_s_fitted(self) -> dict:

@@ -78,7 +78,8 @@ def fit_one(cal: Calibration, s: dict, source: str, cores_shared_by: float = 1.0
     link = links_from_record(s.get("link"), w.framework, backend) or loopback_link(backend)
     lay = layout(strategy, n)
     axis = lay.axis_name
-    bare = replace(cal, host_s_per_byte={**cal.host_s_per_byte, axis: 0.0}, host_s_per_call={**cal.host_s_per_call, axis: 0.0})
+    bare = replace(cal, host_s_per_byte={**cal.host_s_per_byte, axis: 0.0}, host_s_per_call={**cal.host_s_per_call, axis: 0.0},
+                   cores_shared_by=cores_shared_by)
     p = predict(bare, strategy, n, link, backend=backend, cores_shared_by=cores_shared_by)
     moved = lay.host_quantity(p.collectives, w.framework)
     if not moved:

@@ -2,7 +2,7 @@
 (the equations: common/costmodel/__init__.py; each strategy's terms: its object in common/parallel/)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from common.costmodel.axes import AxisTime, axis_times, exposed_comm_s
 from common.costmodel.calibrate import Calibration
@@ -53,6 +53,7 @@ def predict(cal: Calibration, strategy: str, n: int, link: Links | None, device_
     rank has its own (a cluster, the plan's assumption 2)."""
     lay = layout(strategy, n, mesh)
     lay.check(cal.workload.spec)
+    cal = replace(cal, cores_shared_by=cores_shared_by)  # where the exposure rules' compute runs (pp's slot)
     w = cal.workload
     backend = backend or cal.backend
     compute = ((cal.forward_s + cal.backward_s) * lay.work_fraction(w)

@@ -15,9 +15,11 @@ Its cost (common/costmodel/, docs/scaling.md):
                the tied gradient (V x dim, float32) over the embedding group, the first and the last stage
                (common/parallel/embedding_group.py), after the backward: on the critical path
     memory     the first stage's blocks' activations, for every piece of a micro-step (as gpipe keeps them)
-    exposed    only the critical path: a piece's slot is its stage compute, or 2 t_send of the slowest boundary
-               when that is slower (an activation and a gradient per piece cross every boundary; 1 t_send, as
-               if the two directions overlapped, put 66 of 108 kept runs within 20 % against 72); fill and
+    exposed    only the critical path: a piece's slot is the rank's own compute of it (in a mesh its data
+               rank's rows and its share of the blocks, on shared cores as long as it runs there), or 2 t_send
+               of the slowest boundary when that is slower (an activation and a gradient per piece cross every
+               boundary; 1 t_send, as if the two directions overlapped, put 66 of 108 kept runs within 20 %
+               against 72, before the slot was the rank's own: docs/scaling.md, "Sitting 14"); fill and
                drain add 2 t_send per boundary per micro-step, each boundary at its own link (over two levels
                pp x4 on machines of two crosses one slow hop of three); the tied gradient's all-reduce (2
                ranks) adds its whole time. Nothing else overlaps.
@@ -88,6 +90,13 @@ class PpLayout(Layout):
         m = w.pp_microbatches
         return slowest / total * (m + n - 1) / m
 
+    def rank_work_fraction(self, w: Workload) -> float:
+        """What one rank of a stage computes, the bubble included: in a mesh its stage's blocks are split over
+        the tp axis and its rows are the data axis's slice (composed.py's work_fraction), so a piece's slot is
+        that much shorter than the stage's whole piece; alone, the stage's work_fraction."""
+        tp = self.mesh.axis("tp") if self.mesh.has("tp") else 1
+        return self.stage_work_fraction(w, block_split=tp) / self.dp_size
+
     def busy_fraction(self, w: Workload) -> float:
         """The slowest stage's share without the bubble: its idle slots leave the core to other ranks."""
         return self.work_fraction(w) * w.pp_microbatches / (w.pp_microbatches + self.ranks - 1)
@@ -132,7 +141,8 @@ class PpLayout(Layout):
         if not colls or link is None:
             return super().exposed_comm_s(cal, colls, link, comm_s)
         w, n = cal.workload, self.ranks
-        compute_fwd_bwd_s = (cal.forward_s + cal.backward_s) * self.work_fraction(w)
+        # a piece's slot: the rank's own compute (its rows, its blocks' share), as long as it runs on shared cores
+        compute_fwd_bwd_s = (cal.forward_s + cal.backward_s) * self.rank_work_fraction(w) * cal.cores_shared_by
         sends, m = [hop.send_s(colls[0].nbytes, n) for hop in link.stage_hops or (link,) * (n - 1)], w.pp_microbatches
         slot_s = compute_fwd_bwd_s / (w.grad_accum * (m + n - 1))
         # the tied gradient's all-reduce between the backward and the optimizer: nothing to hide it behind

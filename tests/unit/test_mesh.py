@@ -1,11 +1,14 @@
 """--mesh: named axes in one canonical order (pp, data, tp), the groups that share each axis, and the composed
 Layout (common/parallel/composed.py) answering what the one-axis objects answer."""
 import math
+from dataclasses import replace
 
 import pytest
-from costmodel_fixtures import SPEC
+from costmodel_fixtures import SPEC, summary
 
 from common.config import RunConfig
+from common.costmodel.calibrate import calibrate
+from common.costmodel.links import Link
 from common.costmodel.workload import Workload
 from common.errors import UserError
 from common.model.spec import ModelSpec
@@ -117,6 +120,31 @@ def test_three_axes_are_a_pipeline_of_tp_split_stages_per_dp_replica():
         abs=4)
     with pytest.raises(UserError, match="composing pp x fsdp x tp is not supported; supported meshes: .*pp x dp x tp"):
         layout("mesh", 8, "pp=2,fsdp=2,tp=2").check(TINY)
+
+
+def test_a_replicas_pipeline_waits_as_a_pipeline_alone_on_that_replicas_rows():
+    """pp=2,dp=2 at a global batch of 32 is, on each dp replica, pp x2 at 16: the same pieces cross each boundary
+    and each piece's slot is the rank's own compute, half the stage's whole-batch work. Over a link where a
+    piece's two sends outlast its slot, a slot counted at the whole batch hid half the wait (MLX's pipelines over
+    two levels with a core per rank ran 17-37 % slower than predicted, docs/scaling.md "Sitting 14"). Where ranks
+    share cores the slot is as long as the piece's compute runs there."""
+    cal = calibrate(summary("torch", 1), TINY)
+    w = replace(cal.workload, global_batch_size=32, pp_microbatches=4)
+    whole = replace(cal, workload=w, forward_s=0.2, backward_s=0.4)
+    half = replace(whole, workload=replace(w, global_batch_size=16), forward_s=0.1, backward_s=0.2)
+    piece = layout("pp", 2).collectives(half.workload)[0].nbytes
+    slot = (half.forward_s + half.backward_s) * layout("pp", 2).work_fraction(half.workload) / 5
+    link = Link("slow", 0.0, piece / (0.75 * slot))  # a piece's two sends take 1.5 slots: its length shows
+    mesh = layout("mesh", 4, "pp=2,dp=2")
+    (pp_axis,) = [a for a in mesh.axis_collectives(w) if a.axis == "pp"]
+    assert pp_axis.collectives[0].nbytes == piece
+    waited = mesh.axis_exposed_comm_s(whole, pp_axis, link, 0.0)
+    assert waited == pytest.approx(layout("pp", 2).exposed_comm_s(half, layout("pp", 2).collectives(half.workload),
+                                                                   link, 0.0), rel=1e-12)
+    assert waited == pytest.approx(5 * 0.5 * slot + 2 * 0.75 * slot, rel=1e-9)  # 5 slots half a slot over; fill, drain
+    # four ranks on two cores: each piece's compute takes twice as long, and the sends hide behind it
+    shared = mesh.axis_exposed_comm_s(replace(whole, cores_shared_by=2.0), pp_axis, link, 0.0)
+    assert shared == pytest.approx(2 * 0.75 * slot, rel=1e-9)  # fill and drain only
 
 
 def test_the_estimate_is_what_rank_0_counts_on_each_axis():
