@@ -159,7 +159,7 @@ class MeshLayout(Layout):
         if self.tp_stages:  # (pp x dp x tp: each dp replica's pipeline on its share of the rows)
             pp = self.parts["pp"]
             assert isinstance(pp, PpLayout)
-            return pp.stage_work_fraction(w, block_split=self.mesh.axis("tp")) / self.dp_size
+            return pp.rank_work_fraction(w)
         model = self.model_part.work_fraction(w) if self.model_part is not None else 1.0
         return model / self.dp_size
 
