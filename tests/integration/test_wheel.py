@@ -62,12 +62,14 @@ def test_the_wheel_in_a_fresh_venv_compares_from_a_scratch_directory_with_a_rela
     ours, theirs = (subprocess.run([python, "-c", site], capture_output=True, text=True, check=True).stdout.strip()
                     for python in (venv / "bin" / "python", sys.executable))
     (Path(ours) / "_dpcompare_test_deps.pth").write_text(theirs + "\n")  # the third-party packages (docstring)
+    # Without the checkout on PYTHONPATH (a developer's shell may set it): pip would find its dpcompare.egg-info
+    # there, call the wheel installed and write no `dpcompare` script.
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     install = subprocess.run([venv / "bin" / "python", "-m", "pip", "install", "--quiet", "--no-compile", "-c",
-                              ROOT / "constraints.txt", wheel], capture_output=True, text=True)
+                              ROOT / "constraints.txt", wheel], capture_output=True, text=True, env=env)
     assert install.returncode == 0, install.stderr[-3000:]
     scratch = tmp_path / "scratch"
     scratch.mkdir()
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(DPCOMPARE_CACHE=str(cache_dir), PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}")
 
     def dpcompare(*args):
