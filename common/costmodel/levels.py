@@ -28,11 +28,14 @@ from common.parallel.mesh import Mesh
 @dataclass(frozen=True)
 class TwoLevelLink:
     """A fast link inside each machine of `group_size` consecutive ranks, a slow one between machines; `across`,
-    where measured, is the outer link as each of `group_size` groups crossing it at once saw it."""
+    where measured, is the outer link as each of `group_size` groups crossing it at once saw it (rank 0's figures),
+    `across_last` the same calls' slowest rank, call by call (probe.py's last_rank_fit): what a collective of those
+    groups waits for (Link.last_rank)."""
     inner: Link
     outer: Link
     group_size: int
     across: Link | None = None
+    across_last: Link | None = None
 
     def __post_init__(self):
         if self.group_size < 1:
@@ -44,7 +47,7 @@ class TwoLevelLink:
 
     @property
     def source(self) -> str:
-        across = f"; shared between: {self.across.source}" if self.across else ""
+        across = f"; shared between: {(self.across_last or self.across).source}" if self.across else ""
         return f"inside: {self.inner.source}; between: {self.outer.source}{across}"
 
 
@@ -75,8 +78,14 @@ def axis_link(links: Links, mesh: Mesh, axis: str) -> AxisLink:
     if share > 1:  # the card's rate, shared: measured by group_size groups at once where the job timed them
         base, card_Bps = ((links.across, links.across.bandwidth_Bps * links.group_size) if links.across
                           else (outer, outer.bandwidth_Bps))
+        gather_Bps = outer.gather_bandwidth_Bps / share if outer.gather_bandwidth_Bps else None
         outer = replace(base, name=f"{outer.name} shared by {share}", bandwidth_Bps=card_Bps / share,
-                        gather_bandwidth_Bps=outer.gather_bandwidth_Bps / share if outer.gather_bandwidth_Bps else None)
+                        gather_bandwidth_Bps=gather_Bps)
+        if links.across_last:  # what the groups' collectives wait for: their slowest rank, call by call
+            outer = replace(outer, last_rank=replace(
+                links.across_last, name=f"{outer.name}, its slowest rank",
+                bandwidth_Bps=links.across_last.bandwidth_Bps * links.group_size / share,
+                gather_hop_latency_s=outer.gather_hop_latency_s, gather_bandwidth_Bps=gather_Bps))
     # Point to point (a pipeline), each boundary between neighbouring coordinates is its own hop: pp x4 on machines
     # of two crosses machines between stages 1 and 2 only, and its other boundaries stay inside a machine.
     crosses = [any(g[b] // per_machine != g[b + 1] // per_machine for g in axis_groups)
@@ -114,4 +123,9 @@ def links_from_record(record: dict | None, framework: str = "", backend: str = "
                                      f"the job's {across_record.get('backend', backend)} all-reduce across machines, "
                                      f"{across_record.get('concurrent', record['group_size'])} groups at once, "
                                      "measured at its start")
-    return TwoLevelLink(inner, outer, int(record["group_size"]), across) if inner else outer
+    last = across_record.get("last_rank") or {}
+    across_last = None
+    if across is not None and last.get("bandwidth_Bps") and last.get("latency_s") is not None:
+        across_last = Link.from_allreduce(outer.name, last["latency_s"], last["bandwidth_Bps"],
+                                          across_record.get("world_size") or 2, across.source + ", its slowest rank")
+    return TwoLevelLink(inner, outer, int(record["group_size"]), across, across_last) if inner else outer

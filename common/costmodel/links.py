@@ -49,6 +49,12 @@ class Link:
     # A pipeline's boundaries in stage order where they cross different links (a two-level link: levels.py);
     # empty where every boundary is this link. A pipeline's sends cross one boundary each, not the slowest one.
     stage_hops: tuple["Link", ...] = ()
+    # Where several groups cross this link at once (an outer mesh axis, levels.py): the same calls as their slowest
+    # rank saw them. A collective's groups are tied together (by tp inside each machine, or by the step's next
+    # sync), so each call waits for the last of them: MLX's and torch's dp=2,tp=2 over two levels waited for it
+    # (docs/scaling.md, "Sitting 15"). A pipeline's sends are not: each pipeline waits on its own neighbour, and
+    # over its many sends a step it is paced by their usual time (rank 0's), not by each one's slowest.
+    last_rank: "Link | None" = None
 
     def __post_init__(self):
         if not (self.hop_latency_s >= 0 and self.bandwidth_Bps > 0 and math.isfinite(self.bandwidth_Bps)):
@@ -103,7 +109,8 @@ class Collective:
     what: str
 
     def seconds(self, link: Link, n: int) -> float:
-        return self.calls * getattr(link, f"{self.kind}_s")(self.nbytes, n)
+        on = link.last_rank if link.last_rank and self.kind != "send" else link  # Link.last_rank
+        return self.calls * getattr(on, f"{self.kind}_s")(self.nbytes, n)
 
     def wire_bytes(self, n: int) -> float:
         """Bytes each rank sends per step for this collective."""

@@ -140,7 +140,28 @@ def probe_allreduce(c: Collectives, backend: str, op: str = "all_reduce") -> dic
     time(S) ~= latency_s + S / bandwidth_Bps at this world size."""
     results = measure(c, list(PROBE_SIZES), max_calls=10, budget_bytes=12 * 2**20,
                       time_budget_s=PROBE_BUDGET_S, started=time.monotonic(), op=op)
-    return {"backend": backend, "world_size": c.size, **fit(results)}
+    # Each timed call's seconds as this rank saw it, per size: the calls are the same on every rank (rank 0
+    # decides their number), so the launcher can take each call's slowest rank (last_rank_fit).
+    return {"backend": backend, "world_size": c.size, **fit(results),
+            "times_s": {str(r["size_bytes"]): [round(t, 6) for t in r["times_s"]] for r in results}}
+
+
+def last_rank_fit(records: list[dict]) -> dict | None:
+    """fit() over each call's slowest rank, from every rank's probe record (their `times_s`, call by call): the
+    time until the last rank of every group has its result, which is what a step that syncs all those groups at
+    once waits for. Measured (docs/scaling.md, "Sitting 15"): MLX's dp=2,tp=2 over two levels reached its sync
+    within ~10 ms on every rank, its first rank was done after 0.18-0.19 s and its last after 0.27-0.29 s (medians
+    of four runs), where rank 0's own figure said 0.20-0.245 s. None where a rank recorded no calls or the ranks'
+    calls differ in number."""
+    per_rank: list[dict[str, list[float]]] = [r.get("times_s") or {} for r in records]
+    if not per_rank or any(not t for t in per_rank):
+        return None
+    sizes = set(per_rank[0])
+    if any(set(t) != sizes or any(len(t[s]) != len(per_rank[0][s]) for s in sizes) for t in per_rank):
+        return None
+    results = [{"size_bytes": int(s), "times_s": [max(call) for call in zip(*(t[s] for t in per_rank))]}
+               for s in sorted(sizes, key=int)]
+    return fit(results) if all(r["times_s"] for r in results) else None
 
 
 def probe_group_allreduce(c: Collectives, backend: str, group_size: int, across: bool = False) -> dict:
@@ -186,3 +207,15 @@ def rank_main(argv: list[str] | None, start: Callable[[argparse.Namespace], Coll
         print(RESULT_PREFIX + text, flush=True)
     c.finish()
     return 0
+
+
+def across_with_last_rank(records: list[dict | None]) -> dict | None:
+    """The summary's `allreduce_across`: rank 0's record, as before, with `last_rank` (last_rank_fit over every
+    rank's calls) beside its figures."""
+    if not records or not records[0]:
+        return records[0] if records else None
+    out = dict(records[0])
+    last = last_rank_fit([r or {} for r in records])
+    if last and last.get("bandwidth_Bps"):
+        out["last_rank"] = last
+    return out

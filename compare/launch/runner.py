@@ -25,6 +25,7 @@ from common.errors import UserError
 from common.metrics import read_metrics, throughput_stats, write_json
 from common.parallel import describe_mesh
 from common.parallel.pipeline import split_idle
+from common.costmodel.probe import across_with_last_rank
 from common.runplan import PLAN_FILE, RunPlan
 from common.model.precision import describe as describe_precision
 from common.model.spec import ModelSpec
@@ -343,7 +344,8 @@ def summarize(cfg: RunConfig, run_dir: Path, argv: list[str], blas: str, wall_s:
         if "inner" in link:  # two levels: the ranks' all-reduce inside their groups (None where they cannot split)
             summary["link"]["inner"] = {**link["inner"], "allreduce": rank0.get("allreduce_inner")}
             # and across: one rank per machine in each group, every group at once (None where they cannot split)
-            summary["link"]["allreduce_across"] = rank0.get("allreduce_across")
+            summary["link"]["allreduce_across"] = across_with_last_rank(
+                [ranks.get(r, {}).get("allreduce_across") for r in range(world)])
         if rank0.get("allgather"):  # fsdp's own all-gather (common/parallel/fsdp.py measures_all_gather)
             summary["link"]["allgather"] = rank0["allgather"]
     if "pp_bubble_analytic" in rank0:  # pp (common/parallel/pipeline.py): each stage's idle fraction and what it held

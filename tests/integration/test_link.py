@@ -100,3 +100,8 @@ def test_a_two_level_link_carries_each_levels_rate_and_leaves_no_namespace(shape
     print(f"across, {across.get('concurrent')} groups at once: all-reduce {hop_bps * 1e-6:.0f} Mbit/s per hop")
     assert across["world_size"] == 2 and across["concurrent"] == 2, across
     assert 0.2 * 100e6 <= hop_bps <= 0.6 * 100e6, across
+    # Beside rank 0's figures, each call's slowest rank fitted from every rank's calls (what a mesh's collectives
+    # across the hop wait for, docs/scaling.md "Sitting 15"): at the largest size no faster than rank 0's calls.
+    last, size = across["last_rank"], across["large_bytes"]
+    assert last["large_bytes"] == size and len(across["times_s"][str(size)]) >= 1, across
+    assert last["latency_s"] + size / last["bandwidth_Bps"] >= across["latency_s"] + size / across["bandwidth_Bps"] - 1e-6

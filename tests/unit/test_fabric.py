@@ -87,3 +87,26 @@ def test_two_levels_time_each_group_inside_and_the_groups_across_machines_each_a
                        group_all_reduce=lambda group_size, across_machines=False: None)
     unsplit = probe_group_allreduce(ring, "ring", 2, across=True)
     assert unsplit["bandwidth_Bps"] is None and "cannot split" in unsplit["note"] and unsplit["world_size"] == 2
+
+
+def test_the_summarys_across_figure_is_rank_0s_with_each_calls_slowest_rank_fitted_beside_it():
+    """common/costmodel/probe.py's last_rank_fit: a step that syncs every group crossing the slow hop at once goes
+    on when the last rank has its result, so each call's slowest rank is fitted, call by call (not the slowest
+    rank's median: the slowest rank differs from call to call). Records whose calls do not line up give none."""
+    from common.costmodel.probe import across_with_last_rank, fit, last_rank_fit
+    small, large = "4096", "1048576"
+    ranks = [{"times_s": {small: [1e-3, 1e-3, 1e-3], large: [0.15, 0.30, 0.15]}},
+             {"times_s": {small: [1e-3, 2e-3, 1e-3], large: [0.25, 0.15, 0.15]}},
+             {"times_s": {small: [1e-3, 1e-3, 1e-3], large: [0.15, 0.15, 0.28]}}]
+    last = last_rank_fit(ranks)
+    # each call's slowest: 0.25, 0.30, 0.28 -> median 0.28; every rank's own median is 0.15
+    assert last == fit([{"size_bytes": 4096, "times_s": [1e-3, 2e-3, 1e-3]},
+                        {"size_bytes": 2**20, "times_s": [0.25, 0.30, 0.28]}])
+    assert last["bandwidth_Bps"] == pytest.approx(2**20 / (0.28 - 1e-3))
+    assert all(last["bandwidth_Bps"] < fit([{"size_bytes": int(s), "times_s": t} for s, t in r["times_s"].items()])
+               ["bandwidth_Bps"] for r in ranks)
+    summary = across_with_last_rank([{"world_size": 2, "concurrent": 2, "bandwidth_Bps": 7e6, **ranks[0]}, *ranks[1:]])
+    assert summary["bandwidth_Bps"] == 7e6 and summary["last_rank"] == last  # rank 0's figures stand beside it
+    short = [ranks[0], {"times_s": {small: [1e-3], large: [0.2]}}]
+    assert last_rank_fit(short) is None and "last_rank" not in across_with_last_rank(short)
+    assert last_rank_fit([ranks[0], {}]) is None and across_with_last_rank([None, ranks[1]]) is None

@@ -9,7 +9,7 @@ from costmodel_fixtures import SPEC, summary, write_run
 
 from common.costmodel.calibrate import calibrate
 from common.costmodel.levels import TwoLevelLink, axis_link, links_from_record
-from common.costmodel.links import Link
+from common.costmodel.links import Collective, Link
 from common.costmodel.predict import predict
 from common.model.spec import ModelSpec
 from common.parallel.mesh import Mesh
@@ -107,6 +107,29 @@ def test_a_shared_outer_axis_takes_the_rate_its_groups_measured_crossing_at_once
     record["allreduce_across"] = {"world_size": 2, "latency_s": None, "bandwidth_Bps": None, "note": "ring"}
     assert links_from_record(record).across is None
     assert levels("dp=2,tp=2", links_from_record(record))["dp"] == ("outer", 2, pytest.approx(8e6 * 6 / 4 / 2))
+
+
+def test_a_shared_axis_collectives_wait_for_the_slowest_rank_of_the_groups_and_a_pipelines_sends_do_not():
+    """Sitting 15 (docs/scaling.md): dp=2,tp=2 over two levels waited for the last of its ranks at each sync, not for
+    rank 0's usual time. The record's `last_rank` (each call's slowest rank, fitted) prices an outer axis's
+    collectives; a pipeline's sends keep rank 0's figure, and so does everything where it was not measured."""
+    record = {"requested": "100mbit", "allreduce": {"world_size": 4, "latency_s": 6e-4, "bandwidth_Bps": 8e6},
+              "group_size": 2, "inner": {"requested": "1gbit", "tcp_bandwidth_Bps": 1.2e8, "tcp_latency_s": 3e-5},
+              "allreduce_across": {"world_size": 2, "concurrent": 2, "latency_s": 4e-4, "bandwidth_Bps": 4e6,
+                                   "last_rank": {"latency_s": 5e-4, "bandwidth_Bps": 3e6}}}
+    links = links_from_record(record)
+    assert links.across_last is not None and "slowest rank" in links.source
+    dp = axis_link(links, Mesh.parse("dp=2,tp=2"), "dp").link
+    assert dp.bandwidth_Bps == pytest.approx(4e6) and dp.last_rank.bandwidth_Bps == pytest.approx(3e6)
+    grads = Collective("all_reduce", 10**6, 1, "gradients")
+    assert grads.seconds(dp, 2) == pytest.approx(5e-4 + 1e6 / 3e6)  # the slowest rank's all-reduce
+    pp = axis_link(links, Mesh.parse("pp=2,dp=2"), "pp").link
+    acts = Collective("send", 10**5, 8, "activations")
+    assert acts.seconds(pp, 2) == pytest.approx(8 * (4e-4 / 2 + 1e5 / 4e6))  # rank 0's per-hop figures
+    assert acts.seconds(pp, 2) < Collective("send", 10**5, 8, "").seconds(pp.last_rank, 2)
+    del record["allreduce_across"]["last_rank"]
+    unmeasured = axis_link(links_from_record(record), Mesh.parse("dp=2,tp=2"), "dp").link
+    assert unmeasured.last_rank is None and grads.seconds(unmeasured, 2) == pytest.approx(4e-4 + 1e6 / 4e6)
 
 
 def test_the_reports_link_line_gives_the_groups_crossing_at_once_beside_both_levels():
