@@ -358,6 +358,9 @@ def link_line(r: dict) -> str:
     if across.get("bandwidth_Bps"):  # one rank per machine in each group, every group at once (levels.py)
         line += (f"; across machines, {across.get('concurrent')} groups at once, "
                  f"{level_figures({'allreduce': across})}")
+        last = across.get("last_rank") or {}
+        if last.get("bandwidth_Bps"):  # what a mesh's collectives across the hop wait for (levels.py)
+            line += f", {last['bandwidth_Bps'] / 1e6:,.1f} MB/s by each call's slowest rank"
     return line
 
 

@@ -142,6 +142,8 @@ def test_the_reports_link_line_gives_the_groups_crossing_at_once_beside_both_lev
     line = link_line({"label": "mlx dp2xtp2 x4", "link": link})
     assert "its all-reduce 8.0 MB/s over 4 ranks (96 Mbit/s per hop)" in line
     assert line.endswith("across machines, 2 groups at once, its all-reduce 4.0 MB/s over 2 ranks (32 Mbit/s per hop)")
+    link["allreduce_across"]["last_rank"] = {"latency_s": 5e-4, "bandwidth_Bps": 3.2e6}
+    assert link_line({"label": "x", "link": link}).endswith("(32 Mbit/s per hop), 3.2 MB/s by each call's slowest rank")
     del link["allreduce_across"]
     assert "across machines" not in link_line({"label": "x", "link": link})
 
