@@ -9,6 +9,8 @@
 #   bash benchmarks/lent_machine_plan.sh run              # sitting 5: loopback, one-axis strategies and meshes
 #   bash benchmarks/lent_machine_plan.sh two-level        # sitting 7: fits on loopback, meshes over 100mbit/1gbit
 #   FRAMEWORKS=mlx bash benchmarks/lent_machine_plan.sh sittings 2   # mesh_plan_sittings.sh, K sittings
+#   # its environment (MESHES, LINKS, FIT_STRATEGIES) narrows them: one mesh over two levels, ~4 sittings
+#   MESHES=dp=2,tp=2 LINKS=two FIT_STRATEGIES=ddp,tp FRAMEWORKS=mlx bash benchmarks/lent_machine_plan.sh sittings 4
 #
 # `run` writes plan_torch.json, plan_mlx.json, their logs and the kept runs (no checkpoints) under $OUT (default
 # runs/lent), prints both tables, and stops each framework before its share of ~9 minutes is spent. Extra

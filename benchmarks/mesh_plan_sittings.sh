@@ -10,7 +10,11 @@
 # "Sitting 7"), so the check is the median over sittings. Kept under KEEP as FRAMEWORK-{fits,two,loop}/repI and
 # mlx-fits-mpi/repI; `bench_plan.py --recompute KEEP/FRAMEWORK-two --repeat K --fit-on KEEP/FRAMEWORK-fits ...`
 # prints them again with the model as it stands, as the end of this script does.
-# Environment: FRAMEWORKS (torch mlx), MESHES, PY (the checkout's .venv python, else python3). Two levels need
+# Environment: FRAMEWORKS (torch mlx), MESHES, LINKS (two loop: the two-level link, loopback), FIT_STRATEGIES
+# (ddp,fsdp,tp,pp: the N=2 runs the axes are fitted on; a mesh needs those of its axes, dp's from ddp), PY (the
+# checkout's .venv python, else python3). One row on a lent machine's few minutes:
+#   MESHES=dp=2,tp=2 LINKS=two FIT_STRATEGIES=ddp,tp FRAMEWORKS=mlx bash benchmarks/mesh_plan_sittings.sh KEEP 4
+# Two levels need
 # root and `ip` (compare/launch/topology.py); without them only the loopback rows are made.
 set -u
 die() { echo "mesh_plan_sittings.sh: $*" >&2; exit 2; }
@@ -25,8 +29,10 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1  # MLX's meshes
 MESHES=${MESHES:-"dp=2,pp=2;dp=2,tp=2;fsdp=2,tp=2"}
 SHAPE=(--device cpu --no-wait --preset tiny --set model.n_layers=4 --set model.n_kv_heads=4 --seq-len 128
        --batch 16 --steps 10)
-LINKS=(loop)
-if [ "$(id -u)" = 0 ] && command -v ip >/dev/null; then LINKS=(two loop); else
+read -ra LINKS <<< "${LINKS:-two loop}"
+for link in "${LINKS[@]}"; do [[ $link == two || $link == loop ]] || die "LINKS=$LINKS: each is two or loop"; done
+if [ "$(id -u)" = 0 ] && command -v ip >/dev/null; then :; else
+    LINKS=(loop)
     echo "no root or no ip: the meshes on loopback only"; fi
 link_args() { [ "$1" = two ] && echo "--links 100mbit/1gbit --group-size 2" || echo "--links none"; }
 bench() { "$PY" benchmarks/bench_plan.py "$@"; }
@@ -36,7 +42,7 @@ for ((i = 0; i < K; i++)); do
     for fw in ${FRAMEWORKS:-torch mlx}; do
         echo "== sitting $i, $fw: N=1,2 on loopback ($(date +%T), load $(cut -d' ' -f1 /proc/loadavg))"
         for fits in $(fit_sets "$fw"); do  # MLX's meshes run on MPI, its one-axis runs on ring: fits on both
-            bench --frameworks "$fw" --links none --strategies ddp,fsdp,tp,pp --nproc 2 "${SHAPE[@]}" \
+            bench --frameworks "$fw" --links none --strategies "${FIT_STRATEGIES:-ddp,fsdp,tp,pp}" --nproc 2 "${SHAPE[@]}" \
                 $( [ "$fits" = mlx-fits-mpi ] && echo --set backend=mpi ) --keep "$KEEP/$fits/rep$i" \
                 --out "$KEEP/out/$fits-$i.json" > "$KEEP/out/$fits-$i.log" 2>&1 \
                 || { tail -n 3 "$KEEP/out/$fits-$i.log"; exit 1; }
