@@ -164,6 +164,16 @@ def last_rank_fit(records: list[dict]) -> dict | None:
     return fit(results) if all(r["times_s"] for r in results) else None
 
 
+def across_with_last_rank(records: list[dict | None]) -> dict | None:
+    """The summary's `allreduce_across`: rank 0's record, as before, with `last_rank` (last_rank_fit over every
+    rank's calls) beside its figures."""
+    first = records[0] if records else None
+    if not first:
+        return first
+    last = last_rank_fit([r or {} for r in records])
+    return {**first, "last_rank": last} if last and last.get("bandwidth_Bps") else dict(first)
+
+
 def probe_group_allreduce(c: Collectives, backend: str, group_size: int, across: bool = False) -> dict:
     """One level of a two-level link, as its mesh axes use it, every group at once, the ranks started together
     by the whole job's barrier and timed as probe_allreduce times the whole job's:
@@ -207,15 +217,3 @@ def rank_main(argv: list[str] | None, start: Callable[[argparse.Namespace], Coll
         print(RESULT_PREFIX + text, flush=True)
     c.finish()
     return 0
-
-
-def across_with_last_rank(records: list[dict | None]) -> dict | None:
-    """The summary's `allreduce_across`: rank 0's record, as before, with `last_rank` (last_rank_fit over every
-    rank's calls) beside its figures."""
-    if not records or not records[0]:
-        return records[0] if records else None
-    out = dict(records[0])
-    last = last_rank_fit([r or {} for r in records])
-    if last and last.get("bandwidth_Bps"):
-        out["last_rank"] = last
-    return out
