@@ -9,7 +9,8 @@
 #   bash benchmarks/lent_machine_plan.sh run              # sitting 5: loopback, one-axis strategies and meshes
 #   bash benchmarks/lent_machine_plan.sh two-level        # sitting 7: fits on loopback, meshes over 100mbit/1gbit
 #   FRAMEWORKS=mlx bash benchmarks/lent_machine_plan.sh sittings 2   # mesh_plan_sittings.sh, K sittings
-#   # its environment (MESHES, LINKS, FIT_STRATEGIES) narrows them: one mesh over two levels, ~4 sittings
+#   # its environment (MESHES, LINKS, FIT_STRATEGIES) narrows them: one mesh over two levels, ~4 sittings;
+#   # SIT_LIMIT (seconds, 540) stops them sooner, so two such calls fit in one device command
 #   MESHES=dp=2,tp=2 LINKS=two FIT_STRATEGIES=ddp,tp FRAMEWORKS=mlx bash benchmarks/lent_machine_plan.sh sittings 4
 #
 # `run` writes plan_torch.json, plan_mlx.json, their logs and the kept runs (no checkpoints) under $OUT (default
@@ -53,7 +54,7 @@ export PYTHONPATH=$site OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=
 $PY -c "import torch; print('torch', torch.__version__)"; uptime
 command -v ip >/dev/null || export PATH=$PWD/.devcheck/net/bin:$PATH
 if [ "$mode" = sittings ]; then
-    rm -rf /tmp/sit; PY=$PY timeout 540 bash benchmarks/mesh_plan_sittings.sh /tmp/sit "${1:-2}"; echo "exit $?"
+    rm -rf /tmp/sit; PY=$PY timeout "${SIT_LIMIT:-540}" bash benchmarks/mesh_plan_sittings.sh /tmp/sit "${1:-2}"; echo "exit $?"
     (cd /tmp && tar czf - --exclude=checkpoints --exclude='*.html' --exclude=plots sit) > "$OUT/sittings.tgz"; uptime
     exit 0
 fi
