@@ -53,6 +53,17 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dpcompare"
 
 
+def default_backend(framework: str, device: str, mesh: str = "") -> str:
+    """The backend a run gets without --backend (`RunConfig.resolved_backend`), and the one `dpcompare plan`
+    predicts a layout on: nccl on CUDA, else gloo for torch; for MLX ring, but mpi for a mesh, which needs
+    sub-groups that the ring backend cannot make (MLX_SPLIT_BACKENDS)."""
+    if device == "cuda":
+        return "nccl"
+    if framework == "torch":
+        return "gloo"
+    return "mpi" if mesh else "ring"
+
+
 @dataclass
 class RunConfig:
     # Model: a preset, optionally overridden field by field ([model] table in TOML).
@@ -239,10 +250,7 @@ class RunConfig:
     def resolved_backend(self) -> str:
         if self.backend != "auto":
             return self.backend
-        if self.framework == "torch":
-            return "nccl" if self.device == "cuda" else "gloo"
-        # a mesh needs sub-groups, which MLX's ring backend cannot make (MLX_SPLIT_BACKENDS)
-        return "nccl" if self.device == "cuda" else "mpi" if self.mesh else "ring"
+        return default_backend(self.framework, self.device, self.mesh)
 
     @property
     def cache_path(self) -> Path:

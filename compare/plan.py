@@ -22,7 +22,7 @@ from common.costmodel.links import loopback_link
 from common.costmodel.memory import WORKSPACE_BYTES, predicted_peak
 from common.costmodel.predict import predict
 from common.costmodel.workload import workload_of
-from compare.plan_links import choose_links, describe_links, links_json
+from compare.plan_links import choose_links, describe_links, links_json, predicted_backend
 from compare.plan_meshes import mesh_plan, mesh_table
 from compare.report.labels import run_dirname
 from common.config import MLX_SPLIT_BACKENDS
@@ -110,15 +110,17 @@ def parse_strategies(text: str) -> list[str]:
 
 
 def make_plan(cal: Calibration, link: Links, strategies: list[str], world_sizes: list[int],
-              device_memory_bytes: float | None) -> list[dict]:
-    """One row per strategy and N: the prediction, or why that split is impossible."""
+              device_memory_bytes: float | None, backend: str | None = None) -> list[dict]:
+    """One row per strategy and N: the prediction on `backend` (the calibration's by default), or why that split
+    is impossible."""
     rows = []
     for strategy in strategies:
         for n in sorted({1, *world_sizes}) if strategy == "ddp" else world_sizes:  # ddp x1: the baseline
             if n == 1 and strategy != "ddp":
                 continue  # fsdp and tp need 2 ranks or more; ddp at 1 is the baseline
             try:
-                rows.append(predict(cal, strategy, n, link if n > 1 else None, device_memory_bytes).to_dict())
+                rows.append(predict(cal, strategy, n, link if n > 1 else None, device_memory_bytes,
+                                    backend=backend if n > 1 else None).to_dict())
             except UserError as err:
                 # The check's advice (--set, --nproc) is for a run; a plan only needs the reason.
                 rows.append({"strategy": strategy, "world_size": n,
@@ -203,7 +205,18 @@ def run_plan(args) -> int:
     strategies = parse_strategies(args.strategies)
     if args.device_memory_gb is not None and not (math.isfinite(args.device_memory_gb) and args.device_memory_gb > 0):
         raise UserError(f"--device-memory-gb must be a positive number, got {args.device_memory_gb}")
-    link, link_how = choose_links(args, summary)
+    # Each layout is predicted on the backend it would run on (an N=1 run ran on none; MLX's meshes split on
+    # mpi, its one-axis layouts run on ring), over the link as that backend sees it (a --fabric file's entry,
+    # or its loopback figures).
+    backend = predicted_backend(summary)
+    link, link_how = choose_links(args, summary, backend)
+    routes = {backend: (link, link_how)}
+
+    def runs_on(mesh_text: str) -> tuple[str, Links]:
+        mine = predicted_backend(summary, mesh_text)
+        if mine not in routes:
+            routes[mine] = choose_links(args, summary, mine)
+        return mine, routes[mine][0]
     cal = calibrate(summary, spec, source=str(run_dir))
     fit_on = [(d, s, cores_shared_by(s), n1_beside(Path(d), s)) for d in getattr(args, "fit", None) or [] for s in [read_run(Path(d))[0]]]
     if fit_on:
@@ -213,19 +226,23 @@ def run_plan(args) -> int:
         note = fit_backend_note(fit_on, MLX_SPLIT_BACKENDS, "MLX's meshes run")
         cal = replace(cal, notes=[*cal.notes, note]) if note else cal
     memory = args.device_memory_gb * 1e9 if args.device_memory_gb else None
-    meshes = mesh_plan(cal, link, world_sizes, memory) if getattr(args, "meshes", False) else None
-    rows = meshes["rows"] if meshes else make_plan(cal, link, strategies, world_sizes, memory)
+    meshes = mesh_plan(cal, link, world_sizes, memory, runs_on) if getattr(args, "meshes", False) else None
+    rows = meshes["rows"] if meshes else make_plan(cal, link, strategies, world_sizes, memory, backend)
     out = Path(args.out) if args.out else run_dir / "plan"
     points = measured_points(run_dir, summary)
     w = cal.workload
     what = (f"{w.framework} {summary.get('strategy', 'ddp')} x{cal.world_size} ({run_dir}), "
             f"{(summary.get('config') or {}).get('preset', '?')}, {w.tokens_per_step:,} tokens per step, {w.dtype}")
     link_text = describe_links(link, link_how)
+    several = any(on[0] != link for on in routes.values())  # the meshes' backend sees another link (its loopback)
+    if several:
+        link_text = "\n".join(f"({b}) {describe_links(*on)}" for b, on in routes.items())
     try:
         out.mkdir(parents=True, exist_ok=True)
         drawn = plot(rows, points, f"predicted from {what}\nlink {link.name}", out / "plan.png")
         write_json(out / "plan.json", {
-            "from": str(run_dir), "calibrated_on": what, "link": links_json(link, link_how),
+            "from": str(run_dir), "calibrated_on": what, "link": links_json(link, link_how), "backend": backend,
+            **({"links_by_backend": {b: links_json(*on) for b, on in routes.items()}} if several else {}),
             "device_memory_bytes": memory, "calibration": {k: v for k, v in vars(cal).items() if k not in ("workload", "link")},
             "predictions": rows, "measured": points, "figure": "plan.png" if drawn else None,
             **({"best": meshes["best"], "refused": meshes["refused"]} if meshes else {})})

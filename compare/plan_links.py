@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 
 from common.costmodel.levels import Links, TwoLevelLink, links_from_record
+from common.config import MLX_SPLIT_BACKENDS, default_backend
 from common.costmodel.links import Link, loopback_link
 from common.errors import UserError
 from common.metrics import read_json
@@ -52,20 +53,31 @@ def given_link(fabric: str | None, gbps: float | None, latency_us: float | None,
     return None
 
 
-def choose_links(args, summary: dict) -> tuple[Links, str]:
-    """(one link or two levels, how they were chosen): the outer (or only) level from choose_link; with
-    --group-size, the inner one from its flags, else from the run's record."""
-    framework, backend = summary.get("framework", ""), summary.get("backend") or ""
+def predicted_backend(summary: dict, mesh: str = "") -> str:
+    """The backend a predicted layout runs on (`mesh`: "dp=2,tp=2", or "" for one strategy): the measured run's,
+    where it can run that layout; else the one a run of it gets without --backend (common/config.py
+    default_backend). An N=1 run ran on none, and MLX's ring cannot split its group for a mesh."""
+    framework, measured = summary.get("framework", ""), summary.get("backend") or "none"
+    if measured == "none" or (framework == "mlx" and mesh and measured not in MLX_SPLIT_BACKENDS):
+        return default_backend(framework, summary.get("device") or "cpu", mesh)
+    return measured
+
+
+def choose_links(args, summary: dict, backend: str | None = None) -> tuple[Links, str]:
+    """(one link or two levels, how they were chosen) for a layout on `backend` (the run's own by default): the
+    outer (or only) level from choose_link; with --group-size, the inner one from its flags, else from the run's
+    record."""
+    framework, backend = summary.get("framework", ""), backend or summary.get("backend") or ""
     inner_flags = (getattr(args, "fabric_inner", None), getattr(args, "link_gbps_inner", None),
                    getattr(args, "latency_us_inner", None))
     group_size = getattr(args, "group_size", None)
     inner = given_link(*inner_flags, framework, backend, suffix="-inner")
     if inner is None and group_size is None:
-        return choose_link(args, summary)
+        return choose_link(args, summary, backend)
     if group_size is None or group_size < 1:
         raise UserError("a two-level link needs --group-size N (ranks per machine, 1 or more)" if group_size is None
                         else f"--group-size must be 1 or more, got {group_size}")
-    outer, how = choose_link(args, summary)
+    outer, how = choose_link(args, summary, backend)
     if isinstance(outer, TwoLevelLink):  # the run's own record had two levels: its inner one, unless given
         outer = outer.outer
     if inner is None:
@@ -77,9 +89,10 @@ def choose_links(args, summary: dict) -> tuple[Links, str]:
     return TwoLevelLink(inner[0], outer, group_size), f"inside a machine: {inner[1]}; between machines: {how}"
 
 
-def choose_link(args, summary: dict) -> tuple[Links, str]:
-    """(link, how it was chosen) from the flags, else from the run (two levels where it ran over two)."""
-    framework, backend = summary.get("framework", ""), summary.get("backend") or ""
+def choose_link(args, summary: dict, backend: str | None = None) -> tuple[Links, str]:
+    """(link, how it was chosen) from the flags (a --fabric file's entry of `backend`), else from the run (two
+    levels where it ran over two), else that backend's loopback figures."""
+    framework, backend = summary.get("framework", ""), backend or summary.get("backend") or ""
     given = given_link(args.fabric, args.link_gbps, args.latency_us, framework, backend)
     if given is not None:
         return given

@@ -8,6 +8,8 @@ the heads, a block per pp stage, the compositions the frameworks run): a mesh it
 """
 from __future__ import annotations
 
+from typing import Callable
+
 from common.costmodel.calibrate import Calibration
 from common.costmodel.levels import Links
 from common.costmodel.predict import predict
@@ -16,6 +18,7 @@ from common.errors import UserError
 # Outermost first, as common/parallel/mesh.py lays ranks out: pp across machines, tp inside one.
 AXES = ("pp", "dp", "fsdp", "tp")
 DATA_AXES = ("dp", "fsdp")
+RunsOn = Callable[[str], "tuple[str, Links]"]  # mesh text -> (backend, the link as it sees it)
 ONE_AXIS_STRATEGY = {"dp": "ddp", "fsdp": "fsdp", "tp": "tp", "pp": "pp"}
 
 
@@ -48,9 +51,13 @@ def label(mesh: tuple[tuple[str, int], ...]) -> str:
     return ",".join(f"{name}={size}" for name, size in mesh) or "dp=1"
 
 
-def mesh_plan(cal: Calibration, links: Links, world_sizes: list[int], device_memory_bytes: float | None) -> dict:
-    """{"rows": one per valid mesh and N (predict()'s dict with `label`), "refused": {N: [(label, reason)]},
-    "best": {N: {"fastest", "fastest_fitting"}} (labels, or None)}."""
+def mesh_plan(cal: Calibration, links: Links, world_sizes: list[int], device_memory_bytes: float | None,
+              runs_on: RunsOn | None = None) -> dict:
+    """{"rows": one per valid mesh and N (predict()'s dict with `label` and `backend`), "refused": {N: [(label,
+    reason)]}, "best": {N: {"fastest", "fastest_fitting"}} (labels, or None)}. `runs_on(mesh text)`: the backend
+    a mesh runs on and the link as that backend sees it (compare/plan.py; MLX's meshes split on mpi, its one-axis
+    layouts run on ring); by default the calibration's backend over `links` for every mesh."""
+    runs_on = runs_on or (lambda _mesh: (cal.backend, links))
     rows: list[dict] = []
     refused: dict[int, list] = {}
     best: dict[int, dict] = {}
@@ -58,12 +65,13 @@ def mesh_plan(cal: Calibration, links: Links, world_sizes: list[int], device_mem
         mine = []
         for mesh in factorisations(n):
             strategy, text = candidate(mesh)
+            backend, on = runs_on(text) if n > 1 else ("none", None)  # one rank: no backend, no link
             try:
-                row = predict(cal, strategy, n, links if n > 1 else None, device_memory_bytes, mesh=text).to_dict()
+                row = predict(cal, strategy, n, on, device_memory_bytes, backend=backend, mesh=text).to_dict()
             except UserError as err:
                 refused.setdefault(n, []).append((label(mesh), str(err).split("; ")[0]))
                 continue
-            mine.append({**row, "label": label(mesh)})
+            mine.append({**row, "label": label(mesh), "backend": backend})
         rows += mine
         fastest = min(mine, key=lambda r: r["step_s"], default=None)
         fitting = min((r for r in mine if r["fits"] is not False), key=lambda r: r["step_s"], default=None)
@@ -73,7 +81,7 @@ def mesh_plan(cal: Calibration, links: Links, world_sizes: list[int], device_mem
 
 def mesh_table(plan: dict, device_memory_gb: float | None) -> str:
     """The rows as a text table, each N's fastest marked, then one line per N naming the fastest (that fits)."""
-    header = ("mesh", "N", "step s", "tokens/s", "exposed comm", "memory/rank GB", "links") + \
+    header = ("mesh", "N", "step s", "tokens/s", "exposed comm", "memory/rank GB", "backend", "links") + \
         (("fits",) if device_memory_gb else ())
     body = []
     for r in plan["rows"]:
@@ -81,7 +89,8 @@ def mesh_table(plan: dict, device_memory_gb: float | None) -> str:
         mark = (" *" if plan["best"][n]["fastest"] == r["label"] else "") + (" †" if r.get("caveat") else "")
         levels = ", ".join(f"{axis} {level}" for axis, level in r["levels"].items()) or "–"
         cells = (r["label"] + mark, str(n), f"{r['step_s']:.4g}", f"{r['tokens_per_s']:,.0f}",
-                 f"{100 * r['exposed_share']:.0f}%", f"{r['memory_bytes']['total'] / 1e9:.3f}", levels)
+                 f"{100 * r['exposed_share']:.0f}%", f"{r['memory_bytes']['total'] / 1e9:.3f}",
+                 r.get("backend") or "–", levels)
         body.append(cells + (("yes" if r["fits"] else "NO",) if device_memory_gb else ()))
     widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *body]]

@@ -4,7 +4,7 @@ predictions land in the N > 1 summaries and the report."""
 import json
 
 import pytest
-from costmodel_fixtures import link_record, summary, write_run
+from costmodel_fixtures import SPEC, link_record, summary, write_run
 
 from compare.cli import main
 from compare.machine.fabric import Measured
@@ -141,3 +141,50 @@ def test_doctor_out_is_refused_before_anything_is_measured(tmp_path, capsys):
     assert main(["doctor", "--fabric", "--out", str(tmp_path / "missing" / "f.json")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "not found" in err and not (tmp_path / "missing").exists()
+
+
+def test_plan_predicts_each_layout_on_the_backend_it_would_run_on(cmp_dir, capsys):
+    """An MLX N=1 run ran on no backend: its one-axis layouts are predicted on ring and its meshes on mpi (the
+    backend a mesh needs: common/config.py default_backend), each over its own loopback figures, or over its own
+    entry of a --fabric file. torch's run on gloo keeps one backend and one link."""
+    from compare.plan_links import predicted_backend
+    from common.costmodel.calibrate import calibrate
+    from common.costmodel.links import LOOPBACK_ALLREDUCE, loopback_link
+    from common.costmodel.predict import predict
+    from common.model.spec import ModelSpec
+
+    assert [predicted_backend(summary("mlx", 1), m) for m in ("", "dp=2,tp=2")] == ["ring", "mpi"]
+    assert [predicted_backend(summary("mlx", 2), m) for m in ("", "dp=2,tp=2")] == ["ring", "mpi"]
+    assert predicted_backend({**summary("mlx", 2), "backend": "mpi"}) == "mpi"
+    assert predicted_backend({**summary("torch", 1), "device": "cuda"}, "dp=2,tp=2") == "nccl"
+    assert predicted_backend(summary("torch", 1), "dp=2,tp=2") == "gloo"
+
+    out = cmp_dir / "mlx-plan"
+    assert main(["plan", "--from", str(cmp_dir / "mlx-n1"), "--meshes", "--nproc", "4", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    plan = json.loads((out / "plan.json").read_text())
+    rows = {r["label"]: r for r in plan["predictions"] if r["world_size"] == 4}
+    assert rows["dp=4"]["backend"] == "ring" and rows["dp=2,tp=2"]["backend"] == "mpi"
+    by_backend = plan["links_by_backend"]
+    for backend in ("ring", "mpi"):
+        assert by_backend[backend]["bandwidth_Bps"] == pytest.approx(loopback_link(backend).bandwidth_Bps)
+        assert f"({backend}) loopback ({backend}, assumed)" in printed
+    assert LOOPBACK_ALLREDUCE["mpi"] != LOOPBACK_ALLREDUCE["ring"]
+    # the mesh priced on MPI over MPI's loopback, not on ring's figures
+    cal = calibrate(summary("mlx", 1), ModelSpec.from_dict(SPEC))
+    on = {b: predict(cal, "mesh", 4, loopback_link(b), backend=b, mesh="dp=2,tp=2").step_s for b in ("ring", "mpi")}
+    assert rows["dp=2,tp=2"]["step_s"] == pytest.approx(on["mpi"]) and on["mpi"] != pytest.approx(on["ring"])
+
+    fabric = cmp_dir / "fabric.json"
+    write_fabric(str(fabric), [Measured("mlx", "ring", 2, "cpu", latency_s=3e-4, bandwidth_Bps=9e8, large_bytes=2**25),
+                               Measured("mlx", "mpi", 2, "cpu", latency_s=5e-5, bandwidth_Bps=2e9, large_bytes=2**25)],
+                 "2 local ranks")
+    assert main(["plan", "--from", str(cmp_dir / "mlx-n1"), "--meshes", "--nproc", "4", "--fabric", str(fabric),
+                 "--out", str(out)]) == 0
+    by_backend = json.loads((out / "plan.json").read_text())["links_by_backend"]
+    assert by_backend["ring"]["name"].startswith("mlx ring") and by_backend["mpi"]["name"].startswith("mlx mpi")
+
+    assert main(["plan", "--from", str(cmp_dir / "torch-n1"), "--meshes", "--nproc", "4", "--out", str(out)]) == 0
+    plan = json.loads((out / "plan.json").read_text())
+    assert {r["backend"] for r in plan["predictions"] if r["world_size"] == 4} == {"gloo"}
+    assert "links_by_backend" not in plan and plan["backend"] == "gloo"
