@@ -22,6 +22,7 @@ class Workload:
     bucket_bytes: int | None = None  # ddp's all-reduce chunks: MLX all_reduce_size_mb, torch bucket_cap_mb
     target_tokens: int | None = None  # real target tokens per step where a run counted them (padding has fewer)
     pp_microbatches: int = 4          # pp: pieces per micro-step (RunConfig.pp_microbatches)
+    pp_schedule: str = "1f1b"         # pp: the order of a stage's pieces (RunConfig.pp_schedule)
 
     @property
     def tokens_per_step(self) -> int:
@@ -41,4 +42,4 @@ def workload_of(summary: dict, spec: ModelSpec) -> Workload:
     return Workload(spec, int(cfg.get("seq_len", 128)), int(cfg.get("global_batch_size", 8)),
                     int(cfg.get("grad_accum", 1)), summary.get("dtype", cfg.get("dtype", "float32")), framework,
                     int(bucket_mb * 2**20) if bucket_mb else None, summary.get("tokens_per_step"),
-                    int(cfg.get("pp_microbatches", 4)))
+                    int(cfg.get("pp_microbatches", 4)), str(cfg.get("pp_schedule") or "1f1b"))

@@ -15,14 +15,16 @@ Its cost (common/costmodel/, docs/scaling.md):
                the tied gradient (V x dim, float32) over the embedding group, the first and the last stage
                (common/parallel/embedding_group.py), after the backward: on the critical path
     memory     the first stage's blocks' activations, for every piece of a micro-step (as gpipe keeps them)
-    exposed    only the critical path: a piece's slot is the rank's own compute of it (in a mesh its data
-               rank's rows and its share of the blocks, on shared cores as long as it runs there), or 2 t_send
-               of the slowest boundary when that is slower (an activation and a gradient per piece cross every
-               boundary; 1 t_send, as if the two directions overlapped, put 66 of 108 kept runs within 20 %
-               against 72, before the slot was the rank's own: docs/scaling.md, "Sitting 14"); fill and
-               drain add 2 t_send per boundary per micro-step, each boundary at its own link (over two levels
-               pp x4 on machines of two crosses one slow hop of three); the tied gradient's all-reduce (2
-               ranks) adds its whole time. Nothing else overlaps.
+    exposed    only the critical path, played op by op (pipeline_timing.py): each stage runs its schedule's
+               computations and sends in order, a piece's slot being the rank's own compute of it (in a mesh its
+               data rank's rows and its share of the blocks, on shared cores as long as it runs there); a send is
+               buffered and crosses its boundary's link, one message at a time per direction, each boundary at its
+               own link (over two levels pp x4 on machines of two crosses one slow hop of three). What the sends
+               add to the micro-step is the wait. Over two stages 1f1b pays 2M - 2 sends when they are shorter
+               than a slot (a piece's gradient leaves the last stage after the next activation arrives), gpipe
+               two (fill and drain); the closed form this replaced, two sends per slot where they outlasted it
+               plus fill and drain, is in docs/scaling.md ("Sitting 16"). The tied gradient's all-reduce
+               (2 ranks) adds its whole time. Nothing else overlaps.
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ from common.parallel.layout import (DTYPE_BYTES, Layout, Measured, largest_tenso
                                     total_parameters)
 from common.parallel.embedding_group import EmbeddingGroup
 from common.parallel.pipeline import comm_bytes_per_step, stage_holds, stage_layers
+from common.parallel.pipeline_timing import micro_step_s
 
 
 class PpLayout(Layout):
@@ -134,10 +137,9 @@ class PpLayout(Layout):
         return 2 * largest_tensor_bytes(w.spec)
 
     def exposed_comm_s(self, cal: Measured, colls: list[Collective], link: Link | None, comm_s: float) -> float:
-        """Its sends overlap other pieces' compute: only the critical path counts (module docstring): per
-        micro-step, fill and drain cross every boundary twice (each at its own link's pace: `Link.stage_hops`,
-        one slow hop of three for pp x4 on machines of two), and a boundary slower than a piece's compute
-        stretches every one of the M + p - 1 slots."""
+        """What its sends add to the critical path (module docstring): the micro-step played op by op with the
+        sends and without (pipeline_timing.py), each boundary at its own link's pace (`Link.stage_hops`: one slow
+        hop of three for pp x4 on machines of two), times the micro-steps; plus the tied gradient's all-reduce."""
         if not colls or link is None:
             return super().exposed_comm_s(cal, colls, link, comm_s)
         w, n = cal.workload, self.ranks
@@ -147,4 +149,10 @@ class PpLayout(Layout):
         slot_s = compute_fwd_bwd_s / (w.grad_accum * (m + n - 1))
         # the tied gradient's all-reduce between the backward and the optimizer: nothing to hide it behind
         tied_s = sum(c.seconds(link, len(self.embedding_group(w.spec).stages)) for c in colls[1:])
-        return w.grad_accum * ((m + n - 1) * max(0.0, 2 * max(sends) - slot_s) + 2 * sum(sends)) + tied_s
+        # the pieces' compute, split as the calibration's forward and backward are, played with and without
+        # the sends (pipeline_timing.py): what the sends add is what the step waits for
+        forward_share = cal.forward_s / (cal.forward_s + cal.backward_s) if cal.forward_s + cal.backward_s else 0.5
+        f_s, b_s = slot_s * forward_share, slot_s * (1 - forward_share)
+        waits = (micro_step_s(w.pp_schedule, n, m, f_s, b_s, sends)
+                 - micro_step_s(w.pp_schedule, n, m, f_s, b_s, [0.0] * len(sends)))
+        return w.grad_accum * waits + tied_s

@@ -12,7 +12,9 @@ from common.costmodel.levels import TwoLevelLink, axis_link, links_from_record
 from common.costmodel.links import Collective, Link
 from common.costmodel.predict import predict
 from common.model.spec import ModelSpec
+from common.parallel import layout
 from common.parallel.mesh import Mesh
+from common.parallel.pipeline_timing import micro_step_s
 from compare.cli import main
 from compare.plan_meshes import candidate, factorisations, mesh_plan
 
@@ -54,9 +56,17 @@ def test_a_pipeline_crosses_each_boundary_at_its_own_level_and_only_its_slow_hop
     assert not axis_link(TWO_PER_MACHINE, Mesh.parse("pp=2,dp=2"), "pp").link.stage_hops  # its one boundary crosses
     cal = calibrate(summary("torch", 1), ModelSpec.from_dict(WIDE))
     two_level, all_slow = (predict(cal, "pp", 4, links) for links in (TWO_PER_MACHINE, SLOW))
+    all_fast = predict(cal, "pp", 4, FAST)
+    assert all_fast.exposed_comm_s < two_level.exposed_comm_s < all_slow.exposed_comm_s
+    # played with each boundary's own send (pipeline_timing.py): the middle one slow, the others fast
     send = [c for c in all_slow.collectives if c.kind == "send"][0].nbytes
-    saved = 2 * 2 * (SLOW.send_s(send, 4) - FAST.send_s(send, 4))  # two boundaries at FAST instead, down and up
-    assert all_slow.exposed_comm_s - two_level.exposed_comm_s == pytest.approx(saved)
+    lay, w = layout("pp", 4), cal.workload
+    slot = (cal.forward_s + cal.backward_s) * lay.rank_work_fraction(w) / (w.pp_microbatches + 3)
+    f_s, b_s = (slot * x / (cal.forward_s + cal.backward_s) for x in (cal.forward_s, cal.backward_s))
+    hops = [FAST.send_s(send, 4), SLOW.send_s(send, 4), FAST.send_s(send, 4)]
+    played = micro_step_s("1f1b", 4, w.pp_microbatches, f_s, b_s, hops) - \
+        micro_step_s("1f1b", 4, w.pp_microbatches, f_s, b_s, [0.0] * 3)
+    assert two_level.exposed_comm_s == pytest.approx(played, rel=1e-9)
 
 
 def test_one_link_puts_every_axis_on_it():
