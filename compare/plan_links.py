@@ -100,7 +100,7 @@ def choose_link(args, summary: dict, backend: str | None = None) -> tuple[Links,
     if own:
         return own, "the run's link record"
     return loopback_link(backend if backend not in ("none", "") else ("ring" if framework == "mlx" else "gloo")), \
-        "assumed loopback (the run has no link record; pass --fabric or --link-gbps)"
+        "pass --fabric or --link-gbps for another link"
 
 
 def describe_links(links: Links, how: str) -> str:
