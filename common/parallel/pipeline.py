@@ -69,13 +69,14 @@ def compute_order(schedule: str, stage: int, n_stages: int, n_micro: int) -> lis
     return order + [("B", i) for i in range(n_micro - warm, n_micro)]
 
 
-def stage_ops(schedule: str, stage: int, n_stages: int, n_micro: int) -> list[tuple]:
+def stage_ops(schedule: str, stage: int, n_stages: int, n_micro: int, batched: bool = False) -> list[tuple]:
     """The stage's computations and point-to-point operations, in order:
 
         ("recv_act", i, src)  ("F", i)  ("send_act", i, dst)  ("recv_grad", i, src)  ("B", i)  ("send_grad", i, dst)
 
     A gradient sent upstream right before an activation is received from upstream is sent after it instead
-    (see the module docstring: otherwise 1f1b deadlocks under blocking sends)."""
+    (see the module docstring: otherwise 1f1b deadlocks under blocking sends); `batched`: as torch's schedules
+    post them, a send and the next receive as one batch of non-blocking operations, which needs no such swap."""
     first, last = stage == 0, stage == n_stages - 1
     ops: list[tuple] = []
     for kind, i in compute_order(schedule, stage, n_stages, n_micro):
@@ -87,7 +88,7 @@ def stage_ops(schedule: str, stage: int, n_stages: int, n_micro: int) -> list[tu
             ops += [] if first else [("send_grad", i, stage - 1)]
     ordered, k = [], 0
     while k < len(ops):
-        if k + 1 < len(ops) and ops[k][0] == "send_grad" and ops[k + 1][0] == "recv_act":
+        if not batched and k + 1 < len(ops) and ops[k][0] == "send_grad" and ops[k + 1][0] == "recv_act":
             ordered += [ops[k + 1], ops[k]]
             k += 2
         else:

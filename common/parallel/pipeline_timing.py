@@ -1,15 +1,17 @@
 """How long a pipeline's micro-step takes, played op by op: each stage runs its schedule's computations and
-point-to-point operations in order (pipeline.py `stage_ops`: mlx_impl/pp.py's order; torch's Schedule1F1B
-batches its non-blocking sends and receives instead, and its rows came closer under this order too),
-a receive waits for its message, and a send is buffered: the sender goes on at once (the pieces are socket-buffer
-and eager-protocol sized), while the message crosses its boundary. Each boundary is a link per direction (a
-full-duplex hop, as compare/launch/topology.py shapes each end), carrying one message at a time.
+point-to-point operations in the order its framework posts them (pipeline.py `stage_ops`: mlx_impl/pp.py's
+blocking sends and receives one at a time; `batched`, torch's Schedule1F1B, which posts a send and the next
+receive together as non-blocking operations), a receive waits for its message, and a send is buffered: the sender
+goes on at once (the pieces are socket-buffer and eager-protocol sized), while the message crosses its boundary.
+Each boundary is a link per direction (a full-duplex hop, as compare/launch/topology.py shapes each end), carrying
+one message at a time. `rendezvous` makes every send wait for its receive instead: tests/unit/test_pp.py plays
+every schedule so, to show stage_ops cannot deadlock.
 
 pp's exposure rule (pp.py) is the difference between this makespan with the sends' times and without them. The
 closed form it replaces charged every slot two sends where they outlasted the slot, as if a piece's activation
-and its gradient crossed one after another: on the kept sittings of stops 53-54 (docs/scaling.md, "Sitting 16")
-pp=2,dp=2 over two levels went from +24.2 to +17.2 % (torch, Zen 4, 7 sittings) and from +39.8 to +18.0 % (MLX,
-a core per rank, 5 sittings). Sends that block for their whole transfer put those rows at +29.7 and +29.6 %.
+and its gradient crossed one after another and each held its sender: on the kept sittings of stops 53-54
+(docs/scaling.md, "Sitting 16") pp=2,dp=2 over two levels went from +24.2 to -2.7 % (torch, Zen 4, 7 sittings)
+and from +39.8 to +18.0 % (MLX, a core per rank, 5 sittings).
 """
 from __future__ import annotations
 
@@ -17,10 +19,13 @@ from common.parallel.pipeline import stage_ops
 
 
 def micro_step_s(schedule: str, n_stages: int, n_micro: int, forward_s: float, backward_s: float,
-                 send_s: list[float]) -> float:
+                 send_s: list[float], batched: bool = False, rendezvous: bool = False) -> float:
     """Seconds from the first piece's forward to the last stage's last backward: `forward_s` and `backward_s` a
-    piece's compute on each stage, `send_s[b]` one message across boundary b (between stages b and b + 1)."""
-    ops = [stage_ops(schedule, s, n_stages, n_micro) for s in range(n_stages)]
+    piece's compute on each stage, `send_s[b]` one message across boundary b (between stages b and b + 1);
+    `batched`: the stages post their operations as torch's schedules do (stage_ops); `rendezvous`: a send waits
+    for its receive and both finish when the message has crossed (a message larger than the socket buffers:
+    stage_ops must not deadlock then, tests/unit/test_pp.py). Raises RuntimeError on a deadlock."""
+    ops = [stage_ops(schedule, s, n_stages, n_micro, batched) for s in range(n_stages)]
     done, clock = [0] * n_stages, [0.0] * n_stages
     arrives: dict[tuple, float] = {}     # (what, piece, receiving stage) -> when it has crossed
     link_free: dict[tuple, float] = {}   # (boundary, direction) -> when its last message has crossed
@@ -33,9 +38,15 @@ def micro_step_s(schedule: str, n_stages: int, n_micro: int, forward_s: float, b
                 if kind in ("F", "B"):
                     clock[s] += forward_s if kind == "F" else backward_s
                 elif kind.startswith("send"):
-                    boundary, direction = min(s, peer[0]), peer[0] > s
+                    dst, boundary, direction = peer[0], min(s, peer[0]), peer[0] > s
                     start = max(clock[s], link_free.get((boundary, direction), 0.0))
-                    link_free[(boundary, direction)] = arrives[(kind[5:], piece, peer[0])] = start + send_s[boundary]
+                    if rendezvous:  # only once the receiver is at this message's receive, and both wait for it
+                        if done[dst] == len(ops[dst]) or ops[dst][done[dst]] != ("recv" + kind[4:], piece, s):
+                            break
+                        start = max(start, clock[dst])
+                        clock[s] = clock[dst] = start + send_s[boundary]
+                        done[dst] += 1
+                    link_free[(boundary, direction)] = arrives[(kind[5:], piece, dst)] = start + send_s[boundary]
                 elif (kind[5:], piece, s) in arrives:
                     clock[s] = max(clock[s], arrives[(kind[5:], piece, s)])
                 else:

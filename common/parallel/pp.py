@@ -19,12 +19,13 @@ Its cost (common/costmodel/, docs/scaling.md):
                computations and sends in order, a piece's slot being the rank's own compute of it (in a mesh its
                data rank's rows and its share of the blocks, on shared cores as long as it runs there); a send is
                buffered and crosses its boundary's link, one message at a time per direction, each boundary at its
-               own link (over two levels pp x4 on machines of two crosses one slow hop of three). What the sends
-               add to the micro-step is the wait. Over two stages 1f1b pays 2M - 2 sends when they are shorter
-               than a slot (a piece's gradient leaves the last stage after the next activation arrives), gpipe
-               two (fill and drain); the closed form this replaced, two sends per slot where they outlasted it
-               plus fill and drain, is in docs/scaling.md ("Sitting 16"). The tied gradient's all-reduce
-               (2 ranks) adds its whole time. Nothing else overlaps.
+               own link (over two levels pp x4 on machines of two crosses one slow hop of three), in the order
+               the framework posts them. What the sends add to the micro-step is the wait. Over two stages, sends
+               shorter than a piece cost MLX's 1f1b 2M - 2 of them (a piece's gradient leaves the last stage after
+               the next activation arrives), torch's M (it posts that gradient with the next receive), gpipe two
+               (fill and drain); the closed form this replaced, two sends per slot where they outlasted it plus
+               fill and drain, is in docs/scaling.md ("Sitting 16"). The tied gradient's all-reduce (2 ranks)
+               adds its whole time. Nothing else overlaps.
 """
 from __future__ import annotations
 
@@ -153,6 +154,7 @@ class PpLayout(Layout):
         # the sends (pipeline_timing.py): what the sends add is what the step waits for
         forward_share = cal.forward_s / (cal.forward_s + cal.backward_s) if cal.forward_s + cal.backward_s else 0.5
         f_s, b_s = slot_s * forward_share, slot_s * (1 - forward_share)
-        waits = (micro_step_s(w.pp_schedule, n, m, f_s, b_s, sends)
-                 - micro_step_s(w.pp_schedule, n, m, f_s, b_s, [0.0] * len(sends)))
+        batched = w.framework == "torch"  # its schedules post a send and the next receive together
+        waits = (micro_step_s(w.pp_schedule, n, m, f_s, b_s, sends, batched)
+                 - micro_step_s(w.pp_schedule, n, m, f_s, b_s, [0.0] * len(sends), batched))
         return w.grad_accum * waits + tied_s

@@ -64,8 +64,8 @@ def test_a_pipeline_crosses_each_boundary_at_its_own_level_and_only_its_slow_hop
     slot = (cal.forward_s + cal.backward_s) * lay.rank_work_fraction(w) / (w.pp_microbatches + 3)
     f_s, b_s = (slot * x / (cal.forward_s + cal.backward_s) for x in (cal.forward_s, cal.backward_s))
     hops = [FAST.send_s(send, 4), SLOW.send_s(send, 4), FAST.send_s(send, 4)]
-    played = micro_step_s("1f1b", 4, w.pp_microbatches, f_s, b_s, hops) - \
-        micro_step_s("1f1b", 4, w.pp_microbatches, f_s, b_s, [0.0] * 3)
+    played = micro_step_s("1f1b", 4, w.pp_microbatches, f_s, b_s, hops, batched=True) - \
+        micro_step_s("1f1b", 4, w.pp_microbatches, f_s, b_s, [0.0] * 3, batched=True)  # torch's order
     assert two_level.exposed_comm_s == pytest.approx(played, rel=1e-9)
 
 

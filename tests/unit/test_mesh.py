@@ -127,8 +127,8 @@ def test_a_replicas_pipeline_waits_as_a_pipeline_alone_on_that_replicas_rows():
     and each piece's slot is the rank's own compute, half the stage's whole-batch work. Over a link where a
     piece's send outlasts its slot, a slot counted at the whole batch hid part of the wait (MLX's pipelines over
     two levels with a core per rank ran 17-37 % slower than predicted, docs/scaling.md "Sitting 14"). Where ranks
-    share cores the slot is as long as the piece's compute runs there."""
-    cal = calibrate(summary("torch", 1), TINY)
+    share cores the slot is as long as the piece's compute runs there. (MLX's order of operations: stage_ops.)"""
+    cal = calibrate(summary("mlx", 1), TINY)
     w = replace(cal.workload, global_batch_size=32, pp_microbatches=4)
     whole = replace(cal, workload=w, forward_s=0.2, backward_s=0.4)
     half = replace(whole, workload=replace(w, global_batch_size=16), forward_s=0.1, backward_s=0.2)

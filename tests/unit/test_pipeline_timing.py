@@ -27,6 +27,13 @@ def test_without_compute_two_stages_cross_every_message_one_after_another(schedu
     assert micro_step_s(schedule, 2, micro, 0.0, 0.0, [1.0]) == pytest.approx(2 * micro)
 
 
+@pytest.mark.parametrize("micro", [1, 2, 4, 7])
+def test_without_compute_torch_order_crosses_each_gradient_beside_the_next_activation(micro):
+    # the hop's two directions at once: M + 1 messages' time under 1f1b; gpipe still sends all down, then up
+    assert micro_step_s("1f1b", 2, micro, 0.0, 0.0, [1.0], batched=True) == pytest.approx(micro + 1)
+    assert micro_step_s("gpipe", 2, micro, 0.0, 0.0, [1.0], batched=True) == pytest.approx(2 * micro)
+
+
 @pytest.mark.parametrize("micro", [2, 4, 6])
 def test_sends_shorter_than_a_piece_wait_twice_under_gpipe_and_2m_minus_2_times_under_1f1b(micro):
     # gpipe streams every activation behind the next forward: only the first and the last message wait
@@ -50,3 +57,22 @@ def test_every_schedule_finishes_at_every_size(schedule):
                 continue  # RunConfig refuses it (torch's schedules need a micro-batch per stage)
             t = micro_step_s(schedule, stages, micro, 0.1, 0.2, [0.05 * (b + 1) for b in range(stages - 1)])
             assert t >= (micro + stages - 1) * 0.3 - 1e-12
+
+
+@pytest.mark.parametrize("micro", [2, 4, 8])
+def test_torch_posting_a_gradient_with_the_next_receive_waits_one_send_per_piece(micro):
+    """torch's Schedule1F1B posts the last stage's gradient send with its next activation receive (batched,
+    non-blocking): the gradient leaves as soon as its backward ends, so over two stages sends shorter than a
+    piece cost M of them, against 2M - 2 in MLX's order, which receives the next activation first."""
+    assert waits("1f1b", 2, micro, 1.0, 1.0, 0.5) == pytest.approx((2 * micro - 2) * 0.5)
+    batched = micro_step_s("1f1b", 2, micro, 1.0, 1.0, [0.5], batched=True) - \
+        micro_step_s("1f1b", 2, micro, 1.0, 1.0, [0.0], batched=True)
+    assert batched == pytest.approx(micro * 0.5)
+
+
+def test_rendezvous_sends_deadlock_in_torch_order_and_never_in_stage_ops_order():
+    """Why stage_ops swaps a gradient send after the next activation receive: were every send a rendezvous
+    (messages beyond the socket buffers), torch's order, posted one operation at a time, would deadlock."""
+    with pytest.raises(RuntimeError, match="deadlocked"):
+        micro_step_s("1f1b", 2, 4, 1.0, 2.0, [0.0], batched=True, rendezvous=True)
+    assert micro_step_s("1f1b", 2, 4, 1.0, 2.0, [0.0], rendezvous=True) == pytest.approx(5 * 3.0)

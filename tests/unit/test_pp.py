@@ -4,7 +4,8 @@ import pytest
 
 from common.config import RunConfig
 from common.errors import UserError
-from common.parallel.pipeline import bubble_fraction, compute_order, split_idle, stage_layers, stage_of, stage_ops
+from common.parallel.pipeline import bubble_fraction, compute_order, split_idle, stage_layers, stage_of
+from common.parallel.pipeline_timing import micro_step_s
 from common.model.spec import preset
 from common.parallel import check_strategy, comm_bytes_per_step_estimate, data_parallel
 from common.model.weights import parameter_shapes
@@ -28,27 +29,13 @@ def test_every_parameter_lives_on_exactly_one_stage_embedding_first_head_last():
 
 # ---- the schedules ------------------------------------------------------------------------------------------
 def _simulate(schedule: str, stages: int, micro: int, forward_s: float = 1.0, backward_s: float = 2.0):
-    """Run every stage's operations with rendezvous sends (a send completes only together with its receive,
-    both at the later of the two stages' clocks; sends take no time): the step's length when all stages
-    finish, None on a deadlock."""
-    ops = [stage_ops(schedule, s, stages, micro) for s in range(stages)]
-    pos, clock = [0] * stages, [0.0] * stages
-    while any(pos[s] < len(ops[s]) for s in range(stages)):
-        moved = False
-        for s in range(stages):
-            while pos[s] < len(ops[s]) and ops[s][pos[s]][0] in ("F", "B"):
-                clock[s] += forward_s if ops[s][pos[s]][0] == "F" else backward_s
-                pos[s], moved = pos[s] + 1, True
-        for s in range(stages):
-            if pos[s] < len(ops[s]) and ops[s][pos[s]][0].startswith("send"):
-                kind, i, dst = ops[s][pos[s]]
-                want = ("recv_" + kind[len("send_"):], i, s)
-                if pos[dst] < len(ops[dst]) and ops[dst][pos[dst]] == want:
-                    clock[s] = clock[dst] = max(clock[s], clock[dst])
-                    pos[s], pos[dst], moved = pos[s] + 1, pos[dst] + 1, True
-        if not moved:
-            return None
-    return max(clock)
+    """Every stage's operations played with rendezvous sends (a send completes only together with its receive,
+    at the later of the two stages' clocks; sends take no time): the step's length when all stages finish, None
+    on a deadlock. The cost model's own player (common/parallel/pipeline_timing.py), in its strictest mode."""
+    try:
+        return micro_step_s(schedule, stages, micro, forward_s, backward_s, [0.0] * (stages - 1), rendezvous=True)
+    except RuntimeError:
+        return None
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
