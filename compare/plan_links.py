@@ -63,11 +63,11 @@ def predicted_backend(summary: dict, mesh: str = "") -> str:
     return measured
 
 
-def choose_links(args, summary: dict, backend: str | None = None) -> tuple[Links, str]:
-    """(one link or two levels, how they were chosen) for a layout on `backend` (the run's own by default): the
-    outer (or only) level from choose_link; with --group-size, the inner one from its flags, else from the run's
+def choose_links(args, summary: dict, backend: str) -> tuple[Links, str]:
+    """(one link or two levels, how they were chosen) for a layout on `backend` (predicted_backend): the outer
+    (or only) level from choose_link; with --group-size, the inner one from its flags, else from the run's
     record."""
-    framework, backend = summary.get("framework", ""), backend or summary.get("backend") or ""
+    framework = summary.get("framework", "")
     inner_flags = (getattr(args, "fabric_inner", None), getattr(args, "link_gbps_inner", None),
                    getattr(args, "latency_us_inner", None))
     group_size = getattr(args, "group_size", None)
@@ -81,7 +81,7 @@ def choose_links(args, summary: dict, backend: str | None = None) -> tuple[Links
     if isinstance(outer, TwoLevelLink):  # the run's own record had two levels: its inner one, unless given
         outer = outer.outer
     if inner is None:
-        recorded = links_from_record(summary.get("link"), framework, backend)
+        recorded = links_from_record(summary.get("link"), framework, summary.get("backend") or backend)
         if not isinstance(recorded, TwoLevelLink):
             raise UserError("--group-size needs the link inside a machine: --link-gbps-inner and "
                             "--latency-us-inner, or --fabric-inner FILE (or a run over a two-level --link)")
@@ -89,18 +89,17 @@ def choose_links(args, summary: dict, backend: str | None = None) -> tuple[Links
     return TwoLevelLink(inner[0], outer, group_size), f"inside a machine: {inner[1]}; between machines: {how}"
 
 
-def choose_link(args, summary: dict, backend: str | None = None) -> tuple[Links, str]:
+def choose_link(args, summary: dict, backend: str) -> tuple[Links, str]:
     """(link, how it was chosen) from the flags (a --fabric file's entry of `backend`), else from the run (two
     levels where it ran over two), else that backend's loopback figures."""
-    framework, backend = summary.get("framework", ""), backend or summary.get("backend") or ""
+    framework = summary.get("framework", "")
     given = given_link(args.fabric, args.link_gbps, args.latency_us, framework, backend)
     if given is not None:
         return given
-    own = links_from_record(summary.get("link"), framework, backend)
+    own = links_from_record(summary.get("link"), framework, summary.get("backend") or backend)  # measured on its own
     if own:
         return own, "the run's link record"
-    return loopback_link(backend if backend not in ("none", "") else ("ring" if framework == "mlx" else "gloo")), \
-        "pass --fabric or --link-gbps for another link"
+    return loopback_link(backend), "pass --fabric or --link-gbps for another link"
 
 
 def describe_links(links: Links, how: str) -> str:

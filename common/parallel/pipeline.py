@@ -31,6 +31,9 @@ from __future__ import annotations
 from common.parallel.embedding_group import EmbeddingGroup
 
 SCHEDULES = ("gpipe", "1f1b")
+# Frameworks whose pipeline posts a send and the next receive as one batch of non-blocking operations
+# (torch.distributed.pipelining's schedules, torch_impl/pp.py); MLX's runs stage_ops one blocking op at a time.
+BATCHED_P2P = frozenset({"torch"})
 
 
 def stage_layers(n_layers: int, n_stages: int, stage: int) -> range:
