@@ -76,7 +76,7 @@ def calibrate(summary: dict, spec: ModelSpec, source: str = "") -> Calibration:
     w = workload_of(summary, spec)
     framework, strategy = w.framework, summary.get("strategy", "ddp")
     n, backend = int(summary.get("world_size") or 1), summary.get("backend") or "none"
-    lay = layout(strategy, n)
+    lay = layout(strategy, n, (summary.get("config") or {}).get("mesh") or "")
     step_s = bd.get("step_s") or summary.get("step_time_s")
     if not step_s:
         raise UserError(f"{source or 'the run'} has no measured step time in summary.json")

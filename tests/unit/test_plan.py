@@ -188,3 +188,15 @@ def test_plan_predicts_each_layout_on_the_backend_it_would_run_on(cmp_dir, capsy
     plan = json.loads((out / "plan.json").read_text())
     assert {r["backend"] for r in plan["predictions"] if r["world_size"] == 4} == {"gloo"}
     assert "links_by_backend" not in plan and plan["backend"] == "gloo"
+
+
+def test_plan_calibrates_on_a_mesh_run(cmp_dir, capsys):
+    """A mesh's run is calibrated on its own layout (its config's mesh): before, `plan --from` a pp=2,dp=2 run
+    refused with "--strategy mesh needs --mesh", a flag the user had given to the run, not to plan."""
+    mesh = summary("torch", 2, strategy="mesh")
+    mesh.update(world_size=4, config={**mesh["config"], "nproc": 4, "strategy": "mesh", "mesh": "pp=2,dp=2"})
+    run = write_run(cmp_dir / "torch-pp2xdp2-n4", mesh)
+    assert main(["plan", "--from", str(run), "--meshes", "--nproc", "4", "--out", str(cmp_dir / "mp")]) == 0
+    plan = json.loads((cmp_dir / "mp" / "plan.json").read_text())
+    assert plan["calibration"]["strategy"] == "mesh" and plan["calibration"]["world_size"] == 4
+    assert {"pp=2,dp=2", "dp=4"} <= {r["label"] for r in plan["predictions"]}
