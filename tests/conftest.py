@@ -34,6 +34,9 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if Path(str(item.path)).resolve().is_relative_to(HERE / "integration"):
             item.add_marker(pytest.mark.slow)
+    # The readers of the session's background builds run last, so that the workers do not wait for them (a
+    # stable sort: every other test keeps its place).
+    items.sort(key=lambda item: bool(BUILDS_FIXTURES & set(getattr(item, "fixturenames", ()))))
 
 
 # Under pytest-xdist (`make test` runs the integration lane on 2 workers) a module fixture is built once per
@@ -91,36 +94,61 @@ def runs_integration(config) -> bool:
     return any(p == lane or lane.is_relative_to(p) or p.is_relative_to(lane) for p in paths)
 
 
+# The session's two shared builds: (what, folder, the variable that tells the workers where, builder in runs.py).
+BACKGROUND = [("the shared matrix", "matrix", "DPCOMPARE_TEST_MATRIX", "build_matrix"),
+              ("the shaped-link compare and two-level run", "shaped-link", "DPCOMPARE_TEST_LINK_RUN", "build_link_run")]
+BUILDS_FIXTURES = {"matrix", "shaped_link_run"}
+_background: dict = {}
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist starts its workers (its own pytest_sessionstart)
 def pytest_sessionstart(session):
-    """Under xdist, the xdist controller trains the integration lane's shared matrix before any worker
-    exists, so that it trains alone (its time breakdown is judged to 15 %) and fills the workers' cache;
-    then the shaped-link compare, whose step the cost model's prediction is judged against (also 15 %), and the
-    two-level link's run, whose all-reduce gives each level's rate (20 %)."""
+    """Under xdist, the xdist controller starts the integration lane's shared matrix and then the shaped-link runs
+    in one process of their own, at once: the workers run every other test meanwhile (their readers are
+    scheduled last: pytest_collection_modifyitems), so the build's N=1 runs no longer leave a core idle before
+    any test starts. No test judges a time or rate that this load could move (tests/integration/test_link.py)."""
     config = session.config
     if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None) \
             or not runs_integration(config):
         return
     from helpers import can_emulate_links
-    from integration.runs import LINK_RUN_ENV, MATRIX_ENV, build_link_run, build_matrix
 
     base = config._tmp_path_factory.getbasetemp()
     cache = base / "dpcompare-cache"
     cache.mkdir(exist_ok=True)
-    alone = [("the shared matrix", "matrix", MATRIX_ENV, build_matrix)]
-    if can_emulate_links():
-        alone.append(("the shaped-link compare and two-level run", "shaped-link", LINK_RUN_ENV, build_link_run))
-    for title, folder, env_name, build in alone:
-        root = base / folder
-        root.mkdir(exist_ok=True)
-        print(f"\ntraining {title} before the workers start ({root})", flush=True)
-        started = time.monotonic()
+    builds = [b for b in BACKGROUND if b[1] != "shaped-link" or can_emulate_links()]
+    root = base / "background"
+    root.mkdir(exist_ok=True)
+    code = ("import sys; from pathlib import Path; sys.path[:0] = [sys.argv[1]]; "
+            "from integration.runs import build_in_background; "
+            "build_in_background(Path(sys.argv[2]), Path(sys.argv[3]), "
+            "[tuple(b.split(':')) for b in sys.argv[4:]])")
+    log = open(root / "build.log", "w")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(HERE), str(root), str(cache),
+                             *(f"{folder}:{builder}" for _, folder, _, builder in builds)],
+                            cwd=HERE.parent, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    (root / "build.pid").write_text(str(proc.pid))
+    _background.update(proc=proc, log=log, started=time.monotonic(), root=root)
+    for title, folder, env_name, _ in builds:
+        os.environ[env_name] = str(root / folder)
+        print(f"\nbuilding {title} in the background ({root / folder})", flush=True)
+
+
+def pytest_sessionfinish(session):
+    """The background build is over by now, unless the session stopped early: then it is stopped with its ranks."""
+    proc = _background.get("proc")
+    if proc is None:
+        return
+    if proc.poll() is None:
+        import signal
+
+        os.killpg(proc.pid, signal.SIGTERM)
         try:
-            build(root, cache)
-        except AssertionError:
-            pass  # written to root/error.txt: its readers fail with it, the other tests run
-        print(f"{title} took {time.monotonic() - started:.0f} s", flush=True)
-        os.environ[env_name] = str(root)
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+    _background["log"].close()
+    print(f"\nthe background build ended after {time.monotonic() - _background['started']:.0f} s", flush=True)
 
 
 @functools.lru_cache(maxsize=1)

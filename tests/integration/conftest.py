@@ -10,15 +10,16 @@ import pytest
 from helpers import FAST
 from integration.jobs import stop_leftovers
 from integration.runs import (HALF, HORIZON, LINK_RUN_ENV, MATRIX_ENV, PP_MICROBATCHES, SETUP, Matrix, build_link_run,
-                              build_matrix, reference_flags, shared_root, train_once, train_padded, trained_alone)
+                              build_matrix, built_in_background, reference_flags, shared_root, train_once,
+                              train_padded)
 
 
 @pytest.fixture(scope="session")
 def matrix(cache_dir, tmp_path_factory) -> Matrix:
-    """The matrix, once for the session. Tests read it; none may write into it. Under pytest-xdist it was
-    built before the workers started (tests/conftest.py): its time breakdown is judged to 15 %, and another
-    worker's ranks on the same 2 cores moved phases by up to 25 % (measured: mlx x2 381 ms vs 306 ms)."""
-    root = trained_alone(MATRIX_ENV)
+    """The matrix, once for the session. Tests read it; none may write into it. Under pytest-xdist it is built
+    in a process of its own from the session's start, while the workers run the other tests (tests/conftest.py),
+    and its readers are scheduled last."""
+    root = built_in_background(MATRIX_ENV)
     if root is not None:
         return Matrix(root / "cmp", root / "golden.json", SETUP, (root / "stdout.txt").read_text())
     return build_matrix(tmp_path_factory.mktemp("matrix"), cache_dir)
@@ -27,11 +28,11 @@ def matrix(cache_dir, tmp_path_factory) -> Matrix:
 @pytest.fixture(scope="session")
 def shaped_link_run(cache_dir, tmp_path_factory) -> Path:
     """The shaped-link compare's directory (torch-n1, torch-n2), once for the session; skipped where links
-    cannot be emulated. Under pytest-xdist it was trained before the workers started (tests/conftest.py)."""
+    cannot be emulated. Under pytest-xdist it is built in the background, after the matrix (tests/conftest.py)."""
     from helpers import skip_unless_links
 
     skip_unless_links()
-    root = trained_alone(LINK_RUN_ENV)
+    root = built_in_background(LINK_RUN_ENV)
     return root / "cmp" if root is not None else build_link_run(tmp_path_factory.mktemp("shaped-link"), cache_dir)
 
 

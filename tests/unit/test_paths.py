@@ -190,18 +190,30 @@ def refused_as_nobody(path: Path, kind: str) -> str:
     return message
 
 
+def first_closed_on_the_way(path: Path) -> Path:
+    """The first directory on the way to `path` that the checking user cannot enter: `nobody` where the test
+    runs as root (it has only the "other" bits), the owner otherwise. On macOS every user's TMPDIR is private
+    (0700), so as root the first closed directory may be one of TMPDIR's parents, not the test's own."""
+    bit = 0o001 if os.geteuid() == 0 else 0o100
+    return next(p for p in [*reversed(path.parents), path] if not p.stat().st_mode & bit)
+
+
 def test_an_unreadable_input_is_refused():
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp)
-        base.chmod(0o755)  # reachable by the unprivileged user
+        base.chmod(0o755)  # reachable by the unprivileged user, where TMPDIR's parents let it
         secret = base / "hosts.json"
         secret.write_text("{}")
         secret.chmod(0)
-        assert "cannot be read" in refused_as_nobody(secret, "file")
         closed = base / "closed"
         (closed / "inner").mkdir(parents=True)
-        closed.chmod(0o700)
-        assert f"cannot be read: {closed} is not accessible" in refused_as_nobody(closed / "inner", "dir")
+        closed.chmod(0)  # closed to its owner too, so the check holds without root
+        try:
+            assert "cannot be read" in refused_as_nobody(secret, "file")
+            blocked = first_closed_on_the_way(closed)
+            assert f"cannot be read: {blocked} is not accessible" in refused_as_nobody(closed / "inner", "dir")
+        finally:
+            closed.chmod(0o700)  # so that the folder can be removed
 
 
 def test_another_package_named_common_earlier_on_the_path_does_not_replace_ours(tmp_path):
