@@ -102,6 +102,18 @@ class Mesh:
         """Ranks that read different samples: the data axis's size, 1 without one."""
         return self.axis(self.data_axis) if self.data_axis else 1
 
+    def resized(self, world_size: int) -> Mesh | None:
+        """The mesh at `world_size` ranks with every model axis kept (tp, pp: the model's split is the
+        checkpoint's) and the data axis alone grown or shrunk: a restart on fewer ranks. None where the model
+        axes do not divide `world_size`, or where there is no data axis to change."""
+        model = self.size // self.data_size
+        if world_size % model or (self.data_axis is None and world_size != self.size):
+            return None
+        data = world_size // model
+        axis = self.data_axis or "dp"
+        kept = [(name, size) for name, size in self.axes if name != axis]
+        return Mesh.parse(",".join(f"{name}={size}" for name, size in kept + ([(axis, data)] if data > 1 else [])))
+
     def _stride(self, name: str) -> int:
         return math.prod(axis_size for _, axis_size in self.axes[self.names.index(name) + 1:])
 

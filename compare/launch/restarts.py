@@ -25,7 +25,7 @@ from pathlib import Path
 from common.config import RunConfig
 from common.errors import UserError
 from common.metrics import read_json, read_metrics
-from common.parallel import layout
+from common.parallel import Mesh, layout, mesh_fields
 from common.train import rescue
 
 from .watchdog import failure_cause
@@ -58,13 +58,32 @@ def cause_of(failure: dict, statuses: dict | None = None, run_dir: Path | None =
     return cause
 
 
+def at_world_size(cfg: RunConfig, nproc: int, grad_accum: int) -> RunConfig:
+    """cfg at `nproc` ranks: a one-axis strategy spans them all; a mesh keeps its model axes and grows or shrinks
+    its data axis (`Mesh.resized`), or is refused with a UserError where it cannot."""
+    if not cfg.mesh:
+        return cfg.replace(nproc=nproc, grad_accum=grad_accum)
+    grid = Mesh.parse(cfg.mesh).resized(nproc * cfg.nnodes)
+    if grid is None:
+        raise UserError(f"the model axes of --mesh {cfg.mesh} do not divide {nproc * cfg.nnodes} ranks")
+    fields = mesh_fields({"mesh": grid.text, "strategy": None})
+    return cfg.replace(nproc=nproc, grad_accum=grad_accum, mesh=fields["mesh"], strategy=fields["strategy"])
+
+
 def next_world(cfg: RunConfig, min_nproc: int) -> tuple[RunConfig | None, list[str]]:
     """The largest world size from `min_nproc` to cfg.nproc - 1 that keeps the global batch: (its config or
     None, why each larger size was passed over). Accumulation fills in at the same micro-batch where it
-    divides; else the smallest accumulation that splits the batch at no larger a micro-batch."""
+    divides; else the smallest accumulation that splits the batch at no larger a micro-batch. A mesh keeps
+    its model axes (tp, pp) and shrinks its data axis."""
     micro, refused = cfg.micro_batch_size, []
     for nproc in range(cfg.nproc - 1, max(min_nproc, 1) - 1, -1):
-        dp = layout(cfg.strategy, nproc).dp_size
+        try:
+            dp = at_world_size(cfg, nproc, 1).data_parallel_size if cfg.mesh else layout(cfg.strategy, nproc).dp_size
+        except UserError as err:
+            if nproc > 1:
+                refused.append(f"{nproc} ranks: {err}")
+                continue
+            dp = 1  # one rank holds the whole model whatever the layout: ddp below
         accums = [a for a in range(1, cfg.global_batch_size // dp + 1)
                   if cfg.global_batch_size % (dp * a) == 0 and cfg.global_batch_size // (dp * a) <= micro]
         if not accums:
@@ -72,12 +91,12 @@ def next_world(cfg: RunConfig, min_nproc: int) -> tuple[RunConfig | None, list[s
                            f"of at most {micro}")
             continue
         try:
-            return cfg.replace(nproc=nproc, grad_accum=accums[0]), refused
+            return at_world_size(cfg, nproc, accums[0]), refused
         except UserError as err:
             refused.append(f"{nproc} ranks: {err}")
         if nproc == 1 and cfg.strategy != "ddp":  # one rank holds the whole model whatever the strategy
             refused[-1] += "; ddp instead, as one rank holds the whole model"
-            return cfg.replace(nproc=1, grad_accum=accums[0], strategy="ddp"), refused
+            return cfg.replace(nproc=1, grad_accum=accums[0], strategy="ddp", mesh=""), refused
     return None, refused
 
 
@@ -95,7 +114,7 @@ class Restarts:
         """Whether a survivor should save its last completed step before the job is stopped."""
         return (self.attempt < self.cfg.max_restarts and cfg.world_size > 1
                 and cause_of(failure, statuses, run_dir) not in NOT_RETRIED
-                and layout(cfg.strategy, cfg.world_size).state_survives_a_lost_rank)
+                and cfg.layout.state_survives_a_lost_rank)
 
     def after_failure(self, cfg: RunConfig, failure: dict, run_dir: Path, detected_at: float,
                       statuses: dict, rescued: dict | None) -> RunConfig | None:
@@ -133,7 +152,7 @@ class Restarts:
                     else "last_checkpoint"),
             "rescue_error": (rescued or {}).get("error"),
             "nproc_before": cfg.nproc, "nproc_after": nxt.nproc, "grad_accum_after": nxt.grad_accum,
-            "strategy_after": nxt.strategy,
+            "strategy_after": nxt.strategy, "mesh_after": nxt.mesh or None,
             "passed_over": note or None,
             "failed_at": fault_at or detected_at, "detect_s": (detected_at - fault_at) if fault_at else None,
             "seconds": None})

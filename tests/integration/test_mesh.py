@@ -13,11 +13,25 @@ from integration.runs import HORIZON, resumed_from
 pytestmark = pytest.mark.skipif(__import__("shutil").which("mpirun") is None, reason="MLX meshes run on MPI")
 
 
+def killed(framework: str, rank: int, step: int) -> dict:
+    """The environment that kills `rank` of `framework` before step `step`, once (common/train/faults.py)."""
+    return {"DPCOMPARE_INJECT_FAULT": f"framework={framework},rank={rank},step={step},signal=KILL"}
+
+
+def assert_restarted_once(out, mesh: str, resumed_from: int) -> bool:
+    """One restart, on the same mesh (the restart used to rebuild a one-axis layout and exit 2), from `resumed_from`."""
+    [record] = json.loads((out / "summary.json").read_text())["restarts"]
+    assert (record["cause"], record["mesh_after"], record["resumed_from"]) == ("died", mesh, resumed_from), record
+    return True
+
+
 def test_meshes_in_two_frameworks_train_one_ddp_ranks_run_across_a_checkpoint(uninterrupted, cache_dir, tmp_path):
     """torch dp2 x pp2 trains steps 1-2 (accumulating two micro-steps) and saves whole HF files, torch fsdp2 x tp2
     resumes them for steps 3-4 and saves sharded (a row-parallel weight's piece a block on two axes), MLX dp2 x tp2
     resumes those pieces for steps 5-6, MLX pp2 x tp2 steps 7-8, MLX pp2 x dp2 x tp2 (8 ranks) steps 9-10 and torch's
-    three axes steps 11-12: every step equals the session's MLX ddp x1 run on the same horizon.
+    three axes steps 11-12: every step equals the session's MLX ddp x1 run on the same horizon. Two of the
+    segments lose a rank on the way (--max-restarts 1): torch's pp2 x dp2 at step 2, MLX's dp2 x tp2 at step 6;
+    each restart keeps its mesh and pieces and goes on from the latest checkpoint on the same curve.
     Tolerance 1e-5 per step (the issue's); measured 2.9e-7 at most on AMD EPYC Zen 4 over 12 steps of such
     switches, sharded under fsdp x tp included (docs/strategies.md). The pieces themselves, MLX's fsdp x tp
     writing them and the re-slicing: tests/unit/test_sharded_blocks.py."""
@@ -26,7 +40,9 @@ def test_meshes_in_two_frameworks_train_one_ddp_ranks_run_across_a_checkpoint(un
     common = (*FAST, *HORIZON, "--out", out, "--profile-steps", 0, "--collective-timeout-s", 300)
     four = ("--nproc", 4)
     dpcompare("run", *common, "--framework", "torch", *four, "--mesh", "pp=2,dp=2", "--pp-microbatches", 2,
-              "--grad-accum", 2, "--steps", 2, cache_dir=cache_dir, timeout=900)
+              "--grad-accum", 2, "--steps", 2, "--checkpoint-every", 1, "--max-restarts", 1, cache_dir=cache_dir,
+              timeout=900, env=killed("torch", rank=3, step=2))
+    assert_restarted_once(out, "pp=2,dp=2", resumed_from=1)
     dpcompare("run", *common, "--framework", "torch", *four, "--mesh", "fsdp=2,tp=2", "--checkpoint-format", "sharded",
               "--steps", 4, "--resume", cache_dir=cache_dir, timeout=900)
     assert resumed_from(out) == 2
@@ -36,8 +52,8 @@ def test_meshes_in_two_frameworks_train_one_ddp_ranks_run_across_a_checkpoint(un
         ([0, 0], [half, ffn // 2]), ([0, ffn // 2], [half, ffn]), ([half, 0], [2 * half, ffn // 2]),
         ([half, ffn // 2], [2 * half, ffn])]
     dpcompare("run", *common, "--framework", "mlx", *four, "--mesh", "dp=2,tp=2", "--steps", 6, "--resume",
-              cache_dir=cache_dir, timeout=900)
-    assert resumed_from(out) == 4
+              "--max-restarts", 1, cache_dir=cache_dir, timeout=900, env=killed("mlx", rank=1, step=6))
+    assert resumed_from(out) == 4 and assert_restarted_once(out, "dp=2,tp=2", resumed_from=4)
     np.testing.assert_allclose(losses(out), losses(uninterrupted("mlx", "ddp", 1))[:6], rtol=0, atol=1e-5)
     summary = json.loads((out / "summary.json").read_text())
     # MLX counts what it gives its collectives: tp's activations plus dp's all-reduce of the tp shard, as estimated

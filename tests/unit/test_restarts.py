@@ -40,6 +40,38 @@ def test_no_world_size_above_the_minimum_gives_none_with_the_reasons():
     assert smaller is None and passed and "3 ranks" in passed[0]
 
 
+def mesh_config(mesh: str, nproc: int, **fields) -> RunConfig:
+    return RunConfig.from_dict({"preset": "tiny", "global_batch_size": 8, "nproc": nproc, "mesh": mesh,
+                                "backend": "gloo", "framework": "torch", **fields})
+
+
+def test_a_restarted_mesh_keeps_its_mesh_and_the_survivor_question_asks_the_mesh(tmp_path):
+    """The restart of a mesh run exited 2 with '--strategy mesh needs --mesh' (issue 59): the survivor question
+    rebuilt a one-axis layout from the strategy's name. The next start is the run's own config, resumed."""
+    cfg = mesh_config("dp=2,tp=2", 4, max_restarts=1)
+    restarts = Restarts(cfg)
+    assert not restarts.can_rescue(cfg, {"cause": "died", "error": ""}, {}, tmp_path)  # tp's state is split
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3)))
+    nxt = restarts.after_failure(cfg, {"cause": "died", "failed_rank": 3, "error": "rank 3 died"}, tmp_path,
+                                 time.time(), {}, None)
+    assert nxt == cfg.replace(resume=True) and restarts.records[-1]["mesh_after"] == "dp=2,tp=2"
+
+
+@pytest.mark.parametrize("mesh, nproc, shrunk", [("dp=2,tp=2", 4, ("tp", "", 2, 2)),
+                                                 ("pp=2,dp=2", 4, ("pp", "", 2, 2)),
+                                                 ("dp=3,tp=2", 6, ("mesh", "dp=2,tp=2", 4, 2))])
+def test_a_mesh_shrinks_its_data_axis_and_keeps_its_model_axes(mesh, nproc, shrunk):
+    cfg = mesh_config(mesh, nproc, global_batch_size=12 if nproc == 6 else 8)
+    smaller, passed = next_world(cfg, 1)
+    assert (smaller.strategy, smaller.mesh, smaller.nproc, smaller.grad_accum) == shrunk, passed
+    assert smaller.micro_batch_size <= cfg.micro_batch_size and all("do not divide" in p for p in passed[:1])
+
+
+def test_a_mesh_without_a_data_axis_cannot_shrink_and_says_why():
+    smaller, passed = next_world(mesh_config("pp=2,tp=2", 4, pp_microbatches=2), 1)
+    assert smaller.nproc == 1 and smaller.strategy == "ddp" and "ranks" in passed[0]
+
+
 @pytest.mark.parametrize("fields, message", [({"max_restarts": -1}, "max_restarts must be >= 0"),
                                              ({"nproc": 2, "min_nproc": 3}, "min_nproc must be in [1, nproc=2]")])
 def test_bad_restart_flags_are_refused_in_one_line(fields, message):
