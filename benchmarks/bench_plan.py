@@ -15,7 +15,7 @@ strategy, on loopback and on shaped links (issue 24's acceptance: within 15 %), 
     ... --fit
 
 Per link one `dpcompare compare --nproc 1,2` (with `--link RATE` unless the link is `none`: plain loopback).
-compare writes each N=2 run's `prediction` (compare/plan.py: calibrated on the N=1 run of the same framework
+compare writes each N=2 run's `prediction` (compare/plan/predictions.py: calibrated on the N=1 run of the same framework
 and dtype, over the link the job measured); this reads them back next to the measured step. `--link` needs
 root and `ip` (the emulated links of issue 24); on a machine without them use `--links none`.
 """

@@ -101,7 +101,7 @@ def summarize(framework: str, strategy: str, summaries: list[dict], spec) -> dic
         "tokens_per_s": benchlib.median(r["tokens_per_s"] for r in summaries),
         "tokens_per_s_runs": [r["tokens_per_s"] for r in summaries],
         "comm_MiB": comm_mib(s, spec),
-        # the cost model's predicted peak per rank against the measured one (compare/plan.py memory_record)
+        # the cost model's predicted peak per rank against the measured one (compare/plan/predictions.py memory_record)
         "peak_predicted": " / ".join("-" if e is None else f"{e:+.0%}"
                                      for e in ((s.get("memory_prediction") or {}).get("error") or [])) or "-",
     }

@@ -1,6 +1,7 @@
 """The cost model against a folder of finished `dpcompare run`s: each run at N > 2 predicted as `compare` predicts it,
 from the N=1 run of its framework in the folder, over the link the job measured, fitted on the folder's N=2 runs of
-its axes' strategies (the run's own backend first: compare/plan.py `fit_runs`), with its measured figures beside.
+its axes' strategies (the run's own backend first: compare/plan/predictions.py `fit_runs`), with its measured
+figures beside.
 
     python benchmarks/predict_runs.py DIR [DIR ...]
 

@@ -10,15 +10,17 @@ ModelSpec fields that override the preset. Its paths are relative to the file's 
     steps = 200
     [model]
     n_layers = 2
+
+Reading the file, an --init-from folder and each value's type: common/config_sources.py.
 """
 from __future__ import annotations
 
 import json
 import os
-import tomllib
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
+from common.config_sources import coerce, folder_spec, has_tokenizer, read_toml
 from common.errors import UserError
 from common.data.sampler import check_divisible
 from common.model.spec import ModelSpec, preset
@@ -175,7 +177,7 @@ class RunConfig:
         for key in values:
             if key not in known:
                 raise UserError(f"unknown config field {key!r}; allowed: {', '.join(sorted(known))}")
-        typed = {k: _coerce(k, v, str(known[k].type), cls) for k, v in values.items()}
+        typed = {k: coerce(k, v, str(known[k].type)) for k, v in values.items()}
         cfg = cls(**mesh_fields(typed))
         cfg.validate()
         return cfg
@@ -320,50 +322,6 @@ class RunConfig:
         strategy.check(self.model_spec(vocab_size=None))
 
 
-def folder_spec(directory: str) -> ModelSpec:
-    """The model spec of an HF-format folder's config.json (its weights are checked when loaded)."""
-    path = Path(directory) / "config.json"
-    if not path.is_file():
-        raise UserError(f"--init-from {directory}: {path} not found: expected an HF-format Llama folder")
-    try:
-        from common.model.hfconfig import from_hf_config
-
-        return from_hf_config(json.loads(path.read_text()))
-    except json.JSONDecodeError as err:
-        raise UserError(f"{path} is not valid JSON: {err}") from None
-
-
-def has_tokenizer(directory: Path) -> bool:
-    return (directory / "tokenizer.json").is_file() or (directory / "tokenizer_config.json").is_file()
-
-
-def check_preset_matches_folder(preset_name: str, directory: str) -> None:
-    """A --preset given with --init-from may only name the folder's architecture (any vocab size)."""
-    named, folder = preset(preset_name), folder_spec(directory)
-    for key, value in named.to_dict().items():
-        if key != "vocab_size" and value != folder.to_dict()[key]:
-            raise UserError(f"--preset {preset_name} contradicts {Path(directory) / 'config.json'}: model.{key} "
-                            f"is {value!r} in the preset, {folder.to_dict()[key]!r} in the folder; drop --preset "
-                            "(--init-from sets the model)")
-
-
-def read_toml(path: str) -> dict:
-    """The file's values, with its paths (common/paths.py CONFIG_PATHS) resolved against the file's own
-    directory, as users of such files expect: `dataset = "data/train.txt"` sits beside the config."""
-    from common.paths import resolve_config_paths
-
-    try:
-        with open(path, "rb") as f:
-            values = tomllib.load(f)
-    except FileNotFoundError:
-        raise UserError(f"config file {path} not found") from None
-    except tomllib.TOMLDecodeError as err:
-        raise UserError(f"config file {path} is not valid TOML: {err}") from None
-    except OSError as err:
-        raise UserError(f"config file {path} cannot be read: {err.strerror}") from None
-    return resolve_config_paths(values, Path(path).absolute().parent, f" in {path}")
-
-
 def _choice(name: str, value, allowed, where: str = "") -> None:
     if value not in allowed:
         raise UserError(f"unknown {name} {value!r}{where}; allowed: {', '.join(allowed)}")
@@ -372,32 +330,3 @@ def _choice(name: str, value, allowed, where: str = "") -> None:
 def _positive(name: str, value) -> None:
     if value <= 0:
         raise UserError(f"{name} must be positive, got {value}")
-
-
-def _coerce(name: str, value, annotation: str, cls):
-    """TOML and CLI values into the field's type, with a message naming the field when impossible."""
-    kind = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
-    if kind == "dict":
-        if not isinstance(value, dict):
-            raise UserError(f"{name} must be a table of model fields")
-        return value
-    try:
-        if kind == "bool":
-            if isinstance(value, str):
-                if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                    raise ValueError
-                return value.lower() in ("true", "1", "yes")
-            return bool(value)
-        if kind == "int":
-            if isinstance(value, float) and not value.is_integer():
-                raise ValueError
-            if isinstance(value, bool):
-                raise ValueError
-            return int(value)
-        if kind == "float":
-            if isinstance(value, bool):
-                raise ValueError
-            return float(value)
-        return str(value)
-    except (TypeError, ValueError):
-        raise UserError(f"{name} must be {kind}, got {value!r}") from None

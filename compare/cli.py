@@ -12,7 +12,8 @@ import signal
 import sys
 from pathlib import Path
 
-from common.config import RunConfig, read_toml
+from common.config import RunConfig
+from common.config_sources import read_toml
 from common.errors import ParityError, UserError
 
 from . import __version__

@@ -8,7 +8,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from common.config import RunConfig, check_preset_matches_folder, read_toml
+from common.config import RunConfig
+from common.config_sources import check_preset_matches_folder, read_toml
 from common.errors import UserError
 from common.paths import CONFIG_PATHS, resolve
 

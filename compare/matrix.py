@@ -11,7 +11,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from common.config import DTYPES, FRAMEWORKS, read_toml
+from common.config import DTYPES, FRAMEWORKS
+from common.config_sources import read_toml
 from common.errors import ParityError, UserError
 from common.parallel import MESH_STRATEGY, STRATEGIES
 from common.parallel.mesh import Mesh
@@ -88,7 +89,8 @@ def run_matrix(args) -> int:
     # A failed cross-framework verdict is followed by a diagnosis: where the frameworks first part.
     diagnose_failures(run_dirs, out, tolerances_from_args(args))
     write_samples(run_dirs, args)
-    add_predictions(run_dirs)  # the cost model's step for every N > 1 run, from its N=1 run (compare/plan.py)
+    # the cost model's step for every N > 1 run, from its N=1 run (compare/plan/predictions.py)
+    add_predictions(run_dirs)
     add_memory_predictions(run_dirs)  # and every run's peak memory per rank from the shapes
     return finish(run_dirs, out, args, {"command": command}, failed)
 

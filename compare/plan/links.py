@@ -2,17 +2,36 @@
 --group-size ranks, a slow one between machines: common/costmodel/levels.py). Each level comes from a `doctor
 --fabric --out` file (--fabric, --fabric-inner), from the wire by hand (--link-gbps and --latency-us, and their
 -inner twins), or else from the run's own `link` record (summary.json: a two-level run records both levels).
+The `doctor --fabric --out` file is written here too (write_fabric), beside the code that reads it.
 """
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 from common.costmodel.levels import Links, TwoLevelLink, links_from_record
 from common.config import MLX_SPLIT_BACKENDS, default_backend
 from common.costmodel.links import Link, loopback_link
 from common.errors import UserError
-from common.metrics import read_json
+from common.metrics import read_json, write_json
+
+FABRIC_KIND = "dpcompare doctor --fabric"
+
+
+def fabric_record(rows, where: str, link: dict | None = None) -> dict:
+    """What `doctor --fabric --out FILE` writes: one entry per backend measured (compare/machine/fabric.py's
+    Measured rows), in the units the cost model reads."""
+    keys = ("framework", "backend", "ranks", "device", "latency_s", "bandwidth_Bps", "large_bytes", "error")
+    return {"kind": FABRIC_KIND, "created": time.strftime("%Y-%m-%d %H:%M:%S"), "where": where, "link": link,
+            "backends": [{k: getattr(r, k) for k in keys} for r in rows]}
+
+
+def write_fabric(path: str, rows, where: str, link: dict | None = None) -> None:
+    try:
+        write_json(Path(path), fabric_record(rows, where, link))
+    except OSError as err:
+        raise UserError(f"cannot write {path}: {err.strerror}") from None
 
 
 def link_from_fabric(path: str, framework: str, backend: str) -> Link:

@@ -55,8 +55,8 @@ def mesh_plan(cal: Calibration, links: Links, world_sizes: list[int], device_mem
               runs_on: RunsOn | None = None) -> dict:
     """{"rows": one per valid mesh and N (predict()'s dict with `label` and `backend`), "refused": {N: [(label,
     reason)]}, "best": {N: {"fastest", "fastest_fitting"}} (labels, or None)}. `runs_on(mesh text)`: the backend
-    a mesh runs on and the link as that backend sees it (compare/plan.py; MLX's meshes split on mpi, its one-axis
-    layouts run on ring); by default the calibration's backend over `links` for every mesh."""
+    a mesh runs on and the link as that backend sees it (compare/plan/command.py; MLX's meshes split on mpi, its
+    one-axis layouts run on ring); by default the calibration's backend over `links` for every mesh."""
     runs_on = runs_on or (lambda _mesh: (cal.backend, links))
     rows: list[dict] = []
     refused: dict[int, list] = {}

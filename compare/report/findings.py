@@ -43,7 +43,7 @@ def run_row(run: RunData, parity: dict, peaks: "PeakFinder") -> dict:
         "peak_mem_mb": [None if b is None else b / MB for b in s.get("peak_mem_bytes") or []],
         "peak_rss_mb": [None if b is None else b / MB for b in s.get("peak_rss_bytes") or []],
         "fixed_rss_mb": [None if b is None else b / MB for b in s.get("fixed_rss_bytes") or []],
-        # The cost model's peak per rank from the shapes and the fixed footprint (compare/plan.py)
+        # The cost model's peak per rank from the shapes and the fixed footprint (compare/plan/predictions.py)
         "memory_prediction": s.get("memory_prediction"),
         "threads_per_rank": s.get("threads_per_rank", cfg.get("threads_per_rank")),
         "blas": s.get("blas"), "tokens_per_step": s.get("tokens_per_step"),
@@ -60,7 +60,7 @@ def run_row(run: RunData, parity: dict, peaks: "PeakFinder") -> dict:
         "pipeline": s.get("pipeline"),  # pp: schedule, micro-batches, each stage's bubble and layers
         "breakdown": s.get("breakdown"),
         "op_profile": s.get("op_profile"),  # N=1: ms per step of each op class (common/train/opprofile.py)
-        # The cost model's step for this run, from the N=1 run (compare/plan.py).
+        # The cost model's step for this run, from the N=1 run (compare/plan/predictions.py).
         "prediction": s.get("prediction"),
         "trace": [str(run.run_dir / f) for f in s.get("trace") or []],  # --trace timelines (common/train/trace.py)
         "command": s.get("command"), "rerun": rerun_command(cfg, run.framework, run.world_size),

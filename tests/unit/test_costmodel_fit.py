@@ -1,5 +1,5 @@
 """Host work per byte moved fitted on an N=2 run of a strategy (common/costmodel/fit.py), charged at N > 2 to that
-strategy and to every mesh with its axis, and what compare's predictions fit on (compare/plan.py)."""
+strategy and to every mesh with its axis, and what compare's predictions fit on (compare/plan/predictions.py)."""
 import json
 from dataclasses import replace
 

@@ -1,5 +1,5 @@
 """The cost model over two link levels (common/costmodel/levels.py, axes.py) and `dpcompare plan --meshes`
-(compare/plan_meshes.py): each axis's collectives go on the level its ranks share, a machine's card is shared by
+(compare/plan/meshes.py): each axis's collectives go on the level its ranks share, a machine's card is shared by
 the axis's groups on it, one link is the old model, and the plan lists every valid mesh per N with its memory
 and names the fastest and the fastest that fits."""
 import json
@@ -16,7 +16,7 @@ from common.parallel import layout
 from common.parallel.mesh import Mesh
 from common.parallel.pipeline_timing import micro_step_s
 from compare.cli import main
-from compare.plan_meshes import candidate, factorisations, mesh_plan
+from compare.plan.meshes import candidate, factorisations, mesh_plan
 
 FAST, SLOW = Link("fast", 10e-6, 1e9), Link("slow", 100e-6, 1e7)
 TWO_PER_MACHINE = TwoLevelLink(FAST, SLOW, 2)

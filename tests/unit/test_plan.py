@@ -1,4 +1,4 @@
-"""`dpcompare plan` (compare/plan.py) in-process on fixture run directories: it writes plan.json and the
+"""`dpcompare plan` (compare/plan/) in-process on fixture run directories: it writes plan.json and the
 figure, refuses bad input with exit 2 and one line, reads `doctor --fabric --out` files, and `compare`'s
 predictions land in the N > 1 summaries and the report."""
 import json
@@ -147,7 +147,7 @@ def test_plan_predicts_each_layout_on_the_backend_it_would_run_on(cmp_dir, capsy
     """An MLX N=1 run ran on no backend: its one-axis layouts are predicted on ring and its meshes on mpi (the
     backend a mesh needs: common/config.py default_backend), each over its own loopback figures, or over its own
     entry of a --fabric file. torch's run on gloo keeps one backend and one link."""
-    from compare.plan_links import predicted_backend
+    from compare.plan.links import predicted_backend
     from common.costmodel.calibrate import calibrate
     from common.costmodel.links import LOOPBACK_ALLREDUCE, loopback_link
     from common.costmodel.predict import predict
