@@ -48,8 +48,12 @@ def build_wheel(into) -> str:
                 tar.add(ROOT / name, arcname=name, recursive=False)
     with tarfile.open(into / "src.tar") as tar:
         tar.extractall(src, filter="tar")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", into / "dist", src],
-                   check=True, capture_output=True)
+    # -v shows the build backend's own output, where setuptools prints its deprecation warnings (a license
+    # written as a TOML table was one, on every build).
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "--wheel-dir", into / "dist", src],
+                           check=True, capture_output=True, text=True)
+    warned = [line for line in (built.stdout + built.stderr).splitlines() if "deprecat" in line.lower()]
+    assert not warned, "\n".join(warned)
     (wheel,) = (into / "dist").glob("dpcompare-*.whl")
     return str(wheel)
 
