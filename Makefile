@@ -25,16 +25,15 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/dpcompare compare --config demo --frameworks mlx,torch --nproc 1,2 --out $(OUT) --overwrite
 
-# Everything, unit first so a broken edit fails in seconds; the integration lane on TEST_WORKERS processes
-# (pytest-xdist; tests/conftest.py sends the readers of a shared run to one worker). 2 pays on 2 cores.
+# Everything, in one pytest session on TEST_WORKERS processes (pytest-xdist): the unit lane's tests are handed out
+# first, so a broken edit still fails early; the integration lane's shared runs build in a process of their own
+# from the session's start (tests/conftest.py), beside the unit tests, so neither core waits on the other lane.
+# tests/conftest.py sends the readers of a shared run to one worker. 2 pays on 2 cores.
 TEST_WORKERS ?= 2
 test: $(STAMP) pyc
-	$(BIN)/python -m pytest tests/unit
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) tests/integration
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) tests/unit tests/integration
 
-# The unit lane: tests that start no training process, to run after each edit; on TEST_WORKERS processes, as
-# a fresh clone's first run builds a few MLX kernels (cold, 431 tests: 36.8 s in one process, 29.6-31.5 s on
-# two; warm 28 s either way, AMD EPYC Zen 4). `make test` runs it in one process: CI's lint runs beside it.
+# The unit lane: tests that start no training process, to run after each edit, on TEST_WORKERS processes.
 test-fast: $(STAMP) pyc
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) tests/unit
 
