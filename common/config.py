@@ -81,6 +81,7 @@ class RunConfig:
     builtin_corpus_bytes: int = 3_000_000
     val_fraction: float = 0.01
     sequence: str = "packing"
+    loss_normalization: str = "global-tokens"  # or per-rank (mlx-lm's): common/train/normalization.py
     seq_len: int = 128
     cache_dir: str = ""
     # Batch: the global batch is split over world_size ranks x grad_accum micro-steps.
@@ -264,6 +265,7 @@ class RunConfig:
         _choice("backend", self.backend, BACKENDS[self.framework],
                 f" for framework {self.framework}")
         _choice("sequence", self.sequence, SEQUENCE_MODES)
+        _choice("loss_normalization", self.loss_normalization, ("global-tokens", "per-rank"))
         _choice("device", self.device, DEVICES)
         _choice("mlx_blas", self.mlx_blas, MLX_BLAS)
         _choice("mlx_cpu_jit", self.mlx_cpu_jit, MLX_CPU_JIT)

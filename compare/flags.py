@@ -29,6 +29,8 @@ RUN_FLAGS = [
     ("--text-field", str, "column holding the text"),
     ("--tokenizer", str, "builtin, a tokenizer dir or hub name (gpt2), or a tokenizer.json"),
     ("--sequence", str, "packing (default) or padding"),
+    ("--loss-normalization", str, "global-tokens (default: the summed token losses over the global count, what "
+                                  "one rank computes) or per-rank (each rank's own mean, then averaged: mlx-lm's)"),
     ("--strategy", str, "ddp (replicated), fsdp (sharded), tp (tensor parallel) or pp (pipeline)"),
     ("--mesh", str, "strategies composed over named axes, AXIS=SIZE,... with axes dp, fsdp, tp, pp (dp=2,tp=2; their "
                     "product is the rank count); laid out pp outermost, tp innermost (docs/strategies.md)"),

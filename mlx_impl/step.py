@@ -39,6 +39,7 @@ from common.config import RunConfig
 from common.kernels import native_cpu_kernels, resolved_mlx_exp
 from common.model.spec import ModelSpec
 from common.model.weights import parameter_shapes
+from common.train.normalization import local_tokens, loss_parts, normalization
 from common.train.protocols import Batch, Phase, StateStream, Strategy, StrategyClass, World, no_phase
 
 from .comm import CommCounter, communication_stream
@@ -91,6 +92,7 @@ class Trainer:
         self.data_group = world.data_group  # what all_sum over "data" sums over (a mesh's data axis)
         # Ranks that read different samples and average gradients: all of them, except under tp.
         self.dp_size = cfg.data_parallel_size
+        self.normalization = normalization(cfg.loss_normalization)  # the step's loss from its token losses
         self.device = "gpu" if mx.default_device() == mx.gpu else "cpu"
         # Collectives run on the CPU stream on a Metal GPU (mlx_impl/comm.py); the comm counts their bytes.
         self.comm = CommCounter(communication_stream(cfg))
@@ -144,9 +146,12 @@ class Trainer:
         evaluated in two parts, and kernels it fused across the two run in forward), communication (the
         gradient sync, run apart from the update to time it, uncompiled so that it stays out of the per-call
         byte counts of comm_bytes_per_step; under fsdp the shards' reduce-scatter is in backward), optimizer."""
-        # scale = N / T (N data-parallel ranks): after averaging, the gradient is that of (sum of losses) / T.
+        # scale = N / T (N data-parallel ranks; global-tokens): after averaging, the gradient is that of (sum of
+        # losses) / T; per-rank: 1 / (this rank's own count) (common/train/normalization.py).
         # The micro-batches' forward and backward: one after another (microsteps.py), or pp's schedule.
-        passes = self.strategy.forward_backward(self, batches, self.dp_size / global_tokens, phase, wait, sync)
+        own_tokens = local_tokens(batches)
+        scale = self.normalization.gradient_scale(global_tokens, own_tokens, self.dp_size)
+        passes = self.strategy.forward_backward(self, batches, scale, phase, wait, sync)
         token_losses, grads = passes.losses, passes.grads
         update_syncs = sync
         if wait and sync and self.strategy.communicates:
@@ -158,9 +163,9 @@ class Trainer:
             self.optimizer.learning_rate = mx.array(lr, dtype=mx.float32)
             grad_norm = self._update[update_syncs](grads)
             mx.eval(grad_norm, token_losses, self.model.state, self.optimizer.state)  # the step is done when timed
-        local = np.array([_exact_sum(token_losses)])
-        loss_sum = (self.all_sum(local, over=self.strategy.loss_over) if sync else local)[0]
-        return float(loss_sum / global_tokens), grad_norm.item()
+        local = loss_parts(_exact_sum(token_losses), own_tokens)
+        summed = self.all_sum(local, over=self.strategy.loss_over) if sync else local
+        return self.normalization.loss(summed, global_tokens, self.dp_size), grad_norm.item()
 
     def op_workloads(self, batch: Batch, grad_accum: int) -> Workloads:
         """The op classes' workloads at this batch's shapes (opclasses.py), for common/train/opprofile.py."""

@@ -30,6 +30,7 @@ from common.checkpoint.tensorsource import TensorSource, as_source
 from common.config import RunConfig
 from common.model.spec import ModelSpec
 from common.model.weights import parameter_shapes
+from common.train.normalization import local_tokens, normalization
 from common.train.protocols import Batch, Phase, StateStream, Strategy, StrategyClass, World, no_phase
 
 from .adamw import AdamW
@@ -104,6 +105,7 @@ class Trainer:
         self.data_group = world.data_group  # what all_sum over "data" sums over (a mesh's data axis)
         # Ranks that read different samples and average gradients: all of them, except under tp.
         self.dp_size = cfg.data_parallel_size
+        self.normalization = normalization(cfg.loss_normalization)  # the step's loss from its token losses
         self.device = torch.device(world.device)
         # None: gloo and NCCL choose their own streams (torch_impl/comm.py); the comm counts the first step's bytes.
         self.comm = CommCounter(communication_stream(cfg))
@@ -128,17 +130,22 @@ class Trainer:
         weights part ways). `phase(name)` wraps each phase (common/train/protocols.py); wait=True ends each in a
         device sync: forward and backward per micro-batch, optimizer. DDP and FSDP sync the gradients inside
         the backward (their hooks), so there is no communication phase; the profiler shows it there."""
+        # The gradients' scale: N / T (global-tokens) or 1 / (this rank's own count) (common/train/normalization.py).
         # The micro-batches' forward and backward: one after another (microsteps.py), or pp's schedule.
-        passes = self.strategy.forward_backward(self, batches, self.dp_size / global_tokens, phase, wait, sync)
+        own_tokens = local_tokens(batches)
+        scale = self.normalization.gradient_scale(global_tokens, own_tokens, self.dp_size)
+        passes = self.strategy.forward_backward(self, batches, scale, phase, wait, sync)
         loss_sum = passes.losses
+        # (sum, sum / own count), float64 on the device: what this rank adds to the step's loss
+        parts = torch.stack([loss_sum, loss_sum / own_tokens if own_tokens else torch.zeros_like(loss_sum)])
         with phase("optimizer"):
             grad_norm = self._update(passes.grads, lr)
             wait_for(wait, self.device)
         if sync and (self.dp_size if self.strategy.loss_over == "data" else self.world_size) > 1:
             # pp: the last stage holds the sum, the others add 0
-            dist.all_reduce(loss_sum, group=self.data_group if self.strategy.loss_over == "data" else None)
-        loss = (loss_sum / global_tokens).item()  # .item() waits for the device: the step is done
-        return loss, grad_norm.item()
+            dist.all_reduce(parts, group=self.data_group if self.strategy.loss_over == "data" else None)
+        summed = parts.cpu().numpy()  # waits for the device: the step is done
+        return self.normalization.loss(summed, global_tokens, self.dp_size), grad_norm.item()
 
     def _update(self, grads: Grads, lr: float) -> torch.Tensor:
         # One global norm, in float64 (grads.py's norm_dtype): replicated gradients counted once, shards and tp
