@@ -23,6 +23,7 @@ from pathlib import Path
 from common.config_sources import coerce, folder_spec, has_tokenizer, read_toml
 from common.errors import UserError
 from common.data.sampler import check_divisible
+from common.model.lora import Adapters, Trained, trained_parameters_of
 from common.model.spec import ModelSpec, preset
 from common.parallel.pipeline import SCHEDULES as PP_SCHEDULES
 from common.parallel import STRATEGIES, Layout, layout, mesh_fields
@@ -82,6 +83,12 @@ class RunConfig:
     val_fraction: float = 0.01
     sequence: str = "packing"
     loss_normalization: str = "global-tokens"  # or per-rank (mlx-lm's): common/train/normalization.py
+    # LoRA (common/model/lora.py): adapters of this rank on lora_targets ("q_proj,v_proj"; "" = those two) of the
+    # last lora_layers blocks (0 = all), scale lora_alpha / rank (alpha 0 = 2 x rank); rank 0 trains every parameter.
+    lora_rank: int = 0
+    lora_alpha: float = 0.0
+    lora_targets: str = ""
+    lora_layers: int = 0
     seq_len: int = 128
     cache_dir: str = ""
     # Batch: the global batch is split over world_size ranks x grad_accum micro-steps.
@@ -241,6 +248,11 @@ class RunConfig:
         return self.layout.dp_size
 
     @property
+    def trained(self) -> Trained:
+        """Which parameters train (common/model/lora.py): the whole model, or adapters beside a frozen base."""
+        return trained_parameters_of(self.lora_rank, self.lora_alpha, self.lora_targets, self.lora_layers)
+
+    @property
     def layout(self) -> Layout:
         """The strategy's object (common/parallel/): one strategy over every rank, or the mesh's composition."""
         return layout(self.strategy, self.world_size, self.mesh)
@@ -288,7 +300,7 @@ class RunConfig:
         for name in ("lr", "adam_eps", "all_reduce_size_mb", "bucket_cap_mb", "collective_timeout_s"):
             if not getattr(self, name) > 0:
                 raise UserError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("weight_decay", "grad_clip"):
+        for name in ("weight_decay", "grad_clip", "lora_rank", "lora_alpha", "lora_layers"):
             if getattr(self, name) < 0:
                 raise UserError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("beta1", "beta2", "min_lr_ratio"):
@@ -322,6 +334,15 @@ class RunConfig:
         # preset, [model] fields and seq_len checked now; and whether the strategy can split that model (the one
         # place this is checked: every RunConfig is validated when it is made, before anything is prepared)
         strategy.check(self.model_spec(vocab_size=None))
+        trained = self.trained
+        if isinstance(trained, Adapters):
+            if not strategy.trains_adapters:
+                raise UserError(f"--lora-rank trains under ddp only for now; --strategy {self.strategy} keeps every "
+                                "parameter's gradient and optimizer state (docs/strategies.md)")
+            if self.checkpoint_format != "hf":
+                raise UserError("--checkpoint-format sharded does not hold LoRA adapters yet; use hf (the "
+                                "adapters are small: rank 0 writes them whole)")
+            trained.check(self.model_spec(vocab_size=None))
 
 
 def _choice(name: str, value, allowed, where: str = "") -> None:

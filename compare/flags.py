@@ -31,6 +31,12 @@ RUN_FLAGS = [
     ("--sequence", str, "packing (default) or padding"),
     ("--loss-normalization", str, "global-tokens (default: the summed token losses over the global count, what "
                                   "one rank computes) or per-rank (each rank's own mean, then averaged: mlx-lm's)"),
+    ("--lora-rank", int, "train LoRA adapters of this rank beside a frozen base (0, the default: every parameter "
+                         "trains); ddp only for now (docs/strategies.md)"),
+    ("--lora-alpha", float, "LoRA scale = alpha / rank, as peft's (default: 2 x rank)"),
+    ("--lora-targets", str, "LoRA's modules, HF names: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj "
+                            "(default q_proj,v_proj)"),
+    ("--lora-layers", int, "LoRA on the last K blocks only (default 0: every block)"),
     ("--strategy", str, "ddp (replicated), fsdp (sharded), tp (tensor parallel) or pp (pipeline)"),
     ("--mesh", str, "strategies composed over named axes, AXIS=SIZE,... with axes dp, fsdp, tp, pp (dp=2,tp=2; their "
                     "product is the rank count); laid out pp outermost, tp innermost (docs/strategies.md)"),

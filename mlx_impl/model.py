@@ -101,11 +101,15 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.arra
 
 class Linear(nn.Linear):
     """The float32 weight (and bias, where the spec has one) is cast to the input's dtype at use, so its
-    gradient lands in float32."""
+    gradient lands in float32; so are LoRA's adapters where lora.py attached them."""
 
     def __call__(self, x: mx.array) -> mx.array:
         y = x @ self.weight.astype(x.dtype).T
-        return y + self.bias.astype(x.dtype) if "bias" in self else y
+        if "bias" in self:
+            y = y + self.bias.astype(x.dtype)
+        if "lora_A" in self:  # LoRA (lora.py): + scale * (x A^T) B^T, in the input's dtype as the weight
+            y = y + ((x @ self.lora_A.astype(x.dtype).T) @ self.lora_B.astype(x.dtype).T) * self.lora_scale
+        return y
 
 
 class Embedding(nn.Embedding):

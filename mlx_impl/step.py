@@ -38,7 +38,6 @@ from common.checkpoint.tensorsource import TensorSource, as_source
 from common.config import RunConfig
 from common.kernels import native_cpu_kernels, resolved_mlx_exp
 from common.model.spec import ModelSpec
-from common.model.weights import parameter_shapes
 from common.train.normalization import local_tokens, loss_parts, normalization
 from common.train.protocols import Batch, Phase, StateStream, Strategy, StrategyClass, World, no_phase
 
@@ -47,6 +46,7 @@ from .ddp import Replicated
 from .fsdp import Sharding
 from .grads import clip_by_norm
 from .load import read_local
+from .lora import attach
 from .mesh import mesh_strategy
 from .microsteps import Grads, Losses, StepFunctions
 from .model import Llama, cross_entropy, load_weights, set_exp, token_loss_sum, weights_of  # noqa: F401 (benchmarks, tests)
@@ -103,6 +103,9 @@ class Trainer:
         # Which exp, before anything is compiled: the launcher's rule, with this rank's device.
         set_exp(resolved_mlx_exp(cfg, self.device, sys.platform, native_cpu_kernels(cfg.mlx_cpu_jit)))
         self.model = Llama(spec, compute_dtype=cfg.dtype)
+        # What trains (common/model/lora.py): every parameter, or LoRA's adapters with the rest frozen (lora.py).
+        attach(self.model, cfg.trained, spec)
+        self.state_shapes = cfg.trained.state_shapes(spec)  # the state a checkpoint holds, under HF names
         strategy.wrap(self.model, as_source(weights))
         self.optimizer = optim.AdamW(learning_rate=cfg.lr, betas=[cfg.beta1, cfg.beta2], eps=cfg.adam_eps,
                                      weight_decay=cfg.weight_decay, bias_correction=True)
@@ -200,18 +203,18 @@ class Trainer:
         """This rank's own pieces of the state, for a sharded checkpoint (strategy.local_state): no collectives.
         The strategy hands on float32 numpy views of the rank's own arrays, not copies: saving adds nothing to
         the peak."""
-        return self.strategy.local_state(parameter_shapes(self.model.spec), *self._named_state())
+        return self.strategy.local_state(self.state_shapes, *self._named_state())
 
     def _named_state(self) -> tuple[dict[str, mx.array], dict[str, mx.array], dict[str, mx.array]]:
-        """(parameters, exp_avg, exp_avg_sq) as this rank holds them, under its parameter paths."""
-        weights = dict(tree_flatten(self.model.parameters()))
+        """(parameters, exp_avg, exp_avg_sq) of what trains, as this rank holds them, under its parameter paths."""
+        weights = dict(tree_flatten(self.model.trainable_parameters()))
         state = dict(tree_flatten(self.optimizer.state))
         return weights, {k: state[f"{k}.m"] for k in weights}, {k: state[f"{k}.v"] for k in weights}
 
     def import_optimizer(self, exp_avg: TensorSource | Mapping[str, np.ndarray],
                          exp_avg_sq: TensorSource | Mapping[str, np.ndarray], step: int) -> None:
         """The moments' slices this rank keeps, read as its weights were (strategy.local_index)."""
-        shapes = {k: v.shape for k, v in tree_flatten(self.model.parameters())}  # this rank's paths and shapes
+        shapes = {k: v.shape for k, v in tree_flatten(self.model.trainable_parameters())}  # this rank's paths, shapes
         moments = [(f"{path}.{key}", mx.array(value))
                    for key, source in (("m", exp_avg), ("v", exp_avg_sq))
                    for path, value in read_local(as_source(source), shapes, self.strategy.local_index)]

@@ -73,4 +73,5 @@ class Replicated(MicroSteps):
 
     def _watch_collectives(self) -> Watch:
         """DDP all-reduces every gradient once, in C++ buckets no dispatch mode sees: count their sizes."""
-        return FixedCount(sum(p.numel() * p.element_size() for p in self.model.parameters()) * (self.dp_size > 1))
+        return FixedCount(sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
+                          * (self.dp_size > 1))

@@ -78,10 +78,13 @@ def _rope_tensors(spec: ModelSpec, T: int, device: torch.device) -> tuple[torch.
 
 class Linear(nn.Linear):
     """The float32 weight (and bias, where the spec has one) is cast to the input's dtype at use, so its
-    gradient lands in float32."""
+    gradient lands in float32; so are LoRA's adapters where lora.py attached them."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        y = F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        if hasattr(self, "lora_A"):  # LoRA (lora.py): + scale * (x A^T) B^T, in the input's dtype as the weight
+            y = y + F.linear(F.linear(x, self.lora_A.to(x.dtype)), self.lora_B.to(x.dtype)) * self.lora_scale
+        return y
 
 
 class Embedding(nn.Embedding):

@@ -29,7 +29,6 @@ from common.checkpoint.sharded import LocalState
 from common.checkpoint.tensorsource import TensorSource, as_source
 from common.config import RunConfig
 from common.model.spec import ModelSpec
-from common.model.weights import parameter_shapes
 from common.train.normalization import local_tokens, normalization
 from common.train.protocols import Batch, Phase, StateStream, Strategy, StrategyClass, World, no_phase
 
@@ -38,6 +37,7 @@ from .comm import CommCounter, communication_stream
 from .ddp import Replicated
 from .grads import clip_by_norm
 from .load import filled_like, read_local
+from .lora import attach
 from .microsteps import Grads, StepFunctions, wait_for
 from .model import Llama, cross_entropy, load_weights, token_loss_sum  # noqa: F401 (diagnose, tests)
 from .opclasses import Workloads, workloads
@@ -90,8 +90,8 @@ def strategy_for(cfg: RunConfig, world: World, comm: CommCounter) -> StepStrateg
 def _param_groups(model: nn.Module) -> list[dict[str, list[nn.Parameter]]]:
     """AdamW's parameter groups: sharded DTensors and plain tensors apart, since foreach kernels take one kind at
     a time (tp has both; every other strategy one kind, so one group)."""
-    groups = [{"params": [p for p in model.parameters() if hasattr(p, "to_local") == sharded]}  # a DTensor
-              for sharded in (False, True)]
+    groups = [{"params": [p for p in model.parameters() if p.requires_grad and hasattr(p, "to_local") == sharded]}
+              for sharded in (False, True)]  # to_local: a DTensor; frozen parameters (LoRA's base) in neither
     return [g for g in groups if g["params"]]
 
 
@@ -115,6 +115,9 @@ class Trainer:
         # part from the source (torch_impl/load.py), so a sharded rank never holds the whole model.
         with torch.device("meta"):
             self.model = Llama(spec, compute_dtype=cfg.dtype)
+            # What trains (common/model/lora.py): every parameter, or LoRA's adapters with the rest frozen (lora.py).
+            attach(self.model, cfg.trained, spec)
+        self.state_shapes = cfg.trained.state_shapes(spec)  # the state a checkpoint holds, under HF names
         self.grad_accum, self.grad_clip = cfg.grad_accum, cfg.grad_clip
         # The StepFunctions (microsteps.py) the strategies run: the bare model and what the step runs.
         self.wrapped: nn.Module = self.strategy.wrap(self.model, as_source(weights))
@@ -122,7 +125,7 @@ class Trainer:
             self.wrapped = cast(nn.Module, torch.compile(self.wrapped))  # an OptimizedModule
         self.optimizer = AdamW(_param_groups(self.model), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                eps=cfg.adam_eps, weight_decay=cfg.weight_decay)  # torch's update (adamw.py)
-        self.names = {p: n for n, p in self.model.named_parameters()}
+        self.names = {p: n for n, p in self.model.named_parameters() if p.requires_grad}  # what trains
 
     def train_step(self, batches: Sequence[Batch], lr: float, global_tokens: int, sync: bool = True,
                    phase: Phase = no_phase, wait: bool = False) -> tuple[float, float]:
@@ -184,7 +187,7 @@ class Trainer:
 
     def local_state(self) -> LocalState:
         """This rank's own pieces of the state, for a sharded checkpoint (strategy.local_state): no collectives."""
-        return self.strategy.local_state(parameter_shapes(self.model.spec), *self._named_state())
+        return self.strategy.local_state(self.state_shapes, *self._named_state())
 
     def _named_state(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """(parameters, exp_avg, exp_avg_sq) as this rank holds them, under HF names."""

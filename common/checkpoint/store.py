@@ -50,9 +50,11 @@ class TrainState:
 
 def resume_fingerprints(cfg: RunConfig, cache_meta: dict, token_cache: str) -> dict:
     """What a checkpoint must share with the run that resumes it, or the batches would differ."""
-    return {"data_fingerprint": cache_meta.get("fingerprint", str(token_cache)),
-            "global_batch_size": cfg.global_batch_size, "seed": cfg.seed, "seq_len": cfg.seq_len,
-            "sequence": cfg.sequence}
+    found = {"data_fingerprint": cache_meta.get("fingerprint", str(token_cache)),
+             "global_batch_size": cfg.global_batch_size, "seed": cfg.seed, "seq_len": cfg.seq_len,
+             "sequence": cfg.sequence}
+    adapters = cfg.trained.describe()  # LoRA: the same adapters (a full run's checkpoints carry no such key)
+    return {**found, "adapters": adapters} if adapters else found
 
 
 def save_checkpoint(run_dir: Path, spec: ModelSpec, state: TrainState) -> Path:
@@ -73,14 +75,15 @@ class HFCheckpointWriter:
     safetensors' save_file would want the whole state (weights and both moments) at once. Everything goes
     into a temporary directory that `commit` renames into place; `abort` removes it."""
 
-    def __init__(self, run_dir: Path, spec: ModelSpec, step: int):
+    def __init__(self, run_dir: Path, spec: ModelSpec, step: int, shapes: dict[str, tuple[int, ...]] | None = None):
+        """`shapes`: the state's tensors (default: the spec's parameters; a LoRA run's adapters)."""
         self.spec, self.step = spec, step
         self.root = Path(run_dir) / "checkpoints"
         self.root.mkdir(parents=True, exist_ok=True)
         self.tmp = self.root / f".tmp_step_{step:06d}_{os.getpid()}"
         shutil.rmtree(self.tmp, ignore_errors=True)
         self.tmp.mkdir()
-        shapes = parameter_shapes(spec)
+        shapes = parameter_shapes(spec) if shapes is None else shapes
         moments = {f"{kind}.{name}": shape for kind in STATE_KINDS[1:] for name, shape in shapes.items()}
         self.files = {"weights": SafetensorsWriter(self.tmp / "model.safetensors", shapes, metadata={"format": "pt"}),
                       "optimizer": SafetensorsWriter(self.tmp / "optimizer.safetensors", moments)}
@@ -174,9 +177,11 @@ def checkpoint_sources(path: Path) -> Mapping[str, TensorSource]:
             "exp_avg_sq": SafetensorsSource(path / "optimizer.safetensors", "exp_avg_sq.")}
 
 
-def open_checkpoint(path: Path, spec: ModelSpec, expect: dict) -> CheckpointSources:
+def open_checkpoint(path: Path, spec: ModelSpec, expect: dict,
+                    shapes: dict[str, tuple[int, ...]] | None = None) -> CheckpointSources:
     """Validate (state.json, fingerprints in `expect`, the spec, every tensor's name and shape from the
-    files' headers) and open the tensors lazily, whatever the format; nothing is read yet."""
+    files' headers: the spec's parameters, or `shapes`, a LoRA run's adapters) and open the tensors lazily,
+    whatever the format; nothing is read yet."""
     path = Path(path)
     try:
         meta = json.loads((path / "state.json").read_text())
@@ -196,13 +201,14 @@ def open_checkpoint(path: Path, spec: ModelSpec, expect: dict) -> CheckpointSour
                             "refusing to resume")
     sources = checkpoint_sources(path)
     for kind, source in sources.items():
-        check_source(spec, source, f"{path} ({kind})")
+        check_source(spec, source, f"{path} ({kind})", shapes)
     return CheckpointSources(step=int(meta["step"]), info=meta, **sources)
 
 
-def load_checkpoint(path: Path, spec: ModelSpec, expect: dict) -> TrainState:
+def load_checkpoint(path: Path, spec: ModelSpec, expect: dict,
+                    shapes: dict[str, tuple[int, ...]] | None = None) -> TrainState:
     """Load and validate, whole dicts assembled one tensor at a time; `sources` keeps the lazy readers."""
-    opened = open_checkpoint(path, spec, expect)
+    opened = open_checkpoint(path, spec, expect, shapes)
     sources = opened.as_dict()
     weights, exp_avg, exp_avg_sq = (read_all(sources[kind]) for kind in ("weights", "exp_avg", "exp_avg_sq"))
     return TrainState(step=opened.step, weights=weights, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,

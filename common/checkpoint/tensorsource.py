@@ -84,6 +84,29 @@ class SafetensorsSource:
         return out
 
 
+class UnionSource:
+    """Several sources read as one, each name from the first that holds it: a LoRA run's frozen base (the seed
+    or --init-from file) beside its adapters (their initial values, or a checkpoint's)."""
+
+    def __init__(self, *sources: TensorSource):
+        self.sources, self.bytes_read = sources, 0
+        self._where: dict[str, TensorSource] = {}
+        for source in sources:
+            for name in source.names():
+                self._where.setdefault(name, source)
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._where[name].shape(name)
+
+    def read(self, name: str, index: Index = ()) -> np.ndarray:
+        out = self._where[name].read(name, index)
+        self.bytes_read += out.nbytes
+        return out
+
+
 def read_all(source: TensorSource) -> dict[str, np.ndarray]:
     """Every tensor whole: what a replicated strategy keeps."""
     return {name: source.read(name) for name in source.names()}
@@ -94,12 +117,14 @@ def as_source(weights) -> TensorSource:
     return DictSource(weights) if isinstance(weights, dict) else weights
 
 
-def check_source(spec, source: TensorSource, where: str) -> None:
-    """Every tensor the spec needs, under its name and shape, read from the header alone: the checks of
-    common/model/weights.py's check_weights on zero-byte stand-ins (np.broadcast_to allocates nothing)."""
+def check_source(spec, source: TensorSource, where: str, expected: dict | None = None) -> None:
+    """Every tensor the spec needs (or `expected`: {name: shape}, a LoRA checkpoint's adapters), under its name and
+    shape, read from the header alone: the checks of common/model/weights.py's check_weights on zero-byte
+    stand-ins (np.broadcast_to allocates nothing)."""
     from common.model.weights import check_weights
 
-    check_weights(spec, {n: np.broadcast_to(np.float32(0), source.shape(n)) for n in source.names()}, where)
+    check_weights(spec, {n: np.broadcast_to(np.float32(0), source.shape(n)) for n in source.names()}, where,
+                  expected)
 
 
 def probe_checksum(source: TensorSource) -> float:

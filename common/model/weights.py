@@ -115,8 +115,10 @@ def load_pretrained(directory: Path) -> tuple[ModelSpec, dict[str, np.ndarray]]:
     return spec, {k: v.astype(np.float32, copy=False) for k, v in weights.items()}
 
 
-def check_weights(spec: ModelSpec, weights: dict[str, np.ndarray], where: str) -> None:
-    expected = parameter_shapes(spec)
+def check_weights(spec: ModelSpec, weights: dict[str, np.ndarray], where: str,
+                  expected: dict[str, tuple[int, ...]] | None = None) -> None:
+    """Every tensor of parameter_shapes(spec) (or of `expected`), no other, each of its shape."""
+    expected = parameter_shapes(spec) if expected is None else expected
     weights = {k: v for k, v in weights.items() if not (spec.tie_embeddings and k == "lm_head.weight")}
     missing = [k for k in expected if k not in weights]
     if missing:

@@ -32,6 +32,7 @@ class DdpLayout(Layout):
     supports_biases: ClassVar[bool] = True
     collectives_inside_compute: ClassVar[bool] = False
     state_survives_a_lost_rank: ClassVar[bool] = True
+    trains_adapters: ClassVar[bool] = True  # LoRA's frozen base and replicated adapters (common/model/lora.py)
 
     def local_parameters(self, spec: ModelSpec, framework: str = "torch") -> float:
         return total_parameters(spec)

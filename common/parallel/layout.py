@@ -108,6 +108,9 @@ class Layout(ABC):
     # Every rank holds the whole training state after each step: when one rank is lost, a survivor can save
     # the last completed step without any collective (common/train/rescue.py), so a restart loses no step.
     state_survives_a_lost_rank: ClassVar[bool] = False
+    # LoRA adapters beside a frozen base (common/model/lora.py): a strategy that splits or shards the model would
+    # have to split the adapters with it; only ddp, which replicates both, trains them for now.
+    trains_adapters: ClassVar[bool] = False
 
     @property
     def axis_name(self) -> str:

@@ -40,7 +40,7 @@ from common.checkpoint.sharded import SHARDED_TMP, save_sharded
 from common.model.spec import ModelSpec
 from common.train.supervisor import stop_reason, watch_supervisor
 from common.data.tokencache import TokenCache
-from common.checkpoint.tensorsource import SafetensorsSource, check_source
+from common.checkpoint.tensorsource import DictSource, SafetensorsSource, UnionSource, check_source, probe_checksum
 from common.train.rank_checks import (TrainingError, check_identical_weights, check_replicas_agree,
                                       check_same_step, replica_checksum)
 from common.train.trace import trace
@@ -167,6 +167,8 @@ def setup_run(run_dir: Path, world: World, trainer_cls: TrainerClass) -> Run:
     train_view = SequenceView(cache.split("train"), cfg.seq_len, cfg.sequence)
     sampler = GlobalSampler(train_view.num_samples, cfg.global_batch_size, cfg.seed)
     fingerprints = resume_fingerprints(cfg, cache.meta, str(plan.token_cache))
+    if frozen_base(cfg, spec):  # a checkpoint of adapters resumes only over the base they were trained on
+        fingerprints["base_checksum"] = probe_checksum(seed_source(plan))
     trainer, start_step = start_trainer(plan, run_dir, world, trainer_cls, fingerprints, status)
 
     valid_view = None
@@ -191,11 +193,20 @@ def setup_run(run_dir: Path, world: World, trainer_cls: TrainerClass) -> Run:
     global _rescue
     if cfg.max_restarts and world.size > 1 and strategy_layout.state_survives_a_lost_rank:
         _rescue = Rescue(run_dir, rank, saver(run_dir, spec, {**fingerprints, "framework": trainer.framework},
-                                              cfg.checkpoint_format))
+                                              cfg.checkpoint_format, cfg.trained.state_shapes(spec)))
     status.update(force=True, status="running", device=str(trainer.device), start_step=start_step, step=start_step)
     return Run(run_dir, cfg, spec, trainer, status, metrics, train_view, valid_view, sampler, fingerprints,
                dp_rank, dp_size, start_step, fault=injected_fault(trainer.framework), rescue=_rescue,
                launch_time=float(os.environ.get("DPCOMPARE_LAUNCH_TIME", time.time())))
+
+
+def seed_source(plan: RunPlan) -> SafetensorsSource:
+    return SafetensorsSource(Path(plan.seed_checkpoint) / "model.safetensors")
+
+
+def frozen_base(cfg: RunConfig, spec: ModelSpec) -> bool:
+    """Whether some parameters never train (LoRA's base): they come from the seed whatever the checkpoint."""
+    return set(parameter_shapes(spec)) != set(cfg.trained.state_shapes(spec))
 
 
 def start_trainer(plan: RunPlan, run_dir: Path, world: World, trainer_cls: TrainerClass, fingerprints: dict,
@@ -203,15 +214,24 @@ def start_trainer(plan: RunPlan, run_dir: Path, world: World, trainer_cls: Train
     """(the Trainer, the step it starts after): the latest checkpoint's state with --resume, else the seed's.
 
     The weights (and moments) are sources read slice by slice (common/checkpoint/tensorsource.py): each rank reads
-    only what its strategy keeps, and its status records how many bytes that was (`weights_bytes_read`)."""
-    start_step, resume_from = 0, None
-    if plan.config.resume and (resume_from := latest_checkpoint(run_dir)) is not None:
-        state = open_checkpoint(resume_from, plan.spec, fingerprints)
+    only what its strategy keeps, and its status records how many bytes that was (`weights_bytes_read`). What trains
+    (common/model/lora.py) comes from the checkpoint, or starts at its initial values (the seed's, or LoRA's
+    adapters drawn from the run's seed); a frozen base always comes from the seed (or --init-from) file."""
+    cfg, spec = plan.config, plan.spec
+    trained, start_step, resume_from = cfg.trained, 0, None
+    if cfg.resume and (resume_from := latest_checkpoint(run_dir)) is not None:
+        state = open_checkpoint(resume_from, spec, fingerprints, trained.state_shapes(spec))
         weights, start_step = state.weights, state.step
     else:
-        weights = SafetensorsSource(Path(plan.seed_checkpoint) / "model.safetensors")
-        check_source(plan.spec, weights, str(weights.path))
-    trainer = trainer_cls(plan.config, plan.spec, weights, world)
+        weights = DictSource(trained.initial_values(spec, cfg.seed))
+    if frozen_base(cfg, spec):
+        base = seed_source(plan)
+        check_source(spec, base, str(base.path))
+        weights = UnionSource(weights, base)
+    elif resume_from is None:
+        weights = seed_source(plan)
+        check_source(spec, weights, str(weights.path))
+    trainer = trainer_cls(cfg, spec, weights, world)
     read = {"weights_bytes_read": weights.bytes_read}
     if resume_from is not None:
         trainer.import_optimizer(state.exp_avg, state.exp_avg_sq, state.step)
@@ -263,7 +283,7 @@ def after_step(run: Run, done: int) -> None:
             run.peak_rss_before_save_bytes = peak_rss_bytes()
         try:
             CHECKPOINT_WRITERS[cfg.checkpoint_format](run.trainer, run.run_dir, run.spec, done, run.fingerprints,
-                                                      run.trainer.rank)
+                                                      run.trainer.rank, cfg.trained.state_shapes(run.spec))
         except OSError as err:  # a full disk: name what was being written (the launcher prints one line)
             raise OSError(err.errno, err.strerror, err.filename or str(run.run_dir / "checkpoints")) from None
 
@@ -307,8 +327,8 @@ def final_figures(run: Run, median: float, world_size: int) -> dict:
         time_to_first_step_s=(run.first_step_end - run.launch_time) if run.first_step_end else None,
         steps_run=len(step_times), peak_rss_before_save_bytes=run.peak_rss_before_save_bytes,
         comm_bytes_per_step=trainer.comm_bytes_per_step() if step_times else None,
-        comm_bytes_per_step_estimate=cfg.layout.comm_bytes_per_step_estimate(
-            run.spec, cfg.micro_batch_size, cfg.seq_len, cfg.grad_accum, cfg.dtype),
+        comm_bytes_per_step_estimate=cfg.trained.comm_bytes_per_step_estimate(
+            cfg.layout, run.spec, cfg.micro_batch_size, cfg.seq_len, cfg.grad_accum, cfg.dtype),
         **trainer.strategy.figures(),  # pp: the bubble, measured and analytic
     )
 
@@ -331,12 +351,14 @@ def evaluate(trainer, view: SequenceView, cfg: RunConfig, rank: int, world_size:
     return float(total / tokens) if tokens else float("nan")
 
 
-def checkpoint(trainer, run_dir: Path, spec: ModelSpec, step: int, fingerprints: dict, rank: int) -> None:
+def checkpoint(trainer, run_dir: Path, spec: ModelSpec, step: int, fingerprints: dict, rank: int,
+               shapes: dict[str, tuple[int, ...]] | None = None) -> None:
     """The hf format: the strategy's export streams the whole state one tensor at a time (gathered by
     collectives every rank takes part in, in one order) and rank 0, the one writer, writes each tensor as it
     arrives, so no rank holds more than one whole tensor beyond its own state. Non-finite weights or drifted
-    replicas stop every rank before the checkpoint is committed; the last one is kept."""
-    out = HFCheckpointWriter(run_dir, spec, step) if rank == 0 else None
+    replicas stop every rank before the checkpoint is committed; the last one is kept. `shapes`: the state's
+    tensors (the spec's parameters, or a LoRA run's adapters: common/model/lora.py)."""
+    out = HFCheckpointWriter(run_dir, spec, step, shapes) if rank == 0 else None
     try:
         finite, checksum = True, 0.0
         for kind, stream in zip(STATE_KINDS, trainer.export_state()):
@@ -361,7 +383,8 @@ def checkpoint(trainer, run_dir: Path, spec: ModelSpec, step: int, fingerprints:
         out.commit({**fingerprints, "framework": trainer.framework})
 
 
-def checkpoint_sharded(trainer, run_dir: Path, spec: ModelSpec, step: int, fingerprints: dict, rank: int) -> None:
+def checkpoint_sharded(trainer, run_dir: Path, spec: ModelSpec, step: int, fingerprints: dict, rank: int,
+                       shapes: dict[str, tuple[int, ...]] | None = None) -> None:
     """--checkpoint-format sharded: every rank writes its own pieces (common/checkpoint/sharded.py), nothing is
     gathered. Replicas are not compared (ddp's are written once, by rank 0)."""
     local = trainer.local_state()
@@ -376,7 +399,7 @@ def checkpoint_sharded(trainer, run_dir: Path, spec: ModelSpec, step: int, finge
 
     try:
         save_sharded(run_dir, step, rank, trainer.world_size, lambda: trainer.all_sum(np.zeros(1), over="world"),
-                     local, parameter_shapes(spec), finish)
+                     local, parameter_shapes(spec) if shapes is None else shapes, finish)
     except BaseException:  # no partial step directory is left, and a full disk gets its room back
         shutil.rmtree(run_dir / "checkpoints" / SHARDED_TMP.format(step=step), ignore_errors=True)
         raise

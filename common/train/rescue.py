@@ -108,7 +108,7 @@ def answer(run_dir: Path) -> dict | None:
     return read_json(Path(run_dir) / "ranks" / DONE_FILE)
 
 
-def saver(run_dir: Path, spec, info: dict, checkpoint_format: str) -> Saver:
+def saver(run_dir: Path, spec, info: dict, checkpoint_format: str, shapes: dict | None = None) -> Saver:
     """Save a kept step in the run's checkpoint format, as one writer (no collective): hf files, or a
     sharded checkpoint of one rank file holding every tensor whole (ddp's sharded layout from rank 0)."""
     from common.checkpoint.sharded import SHARDS, local_pieces, write_index, write_rank_file
@@ -118,7 +118,7 @@ def saver(run_dir: Path, spec, info: dict, checkpoint_format: str) -> Saver:
     from common.model.weights import parameter_shapes
 
     def save_hf(step: int, state: State) -> Path:
-        out = HFCheckpointWriter(run_dir, spec, step)
+        out = HFCheckpointWriter(run_dir, spec, step, shapes)
         try:
             for kind, part in zip(STATE_KINDS, state):
                 for name, array in part.items():
@@ -131,12 +131,12 @@ def saver(run_dir: Path, spec, info: dict, checkpoint_format: str) -> Saver:
     def save_sharded(step: int, state: State) -> Path:
         root = Path(run_dir) / "checkpoints"
         tmp = root / f".tmp_step_{step:06d}_rescue"
-        shapes = parameter_shapes(spec)
+        state_shapes = parameter_shapes(spec) if shapes is None else shapes
         try:
             (tmp / SHARDS).mkdir(parents=True, exist_ok=True)
-            *pieces, where = local_pieces(0, state, dict.fromkeys(state[0]), shapes)
+            *pieces, where = local_pieces(0, state, dict.fromkeys(state[0]), state_shapes)
             write_rank_file(tmp / SHARDS, 0, (pieces[0], pieces[1], pieces[2]), where)
-            write_index(tmp / SHARDS, shapes, 1, {"step": step})
+            write_index(tmp / SHARDS, state_shapes, 1, {"step": step})
             fsync_dir(tmp / SHARDS)
             (tmp / "config.json").write_text(json.dumps(to_hf_config(spec), indent=2))
             write_state_json(tmp, step, {**info, "checkpoint_format": "sharded"})

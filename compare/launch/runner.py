@@ -123,7 +123,8 @@ def check_resumable(cfg: RunConfig, inputs: Inputs, run_dir: Path) -> None:
 
     latest = latest_checkpoint(run_dir) if cfg.resume else None
     if latest is not None:
-        load_checkpoint(latest, inputs.spec, resume_fingerprints(cfg, inputs.cache_meta, str(inputs.token_cache)))
+        load_checkpoint(latest, inputs.spec, resume_fingerprints(cfg, inputs.cache_meta, str(inputs.token_cache)),
+                        cfg.trained.state_shapes(inputs.spec))
 
 
 def launch(cfg: RunConfig, inputs: Inputs, run_dir: Path) -> dict:

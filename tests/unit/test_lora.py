@@ -1,0 +1,110 @@
+"""LoRA (common/model/lora.py, mlx_impl/lora.py, torch_impl/lora.py): one adapter spec in common, applied by each
+framework; in-process Trainers at one rank (no training process: the N=2 and resume properties are
+tests/integration/test_training.py's)."""
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from common.config import RunConfig
+from common.errors import UserError
+from common.model.lora import Adapters, FullModel
+from common.model.spec import preset
+from common.model.weights import init_weights, parameter_shapes
+from common.train.protocols import World
+from mlx_impl.step import Trainer as MlxTrainer
+from torch_impl.step import Trainer as TorchTrainer
+
+SPEC = preset("tiny")
+
+
+def test_the_adapters_sit_on_the_named_modules_of_the_last_blocks_with_pefts_shapes_and_scale():
+    adapters = Adapters(rank=4, alpha=16.0, targets=("q_proj", "down_proj"), layers=1)
+    shapes = adapters.state_shapes(SPEC)
+    last = SPEC.n_layers - 1
+    assert list(shapes) == [f"model.layers.{last}.self_attn.q_proj.lora_A", f"model.layers.{last}.self_attn.q_proj.lora_B",
+                            f"model.layers.{last}.mlp.down_proj.lora_A", f"model.layers.{last}.mlp.down_proj.lora_B"]
+    assert shapes[f"model.layers.{last}.mlp.down_proj.lora_A"] == (4, SPEC.ffn_dim)
+    assert shapes[f"model.layers.{last}.mlp.down_proj.lora_B"] == (SPEC.dim, 4)
+    assert adapters.scale == 4.0 and adapters.trained_parameters(SPEC) == sum(math.prod(s) for s in shapes.values())
+    assert FullModel().state_shapes(SPEC) == parameter_shapes(SPEC)
+
+
+def test_initial_values_are_seeded_b_is_zero_and_a_is_within_its_bound():
+    adapters = Adapters(rank=8, alpha=8.0, targets=("q_proj", "v_proj", "gate_proj"))
+    first, again, other = (adapters.initial_values(SPEC, seed) for seed in (0, 0, 1))
+    for name, value in first.items():
+        np.testing.assert_array_equal(value, again[name])
+        if name.endswith("lora_B"):
+            assert not value.any()
+        else:
+            bound = 1 / math.sqrt(value.shape[1])
+            assert np.abs(value).max() <= bound and np.abs(value).max() > 0.8 * bound
+            assert not np.array_equal(value, other[name])
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"lora_rank": 4, "lora_targets": "q_proj,qkv"}, "unknown module 'qkv'"),
+    ({"lora_rank": 33}, "larger than model.layers.0.self_attn.v_proj's smaller dimension (32)"),
+    ({"lora_rank": -1}, "lora_rank must be >= 0"),
+    ({"lora_rank": 4, "strategy": "tp", "nproc": 2}, "--lora-rank trains under ddp only"),
+    ({"lora_rank": 4, "checkpoint_format": "sharded"}, "does not hold LoRA adapters"),
+])
+def test_bad_lora_flags_are_refused_in_one_line(fields, message):
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        RunConfig(preset="tiny", **fields).validate()
+
+
+def trainer_losses(trainer_cls, framework, steps=3):
+    cfg = RunConfig(framework=framework, preset="tiny", lr=1e-2, lora_rank=4, lora_targets="q_proj,v_proj,down_proj",
+                    grad_clip=0.0)
+    cfg.validate()
+    trained = cfg.trained
+    weights = {**init_weights(SPEC, 0), **trained.initial_values(SPEC, 0)}
+    trainer = trainer_cls(cfg, SPEC, weights, World())
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, SPEC.vocab_size, size=(4, 17)).astype(np.int32)
+    batch = (tokens[:, :-1], tokens[:, 1:], np.ones((4, 16), dtype=np.float32))
+    losses = [trainer.train_step([batch], 1e-2, 64)[0] for _ in range(steps)]
+    return trainer, losses, weights
+
+
+def test_both_frameworks_train_only_the_adapters_from_the_same_values_to_the_same_losses():
+    mlx_trainer, mlx_losses, weights = trainer_losses(MlxTrainer, "mlx")
+    torch_trainer, torch_losses, _ = trainer_losses(TorchTrainer, "torch")
+    np.testing.assert_allclose(mlx_losses, torch_losses, rtol=0, atol=1e-5)
+    assert mlx_losses[-1] < mlx_losses[0]  # the adapters learn
+    names = set(Adapters(4, 8.0, ("q_proj", "v_proj", "down_proj")).state_shapes(SPEC))
+    # The base is frozen: unchanged, no gradient, no optimizer state; the adapters moved (B from zero)
+    assert set(dict(tree_flatten(mlx_trainer.model.trainable_parameters()))) == names
+    for name, value in tree_flatten(mlx_trainer.model.parameters()):
+        if name not in names:
+            np.testing.assert_array_equal(np.array(value), weights[name])
+    assert {torch_trainer.names[p] for p in torch_trainer.optimizer.state} == names
+    for name, param in torch_trainer.model.named_parameters():
+        assert param.requires_grad == (name in names)
+        if name not in names:
+            np.testing.assert_array_equal(param.detach().numpy(), weights[name])
+    b = "model.layers.1.mlp.down_proj.lora_B"
+    assert np.abs(np.array(dict(tree_flatten(mlx_trainer.model.parameters()))[b])).max() > 0
+    adapter_bytes = 4 * Adapters(4, 8.0, ("q_proj", "v_proj", "down_proj")).trained_parameters(SPEC)
+    for trainer in (mlx_trainer, torch_trainer):
+        sizes = trainer.state_bytes()
+        assert sizes["params"] == sizes["grads"] == adapter_bytes and sizes["optimizer"] >= 2 * adapter_bytes
+        assert {name for name, _ in trainer.export_state()[0]} == names  # a checkpoint holds the adapters
+
+
+def test_an_adapted_linear_adds_scale_times_b_a_to_the_base():
+    cfg = RunConfig(framework="mlx", preset="tiny", lora_rank=2, lora_alpha=6.0, lora_targets="o_proj")
+    trained = cfg.trained
+    weights = {**init_weights(SPEC, 0), **trained.initial_values(SPEC, 0)}
+    weights["model.layers.0.self_attn.o_proj.lora_B"] = np.random.default_rng(1).normal(
+        size=weights["model.layers.0.self_attn.o_proj.lora_B"].shape).astype(np.float32)
+    trainer = MlxTrainer(cfg, SPEC, weights, World())
+    linear = trainer.model.model.layers[0].self_attn.o_proj
+    x = np.random.default_rng(2).normal(size=(3, SPEC.dim)).astype(np.float32)
+    a, b = weights["model.layers.0.self_attn.o_proj.lora_A"], weights["model.layers.0.self_attn.o_proj.lora_B"]
+    expected = x @ weights["model.layers.0.self_attn.o_proj.weight"].T + 3.0 * (x @ a.T) @ b.T
+    np.testing.assert_allclose(np.array(linear(mx.array(x))), expected, rtol=1e-5, atol=1e-5)
