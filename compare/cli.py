@@ -44,6 +44,10 @@ def main(argv: list[str] | None = None) -> int:
         restore_handlers(previous)
 
 
+VERBOSE_HELP = ("print every speed ratio (each strategy vs ddp, bf16 vs fp32) and the scaling and memory tables "
+                "by run group after the verdict; the report always holds them")
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse's own exit code is 2 too; keep its message to one line
         self.exit(2, f"dpcompare: error: {message}\n")
@@ -106,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="when stopped by a signal, still write the report from the runs that finished")
     compare.add_argument("--no-samples", action="store_true",
                          help="skip the report's greedy continuations (one process per run after training)")
+    compare.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     add_tolerance_flags(compare)
     add_baseline_flags(compare)
     add_run_flags(compare)
@@ -123,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("runs", nargs="+", help="run directories, or a compare directory")
     report.add_argument("--out", help="where to write the report (default: the first argument)")
     report.add_argument("--strict", action="store_true")
+    report.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     add_tolerance_flags(report)
     add_baseline_flags(report)
     report.set_defaults(handler=cmd_report, paths={"runs": ("run directory", "dir"), "out": ("--out", "out_dir"),
@@ -170,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="export a run's latest checkpoint as an HF Llama directory")
     export.add_argument("run_dir")
     export.add_argument("--out", required=True)
+    export.add_argument("--adapters", choices=("mlx-lm", "peft"),
+                        help="a LoRA run: its adapters in mlx-lm's or peft's layout, the base beside them in OUT/base "
+                             "(without it, a LoRA run exports the fused folder)")
     export.set_defaults(handler=cmd_export, paths={"run_dir": ("run directory", "dir"), "out": ("--out", "out_dir")})
     return parser
 
@@ -325,9 +334,16 @@ def cmd_plan(args) -> int:
 def cmd_export(args) -> int:
     from .export import export_run
 
-    ckpt = export_run(Path(args.run_dir), Path(args.out))
-    print(f"exported {ckpt} -> {args.out} (weights, tokenizer and generation config: opens with transformers' "
-          f"pipeline('text-generation', model=DIR) and mlx_lm.generate --model DIR)")
+    ckpt = export_run(Path(args.run_dir), Path(args.out), args.adapters)
+    if args.adapters == "mlx-lm":
+        print(f"exported the adapters of {ckpt} -> {args.out}: mlx_lm.generate --model {args.out}/base "
+              f"--adapter-path {args.out}")
+    elif args.adapters == "peft":
+        print(f"exported the adapters of {ckpt} -> {args.out}: PeftModel.from_pretrained(AutoModelForCausalLM."
+              f"from_pretrained('{args.out}/base'), '{args.out}')")
+    else:
+        print(f"exported {ckpt} -> {args.out} (weights, tokenizer and generation config: opens with transformers' "
+              f"pipeline('text-generation', model=DIR) and mlx_lm.generate --model DIR)")
     return 0
 
 

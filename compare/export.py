@@ -31,9 +31,10 @@ def write_weights(ckpt: Path, dest: Path) -> None:
                           metadata={"format": "pt"})
 
 
-def export_run(run_dir: Path, out: Path) -> Path:
-    """Write the folder; returns the checkpoint it came from."""
-    from tokenizers import Tokenizer
+def export_run(run_dir: Path, out: Path, adapters_kind: str | None = None) -> Path:
+    """Write the folder; returns the checkpoint it came from. A LoRA run (compare/lora_export.py): the fused
+    folder, or with `adapters_kind` the adapters in mlx-lm's or peft's layout and the base beside them."""
+    from .lora_export import adapters_of, check_kind, write_adapters, write_base, write_fused
 
     run_dir, out = Path(run_dir), Path(out)
     ckpt = latest_checkpoint(run_dir)
@@ -41,7 +42,24 @@ def export_run(run_dir: Path, out: Path) -> Path:
         raise UserError(f"{run_dir} holds no checkpoint to export")
     if out.exists() and any(out.iterdir()):
         raise UserError(f"{out} exists and is not empty; choose another --out")
-    tokenizer_file, meta = RunPlan.read(run_dir).tokenizer_file()
+    plan, adapters = adapters_of(run_dir)
+    check_kind(adapters_kind, adapters, run_dir)
+    if adapters is None:
+        write_folder(plan, ckpt, out, lambda dest: write_weights(ckpt, dest))
+    elif adapters_kind is None:
+        write_folder(plan, ckpt, out, lambda dest: write_fused(plan, adapters, ckpt, dest))
+    else:
+        write_folder(plan, ckpt, out / "base", lambda dest: write_base(plan, dest))
+        write_adapters(plan, adapters, ckpt, out, adapters_kind)
+    return ckpt
+
+
+def write_folder(plan: RunPlan, ckpt: Path, out: Path, write_model) -> None:
+    """An HF Llama folder: the checkpoint's config.json, `write_model(out / "model.safetensors")`, the run's
+    tokenizer and a greedy generation config."""
+    from tokenizers import Tokenizer
+
+    tokenizer_file, meta = plan.tokenizer_file()
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
     eos_id, pad_id = int(meta["eos_id"]), int(meta["pad_id"])
     # Training put BOS before each document where the tokenizer adds one (a pretrained Llama's); otherwise
@@ -50,7 +68,7 @@ def export_run(run_dir: Path, out: Path) -> Path:
     eos, pad, bos = (tokenizer.id_to_token(i) for i in (eos_id, pad_id, bos_id))
     config = json.loads((ckpt / "config.json").read_text())
     out.mkdir(parents=True, exist_ok=True)
-    write_weights(ckpt, out / "model.safetensors")
+    write_model(out / "model.safetensors")
     ids = {"bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": pad_id}
     atomic_write_text(out / "config.json", json.dumps({**config, **ids}, indent=2))
     shutil.copy2(tokenizer_file, out / "tokenizer.json")
@@ -60,4 +78,3 @@ def export_run(run_dir: Path, out: Path) -> Path:
         "clean_up_tokenization_spaces": False, "add_bos_token": meta.get("bos_id") is not None,
     }, indent=2))
     atomic_write_text(out / "generation_config.json", json.dumps({**ids, "do_sample": False}, indent=2))
-    return ckpt
