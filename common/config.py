@@ -23,9 +23,11 @@ from pathlib import Path
 from common.config_sources import coerce, folder_spec, has_tokenizer, read_toml
 from common.errors import UserError
 from common.data.sampler import check_divisible
+from common.data.sequences import MASK_PROMPT_NEEDS_RECORDS
 from common.model.lora import Adapters, Trained, trained_parameters_of
 from common.model.spec import ModelSpec, preset
 from common.parallel.pipeline import SCHEDULES as PP_SCHEDULES
+from common.parallel.pipeline import default_pieces
 from common.parallel import STRATEGIES, Layout, layout, mesh_fields
 from common.placement import check_placement
 
@@ -76,6 +78,7 @@ class RunConfig:
     dataset: str = "builtin"
     dataset_split: str = "train"
     text_field: str = "text"
+    mask_prompt: bool = False        # instruction records: the loss on completion tokens only (common/data/instructions.py)
     streaming: bool = False
     tokenizer: str = "builtin"
     builtin_vocab_size: int = 2048
@@ -116,7 +119,7 @@ class RunConfig:
     nproc: int = 1
     strategy: str = "ddp"            # ddp, fsdp, tp or pp (common/parallel/: one object each), or mesh
     mesh: str = ""                   # strategy mesh: its axes, "dp=2,tp=2" (common/parallel/mesh.py), canonical order
-    pp_microbatches: int = 4         # pp: pieces each micro-step's batch is cut into (common/parallel/pipeline.py)
+    pp_microbatches: int = 0         # pp: pieces each micro-step's batch is cut into; 0: pp_pieces chooses
     pp_schedule: str = "1f1b"        # pp: gpipe or 1f1b
     backend: str = "auto"
     device: str = "auto"
@@ -248,6 +251,18 @@ class RunConfig:
         return self.layout.dp_size
 
     @property
+    def pp_pieces(self) -> int:
+        """The pieces a pipeline cuts each micro-step's batch into: --pp-microbatches, or where it is not given the
+        largest count up to 4 that divides that batch, at least one per stage for torch's schedules
+        (common/parallel/pipeline.py default_pieces)."""
+        if self.pp_microbatches:
+            return self.pp_microbatches
+        grid = self.layout.mesh
+        stages = grid.axis("pp") if grid.has("pp") else 1
+        rows = self.global_batch_size // max(1, self.data_parallel_size * self.grad_accum)
+        return default_pieces(rows, stages, at_least_stages=self.framework == "torch")
+
+    @property
     def trained(self) -> Trained:
         """Which parameters train (common/model/lora.py): the whole model, or adapters beside a frozen base."""
         return trained_parameters_of(self.lora_rank, self.lora_alpha, self.lora_targets, self.lora_layers)
@@ -291,7 +306,7 @@ class RunConfig:
         for tracker in filter(None, (t.strip() for t in self.report_to.split(","))):
             _choice("report_to", tracker, ("none",) + TRACKERS)
         for name in ("seq_len", "global_batch_size", "grad_accum", "steps", "nproc", "threads_per_rank",
-                     "builtin_vocab_size", "builtin_corpus_bytes", "eval_batches", "nnodes", "pp_microbatches"):
+                     "builtin_vocab_size", "builtin_corpus_bytes", "eval_batches", "nnodes"):
             _positive(name, getattr(self, name))
         for name in ("warmup_steps", "lr_decay_steps", "eval_every", "checkpoint_every", "timing_warmup_steps", "seed",
                      "profile_steps"):
@@ -300,7 +315,7 @@ class RunConfig:
         for name in ("lr", "adam_eps", "all_reduce_size_mb", "bucket_cap_mb", "collective_timeout_s"):
             if not getattr(self, name) > 0:
                 raise UserError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("weight_decay", "grad_clip", "lora_rank", "lora_alpha", "lora_layers"):
+        for name in ("weight_decay", "grad_clip", "lora_rank", "lora_alpha", "lora_layers", "pp_microbatches"):
             if getattr(self, name) < 0:
                 raise UserError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("beta1", "beta2", "min_lr_ratio"):
@@ -311,6 +326,9 @@ class RunConfig:
             raise UserError(f"node_rank {self.node_rank} must be in [0, nnodes={self.nnodes})")
         if not 0 <= self.val_fraction < 1:
             raise UserError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
+        if self.mask_prompt and (self.dataset == "builtin" or self.streaming
+                                 or Path(self.dataset).suffix.lower() in (".txt", ".parquet")):
+            raise UserError(MASK_PROMPT_NEEDS_RECORDS)  # a .jsonl's records are known once read (prepare_inputs)
         if self.resolved_backend in HOSTFILE_ONLY_BACKENDS and self.world_size > 1 and not self.hostfile:
             raise UserError(f"--backend {self.resolved_backend} runs between Macs through mlx.launch: it needs "
                             "--hostfile FILE (mlx.distributed_config --backend "
@@ -324,11 +342,11 @@ class RunConfig:
                             "backend cannot split its group (mlx 0.32.4 splits on mpi and nccl only): "
                             "use --backend mpi (docs/strategies.md)")
         strategy = self.layout
-        strategy.check_batch(self.global_batch_size, self.grad_accum, self.pp_microbatches)
+        strategy.check_batch(self.global_batch_size, self.grad_accum, self.pp_pieces)
         stages = strategy.mesh.axis("pp") if strategy.mesh.has("pp") else 1
-        if self.framework == "torch" and 1 < stages and self.pp_microbatches < stages:
+        if self.framework == "torch" and 1 < stages and self.pp_pieces < stages:
             # torch.distributed.pipelining's schedules refuse it at the first step, on one rank, mid-job.
-            raise UserError(f"--pp-microbatches {self.pp_microbatches} is fewer than the {stages} pipeline stages; "
+            raise UserError(f"--pp-microbatches {self.pp_pieces} is fewer than the {stages} pipeline stages; "
                             f"torch's pipeline schedules need at least one micro-batch per stage (--pp-microbatches "
                             f"{stages} or more)")
         # preset, [model] fields and seq_len checked now; and whether the strategy can split that model (the one

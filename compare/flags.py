@@ -27,6 +27,8 @@ RUN_FLAGS = [
     ("--dataset", str, "builtin, a local .txt/.jsonl/.parquet/save_to_disk dir, or a HF hub name"),
     ("--dataset-split", str, "split of a hub or save_to_disk dataset"),
     ("--text-field", str, "column holding the text"),
+    ("--mask-prompt", None, "instruction data (.jsonl of prompt/completion or messages records): the loss on the "
+                            "completion's tokens only, as mlx-lm's --mask-prompt"),
     ("--tokenizer", str, "builtin, a tokenizer dir or hub name (gpt2), or a tokenizer.json"),
     ("--sequence", str, "packing (default) or padding"),
     ("--loss-normalization", str, "global-tokens (default: the summed token losses over the global count, what "
@@ -40,7 +42,8 @@ RUN_FLAGS = [
     ("--strategy", str, "ddp (replicated), fsdp (sharded), tp (tensor parallel) or pp (pipeline)"),
     ("--mesh", str, "strategies composed over named axes, AXIS=SIZE,... with axes dp, fsdp, tp, pp (dp=2,tp=2; their "
                     "product is the rank count); laid out pp outermost, tp innermost (docs/strategies.md)"),
-    ("--pp-microbatches", int, "pp: micro-batches each micro-step's batch is cut into (default 4)"),
+    ("--pp-microbatches", int, "pp: micro-batches each micro-step's batch is cut into (default: the largest count "
+                               "up to 4 that divides it, at least one per stage for torch)"),
     ("--pp-schedule", str, "pp: gpipe or 1f1b (default)"),
     ("--backend", str, "distributed backend: auto, ring, mpi, nccl (mlx); auto, gloo, nccl (torch)"),
     ("--device", str, "auto, cpu, cuda, mps, gpu"),

@@ -42,4 +42,5 @@ def workload_of(summary: dict, spec: ModelSpec) -> Workload:
     return Workload(spec, int(cfg.get("seq_len", 128)), int(cfg.get("global_batch_size", 8)),
                     int(cfg.get("grad_accum", 1)), summary.get("dtype", cfg.get("dtype", "float32")), framework,
                     int(bucket_mb * 2**20) if bucket_mb else None, summary.get("tokens_per_step"),
-                    int(cfg.get("pp_microbatches", 4)), str(cfg.get("pp_schedule") or "1f1b"))
+                    int(cfg.get("pp_microbatches") or (summary.get("pipeline") or {}).get("microbatches") or 4),
+                    str(cfg.get("pp_schedule") or "1f1b"))

@@ -36,6 +36,21 @@ SCHEDULES = ("gpipe", "1f1b")
 BATCHED_P2P = frozenset({"torch"})
 
 
+DEFAULT_PIECES = 4  # --pp-microbatches when not given: at most this many pieces per micro-step
+
+
+def default_pieces(rows: int, stages: int, at_least_stages: bool) -> int:
+    """--pp-microbatches when not given: the largest count up to DEFAULT_PIECES that divides a micro-step's `rows`;
+    where the schedules need a piece per stage at least (torch's), the smallest divisor of `rows` from `stages` up
+    when no smaller one will do. DEFAULT_PIECES where nothing divides (the batch check then says why)."""
+    divisors = [m for m in range(1, rows + 1) if rows % m == 0]
+    fits = [m for m in divisors if m <= DEFAULT_PIECES and (m >= stages or not at_least_stages)]
+    if fits:
+        return max(fits)
+    above = [m for m in divisors if m >= stages] if at_least_stages else []
+    return min(above) if above else DEFAULT_PIECES
+
+
 def stage_layers(n_layers: int, n_stages: int, stage: int) -> range:
     """The transformer blocks of `stage`: contiguous, the first n_layers % n_stages stages one block more."""
     base, extra = divmod(n_layers, n_stages)

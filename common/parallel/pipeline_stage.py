@@ -48,7 +48,7 @@ class StageBookkeeping:
         self.stage, self.n_stages = stage, n_stages
         self.mesh = cfg.layout.mesh  # the job's ranks: one pp axis, or pp beside others (the embedding groups')
         self.first, self.last = stage == 0, stage == n_stages - 1
-        self.n_micro, self.schedule = cfg.pp_microbatches, cfg.pp_schedule
+        self.n_micro, self.schedule = cfg.pp_pieces, cfg.pp_schedule
         self.idle: list[float] = []  # per training step: this stage's measured idle fraction
 
     def place(self, spec: ModelSpec) -> None:

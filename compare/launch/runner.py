@@ -22,7 +22,8 @@ from common.train import rescue, supervisor
 from common.train.faults import ATTEMPT_ENV
 from common.config import RunConfig
 from common.errors import UserError
-from common.metrics import read_metrics, throughput_stats, write_json
+from common.data.sequences import truncated_records
+from common.metrics import read_json, read_metrics, throughput_stats, write_json
 from common.parallel import describe_mesh
 from common.parallel.pipeline import split_idle
 from common.costmodel.probe import across_with_last_rank
@@ -69,7 +70,7 @@ def prepare_inputs(cfg: RunConfig) -> Inputs:
                            builtin_vocab_size=cfg.builtin_vocab_size, builtin_bytes=cfg.builtin_corpus_bytes,
                            progress=not cfg.quiet)
     spec = cfg.model_spec(vocab_size=int(cache.meta["vocab_size"]))
-    view = SequenceView(cache.split("train"), cfg.seq_len, cfg.sequence)
+    view = SequenceView(cache.split("train"), cfg.seq_len, cfg.sequence, mask_prompt=cfg.mask_prompt)
     GlobalSampler(view.num_samples, cfg.global_batch_size, cfg.seed)  # fails early when data is too small
     seed_dir = Path(cfg.init_from) if cfg.init_from else seed_checkpoint(spec, cfg.seed, cfg.cache_path)
     if cfg.init_from:  # the spec is the folder's (RunConfig.model_spec); its tensors must fit it
@@ -244,6 +245,11 @@ def run_attempt(cfg: RunConfig, inputs: Inputs, run_dir: Path, restarts: Restart
         log_line(log, f"$ {shlex.join([f'{k}={v}' for k, v in shown.items()] + argv)}")
         if cfg.mesh:  # which ranks talk on which axis: where the fast links matter (docs/strategies.md)
             log_line(log, f"mesh {cfg.mesh}, the ranks of each group: " + "; ".join(describe_mesh(cfg.mesh)))
+        if cfg.layout.mesh.has("pp"):  # how many pieces, and whether the user chose them
+            rows = cfg.global_batch_size // (cfg.data_parallel_size * cfg.grad_accum)
+            log_line(log, f"pipeline: {cfg.pp_pieces} pieces per micro-step of {rows} sequences, "
+                          + ("--pp-microbatches" if cfg.pp_microbatches else "the default (the largest count up to 4 "
+                             "that divides it, at least one per stage for torch)"))
         proc = None
         attempt.link_record = loopback_record() if cfg.world_size > 1 and cfg.nnodes == 1 and not cfg.hostfile \
             else None
@@ -333,6 +339,8 @@ def summarize(cfg: RunConfig, run_dir: Path, argv: list[str], blas: str, wall_s:
         "final_loss": train_rows[-1]["loss"] if train_rows else rank0.get("loss") if cfg.nnodes > 1 else None,
         "final_eval_loss": eval_rows[-1]["eval_loss"] if eval_rows else None,
         "tokens_per_step": train_rows[-1]["tokens"] if train_rows else None,
+        "truncated_records": truncated_records(read_json(run_dir / PLAN_FILE, {}).get("token_cache"), cfg.seq_len,
+                                               cfg.sequence),  # padded or instruction samples cut to seq_len + 1
         "command": shlex.join(argv), "config": cfg.to_dict(),
     }
     if cfg.init_from:  # the pretrained checkpoint the run started from, and which weights those were

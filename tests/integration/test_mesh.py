@@ -39,10 +39,13 @@ def test_meshes_in_two_frameworks_train_one_ddp_ranks_run_across_a_checkpoint(un
     # 4 MLX ranks on 2 cores compiling kernels the session has not (a cold cache) go minutes without a step
     common = (*FAST, *HORIZON, "--out", out, "--profile-steps", 0, "--collective-timeout-s", 300)
     four = ("--nproc", 4)
-    dpcompare("run", *common, "--framework", "torch", *four, "--mesh", "pp=2,dp=2", "--pp-microbatches", 2,
+    # the pipeline's default pieces: 2, the largest count up to 4 dividing each micro-step's 2 sequences (the
+    # default of 4 used to refuse this batch)
+    dpcompare("run", *common, "--framework", "torch", *four, "--mesh", "pp=2,dp=2",
               "--grad-accum", 2, "--steps", 2, "--checkpoint-every", 1, "--max-restarts", 1, cache_dir=cache_dir,
               timeout=900, env=killed("torch", rank=3, step=2))
     assert_restarted_once(out, "pp=2,dp=2", resumed_from=1)
+    assert "pipeline: 2 pieces per micro-step of 2 sequences, the default" in (out / "log.txt").read_text()
     dpcompare("run", *common, "--framework", "torch", *four, "--mesh", "fsdp=2,tp=2", "--checkpoint-format", "sharded",
               "--steps", 4, "--resume", cache_dir=cache_dir, timeout=900)
     assert resumed_from(out) == 2

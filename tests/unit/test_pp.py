@@ -130,3 +130,19 @@ def test_pp_that_cannot_run_exits_2_with_one_line_and_writes_nothing(extra, name
     assert proc.returncode == 2, proc.stderr
     assert named in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert not out.exists()
+
+
+@pytest.mark.parametrize("fields, pieces", [
+    ({"mesh": "dp=2,pp=2", "nproc": 4, "global_batch_size": 8, "grad_accum": 2, "framework": "torch"}, 2),
+    ({"strategy": "pp", "nproc": 2, "global_batch_size": 8}, 4),
+    ({"strategy": "pp", "nproc": 2, "global_batch_size": 6, "framework": "mlx"}, 3),
+    ({"strategy": "pp", "nproc": 4, "global_batch_size": 10, "framework": "torch"}, 5),  # a piece per stage
+    ({"strategy": "pp", "nproc": 4, "global_batch_size": 10, "framework": "mlx"}, 2),
+])
+def test_the_default_pieces_are_the_largest_count_up_to_4_dividing_the_micro_step_and_torch_gets_one_per_stage(
+        fields, pieces):
+    backend = "mpi" if fields.get("framework") == "mlx" and "mesh" in fields else "auto"
+    cfg = RunConfig.from_dict({"preset": "tiny", "backend": backend, **fields, "model": {"n_layers": 4}})
+    assert cfg.pp_microbatches == 0 and cfg.pp_pieces == pieces
+    with pytest.raises(UserError, match="must divide the batch of each micro-step"):  # an explicit misfit: exit 2
+        cfg.replace(pp_microbatches=pieces + 1 if pieces < 5 else 3)
