@@ -328,6 +328,9 @@ def summarize(cfg: RunConfig, run_dir: Path, argv: list[str], blas: str, wall_s:
         "fixed_rss_bytes": [ranks.get(r, {}).get("fixed_rss_bytes") for r in range(world)],
         # What each rank holds of the training state (Trainer.state_bytes), and how FSDP reduce-scattered.
         "strategy": cfg.strategy, "reduce_scatter": rank0.get("reduce_scatter"),
+        # What trains (common/model/lora.py: None = every parameter; else LoRA's rank, alpha, scale, targets, layers)
+        # and how the step's loss is normalized (common/train/normalization.py).
+        "adapters": cfg.trained.describe(), "loss_normalization": cfg.loss_normalization,
         "state_bytes": {part: [ranks.get(r, {}).get("state_bytes", {}).get(part) for r in range(world)]
                         for part in ("params", "grads", "optimizer")},
         # Bytes given to all-reduce per step: counted in the step's collectives, and from the shapes.
