@@ -16,7 +16,8 @@ Checks, each with its own tolerance (Tolerances):
               steps: after many steps rounding differences grow, so only the trend is compared.
     eval      max relative difference of eval losses at common eval steps.
 Runs are paired only when their configs agree on everything that changes the numbers; the rest
-(framework, strategy, ranks, backend, threads, output paths) is what the comparison is about.
+(framework, strategy, ranks, backend, threads, output paths) is what the comparison is about. Data, tokenizer
+and initial weights compare by their content hashes where both runs carry them (inputs.py), not by path.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ import numpy as np
 from common.metrics import read_json, read_metrics
 from common.model.precision import DEFAULT_TOLERANCES
 
+from .inputs import content_hashes, named, tokenizer_fingerprint
 from .labels import run_label, strategy_name
 
 
@@ -165,17 +167,28 @@ def assign_labels(runs: list[RunData]) -> None:
 def comparable(a: RunData, b: RunData, ignore: tuple = ()) -> dict:
     """{key: [a's value, b's value]} for every difference that changes the numbers; empty = comparable.
 
+    Inputs named by a path (dataset, tokenizer, init_from) compare by their content hashes where both runs
+    carry them (inputs.py), so the same data at two paths pairs; by the paths where either lacks one.
     `ignore`: keys that differ on purpose in this kind of pair (dtype, for bf16 vs fp32)."""
     diffs = {}
     ca, cb = a.config, b.config
+    ha, hb = (content_hashes(r.run_config, r.summary) for r in (a, b))
     for key in sorted(set(ca) | set(cb)):
-        if key not in RUN_ONLY_KEYS and key not in ignore and ca.get(key) != cb.get(key):
+        if key in RUN_ONLY_KEYS or key in ignore:
+            continue
+        if key in ha and key in hb:
+            if ha[key] != hb[key]:
+                diffs[key] = [named(ca.get(key), ha[key]), named(cb.get(key), hb[key])]
+        elif ca.get(key) != cb.get(key):
             diffs[key] = [ca.get(key), cb.get(key)]
     for section in ("spec", "data"):
         sa, sb = a.run_config.get(section) or {}, b.run_config.get(section) or {}
         for key in sorted(set(sa) | set(sb)):
-            if sa.get(key) != sb.get(key):
-                diffs[f"{section}.{key}"] = [sa.get(key), sb.get(key)]
+            va, vb = sa.get(key), sb.get(key)
+            if key == "tokenizer" and tokenizer_fingerprint(sa) and tokenizer_fingerprint(sb):
+                va, vb = tokenizer_fingerprint(sa), tokenizer_fingerprint(sb)  # its name may be a path
+            if va != vb:
+                diffs[f"{section}.{key}"] = [va, vb]
     return diffs
 
 
