@@ -195,16 +195,29 @@ def _json_texts(path: Path, text_field: str) -> list:
     except pa.ArrowInvalid:  # not JSON Lines, or rows Arrow cannot give one schema (mixed types, long lines)
         table = None
     if table is not None:
+        _refuse_instruction_records(path, table.column_names, text_field)
         return _column_texts(table.column_names, lambda: table.column(text_field).to_pylist(), text_field, path)
     text = _read_text(path)
     try:
         data = json.loads(text)
     except json.JSONDecodeError:
-        try:
-            data = [json.loads(line) for line in text.splitlines() if line.strip()]
-        except json.JSONDecodeError as e:
-            raise UserError(f"dataset file {str(path)!r} is neither JSON Lines nor JSON ({e.msg})") from None
+        data = []
+        for number, line in enumerate(text.splitlines(), 1):
+            try:
+                data.append(json.loads(line) if line.strip() else None)
+            except json.JSONDecodeError as e:
+                raise UserError(f"dataset file {str(path)!r} is neither JSON Lines nor JSON (line {number}: "
+                                f"{e.msg})") from None
+        _refuse_instruction_records(path, {k for row in data if isinstance(row, dict) for k in row}, text_field)
+        data = [row for row in data if row is not None]
     return _json_document_texts(data, text_field, path)
+
+
+def _refuse_instruction_records(path: Path, columns, text_field: str) -> None:
+    """A JSON Lines file read as text (its first record is) whose later records are instruction ones: one line
+    naming the first of them (common/data/instructions.py reads files of instruction records)."""
+    if set(columns) & set(INSTRUCTION_KEYS):
+        _first_instruction_line(path, text_field)
 
 
 def _json_document_texts(data, text_field: str, path: Path) -> list:
@@ -285,6 +298,63 @@ def _clean_stream(texts: Iterator, dataset: str) -> Iterator[str]:
 
 def _first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+# ---- JSON Lines records: text, or instructions (common/data/instructions.py) -------------------
+
+
+PROMPT_COMPLETION, CHAT, TEXT = "prompt/completion", "chat", "text"
+INSTRUCTION_KINDS = (PROMPT_COMPLETION, CHAT)
+INSTRUCTION_KEYS = ("prompt", "completion", "messages")
+
+
+def kind_of(record: dict, text_field: str = "text") -> str | None:
+    """mlx-lm's order: prompt and completion, then messages, then text; a lone prompt or completion is a
+    prompt/completion record missing its other half."""
+    if "prompt" in record and "completion" in record:
+        return PROMPT_COMPLETION
+    if "messages" in record:
+        return CHAT
+    if text_field in record:
+        return TEXT
+    if "prompt" in record or "completion" in record:
+        return PROMPT_COMPLETION
+    return None
+
+
+def _first_instruction_line(path: Path, text_field: str) -> None:
+    """A file read as text whose records include instruction ones: the one-line error naming the first."""
+    for number, (line, record) in enumerate(json_lines(path)):
+        kind = kind_of(record, text_field)
+        if kind in INSTRUCTION_KINDS and number == 0:
+            raise UserError(f"dataset file {str(path)!r} holds {kind} records, not text: prepare a token cache "
+                            "from it (common/data/instructions.py reads them)")
+        if kind in INSTRUCTION_KINDS:
+            raise UserError(f"{where_in_file(path, line)} is a {kind} record, but the file's first record is a "
+                            "text one; one kind of record per file")
+
+
+def json_lines(path: Path) -> Iterable[tuple[int, dict]]:
+    """(line number, record) of each non-blank line; a line that is no JSON object is the user's error."""
+    with open(path, encoding="utf-8", errors="strict") as f:
+        try:
+            for line, text in enumerate(f, 1):
+                if not text.strip():
+                    continue
+                try:
+                    record = json.loads(text)
+                except json.JSONDecodeError as e:
+                    raise UserError(f"{where_in_file(path, line)} is not JSON ({e.msg}, column {e.colno})") from None
+                if not isinstance(record, dict):
+                    raise UserError(f"{where_in_file(path, line)} is not a JSON object (a record), but "
+                                    f"{type(record).__name__}")
+                yield line, record
+        except UnicodeDecodeError as e:
+            raise UserError(f"dataset file {str(path)!r} is not UTF-8 text (byte {e.start} of a line)") from None
+
+
+def where_in_file(path: Path, line: int) -> str:
+    return f"dataset file {str(path)!r} line {line}"
 
 
 # ---- the hub ------------------------------------------------------------------------------------

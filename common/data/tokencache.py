@@ -4,9 +4,12 @@ A cache folder `<cache_dir>/tokens/<fingerprint[:16]>/` holds, per split ("train
     <split>.bin     all token ids, each document followed by one EOS, and preceded by one BOS where the
                     tokenizer adds one (uint16, or uint32 for vocabularies above 65,536)
     <split>.idx     .npy int64 document offsets into <split>.bin, num_documents + 1 entries
+    <split>.mask    instruction records only (common/data/instructions.py): one uint8 per token, 1 where it is
+                    its record's prompt (what --mask-prompt leaves out of the loss); meta.json names it
 plus tokenizer.json (a copy of the tokenizer, for ranks and `compare` to decode with) and meta.json.
 The fingerprint covers the format version, the source's identity, the tokenizer's fingerprint, the
-validation fraction, the split and the text field: change any and a new cache is built.
+validation fraction, the split and the text field, and for JSON data the tokenizer folder's chat template:
+change any and a new cache is built.
 
 A cache is built in a temporary folder beside its final place and renamed into place when complete,
 so a folder under its final name is always whole; of two concurrent builds the first rename wins and
@@ -19,6 +22,7 @@ cache and out of the rank's resident set, however big the dataset.
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import json
 import os
@@ -52,8 +56,10 @@ class TokenSplit:
     eos_id: int
     pad_id: int
     vocab_size: int
+    prompt_mask: np.ndarray | None = None  # instruction records: uint8 per token, 1 = prompt (memmap); else None
     _tokens_file: object = field(repr=False, default=None)
     _offsets_file: object = field(repr=False, default=None)
+    _mask_file: object = field(repr=False, default=None)
 
     @property
     def num_documents(self) -> int:
@@ -66,6 +72,12 @@ class TokenSplit:
     def read(self, start: int, stop: int) -> np.ndarray:
         """A copy of tokens[start:stop]."""
         return _pread(self._tokens_file, self.tokens, start, stop)
+
+    def read_prompt_mask(self, start: int, stop: int) -> np.ndarray:
+        """A copy of prompt_mask[start:stop] (1: a prompt token); instruction records only."""
+        if self.prompt_mask is None:
+            raise ValueError(f"the {self.name} split holds plain text: no prompt mask")
+        return _pread(self._mask_file, self.prompt_mask, start, stop)
 
     def document_spans(self, documents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(start, stop) token offsets of each document index, read without mapping the offsets file."""
@@ -115,10 +127,17 @@ class TokenCache:
         tokens_path, offsets_path = self.path / info["tokens_file"], self.path / info["offsets_file"]
         tokens = (np.memmap(tokens_path, dtype=dtype, mode="r") if info["num_tokens"]
                   else np.zeros(0, dtype=dtype))  # mmap refuses empty files
+        prompt_mask, mask_file = None, None
+        if info.get("prompt_mask_file"):
+            mask_path = self.path / info["prompt_mask_file"]
+            prompt_mask = (np.memmap(mask_path, dtype=np.uint8, mode="r") if info["num_tokens"]
+                           else np.zeros(0, dtype=np.uint8))
+            mask_file = open(mask_path, "rb", buffering=0)
         return TokenSplit(
             name=name, tokens=tokens, offsets=np.load(offsets_path, mmap_mode="r"),
             eos_id=self.meta["eos_id"], pad_id=self.meta["pad_id"], vocab_size=self.meta["vocab_size"],
-            _tokens_file=open(tokens_path, "rb", buffering=0), _offsets_file=open(offsets_path, "rb", buffering=0))
+            prompt_mask=prompt_mask, _tokens_file=open(tokens_path, "rb", buffering=0),
+            _offsets_file=open(offsets_path, "rb", buffering=0), _mask_file=mask_file)
 
     def _check_split(self, name: str) -> None:
         try:
@@ -133,6 +152,12 @@ class TokenCache:
         if size != num_tokens * itemsize:
             raise _corrupt(self.path, f"{tokens_path.name} holds {size} bytes, meta.json says "
                                       f"{num_tokens} tokens of {itemsize} bytes")
+        if info.get("prompt_mask_file"):
+            mask_path = self.path / str(info["prompt_mask_file"])
+            size = mask_path.stat().st_size if mask_path.is_file() else None
+            if size != num_tokens:
+                raise _corrupt(self.path, f"{mask_path.name} holds {size} bytes, meta.json says {num_tokens} "
+                                          "tokens of one prompt-mask byte each")
         if offsets.dtype != np.int64 or offsets.shape != (num_documents + 1,):
             raise _corrupt(self.path, f"{info['offsets_file']} does not hold {num_documents + 1} int64 offsets")
         if not _offsets_valid(self.path / info["offsets_file"], offsets, num_tokens):
@@ -153,8 +178,12 @@ def describe(cache: TokenCache) -> str:
     for name in SPLITS:
         info = meta["splits"][name]
         lines.append(f"  {name:<10} {info['num_documents']:,} documents, {info['num_tokens']:,} tokens")
+    instruction = meta.get("instruction")
+    if instruction:
+        lines.append(f"  records    {' and '.join(instruction['kinds'])}, one sample each; "
+                     f"{instruction['prompt_tokens']:,} prompt tokens (left out of the loss by --mask-prompt)")
     lines.append(f"  total      {meta['num_documents']:,} documents, {meta['num_tokens']:,} tokens "
-                 "(each document's tokens + one EOS)")
+                 + ("(each record's tokens)" if instruction else "(each document's tokens + one EOS)"))
     lines.append(f"  tokenized  {meta['num_tokens']:,} tokens in {meta['tokenize_s']:.2f} s "
                  f"({meta['tokens_per_s'] / 1e6:.2f} M tokens/s)")
     return "\n".join(lines)
@@ -199,6 +228,7 @@ def prepare_tokens(dataset: str, tokenizer, *, cache_dir: Path, split: str = "tr
     """The token cache of `dataset` under `tokenizer` (a name for `load_tokenizer`, or a TokenizerInfo),
     built on first use. `seed` and `builtin_bytes` choose the builtin corpus; `builtin_vocab_size` the
     builtin tokenizer's size. `num_threads` caps the encoder's threads, if set before its first use."""
+    from common.data import instructions
     from common.data.sources import load_documents, source_identity
     from common.data.tokenizer import TokenizerInfo, load_tokenizer
 
@@ -216,17 +246,30 @@ def prepare_tokens(dataset: str, tokenizer, *, cache_dir: Path, split: str = "tr
         tokenizer_key = info.fingerprint
     if info is not None and info.bos_id is not None:  # BOS before each document: other tokens, another cache
         tokenizer_key = {"fingerprint": info.fingerprint, "bos_id": info.bos_id}
-    fingerprint = _fingerprint(identity, tokenizer_key, val_fraction, split, text_field)
+    # JSON data may hold chat records, rendered by the tokenizer folder's template: a new template, new tokens.
+    template = instructions.template_identity(tokenizer) if identity["kind"] in ("json", "folder") else None
+    fingerprint = _fingerprint(identity, tokenizer_key, val_fraction, split, text_field, template)
     final = cache_dir / "tokens" / fingerprint[:16]
     if cached := _reusable(final, fingerprint):
         return cached
 
-    documents: Iterable[str] = load_documents(dataset, split=split, text_field=text_field, streaming=streaming,
-                                              builtin_bytes=builtin_bytes, seed=seed).documents
+    records = instructions.load_instructions(dataset, split=split, text_field=text_field) \
+        if identity["kind"] in ("json", "folder") else None
+    documents: Iterable = records.records if records else \
+        load_documents(dataset, split=split, text_field=text_field, streaming=streaming,
+                       builtin_bytes=builtin_bytes, seed=seed).documents
     total_documents = len(documents) if isinstance(documents, list) else None
     if info is None:
-        documents, sample = training_sample(documents, every)
+        if records:
+            _, sample = training_sample(instructions.training_texts(records.records), every)
+        else:
+            documents, sample = training_sample(documents, every)
         info = load_tokenizer("builtin", corpus_docs=sample, vocab_size=builtin_vocab_size, cache_dir=cache_dir)
+    encode = None
+    if records:
+        chats = [r for r in records.records if r.kind == instructions.CHAT]
+        template_of = instructions.ChatTemplate(tokenizer, chats[0]) if chats else None
+        encode = functools.partial(instructions.encode, info=info, template=template_of)
     if num_threads:
         os.environ.setdefault("RAYON_NUM_THREADS", str(num_threads))
 
@@ -235,9 +278,13 @@ def prepare_tokens(dataset: str, tokenizer, *, cache_dir: Path, split: str = "tr
     building.mkdir()
     try:
         long_job = total_documents is None or total_documents > PROGRESS_MIN_DOCS
-        meta = write_splits(building, documents, info, every, total_documents, show_progress=progress and long_job)
+        meta = write_splits(building, documents, info, every, total_documents, show_progress=progress and long_job,
+                            encode=encode)
         if meta["num_documents"] == 0:
             raise UserError(f"dataset {dataset!r} is empty: it holds no documents")
+        if records:
+            meta["instruction"] = {"kinds": records.kinds, "chat_template_sha256": template,
+                                   "prompt_tokens": _prompt_tokens(building, meta)}
         meta.update(format_version=FORMAT_VERSION, fingerprint=fingerprint,
                     created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                     dataset=dataset, source=identity, split=split, text_field=text_field,
@@ -251,10 +298,21 @@ def prepare_tokens(dataset: str, tokenizer, *, cache_dir: Path, split: str = "tr
     return TokenCache.open(final)
 
 
-def _fingerprint(identity: dict, tokenizer_key, val_fraction: float, split: str, text_field: str) -> str:
+def _fingerprint(identity: dict, tokenizer_key, val_fraction: float, split: str, text_field: str,
+                 chat_template: str | None = None) -> str:
     key = {"format_version": FORMAT_VERSION, "source": identity, "tokenizer": tokenizer_key,
            "val_fraction": val_fraction, "split": split, "text_field": text_field}
+    if chat_template is not None:  # absent otherwise: caches built before templates counted keep their names
+        key["chat_template"] = chat_template
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
+def _prompt_tokens(directory: Path, meta: dict) -> int:
+    total = 0
+    for info in meta["splits"].values():
+        if info["num_tokens"]:
+            total += int(np.count_nonzero(np.memmap(directory / info["prompt_mask_file"], dtype=np.uint8, mode="r")))
+    return total
 
 
 def _reusable(path: Path, fingerprint: str) -> TokenCache | None:

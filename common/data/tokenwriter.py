@@ -1,6 +1,6 @@
 """Writing a token cache's split files: the documents tokenized in chunks, each split's ids and offsets
-appended as they come, and which documents are held out for validation. common/data/tokencache.py decides
-when to build, publishes the result and reads it back."""
+appended as they come (and, for instruction records, which tokens are the prompt), and which documents are held
+out for validation. common/data/tokencache.py decides when to build, publishes the result and reads it back."""
 from __future__ import annotations
 
 import itertools
@@ -8,7 +8,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -55,60 +55,84 @@ def _chunks(documents: Iterable[str], size: int) -> Iterator[list[str]]:
 
 
 class _SplitWriter:
-    """Appends documents' tokens (EOS included) to <split>.bin and remembers their lengths."""
+    """Appends documents' tokens (EOS included) to <split>.bin and remembers their lengths; with `masked`, also
+    one byte per token to <split>.mask, 1 where the token is its record's prompt."""
 
-    def __init__(self, directory: Path, name: str, dtype: np.dtype):
+    def __init__(self, directory: Path, name: str, dtype: np.dtype, masked: bool = False):
         self.directory, self.name, self.dtype = directory, name, dtype
         self.file = open(directory / f"{name}.bin", "wb")
+        self.mask_file = open(directory / f"{name}.mask", "wb") if masked else None
         self.lengths: list[np.ndarray] = []
 
-    def append(self, token_lists: list[list[int]]) -> int:
+    def append(self, token_lists: list[list[int]], prompt_lengths: list[int] | None = None) -> int:
         lengths = np.fromiter(map(len, token_lists), dtype=np.int64, count=len(token_lists))
         flat = np.fromiter(itertools.chain.from_iterable(token_lists), dtype=self.dtype, count=int(lengths.sum()))
         self.file.write(flat.tobytes())
+        if self.mask_file is not None:
+            assert prompt_lengths is not None
+            starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+            limits = np.repeat(np.asarray(prompt_lengths, dtype=np.int64), lengths)
+            self.mask_file.write((np.arange(len(flat)) - starts < limits).astype(np.uint8).tobytes())
         self.lengths.append(lengths)
         return len(flat)
 
     def close(self) -> dict:
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        self.file.close()
+        for file in filter(None, (self.file, self.mask_file)):
+            file.flush()
+            os.fsync(file.fileno())
+            file.close()
         lengths = np.concatenate([np.zeros(1, np.int64), *self.lengths])
         offsets = np.cumsum(lengths)
         with open(self.directory / f"{self.name}.idx", "wb") as f:  # a file object: np.save would add .npy
             np.save(f, offsets)
             f.flush()
             os.fsync(f.fileno())
-        return {"num_documents": len(offsets) - 1, "num_tokens": int(offsets[-1]),
-                "tokens_file": f"{self.name}.bin", "offsets_file": f"{self.name}.idx"}
+        files = {"tokens_file": f"{self.name}.bin", "offsets_file": f"{self.name}.idx"}
+        if self.mask_file is not None:
+            files["prompt_mask_file"] = f"{self.name}.mask"
+        return {"num_documents": len(offsets) - 1, "num_tokens": int(offsets[-1]), **files}
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
 
 
-def write_splits(directory: Path, documents: Iterable[str], info, every: int, total_documents: int | None,
-                  *, show_progress: bool) -> dict:
-    from tqdm import tqdm
-
-    dtype = token_dtype(info.vocab_size)
-    writers = {name: _SplitWriter(directory, name, dtype) for name in SPLITS}
-    # disable=None: no bar when stderr is not a terminal (CI logs, pipes), as for the training bar.
-    bar = tqdm(total=total_documents, unit="doc", desc="tokenizing", file=sys.stderr,
-               disable=None if show_progress else True, leave=False)
-    started, first = time.perf_counter(), 0
-    for chunk in _chunks(documents, CHUNK_DOCS):
+def document_tokens(info) -> Callable[[list], tuple[list[list[int]], None]]:
+    """Plain documents' tokens: BOS where the tokenizer adds one, the text's ids, EOS."""
+    def encode(chunk: list[str]) -> tuple[list[list[int]], None]:
         token_lists = info.encode_batch(chunk)
         if info.bos_id is not None:
             token_lists = [[info.bos_id, *ids] for ids in token_lists]
         for ids in token_lists:
             ids.append(info.eos_id)
+        return token_lists, None
+    return encode
+
+
+def write_splits(directory: Path, documents: Iterable, info, every: int, total_documents: int | None,
+                  *, show_progress: bool, encode: Callable | None = None) -> dict:
+    """`encode(chunk) -> (token lists, prompt lengths)` tokenizes the items of `documents`: plain documents'
+    (`document_tokens`, no prompt: no mask files) unless given (instruction records, common/data/instructions.py)."""
+    from tqdm import tqdm
+
+    dtype = token_dtype(info.vocab_size)
+    masked = encode is not None
+    encode = encode or document_tokens(info)
+    writers = {name: _SplitWriter(directory, name, dtype, masked) for name in SPLITS}
+    # disable=None: no bar when stderr is not a terminal (CI logs, pipes), as for the training bar.
+    bar = tqdm(total=total_documents, unit="doc", desc="tokenizing", file=sys.stderr,
+               disable=None if show_progress else True, leave=False)
+    started, first = time.perf_counter(), 0
+    for chunk in _chunks(documents, CHUNK_DOCS):
+        token_lists, prompt_lengths = encode(chunk)
         if every:
             held_out = [is_validation(first + i, every) for i in range(len(chunk))]
-            writers["valid"].append([ids for ids, out in zip(token_lists, held_out) if out])
-            writers["train"].append([ids for ids, out in zip(token_lists, held_out) if not out])
+            for name, keep in (("valid", True), ("train", False)):
+                writers[name].append([ids for ids, out in zip(token_lists, held_out) if out == keep],
+                                     None if prompt_lengths is None else
+                                     [n for n, out in zip(prompt_lengths, held_out) if out == keep])
         else:
-            writers["train"].append(token_lists)
+            writers["train"].append(token_lists, prompt_lengths)
         first += len(chunk)
         bar.update(len(chunk))
     bar.close()
