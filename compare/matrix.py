@@ -238,7 +238,7 @@ def finish(run_dirs: list[Path], out: Path, args, context: dict, failed: list) -
     tol = tolerances_from_args(args)
     baseline = apply_baseline_flags(args, run_dirs, tol)
     summary = write_report(run_dirs, out, tol, {**context, "baseline": baseline})
-    print(terminal_table(summary))
+    print(terminal_table(summary, verbose=getattr(args, "verbose", False)))
     print(f"\nreport: {out / 'report.html'}  ({out / 'report.md'}, {out / 'summary.json'})")
     if failed:
         for label, error in failed:

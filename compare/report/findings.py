@@ -1,4 +1,4 @@
-"""The numbers of a report, computed from run directories: per-run rows, speed and scaling tables,
+"""The numbers of a report, computed from run directories: per-run rows, speed, scaling and memory tables,
 fairness and environment notes, and the verdict lines. Nothing here renders; compare/report/render.py does.
 """
 from __future__ import annotations
@@ -90,6 +90,7 @@ def scaling_table(rows: list[dict]) -> dict:
                      and r.get("strategy", "ddp") == "ddp" and r["world_size"] == 1), None)
         table[group] = [{
             "label": r["label"], "world_size": r["world_size"], "tokens_per_s": r["tokens_per_s"],
+            "against": base["label"] if base else None,
             "speedup": r["tokens_per_s"] / base["tokens_per_s"] if base else None,
             "efficiency": r["tokens_per_s"] / (r["world_size"] * base["tokens_per_s"]) if base else None,
         } for r in points]
@@ -208,17 +209,19 @@ def fairness_info(runs: list[RunData], rows: list[dict], context: dict) -> dict:
         warnings.append("threads per rank differ between runs: speed is not compared like for like")
     if len({r["tokens_per_step"] for r in done}) > 1:
         warnings.append("tokens per step differ between runs: tokens/s still compares, loss parity cannot")
+    of_runs = []  # (label, warning): the same warning for several runs is said once, naming them
     for run, row in zip(runs, rows):
         cpus = (run.summary.get("machine") or {}).get("cpus")
         if row["ok"] and row["device"] == "cpu" and cpus and row["world_size"] * (row["threads_per_rank"] or 1) > cpus:
-            warnings.append(f"{row['label']}: {row['world_size']} ranks x {row['threads_per_rank']} thread(s) on "
-                            f"{cpus} CPUs: ranks share cores, so its speed measures oversubscription")
+            of_runs.append((row["label"], f"{row['world_size']} ranks x {row['threads_per_rank']} thread(s) on "
+                                          f"{cpus} CPUs: ranks share cores, so the speed measures oversubscription"))
         if row["ok"] and row["device"] == "cpu" and cpus and polls_on_full_cores(
                 row["framework"], row["backend"], row["world_size"], row["threads_per_rank"] or 1, cpus,
                 local=not run.config.get("hostfile") and (run.config.get("nnodes") or 1) == 1):
-            warnings.append(f"{row['label']}: MLX's ring polls its sockets while a rank waits, and these ranks' "
-                            f"threads fill the {cpus} CPUs, so a waiting rank takes a core from one that computes "
-                            f"({MEASURED}; docs/cpu-performance.md)")
+            of_runs.append((row["label"], f"MLX's ring polls its sockets while a rank waits, and these ranks' "
+                                          f"threads fill the {cpus} CPUs, so a waiting rank takes a core from one "
+                                          f"that computes ({MEASURED}; docs/cpu-performance.md)"))
+    warnings += naming_runs(of_runs)
     hosts = {(r.summary.get("machine") or {}).get("host") for r in runs if r.summary.get("machine")}
     if len(hosts) > 1:
         warnings.append(f"runs come from different machines ({', '.join(sorted(map(str, hosts)))}): "
@@ -227,7 +230,8 @@ def fairness_info(runs: list[RunData], rows: list[dict], context: dict) -> dict:
              "throughput is the median over steps after each run's warmup steps; p10/p90 show the spread",
              "runs are paired for parity only when their configs agree on everything that changes the numbers "
              "(seed, data, tokenizer, model, batch, schedule): such runs read the same global batches and start "
-             "from the same seed checkpoint"]
+             "from the same seed checkpoint; data, tokenizer and initial weights compare by their content hashes "
+             "where both runs record them, so the same files under two paths pair"]
     if str(context.get("command") or "").startswith("dpcompare compare"):
         notes.append("dpcompare compare ran the runs one after another, never concurrently, so they did not "
                      "compete for cores")
@@ -239,6 +243,14 @@ def fairness_info(runs: list[RunData], rows: list[dict], context: dict) -> dict:
             "same_threads": len({r["threads_per_rank"] for r in done}) <= 1,
             "same_tokens_per_step": len({r["tokens_per_step"] for r in done}) <= 1,
             "notes": notes, "warnings": warnings}
+
+
+def naming_runs(found: list[tuple[str, str]]) -> list[str]:
+    """(run label, text) pairs as one line per distinct text, which names every run it applies to, in order."""
+    labels: dict[str, list[str]] = {}
+    for label, text in found:
+        labels.setdefault(text, []).append(label)
+    return [f"{', '.join(names)}: {text}" for text, names in labels.items()]
 
 
 def environment_info(runs: list[RunData], rows: list[dict], peaks: PeakFinder) -> dict:
@@ -254,31 +266,26 @@ def environment_info(runs: list[RunData], rows: list[dict], peaks: PeakFinder) -
 
 
 
-def verdicts(parity: dict, speed: list[dict], scaling: dict, rows: list[dict], fairness: dict,
+def verdicts(parity: dict, speed: list[dict], scaling: dict, memory: list[dict], rows: list[dict], fairness: dict,
              baseline: list[dict] | None = None) -> dict:
     """The headline; the judged pairs as table rows and a sentence for each that did not pass
-    (compare/report/verdict_table.py; the speed ratios are a table of their own there, from `speed`); then
-    scaling, memory, baseline and skipped runs as lines."""
-    lines = []
+    (compare/report/verdict_table.py, where the speed ratios, scaling and memory are tables of their own);
+    then "notes": what no table shows (frameworks not paired, baseline, skipped runs). "lines" holds every
+    finding as a sentence, scaling and memory included, for readers of summary.json."""
+    notes = []
     frameworks = {r["framework"] for r in rows}
     if len(frameworks) > 1 and not parity["cross_framework"]:
-        lines.append("Parity, " + " vs ".join(sorted(frameworks)) + ": not judged, no world size has a finished "
+        notes.append("Parity, " + " vs ".join(sorted(frameworks)) + ": not judged, no world size has a finished "
                      "run of more than one framework")
-    for group, points in scaling.items():
-        scaled = [p for p in points if p["world_size"] > 1 and p["efficiency"] is not None]
-        if scaled:
-            lines.append(f"Scaling, {group}: " + ", ".join(
-                f"{p['world_size']} ranks {p['speedup']:.2f}x ({100 * p['efficiency']:.0f}% efficiency"
-                + (", slower than 1 rank)" if p["speedup"] < 1 else ")") for p in scaled))
-    lines += memory_lines(rows)
     for v in baseline or []:
-        lines.append(f"Baseline, {v['label']}: {v['verdict']}: {v['message']}")
+        notes.append(f"Baseline, {v['label']}: {v['verdict']}: {v['message']}")
     for row in rows:
         if not row["ok"]:
-            lines.append(f"Skipped, {row['label']}: {row['problem']}")
+            notes.append(f"Skipped, {row['label']}: {row['problem']}")
     pairs = pair_rows(parity)
-    if not lines and not pairs:
-        lines.append("Nothing to compare: no run finished")
+    figures = scaling_lines(scaling) + memory_lines(memory)
+    if not notes and not figures and not pairs:
+        notes.append("Nothing to compare: no run finished")
     # A pair that cannot be compared is no failure (--strict passes), but a PASS must not hide it.
     unjudged = [f"{len(parity['skipped'])} run(s) skipped"] if parity["skipped"] else []
     unjudged += [f"{n} pair(s) not comparable"] if (n := sum(r["verdict"] == "not comparable" for r in pairs)) else []
@@ -286,7 +293,19 @@ def verdicts(parity: dict, speed: list[dict], scaling: dict, rows: list[dict], f
     if any(v["verdict"] == "fail" for v in baseline or []):
         headline += ", BASELINE FAIL"
     return {"all_pass": parity["all_pass"], "parity": parity["overall"], "headline": headline, "pairs": pairs,
-            "failures": failure_lines(parity), "lines": lines, "warnings": fairness["warnings"]}
+            "failures": failure_lines(parity), "notes": notes, "lines": notes + figures,
+            "warnings": fairness["warnings"]}
+
+
+def scaling_lines(scaling: dict) -> list[str]:
+    lines = []
+    for group, points in scaling.items():
+        scaled = [p for p in points if p["world_size"] > 1 and p["efficiency"] is not None]
+        if scaled:
+            lines.append(f"Scaling, {group}: " + ", ".join(
+                f"{p['world_size']} ranks {p['speedup']:.2f}x ({100 * p['efficiency']:.0f}% efficiency"
+                + (", slower than 1 rank)" if p["speedup"] < 1 else ")") for p in scaled))
+    return lines
 
 
 def state_total_mb(row: dict) -> float | None:
@@ -297,17 +316,27 @@ def state_total_mb(row: dict) -> float | None:
     return max(sum(values) for values in zip(*parts))
 
 
-def memory_lines(rows: list[dict]) -> list[str]:
-    """What sharding saves: each non-ddp run's per-rank state against its ddp run at the same world size."""
-    lines = []
+def memory_table(rows: list[dict]) -> list[dict]:
+    """What sharding saves: each non-ddp run's per-rank state against its ddp run at the same world size,
+    {label, group, world_size, state_mb, ddp_label, ddp_state_mb, ratio}; each row gets its state_total_mb
+    and, where it has such a ddp run, its state_vs_ddp."""
+    table = []
     for row in rows:
-        if not row["ok"] or row.get("strategy", "ddp") == "ddp" or state_total_mb(row) is None:
+        row["state_total_mb"], row["state_vs_ddp"] = state_total_mb(row) if row["ok"] else None, None
+    for row in rows:
+        if row["state_total_mb"] is None or row.get("strategy", "ddp") == "ddp":
             continue
         ref = next((r for r in rows if r["ok"] and r["framework"] == row["framework"] and r["dtype"] == row["dtype"]
                     and r.get("strategy", "ddp") == "ddp" and r["world_size"] == row["world_size"]), None)
-        if ref is None or not state_total_mb(ref):
+        if ref is None or not ref["state_total_mb"]:
             continue
-        mine, theirs = state_total_mb(row), state_total_mb(ref)
-        lines.append(f"Memory, {row['label']}: parameters + gradients + optimizer state {mine:,.1f} MB per rank, "
-                     f"{mine / theirs:.2f}x {ref['label']}'s {theirs:,.1f} MB")
-    return lines
+        row["state_vs_ddp"] = row["state_total_mb"] / ref["state_total_mb"]
+        table.append({"label": row["label"], "group": group_of(row), "world_size": row["world_size"],
+                      "state_mb": row["state_total_mb"], "ddp_label": ref["label"],
+                      "ddp_state_mb": ref["state_total_mb"], "ratio": row["state_vs_ddp"]})
+    return table
+
+
+def memory_lines(memory: list[dict]) -> list[str]:
+    return [f"Memory, {m['label']}: parameters + gradients + optimizer state {m['state_mb']:,.1f} MB per rank, "
+            f"{m['ratio']:.2f}x {m['ddp_label']}'s {m['ddp_state_mb']:,.1f} MB" for m in memory]

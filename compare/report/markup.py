@@ -29,7 +29,7 @@ def to_markdown(blocks: list[tuple]) -> str:
                 out.append(bullets(failures))
             out += [markdown_table(*table) for table in tables[1:]]
             if lines or warnings:
-                out.append(bullets(lines) + "".join(f"\n- **Warning:** {w}" for w in warnings))
+                out.append("\n".join(filter(None, [bullets(lines)] + [f"- **Warning:** {w}" for w in warnings])))
         elif kind == "ul":
             out.append("\n".join(f"- {item}" for item in block[1]))
         elif kind == "table":

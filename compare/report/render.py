@@ -42,7 +42,7 @@ def report_blocks(s: dict) -> list[tuple]:
               ("p", f"Report created {s['created']} from {len(s['runs'])} run(s)."
                     + "".join(f" Started from the checkpoint {c['path']} (model.safetensors sha256 "
                               f"{c['weights_sha256'][:16]}...)." for c in s.get("init_from") or [])),
-              ("verdict", v["parity"], v["headline"], verdict_tables(s), v.get("failures", []), v["lines"],
+              ("verdict", v["parity"], v["headline"], verdict_tables(s), v.get("failures", []), v.get("notes", v["lines"]),
                v["warnings"])]
     blocks += [("h2", "Runs"), ("table", RUN_HEADERS, [run_cells(r) for r in s["runs"]])]
     blocks += parity_blocks(s["parity"])

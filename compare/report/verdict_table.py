@@ -1,9 +1,10 @@
 """The parity verdict as a table: one row per judged pair, failures first, and after the table one sentence
-for each pair that did not pass; then the speed ratios as a table of their own.
+for each pair that did not pass; then the speed ratios, scaling and memory, as a table each.
 
 A matrix of frameworks x strategies x dtypes x world sizes judges dozens of pairs; as sentences they hid
 the one that failed. The rows are computed once (findings.verdicts puts them into summary.json), and the
-terminal, report.md and report.html show the same rows.
+terminal (terminal.py), report.md and report.html show the same rows; the terminal leaves out what does not
+fit a screen unless asked (--verbose), the report never does.
 """
 from __future__ import annotations
 
@@ -93,11 +94,58 @@ def speed_cells(speed: list[dict]) -> tuple[tuple, list[tuple]]:
     return SPEED_HEADERS, rows
 
 
-def verdict_tables(summary: dict) -> list[tuple[tuple, list[tuple]]]:
-    """The verdict's tables, (headers, rows) each: the judged pairs, then the speed ratios."""
+def asked_speed(speed: list[dict]) -> list[dict]:
+    """The speed ratios a comparison asks about: MLX vs torch at each configuration, where both ran; all of
+    them (each strategy vs ddp, bf16 vs fp32) where only one framework did."""
+    return [s for s in speed if s.get("kind", "framework") == "framework"] or speed
+
+
+def scaling_cells(scaling: dict) -> tuple[tuple, list[tuple]] | None:
+    """Scaling (findings.scaling_table) as a table, one row per run group: at each world size above 1 the
+    speedup over the 1-rank ddp run of its framework and dtype ("against"), and the efficiency."""
+    scaled = {group: {p["world_size"]: p for p in points if p["world_size"] > 1 and p["efficiency"] is not None}
+              for group, points in scaling.items()}
+    sizes = sorted({n for at in scaled.values() for n in at})
+    if not sizes:
+        return None
+    rows = [(group, next(iter(at.values())).get("against") or "–", *(scaling_cell(at.get(n)) for n in sizes))
+            for group, at in scaled.items() if at]
+    return ("scaling", "against", *(f"x{n} speedup (efficiency)" for n in sizes)), rows
+
+
+def scaling_cell(point: dict | None) -> str:
+    if point is None:
+        return "–"
+    slower = ", slower than 1 rank" if point["speedup"] < 1 else ""
+    return f"{point['speedup']:.2f}x ({100 * point['efficiency']:.0f}%{slower})"
+
+
+def memory_cells(memory: list[dict]) -> tuple[tuple, list[tuple]] | None:
+    """What sharding saves (findings.memory_table) as a table, one row per run group: at each world size, the
+    parameters, gradients and optimizer state one rank holds against its ddp run's."""
+    if not memory:
+        return None
+    sizes = sorted({m["world_size"] for m in memory})
+    at = {(m["group"], m["world_size"]): m for m in memory}
+    rows = [(group, *(memory_cell(at.get((group, n))) for n in sizes)) for group in dict.fromkeys(m["group"] for m in memory)]
+    return ("memory", *(f"x{n} state MB/rank vs ddp" for n in sizes)), rows
+
+
+def memory_cell(entry: dict | None) -> str:
+    if entry is None:
+        return "–"
+    return f"{entry['state_mb']:,.1f} vs {entry['ddp_state_mb']:,.1f} ({entry['ratio']:.2f}x)"
+
+
+def verdict_tables(summary: dict, every_ratio: bool = True) -> list[tuple[tuple, list[tuple]]]:
+    """The verdict's tables, (headers, rows) each: the judged pairs, the speed ratios (every one, or only
+    those asked_speed keeps), then scaling and memory by run group."""
     v = summary["verdicts"]
-    return ([table_cells(v["pairs"])] if v.get("pairs") else []) + \
-        ([speed_cells(summary["speed"])] if summary.get("speed") else [])
+    speed = summary.get("speed") or []
+    tables = [table_cells(v["pairs"])] if v.get("pairs") else []
+    tables += [speed_cells(speed if every_ratio else asked_speed(speed))] if speed else []
+    return tables + [t for t in (scaling_cells(summary.get("scaling") or {}),
+                                 memory_cells(summary.get("memory") or [])) if t]
 
 
 def text_table(headers: tuple, body: list[tuple], right: frozenset = frozenset()) -> list[str]:
@@ -107,23 +155,6 @@ def text_table(headers: tuple, body: list[tuple], right: frozenset = frozenset()
                        for i, (c, w) in enumerate(zip(row, widths))).rstrip() for row in [headers] + body]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return lines
-
-
-def terminal_verdict(summary: dict) -> list[str]:
-    """The headline, the pairs' table (verdicts in capitals), the failures' sentences, the speed table, then
-    the other lines and the warnings."""
-    verdicts = summary["verdicts"]
-    lines = [f"verdict: {verdicts['headline']}"]
-    if verdicts.get("pairs"):
-        headers, body = table_cells(verdicts["pairs"])
-        lines += [""] + text_table(headers, [(row[0].upper(), *row[1:]) for row in body])
-    if verdicts.get("failures"):
-        lines += [""] + [f"! {line}" for line in verdicts["failures"]]
-    if summary.get("speed"):
-        lines += [""] + text_table(*speed_cells(summary["speed"]))
-    if verdicts.get("lines"):
-        lines += [""] + [f"- {line}" for line in verdicts["lines"]]
-    return lines + [f"! {w}" for w in verdicts.get("warnings", [])]
 
 
 def pair_sentence(pair: dict) -> str:

@@ -23,7 +23,8 @@ from common.errors import UserError
 from common.metrics import write_json
 
 from .diagnoses import read_diagnoses
-from .findings import environment_info, fairness_info, run_row, scaling_table, speed_table, verdicts
+from .findings import (environment_info, fairness_info, memory_table, run_row, scaling_table, speed_table,
+                       verdicts)
 from .markup import to_html, to_markdown
 from .mfu import PeakFinder
 from .parity import Tolerances, judge, load_run
@@ -57,14 +58,16 @@ def write_report(run_dirs: list[Path], out_dir: Path, tol: Tolerances, context: 
     rows = [run_row(run, parity, peaks) for run in runs]
     scaling = scaling_table(rows)
     speed = speed_table(rows)
+    memory = memory_table(rows)
     fairness = fairness_info(runs, rows, context)
     summary = {
         "created": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "verdicts": verdicts(parity, speed, scaling, rows, fairness, context.get("baseline")),
+        "verdicts": verdicts(parity, speed, scaling, memory, rows, fairness, context.get("baseline")),
         "runs": rows,
         "parity": parity,
         "speed": speed,
         "scaling": scaling,
+        "memory": memory,
         "mfu": peaks.describe(runs),
         "tolerances": asdict(tol),
         "baseline": context.get("baseline"),
