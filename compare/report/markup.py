@@ -138,7 +138,7 @@ def html_table(headers: tuple, rows: list[tuple]) -> str:
     return f'<div class="scroll"><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>'
 
 
-VERDICT_WORDS = ("ok", "failed", "pass", "fail", "skipped", "not comparable", "no data", "incomplete")
+VERDICT_WORDS = ("ok", "failed", "pass", "fail", "differs", "skipped", "not comparable", "no data", "incomplete")
 
 
 def html_cell(value) -> str:

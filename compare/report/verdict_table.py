@@ -13,7 +13,8 @@ from .parity import all_pairs
 PAIR_NAMES = {"cross_framework": "MLX vs torch", "dp_invariance": "N vs 1", "strategy": "strategy vs ddp",
               "precision": "bf16 vs fp32"}
 # Worst first: a failure is what a reader looks for.
-VERDICT_ORDER = ("fail", "not comparable", "no data", "pass")
+# "differs": the pair differs by a stated choice, not a bug (N vs 1 under --loss-normalization per-rank).
+VERDICT_ORDER = ("fail", "differs", "not comparable", "no data", "pass")
 HEADERS = ("verdict", "kind", "pair", "per-step max |Δloss|", "curve max rel. Δ", "eval max rel. Δ")
 COLUMNS = ("verdict", "kind", "pair", "per_step", "curve", "eval")
 
@@ -164,6 +165,13 @@ def pair_sentence(pair: dict) -> str:
         return f"{a} and {b} are not comparable: their configs differ in {diffs}"
     if pair["verdict"] == "no data":
         return f"{a} vs {b}: no common steps to compare"
+    if pair["verdict"] == "differs":
+        step = pair["checks"].get("per_step") or {}
+        return (f"{a} differs from {b} by {step.get('max_abs_diff', float('nan')):.2e} per step, as its "
+                f"--loss-normalization {pair['explained_by']} makes it (not a bug): each rank divides its loss by "
+                "its own count of targets (mlx-lm's choice), so where the ranks hold unequal counts (padding, masked "
+                "prompts) a token weighs more on a rank with few; global-tokens computes what one rank computes "
+                "(docs/parity.md, \"Loss normalization\")")
     checks = pair["checks"]
     step = checks.get("per_step", {"verdict": "no data"})
     verb = {"pass": "matches", "fail": "does NOT match"}[pair["verdict"]]

@@ -56,3 +56,22 @@ def test_a_ranks_count_is_the_sum_of_its_micro_batches_masks():
     mask = np.array([[1, 1, 0], [1, 0, 0]], dtype=np.float32)
     batches = [(None, None, mask), (None, None, mask[:1])]
     assert local_tokens(batches) == 5.0
+
+
+def test_the_n_vs_1_pair_of_a_per_rank_run_differs_by_the_normalization_and_a_global_one_fails(tmp_path):
+    """The verdict's side (compare/report/parity.py): per-rank N=2 against N=1 (either normalization: at one rank
+    they agree) is "differs", with the normalization named and the difference shown, and does not fail the
+    comparison; the same curve under global-tokens is a real failure."""
+    from compare.report.verdict_table import failure_lines
+    from unit.fake_runs import judged, make_run, reference_losses
+
+    apart = [x + 1e-4 for x in reference_losses()]
+    one = make_run(tmp_path, "mlx", 1)
+    per_rank = make_run(tmp_path, "mlx", 2, apart, config={"loss_normalization": "per-rank"})
+    verdicts = judged(one, per_rank)
+    [pair] = verdicts["dp_invariance"]
+    assert (pair["verdict"], pair["explained_by"], verdicts["overall"]) == ("differs", "per-rank", "pass")
+    [line] = [line for line in failure_lines(verdicts) if "mlx x2" in line]
+    assert "differs from mlx x1 by 1.00e-04" in line and "--loss-normalization per-rank" in line
+    global_tokens = make_run(tmp_path, "mlx", 2, apart, name="global")
+    assert judged(one, global_tokens)["dp_invariance"][0]["verdict"] == "fail"
