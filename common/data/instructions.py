@@ -177,9 +177,10 @@ class ChatTemplate:
                             f"{getattr(tokenizer, 'name', tokenizer)!r} has no chat template (no chat_template in "
                             "a tokenizer folder's tokenizer_config.json, no chat_template.jinja); pass --tokenizer "
                             "a folder with one")
-        from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-        loader = PreTrainedTokenizerFast if (folder / "tokenizer.json").is_file() else AutoTokenizer
+        if (folder / "tokenizer.json").is_file():
+            from transformers import PreTrainedTokenizerFast as loader
+        else:  # a slow tokenizer's files: AutoTokenizer's class (its import also imports torch)
+            from transformers import AutoTokenizer as loader  # type: ignore[assignment]
         self.folder, self.pretrained = folder, loader.from_pretrained(str(folder))
 
     def render(self, record: Record) -> tuple[str, str]:
