@@ -89,7 +89,8 @@ class DiagnosisPlan:
             weights, optimizer = state.weights, (state.exp_avg, state.exp_avg_sq, state.step)
         else:
             _, weights = load_pretrained(self.weights)
-        view = SequenceView(TokenCache.open(self.token_cache).split("train"), cfg.seq_len, cfg.sequence)
+        view = SequenceView(TokenCache.open(self.token_cache).split("train"), cfg.seq_len, cfg.sequence,
+                            mask_prompt=cfg.mask_prompt)
         indices = GlobalSampler(view.num_samples, cfg.global_batch_size, cfg.seed).global_batch_indices(step)
         return DiagnosisInputs(cfg, self.spec, weights, optimizer, view.batch(indices),
                                view.real_target_count(indices), lr_for(cfg, step), step)

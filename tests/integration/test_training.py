@@ -1,8 +1,6 @@
 """Both backends train for real: multi-rank launches, DP and accumulation invariance, cross-framework
 parity, switching framework at a checkpoint. Runs are real processes through the CLI, many of them the
 session's `matrix` (conftest.py)."""
-import json
-import random
 
 import numpy as np
 import pytest
@@ -54,42 +52,6 @@ def test_dp_invariance_two_ranks_equal_one_rank_with_the_same_global_batch(frame
     else:  # padded sequences, each rank accumulating 2 micro-batches (the session's runs: conftest.py)
         one, two = losses(padded(framework, 1, 2)), losses(padded(framework, 2, 2))
     np.testing.assert_allclose(two, one, rtol=0, atol=1e-5)
-
-
-def prompt_completion_records(path, count=64):
-    """Prompts of 0 to 30 words and completions of 1 to 12: each rank's share of a step holds its own number of
-    completion targets, and some records are cut at --seq-len 32."""
-    rng = random.Random(0)
-    words = "the cat sat on a mat and then a dog ran to the park with a red ball".split()
-    rows = [{"prompt": " ".join(rng.choice(words) for _ in range(rng.randint(0, 30))),
-             "completion": " " + " ".join(rng.choice(words) for _ in range(rng.randint(1, 12)))} for _ in range(count)]
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
-
-
-@pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_masked_prompts_two_ranks_equal_one_rank_under_global_tokens(framework, cache_dir, tmp_path):
-    """--mask-prompt: each rank holds a different number of completion targets, and the loss over the global count
-    (real_target_count, which every rank computes alone) is still what one rank computes."""
-    from common.data.sampler import GlobalSampler
-    from common.data.sequences import SequenceView
-    from common.data.tokencache import TokenCache
-
-    data = prompt_completion_records(tmp_path / "pairs.jsonl")
-    flags = ("--framework", framework, "--dataset", data, "--mask-prompt", "--steps", 4, "--lr", "3e-3",
-             "--profile-steps", 0)
-    one, two = run(cache_dir, tmp_path / "n1", *flags), run(cache_dir, tmp_path / "n2", *flags, "--nproc", 2)
-    np.testing.assert_allclose(two, one, rtol=0, atol=1e-5)
-    # the steps' token counts are the completions' alone: the prompts were masked
-    cache = json.loads((tmp_path / "n2" / "run_config.json").read_text())["token_cache"]
-    view = SequenceView(TokenCache.open(cache).split("train"), 32, mask_prompt=True)
-    steps = [GlobalSampler(view.num_samples, 8, 0).global_batch_indices(step) for step in range(4)]
-    masked = [view.real_target_count(indices) for indices in steps]
-    assert summary(tmp_path / "n2")["tokens_per_step"] == masked[-1]
-    assert masked[-1] < SequenceView(view.split, 32).real_target_count(steps[-1])
-    halves = [view.real_target_count(part) for part in np.split(steps[0], 2)]
-    assert halves[0] != halves[1], "the ranks should hold different numbers of targets"
-    assert summary(tmp_path / "n1")["truncated_records"] == view.truncated_records > 0
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)

@@ -1,0 +1,150 @@
+"""Fine-tuning as it is done on Macs, end to end: LoRA adapters on a frozen base, trained on chat records rendered by
+the tokenizer folder's chat template with the prompt masked out of the loss, in both frameworks at 1 and 2 ranks;
+the loss normalization judged (per-rank, mlx-lm's, against global-tokens); the adapters exported for peft and
+mlx-lm and the fused folder for transformers, each opened by that library. One compare of four runs and two
+per-rank runs, tiny with a 512-token vocabulary. (LoRA's mechanism in-process: tests/unit/test_lora.py; the
+normalizations' arithmetic: tests/unit/test_normalization.py.)"""
+import json
+
+import numpy as np
+import pytest
+
+from helpers import FAST, SHARED_DATA, dpcompare, losses, summary
+
+pytestmark = pytest.mark.slow
+
+# A chat template of the usual shape: each turn tagged with its role, the assistant's turn opened by the generation
+# prompt (so the prompt a record's completion is cut from is everything up to it).
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+LORA = ("--lora-rank", 4, "--lora-targets", "q_proj,v_proj,o_proj", "--lora-alpha", 8)
+STEPS = 12
+
+
+def chat_data(tmp_path):
+    """A tokenizer folder with TEMPLATE (a byte-level BPE of 512 tokens trained here on the stories: GPT-2's 50257
+    would make the model's head most of each step), and chat records cut from TinyStories: the user gives a story's
+    first sentence, the assistant tells the rest. Stories differ in length, so ranks hold unequal counts of targets."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    train = SHARED_DATA / "tinystories" / "train.txt"
+    if not train.is_file():
+        pytest.skip(f"TinyStories is absent ({train})")
+    stories = [s.strip() for s in train.read_text()[:120_000].split("<|endoftext|>") if s.strip()]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    bpe.train_from_iterator(stories, trainers.BpeTrainer(vocab_size=512, special_tokens=["<|endoftext|>"],
+                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = tmp_path / "tokenizer"
+    tokenizer.mkdir()
+    bpe.save(str(tokenizer / "tokenizer.json"))
+    (tokenizer / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>", "chat_template": TEMPLATE}))
+    records = []
+    for story in stories:
+        first, _, rest = story.partition(". ")
+        if first and rest:
+            records.append({"messages": [{"role": "user", "content": f"Go on: {first}."},
+                                         {"role": "assistant", "content": rest[:60 + 7 * (len(records) % 23)]}]})
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records[:160]))
+    return data, tokenizer
+
+
+def test_lora_on_masked_chat_records_agrees_across_frameworks_and_ranks_and_exports_what_it_trained(cache_dir,
+                                                                                                   tmp_path):
+    data, tokenizer = chat_data(tmp_path)
+    flags = (*FAST, "--dataset", data, "--tokenizer", tokenizer, "--mask-prompt", *LORA, "--steps", STEPS,
+             "--seq-len", 64, "--lr", "1e-2", "--profile-steps", 0, "--no-op-profile")
+    out = tmp_path / "cmp"
+    dpcompare("compare", *flags, "--no-samples", "--frameworks", "mlx,torch", "--nproc", "1,2", "--out", out,
+              cache_dir=cache_dir, timeout=600)
+    pairs = {tuple(p["pair"].split(" vs ")): p for p in summary(out)["verdicts"]["pairs"]}
+    for n in (1, 2):  # the issue's bound: 1e-4 per step
+        assert pairs[(f"mlx x{n}", f"torch x{n}")]["verdict"] == "pass", pairs
+        np.testing.assert_allclose(losses(out / f"mlx-n{n}"), losses(out / f"torch-n{n}"), rtol=0, atol=1e-4)
+    for framework in ("mlx", "torch"):
+        one, two = losses(out / f"{framework}-n1"), losses(out / f"{framework}-n2")
+        np.testing.assert_allclose(two, one, rtol=0, atol=1e-5)  # global tokens: N=2 computes what N=1 does
+        s = summary(out / f"{framework}-n2")
+        assert s["adapters"]["rank"] == 4 and s["loss_normalization"] == "global-tokens"
+        # only the adapters cross the wire, as many bytes as the estimate; each rank holds only their state
+        assert s["comm_bytes_per_step"] == s["comm_bytes_per_step_estimate"] == s["state_bytes"]["params"][0] > 0
+    check_the_prompts_are_masked(out / "mlx-n2")
+
+    # per-rank (mlx-lm's): N=2 differs from N=1, labelled as the normalization's; the frameworks still agree
+    for framework in ("mlx", "torch"):
+        dpcompare("run", *flags, "--framework", framework, "--nproc", 2, "--loss-normalization", "per-rank",
+                  "--out", tmp_path / f"per-rank-{framework}", cache_dir=cache_dir)
+    report = tmp_path / "report"
+    proc = dpcompare("report", out / "mlx-n1", out / "torch-n1", tmp_path / "per-rank-mlx", tmp_path / "per-rank-torch",
+                     "--out", report, cache_dir=cache_dir)
+    judged = {tuple(p["pair"].split(" vs ")): p for p in summary(report)["verdicts"]["pairs"]}
+    assert judged[("mlx x2", "torch x2")]["verdict"] == "pass"
+    for framework in ("mlx", "torch"):
+        assert judged[(f"{framework} x2", f"{framework} x1")]["verdict"] == "differs", judged
+        apart = np.abs(np.array(losses(tmp_path / f"per-rank-{framework}")) - losses(out / f"{framework}-n1"))
+        assert apart.max() > 1e-6
+    assert "--loss-normalization per-rank makes it (not a bug)" in proc.stdout
+
+    check_exports(out / "mlx-n2", tmp_path, cache_dir)
+
+
+def check_the_prompts_are_masked(run_dir):
+    """Each step's count of targets is the completions' alone, the two ranks hold different counts (so only the
+    global count makes N=2 equal N=1), and the records cut to --seq-len are counted."""
+    from common.data.sampler import GlobalSampler
+    from common.data.sequences import SequenceView
+    from common.data.tokencache import TokenCache
+
+    split = TokenCache.open(json.loads((run_dir / "run_config.json").read_text())["token_cache"]).split("train")
+    view, unmasked = SequenceView(split, 64, mask_prompt=True), SequenceView(split, 64)
+    steps = [GlobalSampler(view.num_samples, 8, 0).global_batch_indices(step) for step in range(STEPS)]
+    counts = [json.loads(line)["tokens"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+              if "tokens" in json.loads(line)]
+    assert counts == [view.real_target_count(indices) for indices in steps]
+    assert all(view.real_target_count(i) < unmasked.real_target_count(i) for i in steps)
+    assert any(len({view.real_target_count(half) for half in np.split(indices, 2)}) == 2 for indices in steps)
+    assert summary(run_dir)["truncated_records"] == view.truncated_records > 0
+
+
+def check_exports(run_dir, tmp_path, cache_dir):
+    """The fused folder through transformers, the adapters through peft and through mlx_lm: the logits of the run's
+    own model (torch_impl's Llama with the adapters attached, from the seed and the checkpoint) to 1e-5."""
+    import glob
+
+    import mlx.core as mx
+    import peft
+    import torch
+    import transformers
+    from mlx_lm.utils import load as mlx_lm_load
+    from safetensors.numpy import load_file
+
+    from common.runplan import RunPlan
+    from torch_impl.lora import attach
+    from torch_impl.model import Llama
+
+    for kind in ("fused", "peft", "mlx-lm"):
+        dpcompare("export", run_dir, "--out", tmp_path / kind, *(("--adapters", kind) if kind != "fused" else ()),
+                  cache_dir=cache_dir)
+    plan = RunPlan.read(run_dir)
+    checkpoint = sorted(glob.glob(str(run_dir / "checkpoints" / "step_*")))[-1]
+    state = {**load_file(str(plan.seed_checkpoint / "model.safetensors")), **load_file(checkpoint + "/model.safetensors")}
+    own = Llama(plan.spec)
+    attach(own, plan.config.trained, plan.spec)
+    own.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()}, strict=False)
+    tokens = np.random.default_rng(0).integers(0, plan.spec.vocab_size, size=(2, 24))
+    with torch.no_grad():
+        expected = own(torch.from_numpy(tokens)).numpy()
+        fused = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fused", dtype=torch.float32).eval()
+        base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "peft" / "base", dtype=torch.float32)
+        with_peft = peft.PeftModel.from_pretrained(base, tmp_path / "peft").eval()
+        got = {"fused": fused(torch.from_numpy(tokens)).logits.numpy(),
+               "peft": with_peft(torch.from_numpy(tokens)).logits.numpy()}
+    model, _ = mlx_lm_load(str(tmp_path / "mlx-lm" / "base"), adapter_path=str(tmp_path / "mlx-lm"))
+    got["mlx-lm"] = np.array(model(mx.array(tokens)).astype(mx.float32))
+    trained = max(np.abs(v).max() for k, v in state.items() if k.endswith("lora_B"))
+    assert trained > 0  # the adapters moved from their zero start, so the checks below see them
+    for kind, logits in got.items():
+        assert np.abs(logits - expected).max() <= 1e-5, (kind, float(np.abs(logits - expected).max()))
