@@ -3,7 +3,8 @@
     DPCOMPARE_INJECT_FAULT="framework=torch,rank=1,step=13,signal=KILL"
 
 - framework, rank: whom it hits (default: every framework, every rank);
-- step: the optimizer step it hits, before that step's work (1-based);
+- step: the optimizer step it hits, before that step's work (1-based); with during=eval, in the eval after that
+  step instead (a survivor then keeps the step, and the restart must compute the eval again);
 - signal: KILL or STOP sends that signal to the rank itself (a death, a hang); none raises a RuntimeError;
 - by default it hits once per run: the first start that reaches that step (a start that failed earlier for
   another reason, a slow first step on a loaded machine, does not use it up). RUN_DIR/.injected_fault records
@@ -36,6 +37,7 @@ class Fault:
     signal: str = ""          # "", "KILL" or "STOP"
     attempt: int | None = None  # None: once per run (see the module's docstring)
     world: int | None = None
+    during: str = "step"      # "step" (before its work) or "eval" (the eval after it)
 
     def due(self, rank: int, world_size: int, step: int, start_step: int, run_dir: Path) -> bool:
         """Whether it hits `rank` before optimizer step `step` (1-based) of an attempt that started after
@@ -78,4 +80,5 @@ def injected_fault(framework: str) -> Fault | None:
     world = int(fields["world"]) if "world" in fields else None
     return Fault(step=int(fields["step"]), rank=int(fields["rank"]) if "rank" in fields else None,
                  signal=fields.get("signal", "").upper().removeprefix("SIG"),
-                 attempt=int(fields["attempt"]) if "attempt" in fields else None, world=world)
+                 attempt=int(fields["attempt"]) if "attempt" in fields else None, world=world,
+                 during=fields.get("during", "step"))

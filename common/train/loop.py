@@ -244,12 +244,14 @@ def start_trainer(plan: RunPlan, run_dir: Path, world: World, trainer_cls: Train
 def run_steps(run: Run) -> None:
     """The training steps: one optimizer step each, its metrics, then eval and checkpoint when due."""
     cfg, trainer, rank = run.cfg, run.trainer, run.trainer.rank
+    recompute_lost_eval(run)
     for step in range(run.start_step, cfg.steps):
         t_data = time.perf_counter()
         batches, lr, global_tokens = run.step_inputs(step)
         run.data_times.append(time.perf_counter() - t_data)
 
-        if run.fault is not None and run.fault.due(rank, trainer.world_size, step + 1, run.start_step, run.run_dir):
+        if run.fault is not None and run.fault.during == "step" and \
+                run.fault.due(rank, trainer.world_size, step + 1, run.start_step, run.run_dir):
             run.fault.strike(step + 1, run.status, run.run_dir)
         t0 = time.perf_counter()
         loss, grad_norm = trainer.train_step(batches, lr, global_tokens)
@@ -272,10 +274,34 @@ def run_steps(run: Run) -> None:
         after_step(run, step + 1)
 
 
+def eval_due(cfg: RunConfig, done: int) -> bool:
+    return bool(cfg.eval_every) and (done % cfg.eval_every == 0 or done == cfg.steps)
+
+
+def recompute_lost_eval(run: Run) -> None:
+    """A run resumed from step K whose eval of step K was lost (a rank died during it, after a survivor kept the
+    step: common/train/rescue.py) computes it before its first step. Rank 0 holds the metrics (node 0 of several),
+    so it decides, and every rank takes part in the eval."""
+    done = run.start_step
+    if not done or run.valid_view is None or not eval_due(run.cfg, done):
+        return
+    lost = 0.0
+    if run.trainer.rank == 0:
+        metrics = run.run_dir / "metrics.jsonl"
+        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line] if metrics.exists() else []
+        lost = float(not any(r.get("step") == done and "eval_loss" in r for r in rows))
+    if run.trainer.all_sum(np.array([lost]), over="world")[0] > 0:
+        run.metrics.write({"step": done, "eval_loss": evaluate(run.trainer, run.valid_view, run.cfg, run.dp_rank,
+                                                                run.dp_size)})
+
+
 def after_step(run: Run, done: int) -> None:
     """Eval every cfg.eval_every steps and at the end; a checkpoint every cfg.checkpoint_every and at the end."""
     cfg = run.cfg
-    if run.valid_view is not None and cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
+    if run.fault is not None and run.fault.during == "eval" and eval_due(cfg, done) and \
+            run.fault.due(run.trainer.rank, run.trainer.world_size, done, run.start_step, run.run_dir):
+        run.fault.strike(done, run.status, run.run_dir)
+    if run.valid_view is not None and eval_due(cfg, done):
         run.metrics.write({"step": done, "eval_loss": evaluate(run.trainer, run.valid_view, cfg, run.dp_rank,
                                                                run.dp_size)})
     if done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):

@@ -39,16 +39,23 @@ def restarted(framework, strategy, out, *flags, env, cache_dir):
 def assert_one_curve(out, reference):
     """`reference`: the session's run, trained before the restarted one (so that it, not a run whose restarts are
     counted, compiles MLX's kernels on a fresh cache: over 3 minutes for fsdp's on 2 loaded cores)."""
-    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [row["step"] for row in rows if "loss" in row]
     assert steps == list(range(1, STEPS + 1))  # recomputed steps replaced, never duplicated
     np.testing.assert_allclose(losses(out), losses(reference)[:STEPS], rtol=0, atol=ATOL)
 
 
 def test_a_killed_ddp_rank_is_restarted_from_a_survivors_checkpoint_losing_no_step(uninterrupted, cache_dir, tmp_path):
+    """The rank dies in the eval after step 5 (evals every 5 steps): the survivor keeps step 5, and the restart
+    computes that eval again before step 6, so each eval row is there once."""
     out, reference = tmp_path / "run", uninterrupted("torch", "ddp", 2)
-    proc = restarted("torch", "ddp", out, "--max-restarts", 1, env=fault("torch"), cache_dir=cache_dir)
+    proc = restarted("torch", "ddp", out, "--max-restarts", 1, "--eval-every", AT - 1,
+                     env=fault("torch", step=AT - 1, during="eval"), cache_dir=cache_dir)
     assert proc.returncode == 0, proc.stderr
     assert_one_curve(out, reference)
+    evals = [row["step"] for row in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+             if "eval_loss" in row]
+    assert evals == [AT - 1, 2 * (AT - 1), STEPS], evals
     [record] = summary(out)["restarts"]
     assert (record["cause"], record["rank"], record["step"]) == ("died", 1, AT)
     assert (record["how"], record["resumed_from"], record["steps_lost"]) == ("survivor_checkpoint", AT - 1, 0)
