@@ -173,6 +173,13 @@ def build_parser() -> argparse.ArgumentParser:
                                                "fabric_inner": ("--fabric-inner", "file"),
                                                "out": ("--out", "out_dir")})
 
+    batches = sub.add_parser("batches", help="write each step's global batch (inputs, targets, mask) as the run saw "
+                                             "it, for another implementation to be fed the same data")
+    batches.add_argument("run_dir")
+    batches.add_argument("--steps", required=True, help="A:B (0-based, B excluded), A: or A")
+    batches.add_argument("--out", required=True, help="an .npz file (never overwritten)")
+    batches.set_defaults(handler=cmd_batches, paths={"run_dir": ("run directory", "dir"), "out": ("--out", "out_file")})
+
     export = sub.add_parser("export", help="export a run's latest checkpoint as an HF Llama directory")
     export.add_argument("run_dir")
     export.add_argument("--out", required=True)
@@ -329,6 +336,15 @@ def cmd_plan(args) -> int:
     from .plan import run_plan
 
     return run_plan(args)
+
+
+def cmd_batches(args) -> int:
+    from .batches import write_batches
+
+    written = write_batches(Path(args.run_dir), args.steps, Path(args.out))
+    print(f"wrote {written} step(s) of {args.run_dir}'s global batches -> {args.out} (inputs, targets, mask, "
+          "indices, tokens; numpy.load reads it)")
+    return 0
 
 
 def cmd_export(args) -> int:

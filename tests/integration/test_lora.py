@@ -107,6 +107,12 @@ def check_the_prompts_are_masked(run_dir):
     assert all(view.real_target_count(i) < unmasked.real_target_count(i) for i in steps)
     assert any(len({view.real_target_count(half) for half in np.split(indices, 2)}) == 2 for indices in steps)
     assert summary(run_dir)["truncated_records"] == view.truncated_records > 0
+    # `dpcompare batches` hands the same global batches to another tool: its masks count the steps' targets
+    out = run_dir.parent.parent / "batches.npz"
+    dpcompare("batches", run_dir, "--steps", "2:5", "--out", out, cache_dir=run_dir.parent.parent)
+    written = np.load(out)
+    assert list(written["steps"]) == [2, 3, 4] and list(written["tokens"]) == counts[2:5]
+    assert [int(m.sum()) for m in written["mask"]] == counts[2:5] and written["inputs"].shape == (3, 8, 64)
 
 
 def check_exports(run_dir, tmp_path, cache_dir):
