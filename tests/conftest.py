@@ -153,7 +153,8 @@ def pytest_sessionfinish(session):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
     _background["log"].close()
-    print(f"\nthe background build ended after {time.monotonic() - _background['started']:.0f} s", flush=True)
+    built = [line for line in (_background["root"] / "build.log").read_text().splitlines() if line.startswith("built ")]
+    print("\nbackground: " + ("; ".join(built) or "nothing built"), flush=True)
 
 
 @functools.lru_cache(maxsize=1)
