@@ -5,6 +5,7 @@ gloo needs across machines.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import sys
 from dataclasses import dataclass, field
@@ -15,6 +16,8 @@ from common.errors import UserError
 
 RING_HOSTFILE = "ring_hosts.json"  # MLX_HOSTFILE of a node-rank MLX ring job, written into the run dir
 RING_STARTING_PORT = 32323  # mlx.launch's default --starting-port, for hostfiles that give IPs only
+HOST_WAIT_ENV = "DPCOMPARE_HOST_WAIT_S"
+HOST_WAIT_S = 300.0      # how long a restart without --min-nproc waits for a host of its hostfile to answer
 
 
 @dataclass
@@ -80,6 +83,8 @@ def with_hostfile_backend(cfg: RunConfig) -> RunConfig:
 def check_hostfile(cfg: RunConfig) -> None:
     if not cfg.hostfile:
         return
+    if cfg.max_restarts:
+        host_wait_s()  # a restart may wait for a host: a bad value is refused now, not after a failure
     path = Path(cfg.hostfile)
     if not path.is_file():
         raise UserError(f"hostfile {path} not found")
@@ -94,6 +99,20 @@ def check_hostfile(cfg: RunConfig) -> None:
             raise UserError(f"hostfile {path} does not parse as an MLX JSON hostfile for {backend}: {err}") from None
         if len(hostfile.hosts) != cfg.nproc:
             raise UserError(f"hostfile {path} lists {len(hostfile.hosts)} hosts but --nproc is {cfg.nproc}")
+
+
+def host_wait_s() -> float:
+    """DPCOMPARE_HOST_WAIT_S, else HOST_WAIT_S; a UserError (one line, exit 2) where it is not a number >= 0."""
+    text = os.environ.get(HOST_WAIT_ENV, "").strip()
+    if not text:
+        return HOST_WAIT_S
+    try:
+        wait_s = float(text)
+    except ValueError:
+        wait_s = -1.0
+    if not wait_s >= 0 or wait_s == float("inf"):
+        raise UserError(f"{HOST_WAIT_ENV}={text!r}: expected the seconds a restart waits for a host, a number >= 0")
+    return wait_s
 
 
 def check_hosts_for(backend: str, hosts: list[dict]) -> None:
@@ -174,3 +193,32 @@ def interface_toward(host: str) -> str | None:
     except (OSError, TypeError, ValueError):
         return None
     return None
+
+
+def unanswered(hosts: list[dict], timeout_s: float) -> dict[str, str]:
+    """The hosts among `hosts` (a hostfile's) that ssh does not reach within `timeout_s`, each with why. The
+    probe `doctor --fabric` makes (compare/machine/fabric.py): `ssh -o BatchMode=yes HOST true`;
+    127.0.0.1 always answers (mlx.launch runs it locally)."""
+    import shutil
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor
+
+    remote = list(dict.fromkeys(h["ssh"] for h in hosts if h["ssh"] != "127.0.0.1"))
+    if not remote:
+        return {}
+    if shutil.which("ssh") is None:
+        return {host: "ssh is not installed here" for host in remote}
+
+    def problem(host: str) -> str | None:
+        cmd = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={max(1, int(timeout_s))}", host, "true"]
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s + 2, stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            return f"no answer within {timeout_s:g} s"
+        if out.returncode != 0:
+            return (out.stderr.strip().splitlines() or [f"ssh exited {out.returncode}"])[-1]
+        return None
+
+    with ThreadPoolExecutor(len(remote)) as pool:
+        found = dict(zip(remote, pool.map(problem, remote)))
+    return {host: why for host, why in found.items() if why}

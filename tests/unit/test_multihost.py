@@ -20,3 +20,13 @@ def test_multi_node_flags_are_checked_before_anything_starts(args, expected, cac
     proc = dpcompare_here("run", *FAST, *args, "--out", tmp_path / "run", cache_dir=cache_dir)
     assert proc.returncode == 2 and expected in proc.stderr, proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_bad_host_wait_is_refused_before_anything_starts(cache_dir, tmp_path):
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text('[{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}, {"ssh": "mac2", "ips": ["10.0.0.2"]}]')
+    proc = dpcompare_here("run", *FAST, "--framework", "mlx", "--nproc", 2, "--hostfile", hostfile, "--max-restarts", 1,
+                          "--out", tmp_path / "run", cache_dir=cache_dir, env={"DPCOMPARE_HOST_WAIT_S": "soon"})
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "DPCOMPARE_HOST_WAIT_S='soon': expected the seconds a restart waits for a host" in proc.stderr
+    assert not (tmp_path / "run").exists()

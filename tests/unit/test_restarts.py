@@ -1,7 +1,9 @@
 """--max-restarts and --min-nproc bookkeeping without processes: the world size a shrunk job goes on at, the
 restarts list, one metrics curve, the causes never retried, the test-only fault, and a survivor's save."""
 import json
+import os
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,7 +12,8 @@ from common.config import RunConfig
 from common.errors import UserError
 from common.train import rescue
 from common.train.faults import Fault, injected_fault
-from compare.launch.restarts import Restarts, cause_of, merge_rescued_row, next_world
+from compare.launch.hosts import HOST_WAIT_ENV, host_wait_s, unanswered
+from compare.launch.restarts import RESTART_HOSTFILE, Restarts, cause_of, merge_rescued_row, next_world
 from compare.report.restarts import restart_blocks, restart_line
 
 
@@ -236,3 +239,144 @@ def test_a_restart_line_gives_the_ranks_own_words_and_none_for_a_death(tmp_path)
     first, second = (restart_line(record, 2) for record in restarts.records)
     assert first.startswith("restart 1/2: rank 1 failed in step 3 (RuntimeError: [ring] could not reach 10.0.0.1); ")
     assert second.startswith("restart 2/2: rank 1 died in step 3; ")
+
+
+@pytest.fixture
+def hostfiles_may_shrink(monkeypatch):
+    """common/placement.py still refuses --min-nproc below --nproc with a hostfile (from before a down host was
+    skipped): every other placement check stays; the restart decision is tested as it runs once that rule goes."""
+    import dataclasses
+
+    import common.config
+    from common.placement import check_placement
+
+    monkeypatch.setattr(common.config, "check_placement",
+                        lambda cfg: check_placement(dataclasses.replace(cfg, min_nproc=0) if cfg.hostfile else cfg))
+
+
+def hostfile_config(tmp_path, hosts, *, form="list", **fields) -> RunConfig:
+    """An MLX ring job over `hosts` (ssh names), 5 steps done, a checkpoint at step 4."""
+    entries = [{"ssh": h, "ips": [f"10.0.0.{i + 1}"]} for i, h in enumerate(hosts)]
+    data = {"backend": "ring", "envs": ["A=1"], "hosts": entries} if form == "object" else entries
+    path = tmp_path / "hosts.json"
+    path.write_text(json.dumps(data))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    rows(run_dir / "metrics.jsonl", range(1, 6))
+    checkpoint_at(run_dir, 4)
+    return RunConfig(**{"preset": "tiny", "framework": "mlx", "backend": "ring", "nproc": len(hosts),
+                        "global_batch_size": 8, "hostfile": str(path), "max_restarts": 1, **fields})
+
+
+def asked(monkeypatch, *answers):
+    """Each probe of the hosts returns the next of `answers` (the hosts that do not answer, with why)."""
+    calls = []
+
+    def probe(hosts, timeout_s):
+        calls.append([h["ssh"] for h in hosts])
+        return answers[min(len(calls), len(answers)) - 1]
+
+    monkeypatch.setattr("compare.launch.restarts.unanswered", probe)
+    return calls
+
+
+@pytest.mark.parametrize("form", ["list", "object"])
+def test_with_min_nproc_a_hostfile_job_goes_on_with_the_hosts_that_answer(form, tmp_path, monkeypatch, hostfiles_may_shrink):
+    cfg = hostfile_config(tmp_path, ["mac1", "mac2"], form=form, min_nproc=1)
+    user_file = Path(cfg.hostfile).read_text()
+    asked(monkeypatch, {"mac2": "no answer within 5 s"})
+    restarts = Restarts(cfg)
+    nxt = restarts.after_failure(cfg, died(5), tmp_path / "run", time.time(), {}, None)
+    assert (nxt.nproc, nxt.grad_accum, nxt.resume) == (1, 2, True)
+    assert nxt.hostfile == str(tmp_path / "run" / RESTART_HOSTFILE)
+    written = json.loads(Path(nxt.hostfile).read_text())
+    hosts = written["hosts"] if form == "object" else written
+    assert [h["ssh"] for h in hosts] == ["mac1"]
+    if form == "object":  # the user's backend and envs go on with the hosts
+        assert (written["backend"], written["envs"]) == ("ring", ["A=1"])
+    assert Path(cfg.hostfile).read_text() == user_file, "the user's hostfile is never overwritten"
+    record = restarts.records[0]
+    assert (record["hosts_skipped"], record["hostfile_after"], record["nproc_after"]) == (["mac2"], nxt.hostfile, 1)
+    assert "shrank 2 -> 1 ranks (grad accum 2, same global batch)" in restart_line(record, 1)
+
+
+def test_a_local_host_left_alone_goes_on_as_one_plain_process(tmp_path, monkeypatch, hostfiles_may_shrink):
+    cfg = hostfile_config(tmp_path, ["127.0.0.1", "mac2"], min_nproc=1)
+    asked(monkeypatch, {"mac2": "Connection timed out"})
+    nxt = Restarts(cfg).after_failure(cfg, died(5), tmp_path / "run", time.time(), {}, None)
+    assert (nxt.nproc, nxt.hostfile, nxt.grad_accum) == (1, "", 2)
+
+
+def test_when_every_host_answers_the_hostfile_job_restarts_as_it_was(tmp_path, monkeypatch, hostfiles_may_shrink):
+    cfg = hostfile_config(tmp_path, ["mac1", "mac2"], min_nproc=1)
+    calls = asked(monkeypatch, {})
+    restarts = Restarts(cfg)
+    nxt = restarts.after_failure(cfg, died(5), tmp_path / "run", time.time(), {}, None)
+    assert nxt == cfg.replace(resume=True) and calls == [["mac1", "mac2"]]
+    assert restarts.records[0]["hosts_skipped"] is None and not (tmp_path / "run" / RESTART_HOSTFILE).exists()
+
+
+def test_fewer_hosts_answering_than_min_nproc_end_the_job_in_one_line(tmp_path, monkeypatch, hostfiles_may_shrink):
+    cfg = hostfile_config(tmp_path, ["mac1", "mac2", "mac3"], min_nproc=2, global_batch_size=12)
+    asked(monkeypatch, {"mac2": "no answer within 5 s", "mac3": "no route to host"})
+    failure = died(5)
+    assert Restarts(cfg).after_failure(cfg, failure, tmp_path / "run", time.time(), {}, None) is None
+    assert "[not restarted: 1 of 3 hosts answer, --min-nproc 2; not answering: mac2 (no answer" in failure["error"]
+    assert "\n" not in failure["error"]
+
+
+def test_without_min_nproc_the_restart_waits_for_the_host_and_ends_in_one_line_after_the_timeout(
+        tmp_path, monkeypatch, capsys):
+    cfg = hostfile_config(tmp_path, ["mac1", "mac2"])
+    monkeypatch.setenv(HOST_WAIT_ENV, "0.3")
+    monkeypatch.setattr("compare.launch.restarts.HOST_POLL_S", 0.05)
+    calls = asked(monkeypatch, {"mac2": "no answer within 5 s"})
+    failure, started = died(5), time.time()
+    assert Restarts(cfg).after_failure(cfg, failure, tmp_path / "run", time.time(), {}, None) is None
+    assert 0.3 <= time.time() - started < 3 and len(calls) > 2  # asked again while it waited
+    assert f"host mac2 of {cfg.hostfile} did not answer within 0.3 s" in failure["error"]
+    assert "\n" not in failure["error"]
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("dpcompare: waiting up to 0.3 s") and "mac2 (no answer within 5 s)" in line
+    assert line in (tmp_path / "run" / "log.txt").read_text()
+
+
+def test_without_min_nproc_a_host_that_answers_again_gets_the_job_back_at_its_size(tmp_path, monkeypatch):
+    cfg = hostfile_config(tmp_path, ["mac1", "mac2"])
+    monkeypatch.setenv(HOST_WAIT_ENV, "30")
+    monkeypatch.setattr("compare.launch.restarts.HOST_POLL_S", 0.01)
+    asked(monkeypatch, {"mac2": "no answer"}, {"mac2": "no answer"}, {})
+    nxt = Restarts(cfg).after_failure(cfg, died(5), tmp_path / "run", time.time(), {}, None)
+    assert nxt == cfg.replace(resume=True)
+
+
+@pytest.mark.parametrize("value", ["soon", "-1", "inf", "nan"])
+def test_a_bad_host_wait_is_refused_in_one_line(value, monkeypatch):
+    monkeypatch.setenv(HOST_WAIT_ENV, value)
+    with pytest.raises(UserError, match=f"{HOST_WAIT_ENV}='{value}': expected the seconds"):
+        host_wait_s()
+
+
+def test_a_host_answers_when_ssh_runs_true_there(tmp_path, monkeypatch):
+    fake = tmp_path / "ssh"  # `ssh ... HOST true`: up answers, down says why as ssh would
+    fake.write_text('#!/bin/sh\nfor a; do host=$prev; prev=$a; done\n'
+                    '[ "$host" = up ] && exit 0\necho "ssh: connect to host $host port 22: Connection timed out" >&2\n'
+                    'exit 255\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    hosts = [{"ssh": h} for h in ("127.0.0.1", "up", "down", "down")]
+    assert unanswered(hosts, 1) == {"down": "ssh: connect to host down port 22: Connection timed out"}
+
+
+def test_a_jaccl_hostfile_shrinks_to_the_rdma_devices_between_the_hosts_kept(tmp_path, monkeypatch,
+                                                                             hostfiles_may_shrink):
+    cfg = hostfile_config(tmp_path, ["mac1", "mac2", "mac3"], min_nproc=2, global_batch_size=12)
+    path = Path(cfg.hostfile)
+    rdma = [[None, "en2", "en3"], ["en1", None, "en3"], ["en1", "en2", None]]
+    path.write_text(json.dumps({"backend": "jaccl", "hosts": [{"ssh": f"mac{i + 1}", "ips": [f"10.0.0.{i + 1}"],
+                                                               "rdma": rdma[i]} for i in range(3)]}))
+    asked(monkeypatch, {"mac2": "no answer within 5 s"})
+    nxt = Restarts(cfg).after_failure(cfg, died(5), tmp_path / "run", time.time(), {}, None)
+    written = json.loads(Path(nxt.hostfile).read_text())
+    assert nxt.nproc == 2 and written["backend"] == "jaccl"
+    assert [(h["ssh"], h["rdma"]) for h in written["hosts"]] == [("mac1", [None, "en3"]), ("mac3", ["en1", None])]
