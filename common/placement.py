@@ -65,9 +65,6 @@ def check_placement(cfg: Placed) -> None:
     if cfg.max_restarts and cfg.nnodes > 1:
         raise UserError("--max-restarts restarts a job that one dpcompare starts whole; with --nnodes each node's "
                         "dpcompare would restart alone (restart every node with --resume)")
-    if 0 < cfg.min_nproc < cfg.nproc and cfg.hostfile:
-        raise UserError("--min-nproc below --nproc shrinks a job of local ranks; a hostfile's ranks are its hosts "
-                        "(restarts at the same size work: --max-restarts)")
 
 
 def check_two_level_link(cfg: Placed) -> None:

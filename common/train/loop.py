@@ -363,14 +363,21 @@ def evaluate(trainer, view: SequenceView, cfg: RunConfig, rank: int, world_size:
     """Global token-mean loss over a fixed set of validation samples, the same for every world size.
 
     rank and world_size are data-parallel ones (common/parallel/layout.py); `trainer.all_sum` sums over them."""
-    per_rank = cfg.global_batch_size // world_size
+    per_rank = max(1, cfg.global_batch_size // world_size)
     count = min(cfg.eval_batches * cfg.global_batch_size, view.num_samples)
-    count -= count % world_size
     indices = np.arange(count, dtype=np.int64)
-    mine = rank_slice(indices, rank, world_size)
+    # Every sample, split as evenly as the ranks allow (a split of fewer samples than ranks used to be cut to none,
+    # and its eval loss was NaN at N=2 while N=1 had one), each rank running the same number of batches: a rank
+    # short of samples runs a masked one, so that fsdp's gathers and a pipeline's sends stay in step.
+    parts = np.array_split(indices, world_size)
+    mine, batches = parts[rank], max(math.ceil(len(part) / per_rank) for part in parts)
     loss_sum = 0.0
-    for start in range(0, len(mine), per_rank):
-        loss_sum += trainer.eval_loss_sum(*view.batch(mine[start:start + per_rank]))
+    for start in range(0, batches * per_rank, per_rank):
+        if len(mine[start:start + per_rank]):
+            loss_sum += trainer.eval_loss_sum(*view.batch(mine[start:start + per_rank]))
+        elif count:
+            inputs, targets, mask = view.batch(indices[:1])
+            loss_sum += trainer.eval_loss_sum(inputs, targets, np.zeros_like(mask))
     tokens = view.real_target_count(indices) if count else 0
     # over the data-parallel ranks, or (pp) every stage: the last holds the losses, the others add 0
     total = trainer.all_sum(np.array([loss_sum], dtype=np.float64), over=trainer.strategy.loss_over)[0]

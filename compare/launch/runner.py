@@ -44,7 +44,8 @@ from .watchdog import process_state, read_ranks, stop_job, watch, watched_ranks
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 RUN_FILES = (PLAN_FILE, "metrics.jsonl", "summary.json", "log.txt", "ranks", "checkpoints",
-             RING_HOSTFILE, "tensorboard", "wandb", "trace", SAMPLE_FILE)
+             RING_HOSTFILE, "tensorboard", "wandb", "trace", SAMPLE_FILE,
+             "restart_hosts.json")  # a hostfile job's restart onto the hosts that answered (launch/restarts.py)
 
 
 @dataclass

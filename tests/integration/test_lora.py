@@ -48,7 +48,8 @@ def chat_data(tmp_path):
             records.append({"messages": [{"role": "user", "content": f"Go on: {first}."},
                                          {"role": "assistant", "content": rest[:60 + 7 * (len(records) % 23)]}]})
     data = tmp_path / "chat.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in records[:160]))
+    # 99 records: the validation split (every 100th) holds one, fewer than the 2 ranks (its eval was NaN at N=2)
+    data.write_text("".join(json.dumps(r) + "\n" for r in records[:99]))
     return data, tokenizer
 
 
@@ -56,7 +57,7 @@ def test_lora_on_masked_chat_records_agrees_across_frameworks_and_ranks_and_expo
                                                                                                    tmp_path):
     data, tokenizer = chat_data(tmp_path)
     flags = (*FAST, "--dataset", data, "--tokenizer", tokenizer, "--mask-prompt", *LORA, "--steps", STEPS,
-             "--seq-len", 64, "--lr", "1e-2", "--profile-steps", 0, "--no-op-profile")
+             "--seq-len", 64, "--lr", "1e-2", "--profile-steps", 0, "--no-op-profile", "--eval-every", STEPS)
     out = tmp_path / "cmp"
     dpcompare("compare", *flags, "--no-samples", "--frameworks", "mlx,torch", "--nproc", "1,2", "--out", out,
               cache_dir=cache_dir, timeout=600)
@@ -67,6 +68,8 @@ def test_lora_on_masked_chat_records_agrees_across_frameworks_and_ranks_and_expo
     for framework in ("mlx", "torch"):
         one, two = losses(out / f"{framework}-n1"), losses(out / f"{framework}-n2")
         np.testing.assert_allclose(two, one, rtol=0, atol=1e-5)  # global tokens: N=2 computes what N=1 does
+        evals = [summary(out / f"{framework}-n{n}")["final_eval_loss"] for n in (1, 2)]
+        assert np.isfinite(evals).all() and abs(evals[0] - evals[1]) <= 1e-5, evals  # one record, split over 2
         s = summary(out / f"{framework}-n2")
         assert s["adapters"]["rank"] == 4 and s["loss_normalization"] == "global-tokens"
         # only the adapters cross the wire, as many bytes as the estimate; each rank holds only their state

@@ -33,12 +33,14 @@ PATH_ARGS = [
     ("report", ["runs-a", "--against"], "against", "file"),
     ("report", ["runs-a", "--save-baseline"], "save_baseline", "new"),
     ("export", [], "run_dir", "dir"), ("export", ["runs-a", "--out"], "out", "new"),
+    ("batches", [], "run_dir", "dir"), ("batches", ["runs-a", "--steps", "0:1", "--out"], "out", "new"),
     ("plan", ["--from"], "from_run", "dir"), ("plan", ["--from", "runs-a", "--fabric"], "fabric", "file"),
     ("plan", ["--from", "runs-a", "--fabric-inner"], "fabric_inner", "file"),
     ("plan", ["--from", "runs-a", "--out"], "out", "new"), ("plan", ["--from", "runs-a", "--fit"], "fit", "dir"),
     ("doctor", ["--hostfile"], "hostfile", "file"), ("doctor", ["--out"], "out", "new"),
 ]
-MINIMAL = {"export": ["--out", "exported"], "plan": ["--from", "runs-a"], "report": ["runs-a"]}
+MINIMAL = {"export": ["--out", "exported"], "plan": ["--from", "runs-a"], "report": ["runs-a"],
+           "batches": ["--steps", "0:1", "--out", "b.npz"]}
 RELATIVE = {"config": "cfg/run.toml", "dataset": "data/train.txt", "tokenizer": "tok/tokenizer.json",
             "dir": "inputs/folder", "file": "inputs/hosts.json", "new": "out/new"}
 

@@ -241,19 +241,6 @@ def test_a_restart_line_gives_the_ranks_own_words_and_none_for_a_death(tmp_path)
     assert second.startswith("restart 2/2: rank 1 died in step 3; ")
 
 
-@pytest.fixture
-def hostfiles_may_shrink(monkeypatch):
-    """common/placement.py still refuses --min-nproc below --nproc with a hostfile (from before a down host was
-    skipped): every other placement check stays; the restart decision is tested as it runs once that rule goes."""
-    import dataclasses
-
-    import common.config
-    from common.placement import check_placement
-
-    monkeypatch.setattr(common.config, "check_placement",
-                        lambda cfg: check_placement(dataclasses.replace(cfg, min_nproc=0) if cfg.hostfile else cfg))
-
-
 def hostfile_config(tmp_path, hosts, *, form="list", **fields) -> RunConfig:
     """An MLX ring job over `hosts` (ssh names), 5 steps done, a checkpoint at step 4."""
     entries = [{"ssh": h, "ips": [f"10.0.0.{i + 1}"]} for i, h in enumerate(hosts)]
@@ -281,7 +268,7 @@ def asked(monkeypatch, *answers):
 
 
 @pytest.mark.parametrize("form", ["list", "object"])
-def test_with_min_nproc_a_hostfile_job_goes_on_with_the_hosts_that_answer(form, tmp_path, monkeypatch, hostfiles_may_shrink):
+def test_with_min_nproc_a_hostfile_job_goes_on_with_the_hosts_that_answer(form, tmp_path, monkeypatch):
     cfg = hostfile_config(tmp_path, ["mac1", "mac2"], form=form, min_nproc=1)
     user_file = Path(cfg.hostfile).read_text()
     asked(monkeypatch, {"mac2": "no answer within 5 s"})
@@ -300,14 +287,14 @@ def test_with_min_nproc_a_hostfile_job_goes_on_with_the_hosts_that_answer(form, 
     assert "shrank 2 -> 1 ranks (grad accum 2, same global batch)" in restart_line(record, 1)
 
 
-def test_a_local_host_left_alone_goes_on_as_one_plain_process(tmp_path, monkeypatch, hostfiles_may_shrink):
+def test_a_local_host_left_alone_goes_on_as_one_plain_process(tmp_path, monkeypatch):
     cfg = hostfile_config(tmp_path, ["127.0.0.1", "mac2"], min_nproc=1)
     asked(monkeypatch, {"mac2": "Connection timed out"})
     nxt = Restarts(cfg).after_failure(cfg, died(5), tmp_path / "run", time.time(), {}, None)
     assert (nxt.nproc, nxt.hostfile, nxt.grad_accum) == (1, "", 2)
 
 
-def test_when_every_host_answers_the_hostfile_job_restarts_as_it_was(tmp_path, monkeypatch, hostfiles_may_shrink):
+def test_when_every_host_answers_the_hostfile_job_restarts_as_it_was(tmp_path, monkeypatch):
     cfg = hostfile_config(tmp_path, ["mac1", "mac2"], min_nproc=1)
     calls = asked(monkeypatch, {})
     restarts = Restarts(cfg)
@@ -316,7 +303,7 @@ def test_when_every_host_answers_the_hostfile_job_restarts_as_it_was(tmp_path, m
     assert restarts.records[0]["hosts_skipped"] is None and not (tmp_path / "run" / RESTART_HOSTFILE).exists()
 
 
-def test_fewer_hosts_answering_than_min_nproc_end_the_job_in_one_line(tmp_path, monkeypatch, hostfiles_may_shrink):
+def test_fewer_hosts_answering_than_min_nproc_end_the_job_in_one_line(tmp_path, monkeypatch):
     cfg = hostfile_config(tmp_path, ["mac1", "mac2", "mac3"], min_nproc=2, global_batch_size=12)
     asked(monkeypatch, {"mac2": "no answer within 5 s", "mac3": "no route to host"})
     failure = died(5)
@@ -368,8 +355,7 @@ def test_a_host_answers_when_ssh_runs_true_there(tmp_path, monkeypatch):
     assert unanswered(hosts, 1) == {"down": "ssh: connect to host down port 22: Connection timed out"}
 
 
-def test_a_jaccl_hostfile_shrinks_to_the_rdma_devices_between_the_hosts_kept(tmp_path, monkeypatch,
-                                                                             hostfiles_may_shrink):
+def test_a_jaccl_hostfile_shrinks_to_the_rdma_devices_between_the_hosts_kept(tmp_path, monkeypatch):
     cfg = hostfile_config(tmp_path, ["mac1", "mac2", "mac3"], min_nproc=2, global_batch_size=12)
     path = Path(cfg.hostfile)
     rdma = [[None, "en2", "en3"], ["en1", None, "en3"], ["en1", "en2", None]]
