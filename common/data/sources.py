@@ -18,20 +18,16 @@ local data), which the token cache puts into its fingerprint.
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import json
 import os
 import re
-import socket
-import sys
-import threading
-import urllib.parse
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from common.data.corpus import CORPUS_VERSION, DEFAULT_CORPUS_BYTES, generate_stories
+from common.data.hub import hub_offline_if_unreachable
 from common.errors import UserError
 
 TEXT_SUFFIXES = (".txt",)
@@ -42,7 +38,7 @@ DATA_SUFFIXES = TEXT_SUFFIXES + JSON_SUFFIXES + PARQUET_SUFFIXES
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 EOS_LINE = re.compile(r"^<\|endoftext\|>[ \t\r]*$", re.MULTILINE)
 BLANK_LINE = re.compile(r"\n[ \t\r]*\n")
-HUB_PROBE_TIMEOUT_S = 3.0
+
 
 
 @dataclass
@@ -379,52 +375,3 @@ def _hub_texts(name: str, split: str, text_field: str, streaming: bool):
     if data.column_names is not None:  # unknown for some streamed datasets until the first row
         _require_field(data.column_names, text_field, name)
     return (row.get(text_field) for row in data)
-
-
-def hub_reachable() -> bool:
-    """Whether a TCP connection to the hub (or the https proxy) opens within a few seconds."""
-    return _probe(os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")
-                  or os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
-
-
-@functools.lru_cache(maxsize=None)
-def _probe(url: str) -> bool:
-    parsed = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
-    port = parsed.port or (443 if parsed.scheme == "https" else 80)
-    opened = []
-
-    def connect():
-        with contextlib.suppress(OSError):
-            socket.create_connection((parsed.hostname, port), timeout=HUB_PROBE_TIMEOUT_S).close()
-            opened.append(True)
-
-    # A thread, because name resolution has no timeout of its own.
-    probe = threading.Thread(target=connect, daemon=True)
-    probe.start()
-    probe.join(HUB_PROBE_TIMEOUT_S)
-    return bool(opened)
-
-
-@contextlib.contextmanager
-def hub_offline_if_unreachable():
-    """Yield whether the hub is reachable; when it is not, switch the HF libraries to offline mode
-    inside the block, so they answer from their cache or fail at once instead of retrying for a minute."""
-    import huggingface_hub.constants as hub_constants
-
-    if hub_constants.HF_HUB_OFFLINE:
-        yield False
-        return
-    if hub_reachable():
-        yield True
-        return
-    datasets_config = sys.modules.get("datasets.config")
-    saved = hub_constants.HF_HUB_OFFLINE, getattr(datasets_config, "HF_HUB_OFFLINE", None)
-    hub_constants.HF_HUB_OFFLINE = True
-    if datasets_config is not None:
-        datasets_config.HF_HUB_OFFLINE = True
-    try:
-        yield False
-    finally:
-        hub_constants.HF_HUB_OFFLINE = saved[0]
-        if datasets_config is not None:
-            datasets_config.HF_HUB_OFFLINE = saved[1]

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING
 from common.data.corpus import DEFAULT_CORPUS_BYTES, generate_stories
 from common.errors import UserError
 from common.fsutil import atomic_write_text
-from common.data.sources import hub_offline_if_unreachable, looks_like_path
+from common.data.hub import hub_offline_if_unreachable
+from common.data.sources import looks_like_path
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer

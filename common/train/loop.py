@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import signal
 import sys
 import time
@@ -24,28 +23,26 @@ import numpy as np
 
 from common.train.breakdown import profile
 from common.train.opprofile import profile as op_profile
-from common.checkpoint.store import (STATE_KINDS, HFCheckpointWriter, commit_checkpoint, latest_checkpoint, open_checkpoint,
-                         resume_fingerprints, write_state_json)
+from common.checkpoint.store import (latest_checkpoint, open_checkpoint,
+                         resume_fingerprints)
 from common.config import RunConfig
 from common.errors import UserError
 from common.costmodel.probe import probe_allreduce, probe_group_allreduce
-from common.model.hfconfig import to_hf_config
 from common.metrics import MetricsWriter, RankStatus, peak_rss_bytes, rss_bytes, truncate_metrics
 from common.runplan import RunPlan
 from common.train.protocols import Trainer, TrainerClass, World
 from common.data.sampler import GlobalSampler, micro_batches, rank_slice
 from common.train.lr_schedule import lr_for
 from common.data.sequences import SequenceView
-from common.checkpoint.sharded import SHARDED_TMP, save_sharded
 from common.model.spec import ModelSpec
 from common.train.supervisor import stop_reason, watch_supervisor
 from common.data.tokencache import TokenCache
 from common.checkpoint.tensorsource import DictSource, SafetensorsSource, UnionSource, check_source, probe_checksum
-from common.train.rank_checks import (TrainingError, check_identical_weights, check_replicas_agree,
-                                      check_same_step, replica_checksum)
+from common.train.rank_checks import (TrainingError, check_identical_weights, check_same_step)
 from common.train.trace import trace
 from common.train.faults import Fault, injected_fault
 from common.train.rescue import Rescue, copy_state, saver
+from common.train.saving import CHECKPOINT_WRITERS, checkpoint  # noqa: F401 (checkpoint: tests)
 from common.model.weights import parameter_shapes
 
 
@@ -382,60 +379,3 @@ def evaluate(trainer, view: SequenceView, cfg: RunConfig, rank: int, world_size:
     # over the data-parallel ranks, or (pp) every stage: the last holds the losses, the others add 0
     total = trainer.all_sum(np.array([loss_sum], dtype=np.float64), over=trainer.strategy.loss_over)[0]
     return float(total / tokens) if tokens else float("nan")
-
-
-def checkpoint(trainer, run_dir: Path, spec: ModelSpec, step: int, fingerprints: dict, rank: int,
-               shapes: dict[str, tuple[int, ...]] | None = None) -> None:
-    """The hf format: the strategy's export streams the whole state one tensor at a time (gathered by
-    collectives every rank takes part in, in one order) and rank 0, the one writer, writes each tensor as it
-    arrives, so no rank holds more than one whole tensor beyond its own state. Non-finite weights or drifted
-    replicas stop every rank before the checkpoint is committed; the last one is kept. `shapes`: the state's
-    tensors (the spec's parameters, or a LoRA run's adapters: common/model/lora.py)."""
-    out = HFCheckpointWriter(run_dir, spec, step, shapes) if rank == 0 else None
-    try:
-        finite, checksum = True, 0.0
-        for kind, stream in zip(STATE_KINDS, trainer.export_state()):
-            for name, array in stream:
-                if array is None:  # fsdp: the gathered tensor lands on rank 0 only
-                    continue
-                if kind == "weights":
-                    finite = finite and bool(np.isfinite(array).all())
-                    checksum += replica_checksum(array)
-                if out is not None:
-                    out.write(kind, name, array)
-                del array  # before the next gather
-        if trainer.all_sum(np.array([float(not finite)]), over="world")[0] > 0:  # every rank stops, or none
-            raise TrainingError(f"weights are not finite after step {step}; not saving (the last checkpoint is kept)")
-        if trainer.strategy.full_state_on_every_rank:  # fsdp: only rank 0 holds the gathered weights
-            check_replicas_agree(trainer, checksum, step)
-    except BaseException:
-        if out is not None:
-            out.abort()
-        raise
-    if out is not None:
-        out.commit({**fingerprints, "framework": trainer.framework})
-
-
-def checkpoint_sharded(trainer, run_dir: Path, spec: ModelSpec, step: int, fingerprints: dict, rank: int,
-                       shapes: dict[str, tuple[int, ...]] | None = None) -> None:
-    """--checkpoint-format sharded: every rank writes its own pieces (common/checkpoint/sharded.py), nothing is
-    gathered. Replicas are not compared (ddp's are written once, by rank 0)."""
-    local = trainer.local_state()
-    finite = all(np.isfinite(w).all() for w in local[0].values())
-    if trainer.all_sum(np.array([float(not finite)]), over="world")[0] > 0:  # every rank stops, or none
-        raise TrainingError(f"weights are not finite after step {step}; not saving (the last checkpoint is kept)")
-
-    def finish(tmp: Path) -> Path:  # rank 0, once every rank wrote its file
-        (tmp / "config.json").write_text(json.dumps(to_hf_config(spec), indent=2))
-        write_state_json(tmp, step, {**fingerprints, "framework": trainer.framework, "checkpoint_format": "sharded"})
-        return commit_checkpoint(tmp.parent, tmp, step)
-
-    try:
-        save_sharded(run_dir, step, rank, trainer.world_size, lambda: trainer.all_sum(np.zeros(1), over="world"),
-                     local, parameter_shapes(spec) if shapes is None else shapes, finish)
-    except BaseException:  # no partial step directory is left, and a full disk gets its room back
-        shutil.rmtree(run_dir / "checkpoints" / SHARDED_TMP.format(step=step), ignore_errors=True)
-        raise
-
-
-CHECKPOINT_WRITERS = {"hf": checkpoint, "sharded": checkpoint_sharded}  # RunConfig.checkpoint_format

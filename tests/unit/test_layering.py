@@ -220,3 +220,11 @@ def test_the_import_graph_has_no_cycle_and_no_upward_import():
     for module in sorted(graph):
         visit(module, [])
     assert not cycles, cycles
+
+
+def test_no_module_passes_400_lines():
+    """Short modules with one job (../shared/STYLE.md): one that grows past 400 lines holds a second job to split."""
+    long = {str(path.relative_to(ROOT)): n for package in ("common", "compare", "mlx_impl", "torch_impl", "tests",
+                                                            "benchmarks")
+            for path in (ROOT / package).rglob("*.py") if (n := len(path.read_text().splitlines())) > 400}
+    assert not long, long
