@@ -77,10 +77,11 @@ def test_the_wheel_in_a_fresh_venv_compares_from_a_scratch_directory_with_a_rela
 
     # FAST's shapes: the matrix now builds beside the other tests, so its compiled kernels are no reason to share
     # its larger ones; the wheel is what is checked, not the training.
-    proc = dpcompare("compare", *FAST, "--steps", 6, "--profile-steps", 0, "--no-op-profile", "--nproc", "1,2",
+    proc = dpcompare("compare", *FAST, "--steps", 6, "--profile-steps", 0, "--no-op-profile", "--nproc", "2",
                      "--out", "rel")
     assert proc.returncode == 0 and "verdict: parity PASS" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((scratch / "rel" / "summary.json").read_text())
-    assert {r["label"] for r in summary["runs"]} == {"mlx x1", "mlx x2", "torch x1", "torch x2"}
-    for run in ("mlx-n1", "mlx-n2", "torch-n1", "torch-n2"):  # the greedy continuation: a child of the wheel too
+    # two ranks of each framework: the wheel's launchers start ranks, and MLX vs torch is judged
+    assert {r["label"] for r in summary["runs"]} == {"mlx x2", "torch x2"}
+    for run in ("mlx-n2", "torch-n2"):  # the greedy continuation: a child of the wheel too
         assert json.loads((scratch / "rel" / run / "sample.json").read_text()).get("text"), run
