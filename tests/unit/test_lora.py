@@ -57,6 +57,15 @@ def test_bad_lora_flags_are_refused_in_one_line(fields, message):
         RunConfig(preset="tiny", **fields).validate()
 
 
+@pytest.fixture(autouse=True)
+def uncompiled_mlx():
+    """MLX's compiled kernels are built by the system compiler on first use, 20 s of this module with a cold cache
+    (a fresh TMPDIR); what is checked here is which parameters train, not the kernels."""
+    mx.disable_compile()
+    yield
+    mx.enable_compile()
+
+
 def trainer_losses(trainer_cls, framework, steps=3):
     cfg = RunConfig(framework=framework, preset="tiny", lr=1e-2, lora_rank=4, lora_targets="q_proj,v_proj,down_proj",
                     grad_clip=0.0)

@@ -25,6 +25,15 @@ def faster_lr(factor: float) -> list[float]:
     return [base[0]] + [x - (factor - 1) * 0.05 * min(s, 10) for s, x in enumerate(base[1:], start=1)]
 
 
+@contextlib.contextmanager
+def without_figures():
+    """The report of a 20-run matrix without its PNGs: matplotlib drew them in 2.5 of these fixtures' 3 s, and no
+    test here reads a figure (tests/unit/test_report.py checks that every file is written)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("compare.report.writer.make_plots", lambda *args, **kwargs: {})
+        yield
+
+
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory):
     """`compare --strategies ddp,fsdp,tp,pp --dtypes float32,bfloat16 --nproc 1,2`: 20 runs (non-ddp
@@ -45,7 +54,8 @@ def matrix(tmp_path_factory):
                         config["lr"] = 1e-3
                     dirs.append(make_run(root, fw, n, losses, config=config, evals={20: 3.1, 40: 2.9},
                                          name=f"{fw}-{strategy}-{dtype}-n{n}"))
-    summary = write_report(dirs, root / "report", Tolerances(), CONTEXT)
+    with without_figures():
+        summary = write_report(dirs, root / "report", Tolerances(), CONTEXT)
     return root / "report", summary
 
 
@@ -159,7 +169,8 @@ def issue_matrix(tmp_path_factory):
     out = root / "report"
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        assert main(["report", *map(str, dirs), "--out", str(out)]) == 0
+        with without_figures():
+            assert main(["report", *map(str, dirs), "--out", str(out)]) == 0
     return out, read_json(out / "summary.json"), printed.getvalue()
 
 
