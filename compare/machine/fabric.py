@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -39,7 +38,7 @@ from common.metrics import read_json
 from common.model.spec import preset
 from common.model.weights import num_parameters
 
-from ..launch.hosts import check_hosts_for, read_mlx_hostfile
+from ..launch.hosts import check_hosts_for, read_mlx_hostfile, unanswered
 from ..launch.launchers import build_command
 from ..launch.netns import EmulatedLink, check_can_emulate
 from . import environment as env
@@ -133,26 +132,10 @@ def check_reachable(hostfile: str, timeout_s: float = SSH_TIMEOUT_S) -> list[dic
         hosts = read_mlx_hostfile(hostfile).hosts
     except ValueError as err:
         raise UserError(f"hostfile {hostfile} does not parse as an MLX JSON hostfile: {err}") from None
-    remote = [h["ssh"] for h in hosts if h["ssh"] != "127.0.0.1"]  # mlx.launch runs 127.0.0.1 locally
-    if remote and shutil.which("ssh") is None:
-        raise UserError(f"cannot reach {remote[0]}: ssh is not installed here (mlx.launch starts ranks over ssh)")
-
-    def reach(host: str) -> str | None:
-        cmd = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={int(timeout_s)}", host, "true"]
-        try:
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s + 2, stdin=subprocess.DEVNULL)
-        except subprocess.TimeoutExpired:
-            return f"no answer within {timeout_s:g} s"
-        if out.returncode != 0:
-            return (out.stderr.strip().splitlines() or [f"ssh exited {out.returncode}"])[-1]
-        return None
-
-    with ThreadPoolExecutor(max(1, len(set(remote)))) as pool:
-        problems = dict(zip(dict.fromkeys(remote), pool.map(reach, dict.fromkeys(remote))))
-    for host, problem in problems.items():
-        if problem:
-            raise UserError(f"host {host} cannot be reached over ssh (mlx.launch needs passwordless ssh to "
-                            f"every host): {problem}")
+    # the probe a restart asks too (compare/launch/hosts.py): mlx.launch runs 127.0.0.1 locally
+    for host, problem in unanswered(hosts, timeout_s).items():
+        raise UserError(f"host {host} cannot be reached over ssh (mlx.launch needs passwordless ssh to "
+                        f"every host): {problem}")
     return hosts
 
 
