@@ -55,6 +55,10 @@ def run_row(run: RunData, parity: dict, peaks: "PeakFinder") -> dict:
         "state_mb": {k: [None if b is None else b / MB for b in v] for k, v in (s.get("state_bytes") or {}).items()},
         "comm_bytes_per_step": s.get("comm_bytes_per_step"),
         "comm_bytes_per_step_estimate": s.get("comm_bytes_per_step_estimate"),
+        # What trains (None: every parameter; LoRA's adapters) and how the loss is normalized; the bytes each rank
+        # read at its start (weights, the frozen base included): compare/report/adapters.py
+        "adapters": s.get("adapters"), "loss_normalization": s.get("loss_normalization"),
+        "weights_mb_read": [None if b is None else b / MB for b in s.get("weights_bytes_read") or []],
         "reduce_scatter": s.get("reduce_scatter"),
         "link": s.get("link"),  # the path the ranks talked over, emulated or loopback (docs/links.md)
         "pipeline": s.get("pipeline"),  # pp: schedule, micro-batches, each stage's bubble and layers

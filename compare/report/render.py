@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from common.costmodel.links import hop_bandwidth_Bps
 
+from .adapters import adapter_blocks
 from .findings import BREAKDOWN_PHASES, MB
 from .opclass_table import opclass_blocks
 from .parity import all_pairs
@@ -52,6 +53,7 @@ def report_blocks(s: dict) -> list[tuple]:
     blocks += prediction_blocks(s["runs"])
     blocks += sample_blocks(s.get("samples") or {})
     blocks += memory_blocks(s["runs"])
+    blocks += adapter_blocks(s["runs"])
     blocks += precision_blocks(s["runs"])
     figures = [(title, s["plots"][name], name == "loss") for name, title in (
         ("loss", "Loss curves"), ("eval_loss", "Eval loss"), ("throughput", "Throughput"),

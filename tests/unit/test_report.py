@@ -183,3 +183,28 @@ def test_the_memory_table_puts_the_predicted_peak_beside_the_measured_one(tmp_pa
     for rank, (fixed, peak) in enumerate(zip((360, 362), (400, 402))):  # make_run: 400 MB + 2 MB per rank
         error = f"{100 * (predicted['peak_bytes'][rank] / (peak * 1e6) - 1):+.0f}%"
         assert f"| {fixed} | {predicted['peak_bytes'][rank] / 1e6:,.0f} | {150 + rank} | {peak} | {error} |" in md
+
+
+def test_a_compare_with_lora_runs_tables_what_trains_beside_the_full_runs(tmp_path):
+    """compare/report/adapters.py: trained parameters, the bytes a step all-reduces (and the estimate), the frozen
+    base each rank holds, for LoRA and full runs side by side; a compare without LoRA has no such table."""
+    from common.metrics import read_json, write_json
+
+    adapters = {"rank": 8, "alpha": 16.0, "scale": 2.0, "targets": ["q_proj", "v_proj"], "layers": 0}
+    dirs = []
+    for name, trained, extra in (("full", 1_000_000, None), ("lora", 8_192, adapters)):
+        run = make_run(tmp_path, "mlx", 2, name=name)
+        summary = read_json(run / "summary.json")
+        summary.update(adapters=extra, loss_normalization="global-tokens", comm_bytes_per_step=4 * trained,
+                       comm_bytes_per_step_estimate=4 * trained, weights_bytes_read=[4_000_000 + 4 * trained] * 2,
+                       state_bytes={"params": [4 * trained] * 2, "grads": [4 * trained] * 2,
+                                    "optimizer": [8 * trained] * 2})
+        write_json(run / "summary.json", summary)
+        dirs.append(run)
+    write_report(dirs, tmp_path / "out", Tolerances(), CONTEXT)
+    md = (tmp_path / "out" / "report.md").read_text()
+    table = md[md.index("## What trains"):].split("\n## ")[0]
+    assert "| every parameter | global-tokens | 1,000,000 | 4,000,000 B (4,000,000) | – |" in table
+    assert "| LoRA r=8 alpha=16 on q_proj,v_proj | global-tokens | 8,192 | 32,768 B (32,768) | 4.0 |" in table
+    write_report(dirs[:1], tmp_path / "full-only", Tolerances(), CONTEXT)
+    assert "## What trains" not in (tmp_path / "full-only" / "report.md").read_text()
