@@ -1,29 +1,52 @@
 """`dpcompare doctor --fabric`: all-reduce latency and bandwidth per backend, within its time budget, and a
 host that cannot be reached ends it with one line. Tiny messages and short budgets keep these quick."""
-import time
-
 import pytest
 
+import common.costmodel.probe as probe
 from common.costmodel.probe import Collectives, measure
 from compare.machine.fabric import Measured, Workload
 
 
+class Clock:
+    """The probe's clock, simulated: a FakeLink's call moves it by the call's cost. A real sleep overshoots on a busy
+    machine (a 1 ms call read 615 MB/s for 1 GB/s when the suite's background build shared the cores), so the
+    figures here are exact whatever the load."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    perf_counter = monotonic
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture(autouse=True)
+def clock(monkeypatch):
+    simulated = Clock()
+    monkeypatch.setattr(probe, "time", simulated)
+    return simulated
+
+
 class FakeLink:
-    """Collectives over a simulated link: each call costs latency + bytes / bandwidth (seconds)."""
+    """Collectives over a simulated link: each call costs latency + bytes / bandwidth (seconds of the Clock)."""
 
     def __init__(self, latency_s, bytes_per_s):
         self.latency_s, self.bytes_per_s, self.decisions = latency_s, bytes_per_s, []
 
     def collectives(self):
         def all_reduce(x):
-            time.sleep(self.latency_s + x / self.bytes_per_s)
+            probe.time.sleep(self.latency_s + x / self.bytes_per_s)
 
         def from_rank0(value):
             self.decisions.append(value)
             return value
 
         def all_gather(x):  # x: the rank's part; a ring all-gather at N=2 sends it once
-            time.sleep(self.latency_s + x / self.bytes_per_s)
+            probe.time.sleep(self.latency_s + x / self.bytes_per_s)
 
         return Collectives(rank=0, size=2, device="cpu", buffer=lambda n: n, all_reduce=all_reduce,
                            from_rank0=from_rank0, all_gather=all_gather)
@@ -36,9 +59,9 @@ def test_the_rank_measures_every_size_when_time_allows_and_skips_what_would_over
     # A slow link: 64 MB would take ~0.7 s a call, far past a 0.5 s budget, so it is skipped (predicted from
     # 512 KB), and the decision (a 0 from rank 0) is made inside a collective so every rank skips it alike.
     slow = FakeLink(1e-3, 1e8)
-    started = time.monotonic()
+    started = probe.time.monotonic()
     results = measure(slow.collectives(), [4096, 2**19, 2**26], max_calls=5, time_budget_s=0.5, started=started)
-    assert [r["size_bytes"] for r in results] == [4096, 2**19] and time.monotonic() - started < 0.6
+    assert [r["size_bytes"] for r in results] == [4096, 2**19] and probe.time.monotonic() - started < 0.6
     assert 0.0 in slow.decisions
 
 

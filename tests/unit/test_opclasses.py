@@ -83,35 +83,55 @@ def test_what_is_outside_is_each_reps_step_minus_its_own_classes_so_load_that_dr
     assert record["within_tolerance"] and len(record["rounds"]) == 3
 
 
+class _Clock:
+    """common/train/opprofile.py's clock, simulated: the fake workloads move it by their cost, each reading by 1 us
+    (so a memory copy takes time too). Real sleeps overshoot on a busy machine, and the figures below are exact."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 1e-6
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
 class _Trainer:
     """Workloads that take known times: a class's figure is its parts' times, each times its count per step."""
 
-    def __init__(self):
+    def __init__(self, clock=time):
         self.steps, self.calls = 0, 0
+        self.sleep = clock.sleep
 
     def op_workloads(self, batch, grad_accum):
         def sleep(s):
             def run():
                 self.calls += 1
-                time.sleep(s)
+                self.sleep(s)
             return run
         return {"matmul": [(sleep(0.002), 2 * grad_accum), (sleep(0.001), grad_accum)],
                 "optimizer": [(sleep(0.001), 1)]}
 
     def train_step(self, batches, lr, global_tokens, **_):
         self.steps += 1
-        time.sleep(0.006)
+        self.sleep(0.006)
 
 
-def test_profile_times_each_class_with_its_counts_and_stops_at_its_budget():
-    trainer = _Trainer()
+def test_profile_times_each_class_with_its_counts_and_stops_at_its_budget(monkeypatch):
+    import common.train.opprofile as opprofile
+
+    clock = _Clock()
+    monkeypatch.setattr(opprofile, "time", clock)
+    trainer = _Trainer(clock)
     record = profile(trainer, ([None], 1e-3, 1), preset("tiny"), 8, 32, 2, "float32", budget_s=60)
     # two steps a rep, the second timed (opprofile.py); the classes once more for the warmup
     assert record["reps"] == MAX_REPS and trainer.steps == 2 * MAX_REPS and trainer.calls == 3 * (MAX_REPS + 1)
     assert 0.010 <= record["classes"]["matmul"]["s"] < 0.015  # 2 x 2 x 2 ms + 2 x 1 ms
     assert record["classes"]["matmul"]["flops"] > 0 and record["shapes"]["grad_accum"] == 2
     assert record["wall_s"] >= record["build_s"] + record["warmup_s"] and record["memory_bandwidth_Bps"] > 1e8
-    trainer = _Trainer()
+    trainer = _Trainer(clock)
     assert profile(trainer, ([None], 1e-3, 1), preset("tiny"), 8, 32, 1, "float32", budget_s=0.0)["reps"] == MIN_REPS
 
 
