@@ -15,6 +15,7 @@ from DIR alone. Tensors are read and written one at a time.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Callable
 
@@ -59,8 +60,8 @@ def write_fused(plan: RunPlan, adapters: Adapters, ckpt: Path, dest: Path) -> No
 
 
 def write_base(plan: RunPlan, dest: Path) -> None:
-    base = SafetensorsSource(Path(plan.seed_checkpoint) / "model.safetensors")
-    write_safetensors(dest, {n: base.shape(n) for n in base.names()}, base.read, metadata={"format": "pt"})
+    """The frozen base as the run read it: its seed (or --init-from) file, copied."""
+    shutil.copy2(Path(plan.seed_checkpoint) / "model.safetensors", dest)
 
 
 def write_adapters(plan: RunPlan, adapters: Adapters, ckpt: Path, out: Path, kind: str) -> None:

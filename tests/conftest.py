@@ -99,9 +99,6 @@ def runs_integration(config) -> bool:
     return any(p == lane or lane.is_relative_to(p) or p.is_relative_to(lane) for p in paths)
 
 
-# The session's two shared builds: (what, folder, the variable that tells the workers where, builder in runs.py).
-BACKGROUND = [("the shared matrix", "matrix", "DPCOMPARE_TEST_MATRIX", "build_matrix"),
-              ("the shaped-link compare and two-level run", "shaped-link", "DPCOMPARE_TEST_LINK_RUN", "build_link_run")]
 BUILDS_FIXTURES = {"matrix", "shaped_link_run"}
 _background: dict = {}
 
@@ -117,6 +114,7 @@ def pytest_sessionstart(session):
             or not runs_integration(config):
         return
     from helpers import can_emulate_links
+    from integration.runs import BACKGROUND
 
     base = config._tmp_path_factory.getbasetemp()
     cache = base / "dpcompare-cache"

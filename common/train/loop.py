@@ -43,7 +43,6 @@ from common.train.trace import trace
 from common.train.faults import Fault, injected_fault
 from common.train.rescue import Rescue, copy_state, saver
 from common.train.saving import CHECKPOINT_WRITERS, checkpoint  # noqa: F401 (checkpoint: tests)
-from common.model.weights import parameter_shapes
 
 
 # This rank's status, once training has started: a failure is recorded with the step reached so far.
@@ -203,7 +202,7 @@ def seed_source(plan: RunPlan) -> SafetensorsSource:
 
 def frozen_base(cfg: RunConfig, spec: ModelSpec) -> bool:
     """Whether some parameters never train (LoRA's base): they come from the seed whatever the checkpoint."""
-    return set(parameter_shapes(spec)) != set(cfg.trained.state_shapes(spec))
+    return bool(cfg.trained.modules(spec))  # LoRA's adapted modules; none when every parameter trains
 
 
 def start_trainer(plan: RunPlan, run_dir: Path, world: World, trainer_cls: TrainerClass, fingerprints: dict,

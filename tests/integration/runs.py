@@ -36,6 +36,10 @@ class Matrix:
 
 MATRIX_ENV = "DPCOMPARE_TEST_MATRIX"  # set by tests/conftest.py where it builds the matrix in the background
 LINK_RUN_ENV = "DPCOMPARE_TEST_LINK_RUN"  # likewise for the shaped-link compare (shaped_link_run)
+# The session's two shared builds (tests/conftest.py starts them in the background): (what, folder, the variable
+# that tells the workers where, its builder below).
+BACKGROUND = [("the shared matrix", "matrix", MATRIX_ENV, "build_matrix"),
+              ("the shaped-link compare and two-level run", "shaped-link", LINK_RUN_ENV, "build_link_run")]
 
 
 def build_matrix(root: Path, cache_dir: Path) -> Matrix:
