@@ -1,16 +1,43 @@
 """Which kernels an MLX rank computes with, where the choice depends on the machine: the build of its compiled
-CPU kernels (--mlx-cpu-jit, compare/machine/environment.py) and its exp (--mlx-exp, mlx_impl/fast_exp.py). Read
-by the rank (mlx_impl/step.py) and by doctor and the report (compare/machine/environment.py) alike.
+CPU kernels (--mlx-cpu-jit, compare/machine/environment.py), its exp (--mlx-exp, mlx_impl/fast_exp.py) and the
+route of its bfloat16 matmuls on a CPU (--mlx-bf16-matmul, mlx_impl/model.py `matmul`).
+
+A selectable kernel's `auto` is decided by measuring, not by a rule about CPUs: each candidate is timed at the
+run's own shapes on this machine (mlx_impl/kernel_choice.py) and the faster one is taken (`faster`, a pure
+function). The timings are cached per machine (CPU model and flags), MLX version, kernel build and shape
+(`KernelCache`), so they are measured once; an MLX upgrade drops the old entries. Read by the rank
+(mlx_impl/step.py) and by doctor and the report (compare/machine/kernels.py) alike: framework-free.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import platform
 import shutil
 import sys
-from typing import TYPE_CHECKING
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Mapping
 
 if TYPE_CHECKING:
     from common.config import RunConfig
+    from common.model.spec import ModelSpec
+
+# Each selectable kernel: its candidates, the first the one MLX computes by itself (kept on a tie), and the unit
+# of its timings.
+CANDIDATES = {"exp": ("native", "fused"), "bf16_matmul": ("native", "fp32")}
+UNITS = {"exp": "ns per element", "bf16_matmul": "ps per multiply-add"}
+# Bump when mlx_impl/fast_exp.py or the fp32 route changes what is timed: the cached timings are then stale.
+KERNELS_REVISION = 1
+CACHE_FILE = "kernel-choice.json"
+
+
+def faster(timings: Mapping[str, float]) -> str:
+    """The candidate with the smallest time; on a tie the one listed first (MLX's own, where it is first)."""
+    if not timings:
+        raise ValueError("no timings to choose from")
+    return min(timings, key=lambda name: (timings[name], list(timings).index(name)))
 
 
 def native_cpu_kernels(choice: str) -> bool:
@@ -20,16 +47,108 @@ def native_cpu_kernels(choice: str) -> bool:
         and shutil.which("g++") is not None
 
 
-def resolved_mlx_exp(cfg: RunConfig, device: str, system: str, native_kernels: bool) -> str:
-    """The exp MLX's softmax, cross-entropy and SiLU use: "fused" (mlx_impl/fast_exp.py) or "native" (mx.exp).
+def measures(device: str, system: str) -> bool:
+    """Whether `auto` measures here: on a Linux CPU. Metal and CUDA keep MLX's own kernels (fast there, and
+    the fp32 route is a CPU matter), as does macOS's CPU (Accelerate)."""
+    return device == "cpu" and system.startswith("linux")
 
-    auto picks what measured faster (benchmarks/bench_exp.py and the tokens/s sittings in
-    docs/cpu-performance.md): on a Linux CPU, fused where MLX's compiled exp is its baseline build (a libm call
-    per element: 2x slower than the fused one); MLX's own with -march=native kernels (native_kernels:
-    --mlx-cpu-jit gave them), where the fused exp's extra array costs what its faster arithmetic saves; MLX's
-    own on Metal and CUDA (fast already) and on macOS (Accelerate)."""
-    if cfg.mlx_exp != "auto":
-        return cfg.mlx_exp
-    if device != "cpu" or not system.startswith("linux"):
-        return "native"
-    return "native" if native_kernels else "fused"
+
+def fixed_choice(cfg: RunConfig, kernel: str, device: str, system: str) -> str | None:
+    """The candidate a run uses without measuring: the one named on the command line, MLX's own where `auto`
+    does not measure (`measures`), MLX's own bf16 matmul in a float32 run (none happen). None: measure."""
+    chosen = {"exp": cfg.mlx_exp, "bf16_matmul": cfg.mlx_bf16_matmul}[kernel]
+    if chosen != "auto":
+        return chosen
+    if not measures(device, system) or (kernel == "bf16_matmul" and cfg.dtype != "bfloat16"):
+        return CANDIDATES[kernel][0]
+    return None
+
+
+def measured_shape(cfg: RunConfig, kernel: str, spec: ModelSpec) -> tuple[int, ...]:
+    """The shape a kernel is timed at, from the run's own: the attention scores (micro-batch, heads, seq, seq)
+    for the exp (its softmax), the MLP's up projection (micro-batch x seq, dim, ffn) for the bf16 matmul."""
+    if kernel == "exp":
+        return (cfg.micro_batch_size, spec.n_heads, cfg.seq_len, cfg.seq_len)
+    return (cfg.micro_batch_size * cfg.seq_len, spec.dim, spec.ffn_dim)
+
+
+def cpu_signature() -> str:
+    """A short hash of this CPU's model and flags: what a kernel's speed (and a -march=native build) depends on."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = [platform.processor()]
+    wanted = [line for line in lines if line.startswith(("model name", "flags"))][:2]
+    return hashlib.sha256("\n".join(wanted).encode()).hexdigest()[:12]
+
+
+def mlx_version() -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("mlx")
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What a kernel's timings hold for: this CPU, this MLX, this kernel build (--mlx-cpu-jit's flags)."""
+    machine: str
+    mlx: str
+    build: str
+
+    @classmethod
+    def here(cls, cpu_jit: str) -> Identity:
+        """This machine and MLX, with the kernels --mlx-cpu-jit `cpu_jit` builds."""
+        build = "native" if native_cpu_kernels(cpu_jit) else "baseline"
+        return cls(cpu_signature(), mlx_version(), f"{build}-r{KERNELS_REVISION}")
+
+
+class KernelCache:
+    """kernel-choice.json in the cache folder: one entry per identity, kernel and shape, holding the timings and
+    the choice. Entries of another MLX version are dropped when an entry is written."""
+
+    def __init__(self, root: Path):
+        self.path = Path(root) / CACHE_FILE
+
+    @staticmethod
+    def key(identity: Identity, kernel: str, shape: tuple[int, ...]) -> str:
+        return json.dumps([identity.machine, identity.mlx, identity.build, kernel, list(shape)])
+
+    def get(self, identity: Identity, kernel: str, shape: tuple[int, ...]) -> dict | None:
+        from common.metrics import read_json
+
+        entry = (read_json(self.path, {}) or {}).get(self.key(identity, kernel, shape))
+        return entry if isinstance(entry, dict) and "choice" in entry and "timings" in entry else None
+
+    def put(self, identity: Identity, kernel: str, shape: tuple[int, ...], timings: Mapping[str, float]) -> dict:
+        from common.metrics import read_json, write_json
+
+        entry = {"choice": faster(timings), "timings": dict(timings), "unit": UNITS[kernel],
+                 "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        entries = {k: v for k, v in (read_json(self.path, {}) or {}).items()
+                   if _mlx_of(k) == identity.mlx}  # an MLX upgrade invalidates every older timing
+        entries[self.key(identity, kernel, shape)] = entry
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            write_json(self.path, entries)  # atomic: concurrent ranks never read half a file
+        except OSError:
+            pass  # a read-only cache costs a measurement next time, nothing more
+        return entry
+
+
+def _mlx_of(key: str) -> str | None:
+    try:
+        return json.loads(key)[1]
+    except (ValueError, IndexError, TypeError):
+        return None
+
+
+def describe(kernel: str, choice: str, entry: dict | None) -> str:
+    """`fused (measured: fused 3.1, native 9.8 ns per element)`, or the choice alone where nothing was measured."""
+    if entry is None:
+        return choice
+    timings = ", ".join(f"{name} {value:.3g}" for name, value in
+                        sorted(entry["timings"].items(), key=lambda item: item[0] != choice))
+    return f"{choice} (measured: {timings} {UNITS[kernel]})"

@@ -10,6 +10,7 @@ from common.config import RunConfig
 
 from .machine import environment as env
 from .machine.backends import MLX_PROBE, TORCH_PROBE, probe
+from .machine.kernels import described
 
 
 def mlx_linked_blas() -> str:
@@ -56,6 +57,7 @@ def doctor(measure_peak: bool = False) -> str:
             f"  BLAS linked {mlx_linked_blas()}",
             f"  --mlx-blas auto uses: {env.mlx_blas('auto')[0]}",
             f"  --mlx-exp auto uses: {env.mlx_exp(RunConfig())}",
+            f"  --mlx-bf16-matmul auto uses: {described(RunConfig(dtype='bfloat16'), 'bf16_matmul')}",
         ]
     lines += ["", f"torch         {versions['torch'] or 'not installed'}"]
     if "error" in torch:

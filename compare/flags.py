@@ -52,8 +52,10 @@ RUN_FLAGS = [
     ("--threads-per-rank", int, "CPU threads per rank, the same for both frameworks"),
     ("--mlx-blas", str, "auto, system (preload OpenBLAS), bundled"),
     ("--mlx-cpu-jit", str, "auto, native (MLX's fused CPU kernels built with -march=native), baseline"),
-    ("--mlx-exp", str, "auto (fused on a Linux CPU where it measured faster: with --mlx-cpu-jit baseline kernels), "
+    ("--mlx-exp", str, "auto (on a Linux CPU the faster of the two, timed here at the run's shapes and cached), "
                        "native (MLX's exp), fused (range reduction and a polynomial that mx.compile vectorises)"),
+    ("--mlx-bf16-matmul", str, "bf16 matmuls on a CPU: auto (the faster, timed here and cached), native (MLX's "
+                               "bf16 kernel), fp32 (exact upcast, the BLAS's sgemm, rounded once)"),
     ("--all-reduce-size-mb", float, "MLX average_gradients bucket size"),
     ("--bucket-cap-mb", float, "torch DDP bucket size"),
     ("--hostfile", str, "MLX hostfile (JSON for ring, text for mpi); with --nnodes: every node's ring address"),

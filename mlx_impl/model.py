@@ -34,6 +34,30 @@ def set_exp(kind: str) -> None:
     _EXP["kind"] = kind
 
 
+BF16_MATMUL_KINDS = ("native", "fp32")
+_BF16_MATMUL = {"kind": "native"}
+
+
+def set_bf16_matmul(kind: str) -> None:
+    """How bfloat16 matmuls on a CPU compute from now on (--mlx-bf16-matmul; traced, as set_exp): "native"
+    (MLX's own bf16 kernel) or "fp32" (`matmul`'s route through the BLAS's sgemm)."""
+    if kind not in BF16_MATMUL_KINDS:
+        raise ValueError(f"unknown bf16 matmul {kind!r}; allowed: {', '.join(BF16_MATMUL_KINDS)}")
+    _BF16_MATMUL["kind"] = kind
+
+
+def matmul(a: mx.array, b: mx.array, bf16_kind: str | None = None) -> mx.array:
+    """a @ b. With bfloat16 operands on a CPU under --mlx-bf16-matmul fp32: both upcast to float32 (exact), one
+    float32 matmul (the preloaded OpenBLAS's sgemm, 20x MLX's own bf16 kernel, which reaches no BLAS), the result
+    rounded once to bfloat16. Both accumulate in float32 and round once, so the values are the bf16 kernel's
+    (docs/precision.md); so are the gradients: the vjp of the casts rounds each once to bfloat16. Metal and CUDA
+    keep MLX's own kernel."""
+    if a.dtype == b.dtype == mx.bfloat16 and (bf16_kind or _BF16_MATMUL["kind"]) == "fp32" \
+            and mx.default_device() == mx.cpu:
+        return (a.astype(mx.float32) @ b.astype(mx.float32)).astype(mx.bfloat16)
+    return a @ b
+
+
 def _exp_minus(x: mx.array, shift: mx.array, kind: str | None = None) -> mx.array:
     """exp(x - shift); shift (a row max) gets no gradient, as it cancels wherever this is used."""
     if (kind or _EXP["kind"]) == "fused" and x.dtype == mx.float32:
@@ -94,9 +118,9 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.arra
         k, v = k[:, :, None], v[:, :, None]
         if mask.ndim == 4:
             mask = mask[:, :, None]
-    scores = (q * mx.array(scale, dtype=q.dtype)) @ k.swapaxes(-1, -2)
+    scores = matmul(q * mx.array(scale, dtype=q.dtype), k.swapaxes(-1, -2))
     scores = mx.where(mask, scores, mx.array(-mx.inf, dtype=scores.dtype))
-    return (_SOFTMAX[_EXP["kind"]](scores) @ v).reshape(B, H, T, D)
+    return matmul(_SOFTMAX[_EXP["kind"]](scores), v).reshape(B, H, T, D)
 
 
 class Linear(nn.Linear):
@@ -104,7 +128,7 @@ class Linear(nn.Linear):
     gradient lands in float32; so are LoRA's adapters where lora.py attached them."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = x @ self.weight.astype(x.dtype).T
+        y = matmul(x, self.weight.astype(x.dtype).T)
         if "bias" in self:
             y = y + self.bias.astype(x.dtype)
         if "lora_A" in self:  # LoRA (lora.py): + scale * (x A^T) B^T, in the input's dtype as the weight
@@ -116,7 +140,7 @@ class Embedding(nn.Embedding):
     """The lookup stays float32 (LlamaModel casts its output); as the tied output head, cast at use."""
 
     def as_linear(self, x: mx.array) -> mx.array:
-        return x @ self.weight.astype(x.dtype).T
+        return matmul(x, self.weight.astype(x.dtype).T)
 
 
 class RMSNorm(nn.RMSNorm):

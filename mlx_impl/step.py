@@ -24,7 +24,6 @@ holds the full gradient of its own pieces, so nothing is averaged.
 """
 from __future__ import annotations
 
-import sys
 from typing import Mapping, Protocol, Sequence
 
 import mlx.core as mx
@@ -36,7 +35,6 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from common.checkpoint.sharded import LocalState
 from common.checkpoint.tensorsource import TensorSource, as_source
 from common.config import RunConfig
-from common.kernels import native_cpu_kernels, resolved_mlx_exp
 from common.model.spec import ModelSpec
 from common.train.normalization import local_tokens, loss_parts, normalization
 from common.train.protocols import Batch, Phase, StateStream, Strategy, StrategyClass, World, no_phase
@@ -48,8 +46,9 @@ from .grads import clip_by_norm
 from .load import read_local
 from .lora import attach
 from .mesh import mesh_strategy
+from .kernel_choice import choice_for
 from .microsteps import Grads, Losses, StepFunctions
-from .model import Llama, cross_entropy, load_weights, set_exp, token_loss_sum, weights_of  # noqa: F401 (benchmarks, tests)
+from .model import Llama, cross_entropy, load_weights, set_bf16_matmul, set_exp, token_loss_sum, weights_of  # noqa: F401 (benchmarks, tests)
 from .opclasses import Workloads, workloads
 from .pp import Pipeline
 from .rank_state import state_bytes
@@ -100,8 +99,10 @@ class Trainer:
         self.strategy = strategy = strategy_for(cfg, world, self.comm)
         # Built unevaluated (MLX is lazy): the strategy cuts it to this rank's part and loads only that
         # from the source (mlx_impl/load.py), so the whole model is never materialised on a sharded rank.
-        # Which exp, before anything is compiled: the launcher's rule, with this rank's device.
-        set_exp(resolved_mlx_exp(cfg, self.device, sys.platform, native_cpu_kernels(cfg.mlx_cpu_jit)))
+        # Which exp and bf16 matmul, before anything is compiled: auto's measured choice, which the launcher
+        # cached for this machine and these shapes (kernel_choice.py; measured here where it did not).
+        set_exp(choice_for(cfg, spec, "exp")[0])
+        set_bf16_matmul(choice_for(cfg, spec, "bf16_matmul")[0])
         self.model = Llama(spec, compute_dtype=cfg.dtype)
         # What trains (common/model/lora.py): every parameter, or LoRA's adapters with the rest frozen (lora.py).
         attach(self.model, cfg.trained, spec)

@@ -22,6 +22,7 @@ from common.config import RunConfig
 from common.errors import UserError
 
 from ..machine import environment as env
+from ..machine.kernels import kernels_line
 from .hosts import RING_HOSTFILE, effective_backend, interface_toward
 from .netns import EmulatedLink
 from .slurm import srun_job, uses_slurm
@@ -181,7 +182,7 @@ def rank_environment(cfg: RunConfig) -> tuple[dict[str, str], str]:
             jit, jit_env = env.mlx_cpu_jit(cfg.mlx_cpu_jit, cfg.cache_path)
             blas += f"; fused CPU kernels: {jit}"
             extra.update(jit_env)
-        blas += f"; exp: {env.mlx_exp(cfg)}"
+        blas += f"; {kernels_line(cfg)}"  # exp and bf16 matmul: auto's timed choice (compare/machine/kernels.py)
     return extra, blas
 
 

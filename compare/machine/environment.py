@@ -149,28 +149,18 @@ def precompiled_preamble(compiler: str, root: Path) -> Path | None:
 
 
 def mlx_exp(cfg) -> str:
-    """What --mlx-exp gives the MLX ranks, as the report says it. The rank decides by the same rule with its
-    own device (common/kernels.py resolved_mlx_exp); here the device is the one asked for, a CPU on Linux
-    unless a GPU is named."""
-    from common.kernels import native_cpu_kernels, resolved_mlx_exp
+    """What --mlx-exp gives the MLX ranks, as the report says it: under auto, the faster exp as timed here at the
+    run's shapes, with both timings (compare/machine/kernels.py; the ranks read the same cached choice)."""
+    from .kernels import described
 
-    device = "gpu" if cfg.device in ("gpu", "cuda", "mps") or (sys.platform == "darwin" and cfg.device == "auto") \
-        else "cpu"
-    kind = resolved_mlx_exp(cfg, device, sys.platform, native_cpu_kernels(cfg.mlx_cpu_jit))
-    how = "range reduction and a polynomial, vectorised by mx.compile" if kind == "fused" else "MLX's own"
-    return f"{kind} ({how})"
+    return described(cfg, "exp")
 
 
 def _cpu_signature() -> str:
     """A short hash of this CPU's model and flags: kernels built with -march=native run only on such CPUs."""
-    import hashlib
+    from common.kernels import cpu_signature
 
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        lines = [platform.processor()]
-    wanted = [line for line in lines if line.startswith(("model name", "flags"))][:2]
-    return hashlib.sha256("\n".join(wanted).encode()).hexdigest()[:12]
+    return cpu_signature()
 
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]

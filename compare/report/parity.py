@@ -75,7 +75,7 @@ PAIR_KINDS = ("cross_framework", "dp_invariance", "strategy", "precision")
 # never what it computes. (grad_accum splits the same global batch differently, like nproc does.)
 RUN_ONLY_KEYS = frozenset({
     "framework", "strategy", "mesh", "nproc", "nnodes", "node_rank", "rdzv_endpoint", "hostfile", "backend", "device",
-    "threads_per_rank", "mlx_blas", "mlx_cpu_jit", "mlx_exp", "all_reduce_size_mb", "bucket_cap_mb", "torch_compile", "grad_accum",
+    "threads_per_rank", "mlx_blas", "mlx_cpu_jit", "mlx_exp", "mlx_bf16_matmul", "all_reduce_size_mb", "bucket_cap_mb", "torch_compile", "grad_accum",
     "collective_timeout_s", "timing_warmup_steps", "eval_every", "checkpoint_every", "out", "resume",
     "overwrite", "quiet", "cache_dir", "trace", "profile_steps", "op_profile", "tune_malloc", "link", "launcher",
 })

@@ -1,12 +1,10 @@
 """--mlx-exp fused: exp as range reduction and a polynomial (mlx_impl/fast_exp.py), accurate to 2 ulp, with
-MLX's gradient, and chosen where MLX's own exp is slow."""
+MLX's gradient (auto's choice between it and MLX's own: tests/unit/test_kernel_choice.py)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from common.config import RunConfig
-from common.kernels import resolved_mlx_exp
 
 mx = pytest.importorskip("mlx.core")
 
@@ -57,16 +55,3 @@ def test_fused_exp_gradient_is_its_output_and_the_shift_gets_none():
     assert np.array(grad_shift).tolist() == [[0.0]]
     grad_neg = mx.grad(lambda a: fast_exp.exp_negated(a).sum())(x)
     assert np.array(grad_neg) == pytest.approx(-np.exp(-np.array(x)), rel=2e-7)
-
-
-@pytest.mark.parametrize(("choice", "device", "system", "native_kernels", "expected"), [
-    ("auto", "cpu", "linux", False, "fused"),    # MLX's baseline exp: a libm call per element
-    ("auto", "cpu", "linux", True, "native"),    # -march=native: as fast end to end as the fused one, one array less
-    ("auto", "gpu", "linux", False, "native"),   # CUDA's exp is fast
-    ("auto", "gpu", "darwin", False, "native"),  # Metal's too
-    ("auto", "cpu", "darwin", False, "native"),  # macOS's CPU kernels are vectorised by Accelerate
-    ("fused", "gpu", "darwin", False, "fused"),  # a choice is kept
-    ("native", "cpu", "linux", False, "native"),
-])
-def test_auto_picks_the_exp_that_measured_faster(choice, device, system, native_kernels, expected):
-    assert resolved_mlx_exp(RunConfig(mlx_exp=choice), device, system, native_kernels) == expected

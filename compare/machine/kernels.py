@@ -1,0 +1,79 @@
+"""The launcher's side of `auto` for MLX's selectable CPU kernels (common/kernels.py): before the ranks start, the
+candidates are timed once in a child with the ranks' environment (BLAS, kernel build, threads;
+`python -m mlx_impl.kernel_choice`), unless the cache already holds them; the ranks then read the same cached
+choice, and the BLAS line of summary.json, the report and doctor says what was chosen and why:
+`exp: fused (measured: fused 5.5, native 7.3 ns per element)`.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import subprocess
+import sys
+
+from common.config import RunConfig
+from common.errors import UserError
+from common.kernels import CANDIDATES, Identity, KernelCache, describe, fixed_choice, measured_shape
+
+from . import environment as env
+
+PROBE_TIMEOUT_S = 120  # a cold kernel cache builds a few kernels with g++ (0.2-0.8 s each)
+LABELS = {"exp": "exp", "bf16_matmul": "bf16 matmul"}
+HOW = {"exp": {"native": "MLX's own", "fused": "range reduction and a polynomial, vectorised by mx.compile"},
+       "bf16_matmul": {"native": "MLX's own bf16 kernel", "fp32": "exact upcast, sgemm, rounded once"}}
+
+
+def mlx_device(cfg: RunConfig) -> str:
+    """The device the MLX ranks compute on, as asked: a CPU unless a GPU is named (or on a Mac, by default)."""
+    gpu = cfg.device in ("gpu", "cuda", "mps") or (sys.platform == "darwin" and cfg.device == "auto")
+    return "gpu" if gpu else "cpu"
+
+
+def described(cfg: RunConfig, kernel: str) -> str:
+    """What `kernel` computes with in this run's MLX ranks, with the timings behind an `auto` choice."""
+    fixed = fixed_choice(cfg, kernel, mlx_device(cfg), sys.platform)
+    if fixed is not None:
+        return f"{fixed} ({HOW[kernel][fixed]})"
+    try:
+        shape = measured_shape(cfg, kernel, cfg.model_spec())
+    except UserError:
+        return "auto (measured by the ranks)"
+    entry = _measured(cfg.mlx_cpu_jit, str(cfg.cache_path), cfg.mlx_blas, cfg.threads_per_rank, bool(cfg.hostfile),
+                      kernel, shape)
+    if "error" in entry:
+        return f"auto (measured by the ranks; here: {entry['error']})"
+    return describe(kernel, entry["choice"], entry)
+
+
+@functools.lru_cache(maxsize=32)
+def _measured(cpu_jit: str, cache_dir: str, blas: str, threads: int, remote: bool, kernel: str,
+              shape: tuple[int, ...]) -> dict:
+    """The cache entry of `kernel` at `shape`; timed in a child with the ranks' environment on a miss."""
+    entry = KernelCache(cache_dir).get(Identity.here(cpu_jit), kernel, shape)
+    if entry is not None:
+        return entry
+    extra = {**env.thread_env(threads), **env.mlx_blas(blas)[1]}
+    if not remote:  # the ranks on this host build their kernels with the wrapper compiler
+        from pathlib import Path
+
+        extra.update(env.mlx_cpu_jit(cpu_jit, Path(cache_dir))[1])
+    extra["DPCOMPARE_CACHE"] = cache_dir  # the child's cache folder (common/config.py default_cache_dir)
+    argv = [sys.executable, "-m", "mlx_impl.kernel_choice", "--mlx-cpu-jit", cpu_jit,
+            "--measure", f"{kernel}={','.join(map(str, shape))}"]
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, env=env.child_env(extra), cwd=env.PROJECT_ROOT,
+                             timeout=PROBE_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return {"error": f"{type(exc).__name__}"}
+    if out.returncode != 0:
+        return {"error": (out.stderr.strip().splitlines() or ["no output"])[-1][:200]}
+    try:
+        return json.loads(out.stdout.strip().splitlines()[-1])[kernel]
+    except (IndexError, KeyError, json.JSONDecodeError):
+        return {"error": f"unreadable output: {out.stdout[-200:]!r}"}
+
+
+def kernels_line(cfg: RunConfig) -> str:
+    """The selectable kernels' part of the BLAS line: `exp: ...` and, in a bfloat16 run, `bf16 matmul: ...`."""
+    kernels = [k for k in CANDIDATES if k != "bf16_matmul" or cfg.dtype == "bfloat16"]
+    return "; ".join(f"{LABELS[k]}: {described(cfg, k)}" for k in kernels)

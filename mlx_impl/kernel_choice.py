@@ -1,0 +1,121 @@
+"""`auto` for MLX's selectable CPU kernels, decided by timing the candidates here (common/kernels.py decides and
+caches, this file times).
+
+- exp (--mlx-exp): the model's own compiled softmax (model._SOFTMAX) with mx.exp and with the fused exp
+  (fast_exp.py), over float32 scores of the run's attention shape: the same kernels the step compiles, so their
+  build is shared with it.
+- bf16 matmul (--mlx-bf16-matmul): x @ W^T in bfloat16 by MLX's own kernel, and the fp32 route (model.matmul:
+  exact upcast, the BLAS's sgemm, one rounding), at the MLP's up-projection shape.
+
+Each candidate runs once to build its kernels, then they alternate and the minimum per call counts; the shapes
+are cut to about a few million elements (a few tens of ms per call at worst), so a measurement takes well under a
+second. The launcher measures first in a child with the ranks' environment (`python -m mlx_impl.kernel_choice`,
+compare/machine/kernels.py) so that every rank reads the same cached choice; a rank that finds none (another
+host) measures itself.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from common.config import RunConfig, default_cache_dir
+from common.kernels import CANDIDATES, Identity, KernelCache, fixed_choice, measured_shape
+from common.model.spec import ModelSpec
+
+from . import model
+
+MAX_EXP_ELEMENTS = 4 * 2**20          # scores cut to about 4M elements (a few ms per call with either exp)
+MAX_MATMUL_MACS = 64 * 2**20          # rows cut to about 64M multiply-adds (13 ms at MLX's own 5 GFLOP/s)
+ROUNDS = 5
+
+
+def _min_time_s(functions: dict, args: tuple) -> dict[str, float]:
+    for f in functions.values():  # build (g++) and warm every candidate first
+        mx.eval(f(*args))
+    best = {name: math.inf for name in functions}
+    for _ in range(ROUNDS):
+        for name, f in functions.items():  # alternating, so a burst of load hits both
+            start = time.perf_counter()
+            mx.eval(f(*args))
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
+def time_exp(shape: tuple[int, ...]) -> dict[str, float]:
+    """ns per element of the model's compiled softmax with each exp, at `shape` (cut to MAX_EXP_ELEMENTS)."""
+    shape = _cut(shape, MAX_EXP_ELEMENTS)
+    scores = mx.array(np.random.default_rng(0).standard_normal(shape).astype(np.float32))
+    mx.eval(scores)
+    best = _min_time_s({kind: model._SOFTMAX[kind] for kind in CANDIDATES["exp"]}, (scores,))
+    return {kind: 1e9 * t / scores.size for kind, t in best.items()}
+
+
+def time_bf16_matmul(shape: tuple[int, ...]) -> dict[str, float]:
+    """ps per multiply-add of a bfloat16 x @ W^T (W float32, cast at use as Linear does) with each
+    route, at (rows, in, out) = `shape`, rows cut to MAX_MATMUL_MACS."""
+    rows, n_in, n_out = shape
+    rows = max(1, min(rows, MAX_MATMUL_MACS // max(1, n_in * n_out)))
+    rng = np.random.default_rng(0)
+    x = mx.array(rng.standard_normal((rows, n_in)).astype(np.float32)).astype(mx.bfloat16)
+    w = mx.array(rng.standard_normal((n_out, n_in)).astype(np.float32))
+    mx.eval(x, w)
+
+    def route(kind: str):
+        return mx.compile(lambda x, w: model.matmul(x, w.astype(x.dtype).T, kind))
+
+    best = _min_time_s({kind: route(kind) for kind in CANDIDATES["bf16_matmul"]}, (x, w))
+    return {kind: 1e12 * t / (rows * n_in * n_out) for kind, t in best.items()}
+
+
+TIMERS = {"exp": time_exp, "bf16_matmul": time_bf16_matmul}
+
+
+def _cut(shape: tuple[int, ...], most: int) -> tuple[int, ...]:
+    """`shape` with its leading axes shrunk until it holds at most `most` elements (the rows stay whole)."""
+    dims = list(shape)
+    for axis in range(len(dims) - 1):
+        while dims[axis] > 1 and math.prod(dims) > most:
+            dims[axis] = (dims[axis] + 1) // 2
+    return tuple(dims)
+
+
+def measured(cache_root: Path, identity: Identity, kernel: str, shape: tuple[int, ...]) -> dict:
+    """The cache entry of `kernel` at `shape` (its timings and choice); timed here and stored on a miss."""
+    cache = KernelCache(cache_root)
+    return cache.get(identity, kernel, shape) or cache.put(identity, kernel, shape, TIMERS[kernel](shape))
+
+
+def choice_for(cfg: RunConfig, spec: ModelSpec, kernel: str) -> tuple[str, dict | None]:
+    """(the candidate `kernel` runs with in this process, its cache entry or None where nothing was measured)."""
+    device = "gpu" if mx.default_device() == mx.gpu else "cpu"
+    chosen = fixed_choice(cfg, kernel, device, sys.platform)
+    if chosen is not None:
+        return chosen, None
+    entry = measured(cfg.cache_path, Identity.here(cfg.mlx_cpu_jit), kernel, measured_shape(cfg, kernel, spec))
+    return entry["choice"], entry
+
+
+def main() -> int:
+    """The launcher's child: `--measure KERNEL=D1,D2,...` for each kernel, cached in $DPCOMPARE_CACHE (the
+    run's cache folder); one JSON line {kernel: entry} out."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mlx-cpu-jit", default="auto")
+    parser.add_argument("--measure", action="append", default=[], metavar="KERNEL=SHAPE")
+    args = parser.parse_args()
+    identity, out = Identity.here(args.mlx_cpu_jit), {}
+    for item in args.measure:
+        kernel, _, dims = item.partition("=")
+        out[kernel] = measured(default_cache_dir(), identity, kernel, tuple(int(d) for d in dims.split(",")))
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""`auto` for MLX's selectable kernels (--mlx-exp, --mlx-bf16-matmul): the faster of the timings it is handed,
+cached per machine, MLX version, kernel build and shape, and measured again when MLX changes. Nothing here times
+anything: the timings are handed in."""
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from common.config import RunConfig
+from common.kernels import CANDIDATES, Identity, KernelCache, describe, faster, fixed_choice, measured_shape
+from common.model.spec import preset
+
+
+@pytest.mark.parametrize(("timings", "expected"), [
+    ({"native": 6.7, "fused": 5.3}, "fused"),
+    ({"native": 4.9, "fused": 7.2}, "native"),
+    ({"native": 365.0, "fp32": 34.5}, "fp32"),
+    ({"native": 5.0, "fused": 5.0}, "native"),  # a tie keeps MLX's own, listed first
+])
+def test_auto_picks_the_faster_of_the_timings_it_is_handed(timings, expected):
+    assert faster(timings) == expected
+
+
+@pytest.mark.parametrize(("cfg", "kernel", "device", "system", "expected"), [
+    (RunConfig(), "exp", "cpu", "linux", None),                                   # auto on a Linux CPU: measure
+    (RunConfig(dtype="bfloat16"), "bf16_matmul", "cpu", "linux", None),
+    (RunConfig(), "bf16_matmul", "cpu", "linux", "native"),                       # no bf16 matmul in a float32 run
+    (RunConfig(), "exp", "gpu", "linux", "native"),                               # CUDA: MLX's own
+    (RunConfig(dtype="bfloat16"), "bf16_matmul", "gpu", "darwin", "native"),      # Metal untouched
+    (RunConfig(), "exp", "cpu", "darwin", "native"),                              # macOS: Accelerate
+    (RunConfig(mlx_exp="fused"), "exp", "gpu", "darwin", "fused"),                # a named choice is kept
+    (RunConfig(mlx_exp="native"), "exp", "cpu", "linux", "native"),
+    (RunConfig(mlx_bf16_matmul="fp32"), "bf16_matmul", "cpu", "linux", "fp32"),
+])
+def test_a_named_choice_is_kept_and_auto_measures_only_on_a_linux_cpu(cfg, kernel, device, system, expected):
+    assert fixed_choice(cfg, kernel, device, system) == expected
+
+
+def test_the_measured_shapes_are_the_runs_own():
+    cfg, spec = RunConfig(seq_len=128, global_batch_size=8), preset("tiny")
+    assert measured_shape(cfg, "exp", spec) == (8, spec.n_heads, 128, 128)
+    assert measured_shape(cfg, "bf16_matmul", spec) == (8 * 128, spec.dim, spec.ffn_dim)
+
+
+def test_a_cached_choice_is_reused_and_dropped_when_the_mlx_version_changes(tmp_path):
+    cache, shape = KernelCache(tmp_path), (8, 4, 128, 128)
+    old, new = Identity("cpu0", "0.32.4", "native-r1"), Identity("cpu0", "0.33.0", "native-r1")
+    assert cache.get(old, "exp", shape) is None
+    stored = cache.put(old, "exp", shape, {"native": 6.7, "fused": 5.3})
+    assert stored["choice"] == "fused"
+    assert cache.get(old, "exp", shape) == stored                      # reused
+    assert cache.get(old, "exp", (16, 4, 128, 128)) is None            # another shape is measured on its own
+    assert cache.get(Identity("cpu1", "0.32.4", "native-r1"), "exp", shape) is None  # another CPU
+    assert cache.get(Identity("cpu0", "0.32.4", "baseline-r1"), "exp", shape) is None  # another kernel build
+    assert cache.get(new, "exp", shape) is None                        # a new MLX measures again
+    cache.put(new, "exp", shape, {"native": 4.0, "fused": 5.0})
+    assert cache.get(new, "exp", shape)["choice"] == "native"
+    assert cache.get(old, "exp", shape) is None                        # and the old version's entries are gone
+
+
+def test_the_launcher_reads_the_cache_without_starting_a_measurement(tmp_path, monkeypatch):
+    from compare.machine import kernels
+
+    cfg = RunConfig(cache_dir=str(tmp_path), dtype="bfloat16", device="cpu")
+    for kernel, timings in (("exp", {"native": 9.8, "fused": 3.1}), ("bf16_matmul", {"native": 365.0, "fp32": 34.5})):
+        KernelCache(tmp_path).put(Identity.here(cfg.mlx_cpu_jit), kernel, measured_shape(cfg, kernel, cfg.model_spec()),
+                                  timings)
+
+    def no_child(*args, **kwargs):
+        raise AssertionError("a cached choice started a measurement")
+
+    monkeypatch.setattr(subprocess, "run", no_child)
+    kernels._measured.cache_clear()
+    line = kernels.kernels_line(cfg)
+    if fixed_choice(cfg, "exp", "cpu", __import__("sys").platform) is None:  # a Linux CPU: auto measured
+        assert line == ("exp: fused (measured: fused 3.1, native 9.8 ns per element); "
+                        "bf16 matmul: fp32 (measured: fp32 34.5, native 365 ps per multiply-add)")
+    else:
+        assert line.startswith("exp: native")
+
+
+def test_the_description_names_the_choice_first_then_the_other_timings():
+    entry = {"choice": "fused", "timings": {"native": 9.8, "fused": 3.1}}
+    assert describe("exp", "fused", entry) == "fused (measured: fused 3.1, native 9.8 ns per element)"
+    assert describe("exp", "native", None) == "native"
+    assert set(CANDIDATES) == {"exp", "bf16_matmul"}
