@@ -25,6 +25,7 @@ from common.errors import UserError
 from common.data.sampler import check_divisible
 from common.data.sequences import MASK_PROMPT_NEEDS_RECORDS
 from common.model.lora import Adapters, Trained, trained_parameters_of
+from common.model.quantize import BaseStorage, base_storage_of, folder_quantization
 from common.model.spec import ModelSpec, preset
 from common.parallel.pipeline import SCHEDULES as PP_SCHEDULES
 from common.parallel.pipeline import default_pieces
@@ -93,6 +94,10 @@ class RunConfig:
     lora_alpha: float = 0.0
     lora_targets: str = ""
     lora_layers: int = 0
+    # QLoRA (common/model/quantize.py): the frozen base in quantize_base bits (0: float32), quantize_group_size
+    # weights to a scale and bias; an --init-from folder written by mlx_lm.convert -q brings its own.
+    quantize_base: int = 0
+    quantize_group_size: int = 64
     seq_len: int = 128
     cache_dir: str = ""
     # Batch: the global batch is split over world_size ranks x grad_accum micro-steps.
@@ -270,6 +275,12 @@ class RunConfig:
         return trained_parameters_of(self.lora_rank, self.lora_alpha, self.lora_targets, self.lora_layers)
 
     @property
+    def base_storage(self) -> BaseStorage:
+        """How the frozen base is stored (common/model/quantize.py): float32, or quantized (flags or the folder's)."""
+        folder = folder_quantization(Path(self.init_from)) if self.init_from else None
+        return folder or base_storage_of(self.quantize_base, self.quantize_group_size)
+
+    @property
     def layout(self) -> Layout:
         """The strategy's object (common/parallel/): one strategy over every rank, or the mesh's composition."""
         return layout(self.strategy, self.world_size, self.mesh)
@@ -364,6 +375,14 @@ class RunConfig:
                 raise UserError("--checkpoint-format sharded does not hold LoRA adapters yet; use hf (the "
                                 "adapters are small: rank 0 writes them whole)")
             trained.check(self.model_spec(vocab_size=None))
+        storage = self.base_storage
+        if storage.bits < 32 and not isinstance(trained, Adapters):
+            raise UserError("a quantized base is frozen: --quantize-base (or a quantized --init-from folder) needs "
+                            "--lora-rank R, as QLoRA trains adapters beside it")
+        if self.quantize_base and self.init_from and storage != base_storage_of(self.quantize_base,
+                                                                                self.quantize_group_size):
+            raise UserError(f"--init-from {self.init_from} is already quantized ({storage.bits} bits, group size "
+                            f"{storage.group_size}); drop --quantize-base or pass those values")
 
 
 def _choice(name: str, value, allowed, where: str = "") -> None:

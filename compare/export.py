@@ -34,7 +34,7 @@ def write_weights(ckpt: Path, dest: Path) -> None:
 def export_run(run_dir: Path, out: Path, adapters_kind: str | None = None) -> Path:
     """Write the folder; returns the checkpoint it came from. A LoRA run (compare/lora_export.py): the fused
     folder, or with `adapters_kind` the adapters in mlx-lm's or peft's layout and the base beside them."""
-    from .lora_export import adapters_of, check_kind, write_adapters, write_base, write_fused
+    from .lora_export import adapters_of, base_config, check_kind, write_adapters, write_base, write_fused
 
     run_dir, out = Path(run_dir), Path(out)
     ckpt = latest_checkpoint(run_dir)
@@ -49,12 +49,13 @@ def export_run(run_dir: Path, out: Path, adapters_kind: str | None = None) -> Pa
     elif adapters_kind is None:
         write_folder(plan, ckpt, out, lambda dest: write_fused(plan, adapters, ckpt, dest))
     else:
-        write_folder(plan, ckpt, out / "base", lambda dest: write_base(plan, dest))
+        write_folder(plan, ckpt, out / "base", lambda dest: write_base(plan, dest, adapters_kind),
+                     base_config(plan, adapters_kind))
         write_adapters(plan, adapters, ckpt, out, adapters_kind)
     return ckpt
 
 
-def write_folder(plan: RunPlan, ckpt: Path, out: Path, write_model) -> None:
+def write_folder(plan: RunPlan, ckpt: Path, out: Path, write_model, extra_config: dict | None = None) -> None:
     """An HF Llama folder: the checkpoint's config.json, `write_model(out / "model.safetensors")`, the run's
     tokenizer and a greedy generation config."""
     from tokenizers import Tokenizer
@@ -66,7 +67,7 @@ def write_folder(plan: RunPlan, ckpt: Path, out: Path, write_model) -> None:
     # the EOS that separates documents also stands for BOS, as in GPT-2.
     bos_id = eos_id if meta.get("bos_id") is None else int(meta["bos_id"])
     eos, pad, bos = (tokenizer.id_to_token(i) for i in (eos_id, pad_id, bos_id))
-    config = json.loads((ckpt / "config.json").read_text())
+    config = {**json.loads((ckpt / "config.json").read_text()), **(extra_config or {})}
     out.mkdir(parents=True, exist_ok=True)
     write_model(out / "model.safetensors")
     ids = {"bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": pad_id}

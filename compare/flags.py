@@ -39,6 +39,9 @@ RUN_FLAGS = [
     ("--lora-targets", str, "LoRA's modules, HF names: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj "
                             "(default q_proj,v_proj)"),
     ("--lora-layers", int, "LoRA on the last K blocks only (default 0: every block)"),
+    ("--quantize-base", int, "QLoRA: hold the frozen base in 4 or 8 bits, MLX's affine quantization (default 0: "
+                             "float32; needs --lora-rank; docs/finetuning.md)"),
+    ("--quantize-group-size", int, "weights sharing one scale and bias in a quantized base: 32, 64 (default) or 128"),
     ("--strategy", str, "ddp (replicated), fsdp (sharded), tp (tensor parallel) or pp (pipeline)"),
     ("--mesh", str, "strategies composed over named axes, AXIS=SIZE,... with axes dp, fsdp, tp, pp (dp=2,tp=2; their "
                     "product is the rank count); laid out pp outermost, tp innermost (docs/strategies.md)"),

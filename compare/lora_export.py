@@ -10,7 +10,8 @@ A LoRA checkpoint holds the adapters and their moments; the frozen base is the r
   adapter_config.json (`fine_tune_type`, `num_layers`, `lora_parameters`: rank, scale, dropout, keys), for
   `mlx_lm.generate --model DIR/base --adapter-path DIR`;
 with the base beside the adapters as DIR/base, an HF folder with the run's tokenizer, so each command above works
-from DIR alone. Tensors are read and written one at a time.
+from DIR alone. A quantized base (QLoRA, common/model/quantize.py) stays in MLX's layout for mlx-lm, and is
+dequantized (float32 s * q + b, the values the run computed on) for peft and in the fused folder. Tensors are read and written one at a time.
 """
 from __future__ import annotations
 
@@ -22,10 +23,11 @@ from typing import Callable
 import numpy as np
 
 from common.checkpoint.sharded import write_safetensors
-from common.checkpoint.tensorsource import SafetensorsSource
+from common.checkpoint.tensorsource import SafetensorsSource, TensorSource
 from common.errors import UserError
 from common.fsutil import atomic_write_text
 from common.model.lora import TARGET_PATHS, Adapters
+from common.model.quantize import DequantizedSource, Quantization
 from common.runplan import RunPlan
 
 ADAPTER_FORMATS = ("mlx-lm", "peft")
@@ -39,7 +41,7 @@ def adapters_of(run_dir: Path) -> tuple[RunPlan, Adapters | None]:
 
 def fused_weights(plan: RunPlan, adapters: Adapters, ckpt: Path) -> tuple[dict[str, tuple], Callable[[str], np.ndarray]]:
     """(the HF folder's shapes, read(name)): the base's tensors, each adapted one with scale * B A added."""
-    base = SafetensorsSource(Path(plan.seed_checkpoint) / "model.safetensors")
+    base = base_source(plan)
     lora = SafetensorsSource(ckpt / "model.safetensors")
     modules = set(adapters.modules(plan.spec))
 
@@ -59,9 +61,29 @@ def write_fused(plan: RunPlan, adapters: Adapters, ckpt: Path, dest: Path) -> No
     write_safetensors(dest, shapes, read, metadata={"format": "pt"})
 
 
-def write_base(plan: RunPlan, dest: Path) -> None:
-    """The frozen base as the run read it: its seed (or --init-from) file, copied."""
-    shutil.copy2(Path(plan.seed_checkpoint) / "model.safetensors", dest)
+def base_source(plan: RunPlan) -> TensorSource:
+    """The frozen base as float32 HF tensors: the seed (or --init-from) file, dequantized where it is quantized."""
+    base = SafetensorsSource(Path(plan.seed_checkpoint) / "model.safetensors")
+    storage = plan.config.base_storage
+    return DequantizedSource(base, storage, plan.spec) if isinstance(storage, Quantization) else base
+
+
+def write_base(plan: RunPlan, dest: Path, kind: str) -> None:
+    """The frozen base as the run read it, its seed (or --init-from) file copied; a quantized base stays quantized
+    for mlx-lm (which reads MLX's layout), and is written dequantized for peft (transformers does not)."""
+    if kind == "peft" and isinstance(plan.config.base_storage, Quantization):
+        base = base_source(plan)
+        write_safetensors(dest, {n: base.shape(n) for n in base.names()}, base.read, metadata={"format": "pt"})
+    else:
+        shutil.copy2(Path(plan.seed_checkpoint) / "model.safetensors", dest)
+
+
+def base_config(plan: RunPlan, kind: str) -> dict:
+    """What the base folder's config.json adds to the checkpoint's: mlx-lm's `quantization` for a quantized base."""
+    storage = plan.config.base_storage
+    if kind == "mlx-lm" and isinstance(storage, Quantization):
+        return {"quantization": storage.describe(), "quantization_config": storage.describe()}
+    return {}
 
 
 def write_adapters(plan: RunPlan, adapters: Adapters, ckpt: Path, out: Path, kind: str) -> None:

@@ -45,6 +45,7 @@ from .fsdp import Sharding
 from .grads import clip_by_norm
 from .load import read_local
 from .lora import attach
+from .quantized import quantize_base
 from .mesh import mesh_strategy
 from .kernel_choice import choice_for
 from .microsteps import Grads, Losses, StepFunctions
@@ -104,6 +105,7 @@ class Trainer:
         set_exp(choice_for(cfg, spec, "exp")[0])
         set_bf16_matmul(choice_for(cfg, spec, "bf16_matmul")[0])
         self.model = Llama(spec, compute_dtype=cfg.dtype)
+        quantize_base(self.model, cfg.base_storage, spec)  # the frozen base's storage (quantized.py)
         # What trains (common/model/lora.py): every parameter, or LoRA's adapters with the rest frozen (lora.py).
         attach(self.model, cfg.trained, spec)
         self.state_shapes = cfg.trained.state_shapes(spec)  # the state a checkpoint holds, under HF names

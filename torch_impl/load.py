@@ -24,6 +24,8 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 def read_local(source: TensorSource, name: str, like: torch.Tensor, local_index) -> torch.Tensor:
     """This rank's slice of `name`, as a CPU tensor of the shape `like` holds locally."""
     value = source.read(name, local_index(name, source.shape(name)))
+    if value.dtype == np.uint32:  # a quantized base's packed words (quantized.py): the same bits, as torch's int32
+        value = value.view(np.int32)
     if value.shape != tuple(local(like).shape):
         raise AssertionError(f"{name}: read {value.shape}, this rank holds {tuple(local(like).shape)}")
     return torch.from_numpy(np.ascontiguousarray(value))

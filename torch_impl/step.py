@@ -38,6 +38,7 @@ from .ddp import Replicated
 from .grads import clip_by_norm
 from .load import filled_like, read_local
 from .lora import attach
+from .quantized import quantize_base
 from .microsteps import Grads, StepFunctions, wait_for
 from .model import Llama, cross_entropy, load_weights, token_loss_sum  # noqa: F401 (diagnose, tests)
 from .opclasses import Workloads, workloads
@@ -115,6 +116,7 @@ class Trainer:
         # part from the source (torch_impl/load.py), so a sharded rank never holds the whole model.
         with torch.device("meta"):
             self.model = Llama(spec, compute_dtype=cfg.dtype)
+            quantize_base(self.model, cfg.base_storage, spec)  # the frozen base's storage (quantized.py)
             # What trains (common/model/lora.py): every parameter, or LoRA's adapters with the rest frozen (lora.py).
             attach(self.model, cfg.trained, spec)
         self.state_shapes = cfg.trained.state_shapes(spec)  # the state a checkpoint holds, under HF names

@@ -35,7 +35,8 @@ class TensorSource(Protocol):
 
 
 def _as_float32(array: np.ndarray) -> np.ndarray:
-    return array if array.dtype == np.float32 else array.astype(np.float32)
+    """Floats read as float32 (bf16 and fp16 exactly); a quantized base's packed uint32 words stay as they are."""
+    return array if array.dtype in (np.float32, np.uint32) else array.astype(np.float32)
 
 
 class DictSource:

@@ -221,8 +221,8 @@ def start_trainer(plan: RunPlan, run_dir: Path, world: World, trainer_cls: Train
     else:
         weights = DictSource(trained.initial_values(spec, cfg.seed))
     if frozen_base(cfg, spec):
-        base = seed_source(plan)
-        check_source(spec, base, str(base.path))
+        base = seed_source(plan)  # float32, or quantized (common/model/quantize.py): its tensors as stored
+        check_source(spec, base, str(base.path), expected=cfg.base_storage.base_shapes(spec))
         weights = UnionSource(weights, base)
     elif resume_from is None:
         weights = seed_source(plan)

@@ -74,11 +74,29 @@ def prepare_inputs(cfg: RunConfig) -> Inputs:
     view = SequenceView(cache.split("train"), cfg.seq_len, cfg.sequence, mask_prompt=cfg.mask_prompt)
     GlobalSampler(view.num_samples, cfg.global_batch_size, cfg.seed)  # fails early when data is too small
     seed_dir = Path(cfg.init_from) if cfg.init_from else seed_checkpoint(spec, cfg.seed, cfg.cache_path)
-    if cfg.init_from:  # the spec is the folder's (RunConfig.model_spec); its tensors must fit it
-        from common.model.weights import load_pretrained
-
-        load_pretrained(seed_dir)
+    seed_dir = base_folder(seed_dir, spec, cfg)
     return Inputs(token_cache=Path(cache.path), spec=spec, seed_checkpoint=seed_dir, cache_meta=cache.meta)
+
+
+def base_folder(seed_dir: Path, spec: ModelSpec, cfg: RunConfig) -> Path:
+    """The folder every rank reads the base from, its tensors checked against the spec from their headers: the
+    seed or --init-from folder, or (--quantize-base) that folder quantized once into the cache."""
+    from common.checkpoint.tensorsource import SafetensorsSource, check_source
+    from common.model.quantize import folder_quantization, quantized_seed
+    from common.model.weights import load_pretrained
+
+    storage = cfg.base_storage
+    if folder_quantization(seed_dir) is None:
+        if cfg.init_from:  # the spec is the folder's (RunConfig.model_spec); its tensors must fit it
+            load_pretrained(seed_dir)
+        if not storage.modules(spec):
+            return seed_dir
+        seed_dir = quantized_seed(seed_dir, spec, storage, cfg.cache_path)
+    weights = seed_dir / "model.safetensors"
+    if not weights.is_file():
+        raise UserError(f"{weights} not found: expected a quantized Llama folder (mlx_lm.convert -q writes one)")
+    check_source(spec, SafetensorsSource(weights), str(weights), expected=storage.base_shapes(spec))
+    return seed_dir
 
 
 def seed_checkpoint(spec: ModelSpec, seed: int, cache_dir: Path) -> Path:
@@ -332,6 +350,7 @@ def summarize(cfg: RunConfig, run_dir: Path, argv: list[str], blas: str, wall_s:
         # What trains (common/model/lora.py: None = every parameter; else LoRA's rank, alpha, scale, targets, layers)
         # and how the step's loss is normalized (common/train/normalization.py).
         "adapters": cfg.trained.describe(), "loss_normalization": cfg.loss_normalization,
+        "base_quantization": cfg.base_storage.describe(),  # None: a float32 base (common/model/quantize.py)
         "state_bytes": {part: [ranks.get(r, {}).get("state_bytes", {}).get(part) for r in range(world)]
                         for part in ("params", "grads", "optimizer")},
         # Bytes given to all-reduce per step: counted in the step's collectives, and from the shapes.

@@ -14,7 +14,8 @@ def adapter_blocks(rows: list[dict]) -> list[tuple]:
                "frozen base MB/rank", "tokens/s", "peak RSS MB/rank")
     return [("h2", "What trains"),
             ("p", "LoRA runs train adapters beside a frozen base: only the adapters have gradients and AdamW state, and "
-                  "only they are all-reduced (docs/finetuning.md). Parameters are float32, 4 bytes each."),
+                  "only they are all-reduced (docs/finetuning.md). Parameters are float32, 4 bytes each; a quantized "
+                  "base (QLoRA) holds its packed words, scales and biases, the bytes each framework's ranks read."),
             ("table", headers, [adapter_cells(r) for r in rows])]
 
 
@@ -28,6 +29,8 @@ def adapter_cells(r: dict) -> tuple:
     wire = "–" if comm is None else f"{comm:,} B" + ("" if estimate is None else f" ({estimate:,})")
     what = (f"LoRA r={a['rank']} alpha={a['alpha']:g} on {','.join(a['targets'])}"
             + (f", last {a['layers']} blocks" if a.get("layers") else "")) if a else "every parameter"
+    if q := r.get("base_quantization"):  # QLoRA: the base's storage beside its bytes
+        what += f"; {q['bits']}-bit base, groups of {q['group_size']}"
     rss = [m for m in r.get("peak_rss_mb") or [] if m is not None]
     return (r["label"], what, r.get("loss_normalization") or "global-tokens", trained, wire, base,
             "–" if r.get("tokens_per_s") is None else f"{r['tokens_per_s']:,.0f}",

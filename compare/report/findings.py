@@ -58,6 +58,7 @@ def run_row(run: RunData, parity: dict, peaks: "PeakFinder") -> dict:
         # What trains (None: every parameter; LoRA's adapters) and how the loss is normalized; the bytes each rank
         # read at its start (weights, the frozen base included): compare/report/adapters.py
         "adapters": s.get("adapters"), "loss_normalization": s.get("loss_normalization"),
+        "base_quantization": s.get("base_quantization"),
         "weights_mb_read": [None if b is None else b / MB for b in s.get("weights_bytes_read") or []],
         "reduce_scatter": s.get("reduce_scatter"),
         "link": s.get("link"),  # the path the ranks talked over, emulated or loopback (docs/links.md)
