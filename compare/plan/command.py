@@ -51,12 +51,19 @@ def parse_strategies(text: str) -> list[str]:
 
 
 def run_plan(args) -> int:
-    run_dir = Path(args.from_run)
-    summary, spec = read_run(run_dir)
+    from_runs = args.from_run if isinstance(args.from_run, list) else [args.from_run]
     world_sizes = parse_ints(args.nproc, "nproc")
     strategies = parse_strategies(args.strategies)
     if args.device_memory_gb is not None and not (math.isfinite(args.device_memory_gb) and args.device_memory_gb > 0):
         raise UserError(f"--device-memory-gb must be a positive number, got {args.device_memory_gb}")
+    if getattr(args, "model", None):  # a model the run did not train: compare/plan/model_plan.py
+        from compare.plan.model_plan import model_plan
+
+        return model_plan(args, from_runs, world_sizes, strategies)
+    if len(from_runs) > 1:
+        raise UserError("several --from runs are read with --model (one run per framework); without it give one")
+    run_dir = Path(from_runs[0])
+    summary, spec = read_run(run_dir)
     # Each layout is predicted on the backend it would run on (an N=1 run ran on none; MLX's meshes split on
     # mpi, its one-axis layouts run on ring), over the link as that backend sees it (a --fabric file's entry,
     # or its loopback figures).

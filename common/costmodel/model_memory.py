@@ -1,0 +1,84 @@
+"""Memory per rank of a model nobody trained here, full or LoRA, on a float32 or quantized base (`dpcompare plan
+--model`, and `dpcompare run`'s warning before it starts a run that would not fit).
+
+The parts, each predicted (the framework factors are memory.py's, fitted on measured runs):
+
+    weights     the base the rank holds (its share under fsdp, tp and pp; a quantized base's packed words, scales
+                and biases: common/model/quantize.py) plus LoRA's adapters, float32
+    gradients   float32, of what trains on the rank (the adapters alone under LoRA)
+    optimizer   AdamW's two float32 moments of what trains
+    activations one micro-batch's saved tensors (the layout's count, memory.py's factor); under LoRA on the last k
+                blocks only those blocks keep theirs (the blocks below run without a graph)
+    gathered    whole parameters held beside the shards (fsdp)
+    update      the copies AdamW's update holds (MLX writes new parameters before the old are freed)
+    reduce      ddp's gradient reduction copies (MLX's grouped all-reduce)
+    dequantize  torch's quantized product dequantizes a matrix at a time in float32 (the codes, their float
+                copy, the product): three times the largest quantized matrix; MLX's kernel reads the packed words
+    overhead    the framework's own: the rank's fixed footprint and workspace, taken from the calibration run
+                (its peak less the parts above at its own shapes), or memory.py's constants without one
+"""
+from __future__ import annotations
+
+import math
+import os
+
+from common.costmodel.memory import ACTIVATION_FACTOR, REDUCE_FACTOR, UPDATE_FACTOR, WORKSPACE_BYTES
+from common.costmodel.workload import Workload
+from common.model.lora import Adapters, FullModel, Trained
+from common.model.weights import parameter_shapes
+from common.parallel.layout import MASTER_BYTES, Layout
+
+# A rank's footprint before its model exists, where no run measured it (summary.json's fixed_rss_bytes on the
+# reference machine: MLX about 54 MB at N=1 and 89 MB at N=2, torch about 370 MB; docs/scaling.md).
+FIXED_BYTES = {"mlx": 60e6, "torch": 370e6}
+DEQUANTIZE_COPIES = {"mlx": 0, "torch": 3}
+PARTS = ("weights", "gradients", "optimizer", "activations", "gathered", "update", "reduce", "dequantize")
+
+
+def model_memory(lay: Layout, w: Workload, trained: Trained = FullModel(), storage=None,
+                 overhead_bytes: float | None = None) -> dict:
+    """{part: bytes per rank (module docstring), "overhead", "total"} of workload `w` under layout `lay`."""
+    fw = w.framework if w.framework in WORKSPACE_BYTES else "torch"
+    spec = w.spec
+    lora = isinstance(trained, Adapters)
+    local_share = lay.local_parameters(spec, fw) / sum(math.prod(s) for s in parameter_shapes(spec).values())
+    bits = getattr(storage, "bits", 32) if storage is not None else 32
+    base = storage.base_bytes(spec) if bits < 32 else sum(math.prod(s) for s in parameter_shapes(spec).values()) * 4
+    trained_elements = trained.trained_parameters(spec) * (1.0 if lora else local_share)
+    state = trained_elements * MASTER_BYTES
+    activations = lay.activation_bytes(w)
+    if isinstance(trained, Adapters):  # the blocks below the lowest adapted one keep nothing for a backward that never runs
+        tokens = w.micro_rows(lay.dp_size) * w.seq_len
+        logits = tokens * 2 * spec.vocab_size * 4
+        activations = logits + (activations - logits) * len(trained.blocks(spec)) / spec.n_layers
+    largest = max((math.prod(s) for s in parameter_shapes(spec).values() if len(s) == 2), default=0)
+    parts = {
+        "weights": base * local_share + (state if lora else 0.0),
+        "gradients": state,
+        "optimizer": 2 * state,
+        "activations": activations * ACTIVATION_FACTOR[fw],
+        "gathered": lay.gathered_bytes(w),
+        "update": state * UPDATE_FACTOR[fw],
+        "reduce": state * REDUCE_FACTOR[fw] if lay.copies_gradients_for_reduce else 0.0,
+        "dequantize": DEQUANTIZE_COPIES[fw] * largest * 4 if bits < 32 else 0.0,
+    }
+    overhead = FIXED_BYTES[fw] + WORKSPACE_BYTES[fw] if overhead_bytes is None else overhead_bytes
+    return {**parts, "overhead": overhead, "total": sum(parts.values()) + overhead}
+
+
+def overhead_from_run(lay: Layout, w: Workload, peak_bytes: float | None, trained: Trained = FullModel(),
+                      storage=None) -> float | None:
+    """The framework's own memory as the calibration run measured it: its peak less the parts at its shapes (so
+    predicting the run itself gives its peak back); None without a measured peak."""
+    if not peak_bytes:
+        return None
+    parts = model_memory(lay, w, trained, storage, 0.0)
+    return max(0.0, peak_bytes - parts["total"])
+
+
+def machine_memory_bytes() -> float | None:
+    """This machine's physical memory, or None where the system does not say."""
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None

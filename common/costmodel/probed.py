@@ -1,0 +1,192 @@
+"""A model nobody trained here, timed by the block probe and turned into a calibration (`dpcompare plan --model`).
+
+The probe ({mlx,torch}_impl/block_probe.py, a subprocess in the run's framework with its threads, BLAS and dtype)
+times one transformer block of the model's real shapes on `rows` sequences of the micro-batch's length: its
+forward, and its forward with the backward a step runs (every gradient; under LoRA the adapters' and the
+activations'); the head (embedding lookup, final norm, head over `vocab_rows` of the vocabulary, cross-entropy)
+the same two ways; and AdamW's update over some elements. `phases` turns them into forward, backward and
+optimizer seconds for one rank doing the whole global batch, as a Calibration holds them:
+
+    forward   = rows_scale x (L x block_forward + head_forward x V / vocab_rows)
+    fwd + bwd = rows_scale x (K x block_step + (L - K) x block_forward + head_step x V / vocab_rows)
+    optimizer = optimizer_s / optimizer_elements x trained parameters
+
+rows_scale = global batch / rows (time taken as linear in the rows at a fixed sequence length); K the blocks with
+something to train at or below them (every block, or under LoRA on the last k blocks, k: the blocks below need
+their forward only). `transfer` then takes from the calibration run what the probe does not see: the probe run
+on the run's own model gives the run's forward + backward and update as the probe would time them; what the run
+measured beyond that is a fixed cost per step (the step's own host work: the loss, the gradient scaling, the
+data), added as is; where the run measured less (the whole step compiled tighter than its parts), the ratio
+scales the new model's figures instead. `other` (host work per step), the link fits and the host work per byte
+stay the run's. docs/scaling.md ("A model you have not trained") says the same with the measured accuracy.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from common.costmodel.calibrate import Calibration
+from common.costmodel.workload import Workload
+from common.errors import UserError
+from common.model.lora import Adapters, FullModel, Trained
+from common.model.spec import ModelSpec
+from common.model.weights import parameter_shapes
+
+RESULT_PREFIX = "dpcompare-block-probe "
+VOCAB_ROWS = 32768          # the head is timed over at most this many vocabulary rows, then scaled by V / rows
+PROBE_FLOPS = 4e10          # rows are cut so that one block's forward + backward is about this many FLOPs (~1 s)
+OPTIMIZER_ELEMENTS = 8 * 2**20
+BUDGET_S = 1.0              # a timing repeats within this many seconds (at least twice)
+
+
+def base_storage(bits: int, group_size: int):
+    """common/model/quantize.py's storage object for `bits` (0: float32); a one-line error where it is absent."""
+    try:
+        from common.model.quantize import base_storage_of
+    except ImportError:
+        if bits:
+            raise UserError("--quantize-base: this checkout has no quantized base (common/model/quantize.py)") \
+                from None
+        return None
+    return base_storage_of(bits, group_size)
+
+
+def storage_bits(storage) -> int:
+    return getattr(storage, "bits", 32) if storage is not None else 32
+
+
+@dataclass(frozen=True)
+class ProbeRequest:
+    """What the probe times: one block of `spec` on `rows` x `seq_len`, the head over `vocab_rows`."""
+    spec: ModelSpec
+    rows: int
+    seq_len: int
+    dtype: str
+    trained: Trained
+    quantize: tuple[int, int] = (0, 64)   # (bits, group size); 0 bits: float32
+    vocab_rows: int = VOCAB_ROWS
+    optimizer_elements: int = OPTIMIZER_ELEMENTS
+    exp: str = "native"
+    budget_s: float = BUDGET_S
+
+    @property
+    def probe_spec(self) -> ModelSpec:
+        return self.spec.with_(n_layers=1, vocab_size=self.vocab_rows)
+
+    @property
+    def storage(self):
+        from common.model.quantize import FullPrecision, base_storage_of
+
+        return base_storage_of(*self.quantize) if self.quantize[0] else FullPrecision()
+
+    def optimizer_tensors(self) -> list[int]:
+        """The update's tensors: the block's largest matrix's size each, optimizer_elements in all."""
+        size = max(math.prod(s) for n, s in parameter_shapes(self.spec.with_(n_layers=1)).items()
+                   if n.startswith("model.layers."))
+        size = max(1, min(size, self.optimizer_elements))
+        return [size] * max(1, self.optimizer_elements // size)
+
+    def to_json(self) -> dict:
+        trained = self.trained.describe() if isinstance(self.trained, Adapters) else None
+        return {"spec": self.spec.to_dict(), "rows": self.rows, "seq_len": self.seq_len, "dtype": self.dtype,
+                "trained": trained, "quantize": list(self.quantize), "vocab_rows": self.vocab_rows,
+                "optimizer_elements": self.optimizer_elements, "exp": self.exp, "budget_s": self.budget_s}
+
+
+def read_request(path: str) -> ProbeRequest:
+    d = json.loads(Path(path).read_text())
+    t = d.get("trained")
+    trained: Trained = FullModel() if not t else Adapters(int(t["rank"]), float(t["alpha"]), tuple(t["targets"]),
+                                                         int(t.get("layers") or 0))
+    return ProbeRequest(ModelSpec.from_dict(d["spec"]), int(d["rows"]), int(d["seq_len"]), d["dtype"], trained,
+                        (int(d["quantize"][0]), int(d["quantize"][1])), int(d["vocab_rows"]),
+                        int(d["optimizer_elements"]), d.get("exp", "native"), float(d.get("budget_s", BUDGET_S)))
+
+
+def block_flops_per_token(spec: ModelSpec, seq_len: int) -> float:
+    """One block's forward + backward FLOPs per token: 6 x its matmul weights + attention's 12 T d."""
+    weights = sum(math.prod(s) for n, s in parameter_shapes(spec.with_(n_layers=1)).items()
+                  if n.startswith("model.layers.") and len(s) == 2)
+    return 6.0 * weights + 12.0 * seq_len * spec.n_heads * spec.head_dim
+
+
+def request_for(w: Workload, trained: Trained, quantize: tuple[int, int], exp: str = "native") -> ProbeRequest:
+    """The probe of workload `w`: a micro-batch's rows (the global batch over grad_accum), cut to about
+    PROBE_FLOPS per block (one row at least)."""
+    micro_rows = max(1, int(w.micro_rows(1)))
+    per_row = block_flops_per_token(w.spec, w.seq_len) * w.seq_len
+    rows = max(1, min(micro_rows, int(PROBE_FLOPS // per_row)))
+    return ProbeRequest(w.spec, rows, w.seq_len, w.dtype, trained, quantize, min(VOCAB_ROWS, w.spec.vocab_size),
+                        min(OPTIMIZER_ELEMENTS, max(trained.trained_parameters(w.spec), 2**16)), exp)
+
+
+@dataclass(frozen=True)
+class Phases:
+    """Forward, backward and optimizer seconds of one rank doing the whole global batch."""
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+
+    @property
+    def compute_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+
+def trained_blocks(trained: Trained, spec: ModelSpec) -> int:
+    """Blocks whose backward runs: every block, or under LoRA from the lowest adapted block up."""
+    return len(trained.blocks(spec)) if isinstance(trained, Adapters) else spec.n_layers
+
+
+def phases(figures: dict, req: ProbeRequest, w: Workload) -> Phases:
+    """The probe's figures (block_forward_s, block_step_s, head_forward_s, head_step_s, optimizer_s,
+    optimizer_elements) as one rank's whole global batch of workload `w` (module docstring)."""
+    scale = w.global_batch_size / req.rows
+    vocab = w.spec.vocab_size / req.vocab_rows
+    layers, k = w.spec.n_layers, trained_blocks(req.trained, w.spec)
+    forward = scale * (layers * figures["block_forward_s"] + vocab * figures["head_forward_s"])
+    total = scale * (k * figures["block_step_s"] + (layers - k) * figures["block_forward_s"]
+                     + vocab * figures["head_step_s"])
+    per_element = figures["optimizer_s"] / max(1, figures["optimizer_elements"])
+    return Phases(forward, max(0.0, total - forward), per_element * req.trained.trained_parameters(w.spec))
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """What the calibration run measured beyond the probe of its own model: a fixed cost per step (seconds) or,
+    where it measured less, a ratio; one each for forward + backward and for the update."""
+    compute_fixed_s: float
+    compute_ratio: float
+    optimizer_fixed_s: float
+    optimizer_ratio: float
+
+    def apply(self, p: Phases) -> Phases:
+        share = p.forward_s / p.compute_s if p.compute_s else 0.5
+        compute = p.compute_s * self.compute_ratio + self.compute_fixed_s
+        return Phases(share * compute, (1 - share) * compute, p.optimizer_s * self.optimizer_ratio
+                      + self.optimizer_fixed_s)
+
+    def to_dict(self) -> dict:
+        return dict(vars(self))
+
+
+def transfer(cal: Calibration, probed_own: Phases) -> Transfer:
+    """The calibration run's phases against the probe of its own model (module docstring)."""
+    measured = cal.forward_s + cal.backward_s
+
+    def split(seen: float, probed: float) -> tuple[float, float]:
+        if probed <= 0:
+            return seen, 1.0
+        return (seen - probed, 1.0) if seen >= probed else (0.0, seen / probed)
+    c_fixed, c_ratio = split(measured, probed_own.compute_s)
+    o_fixed, o_ratio = split(cal.optimizer_s, probed_own.optimizer_s)
+    return Transfer(c_fixed, c_ratio, o_fixed, o_ratio)
+
+
+def calibration_for(cal: Calibration, w: Workload, p: Phases, source: str) -> Calibration:
+    """The run's calibration with model `w`'s probed phases in place of its own: its other, link, overlap, sync
+    overhead and fitted host work kept (they do not depend on the shapes); the memory overhead is the caller's."""
+    step = p.forward_s + p.backward_s + p.optimizer_s + cal.other_s
+    return replace(cal, workload=w, forward_s=p.forward_s, backward_s=p.backward_s, optimizer_s=p.optimizer_s,
+                   step_s=step, source=source, notes=list(cal.notes))

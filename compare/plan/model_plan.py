@@ -1,0 +1,211 @@
+"""`dpcompare plan --from RUN [--from RUN2] --model M`: the step time, tokens/s, scaling and memory per rank of a
+model nobody trained here, per strategy (or mesh), world size and link, in the framework of each run given.
+
+Per framework: the run is calibrated as `plan` calibrates it (compare/plan/command.py), the block probe times the
+run's own model and M in the run's environment (compare/plan/model.py), common/costmodel/probed.py turns the
+figures into M's phases, and the same predict() gives each row; the memory per rank is
+common/costmodel/model_memory.py's (weights, gradients, optimizer, activations, ... and the framework's overhead
+measured on the run), judged against --device-memory-gb (default: this machine's memory), with the cheapest change
+that makes a layout fit where it does not.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from common.costmodel.calibrate import calibrate
+from common.costmodel.fit import fit_host_costs
+from common.costmodel.model_memory import machine_memory_bytes, model_memory, overhead_from_run
+from common.costmodel.probed import calibration_for, phases, request_for, transfer
+from common.errors import UserError
+from common.metrics import write_json
+from common.model.lora import Adapters, FullModel, trained_parameters_of
+from common.parallel import layout
+from compare.plan.links import choose_links, describe_links, links_json, predicted_backend
+from compare.plan.meshes import mesh_plan, mesh_table
+from compare.plan.model import exp_of, resolve_model, run_environment, run_probe, storage_of, trained_of, workload_for
+from compare.plan.runs import cores_shared_by, n1_beside, read_run
+from compare.plan.table import make_plan, table
+
+LORA_FOR_FIT = Adapters(rank=8, alpha=16.0)
+
+
+def run_trained(summary: dict):
+    c = summary.get("config") or {}
+    return trained_parameters_of(int(c.get("lora_rank") or 0), float(c.get("lora_alpha") or 0.0),
+                                 str(c.get("lora_targets") or ""), int(c.get("lora_layers") or 0))
+
+
+def run_quantize(summary: dict) -> tuple[int, int]:
+    c = summary.get("config") or {}
+    return int(c.get("quantize_base") or 0), int(c.get("quantize_group_size") or 64)
+
+
+def frameworks_asked(args, runs: dict) -> list[str]:
+    asked = [f.strip() for f in (args.frameworks or "").split(",") if f.strip()] or list(runs)
+    for fw in asked:
+        if fw not in runs:
+            have = ", ".join(f"{f} ({d})" for f, (d, _, _) in runs.items())
+            raise UserError(f"--model: no {fw} run to calibrate on (given: {have}); the probe times the model in "
+                            f"the run's framework: pass --from a finished {fw} run too")
+    return asked
+
+
+def model_plan(args, from_runs: list[str], world_sizes: list[int], strategies: list[str]) -> int:
+    runs: dict = {}
+    for d in from_runs:
+        summary, spec = read_run(Path(d))
+        fw = summary.get("framework", "torch")
+        if fw in runs:
+            raise UserError(f"two --from runs of {fw} ({runs[fw][0]}, {d}): give one run per framework")
+        runs[fw] = (Path(d), summary, spec)
+    frameworks = frameworks_asked(args, runs)
+    spec, name, folder_storage = resolve_model(args.model, getattr(args, "start_dir", None))
+    trained, storage = trained_of(args), storage_of(args, folder_storage)
+    if isinstance(trained, Adapters):
+        trained.check(spec)
+    gb = args.device_memory_gb or (machine_memory_bytes() or 0) / 1e9 or None
+    limit = gb * 1e9 if gb else None
+    meshes = getattr(args, "meshes", False)
+    notes = []
+    if isinstance(trained, Adapters) and (meshes or strategies != ["ddp"]):
+        notes.append("LoRA trains under ddp only (the strategies that split the model do not split adapters yet): "
+                     "ddp rows only")
+        strategies, meshes = ["ddp"], False
+    rows, report = [], {}
+    for fw in frameworks:
+        run_dir, summary, run_spec = runs[fw]
+        cal = calibrate(summary, run_spec, source=str(run_dir))
+        fit_on = [(d, s, cores_shared_by(s), n1_beside(Path(d), s)) for d in getattr(args, "fit", None) or []
+                  for s in [read_run(Path(d))[0]] if s.get("framework") == fw]
+        if fit_on:
+            cal = fit_host_costs(cal, fit_on)
+        w_run = cal.workload
+        w = workload_for(args, spec, w_run)
+        environment, exp = run_environment(run_dir, summary), exp_of(summary)
+        quantize = (getattr(storage, "bits", 0) if storage is not None else 0, getattr(storage, "group_size", 64))
+        own_req = request_for(w_run, run_trained(summary), run_quantize(summary), exp)
+        req = request_for(w, trained, quantize, exp)
+        own, figures = run_probe(fw, own_req, environment), run_probe(fw, req, environment)
+        moved = transfer(cal, phases(own, own_req, w_run))
+        target = calibration_for(cal, w, moved.apply(phases(figures, req, w)), f"{args.model} probed, from {run_dir}")
+        on_gpu = str(summary.get("device", "")).startswith(("cuda", "gpu", "mps"))
+        peaks = summary.get("peak_mem_bytes" if on_gpu else "peak_rss_bytes") or []
+        run_lay = layout(summary.get("strategy", "ddp"), cal.world_size, (summary.get("config") or {}).get("mesh") or "")
+        overhead = overhead_from_run(run_lay, w_run, max((p for p in peaks if p), default=None), run_trained(summary),
+                                     None)
+        backend = predicted_backend(summary)
+        link, link_how = choose_links(args, summary, backend)
+
+        def runs_on(mesh_text: str, summary=summary) -> tuple:
+            mine = predicted_backend(summary, mesh_text)
+            return mine, choose_links(args, summary, mine)[0]
+        mine = (mesh_plan(target, link, world_sizes, None, runs_on)["rows"] if meshes
+                else make_plan(target, link, strategies, world_sizes, None, backend))
+        for r in mine:
+            r["framework"] = fw
+            if "impossible" not in r:
+                judge(r, w, trained, storage, overhead, limit)
+        for r in mine:
+            if r.get("fits") is False:
+                r["to_fit"] = cheapest_change(r, mine, w, trained, storage, overhead, limit)
+        rows += mine
+        report[fw] = {"from": str(run_dir), "link": links_json(link, link_how), "link_text": describe_links(link, link_how),
+                      "probe": {"model": figures, "run_model": own, "request": req.to_json(),
+                                "run_request": own_req.to_json()},
+                      "transfer": moved.to_dict(), "overhead_bytes": overhead,
+                      "phases": {"forward_s": target.forward_s, "backward_s": target.backward_s,
+                                 "optimizer_s": target.optimizer_s, "other_s": target.other_s}}
+    what = describe_model(name, spec, trained, storage, w)
+    out = Path(args.out) if args.out else Path(from_runs[0]) / "plan"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        write_json(out / "plan.json", {
+            "from": [str(runs[fw][0]) for fw in frameworks], "model": {
+                "name": name, "spec": spec.to_dict(), "trained": trained.describe(),
+                "quantize": storage.describe() if storage is not None else None, "seq_len": w.seq_len,
+                "global_batch_size": w.global_batch_size, "grad_accum": w.grad_accum, "dtype": w.dtype},
+            "device_memory_bytes": limit, "frameworks": report, "predictions": rows, "notes": notes})
+    except OSError as err:
+        raise UserError(f"cannot write the plan into {out}: {err.strerror}") from None
+    print(f"plan for {what}")
+    for fw in frameworks:
+        print(f"\n{fw}: calibrated on {report[fw]['from']}; link {report[fw]['link_text']}")
+        mine = [r for r in rows if r["framework"] == fw]
+        print(mesh_table({"rows": mine, **best_of(mine)}, gb) if meshes else table(mine, gb))
+        for r in mine:
+            if r.get("to_fit"):
+                print(f"  {r.get('label') or r['strategy']} x{r['world_size']} does not fit: {r['to_fit']}")
+    for note in notes:
+        print(f"note: {note}")
+    print(f"\nplan: {out / 'plan.json'}; how the model is probed and what it cannot know: docs/scaling.md")
+    return 0
+
+
+def describe_model(name: str, spec, trained, storage, w) -> str:
+    what = f"{name} ({spec.n_layers} layers, dim {spec.dim}, vocab {spec.vocab_size})"
+    what += ", LoRA rank %d" % trained.rank if isinstance(trained, Adapters) else ", full fine-tune"
+    if storage is not None:
+        what += f" on a {storage.bits}-bit base"
+    return what + f"; seq {w.seq_len}, global batch {w.global_batch_size}, grad accum {w.grad_accum}, {w.dtype}"
+
+
+def best_of(rows: list[dict]) -> dict:
+    best = {}
+    for n in sorted({r["world_size"] for r in rows}):
+        mine = [r for r in rows if r["world_size"] == n]
+        fastest = min(mine, key=lambda r: r["step_s"], default=None)
+        fitting = min((r for r in mine if r["fits"] is not False), key=lambda r: r["step_s"], default=None)
+        best[n] = {"fastest": fastest and fastest["label"], "fastest_fitting": fitting and fitting["label"]}
+    return {"best": best, "refused": {}}
+
+
+def memory_of(r: dict, w, trained, storage, overhead) -> dict:
+    return model_memory(layout(r["strategy"], r["world_size"], r.get("mesh") or ""), w, trained, storage, overhead)
+
+
+def judge(r: dict, w, trained, storage, overhead, limit) -> None:
+    """The row's memory as model_memory predicts it, whether it fits `limit`, and the bottleneck if it does not."""
+    memory = memory_of(r, w, trained, storage, overhead)
+    r["memory_bytes"] = memory
+    r["fits"] = None if limit is None else memory["total"] <= limit
+    if r["fits"] is False:
+        big = sorted(((k, v) for k, v in memory.items() if k != "total"), key=lambda kv: -kv[1])[:3]
+        r["bottleneck"] = (f"memory: {memory['total'] / 1e9:.2f} GB per rank does not fit in {limit / 1e9:.3g} GB ("
+                           + ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in big) + ")")
+
+
+def cheapest_change(r: dict, rows: list[dict], w, trained, storage, overhead, limit) -> str:
+    """The smallest change that makes row `r`'s layout fit, in this order: another strategy or mesh at the same N
+    (the same training, the fastest that fits), a smaller micro-batch (more accumulation), LoRA, a 4-bit base."""
+    same_n = [o for o in rows if o["world_size"] == r["world_size"] and o.get("fits") and o is not r]
+    if same_n:
+        o = min(same_n, key=lambda o: o["step_s"])
+        return (f"{o.get('label') or o['strategy']} x{o['world_size']} fits ({o['memory_bytes']['total'] / 1e9:.2f} "
+                f"GB per rank, {o['step_s']:.3g} s per step)")
+    rows_per_rank = w.micro_rows(1) / max(1, layout(r["strategy"], r["world_size"], r.get("mesh") or "").dp_size)
+    accum = w.grad_accum
+    while rows_per_rank / (accum / w.grad_accum) > 1 and w.global_batch_size % (accum * 2) == 0:
+        accum *= 2
+        smaller = replace(w, grad_accum=accum)
+        total = memory_of(r, smaller, trained, storage, overhead)["total"]
+        if total <= limit:
+            return f"--grad-accum {accum} (a smaller micro-batch) fits: {total / 1e9:.2f} GB per rank"
+    if isinstance(trained, FullModel):
+        total = memory_of({**r, "strategy": "ddp", "mesh": ""}, w, LORA_FOR_FIT, None, overhead)["total"]
+        if total <= limit:
+            return f"LoRA (--lora-rank 8) under ddp fits: {total / 1e9:.2f} GB per rank"
+    if storage is None or getattr(storage, "bits", 32) > 4:
+        from common.costmodel.probed import base_storage
+
+        try:
+            four = base_storage(4, 64)
+        except UserError:
+            four = None
+        lora = trained if isinstance(trained, Adapters) else LORA_FOR_FIT
+        if four is not None:
+            total = memory_of({**r, "strategy": "ddp", "mesh": ""}, w, lora, four, overhead)["total"]
+            if total <= limit:
+                return (f"LoRA on a 4-bit base (--lora-rank {lora.rank} --quantize-base 4) fits: "
+                        f"{total / 1e9:.2f} GB per rank")
+    return "no change tried fits (another strategy or mesh, a smaller micro-batch, LoRA, a 4-bit base): more ranks"
