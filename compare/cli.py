@@ -147,8 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser("plan", help="predict step time, tokens/s and memory per rank at other world sizes, "
                                        "strategies and links, from a measured run (docs/scaling.md)")
-    plan.add_argument("--from", dest="from_run", metavar="RUN_DIR", required=True,
-                      help="a finished run to calibrate on (its summary.json's time breakdown and peak memory)")
+    plan.add_argument("--from", dest="from_run", metavar="RUN_DIR", required=True, action="append",
+                      help="a finished run to calibrate on (its summary.json's time breakdown and peak memory); with "
+                           "--model, one per framework")
     plan.add_argument("--fit", action="append", metavar="RUN_DIR", help="a finished N=2 run of one strategy (fsdp, tp, "
                       "pp, ddp) of the same workload: its host work per byte moved is fitted and charged at "
                       "every N (repeat for each strategy; docs/scaling.md)")
@@ -168,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                             "--strategies), the fastest named (docs/scaling.md)")
     plan.add_argument("--device-memory-gb", type=float, help="memory per rank, GB: say whether each plan fits")
     plan.add_argument("--out", help="where plan.json and plan.png go (default RUN_DIR/plan)")
+    from .plan.model import add_model_flags
+
+    add_model_flags(plan)  # --model M and what trains: compare/plan/model.py
     plan.set_defaults(handler=cmd_plan, paths={"from_run": ("--from", "dir"), "fit": ("--fit", "dir"),
                                                "fabric": ("--fabric", "file"),
                                                "fabric_inner": ("--fabric-inner", "file"),
@@ -264,7 +268,9 @@ def cmd_run(args) -> int:
     from .launch.linknotes import hf_gather_note
     from .machine.sharing import ring_polling_note
 
-    for note in filter(None, (hf_gather_note(cfg, inputs.spec), ring_polling_note(cfg))):
+    from .plan.model import memory_warning  # issue 56: warn, never refuse, when the ranks would not fit here
+
+    for note in filter(None, (hf_gather_note(cfg, inputs.spec), ring_polling_note(cfg), memory_warning(cfg, inputs.spec))):
         print(f"dpcompare: note: {note}", file=sys.stderr)
     summary = launch(cfg, inputs, run_dir)
     if summary["status"] == "ok":

@@ -143,3 +143,29 @@ def run_probe(framework: str, req: ProbeRequest, environment: dict) -> dict:
 def exp_of(summary: dict) -> str:
     """The exp MLX's run used (its BLAS line names it), for the probe to use the same."""
     return "fused" if "exp: fused" in str(summary.get("blas") or "") else "native"
+
+
+def memory_warning(cfg: RunConfig, spec: ModelSpec) -> str | None:
+    """`dpcompare run`'s one line before any rank starts, where the predicted peak of the ranks this machine runs
+    (common/costmodel/model_memory.py, its framework overhead from constants) exceeds its memory; None where it fits,
+    the ranks run elsewhere (a hostfile) or the machine does not say its memory. It warns; it does not refuse."""
+    from common.costmodel.model_memory import machine_memory_bytes, model_memory
+    from common.costmodel.workload import BUCKET_FIELD
+
+    machine = machine_memory_bytes()
+    if machine is None or cfg.hostfile or str(cfg.device).startswith(("cuda", "gpu", "mps")):
+        return None
+    bucket_mb = getattr(cfg, BUCKET_FIELD.get(cfg.framework, "bucket_cap_mb"), None)
+    w = Workload(spec, cfg.seq_len, cfg.global_batch_size, cfg.grad_accum, cfg.dtype, cfg.framework,
+                 int(bucket_mb * 2**20) if bucket_mb else None)
+    try:
+        per_rank = model_memory(cfg.layout, w, cfg.trained, getattr(cfg, "base_storage", None))
+    except (UserError, ValueError, KeyError, ZeroDivisionError):
+        return None
+    here = max(1, cfg.world_size // max(1, cfg.nnodes))
+    if per_rank["total"] * here <= machine:
+        return None
+    big = max((k for k in per_rank if k not in ("total",)), key=lambda k: per_rank[k])
+    return (f"predicted peak {per_rank['total'] / 1e9:.1f} GB per rank x {here} rank(s) here exceeds this machine's "
+            f"{machine / 1e9:.1f} GB (largest part: {big} {per_rank[big] / 1e9:.1f} GB); it may fail out of memory: "
+            "`dpcompare plan --model` names a layout that fits")
