@@ -133,6 +133,7 @@ def check_exports(run_dir, tmp_path, cache_dir):
     from common.runplan import RunPlan
     from torch_impl.lora import attach
     from torch_impl.model import Llama
+    from torch_impl.quantized import quantize_base
 
     for kind in ("fused", "peft", "mlx-lm"):
         dpcompare("export", run_dir, "--out", tmp_path / kind, *(("--adapters", kind) if kind != "fused" else ()),
@@ -141,8 +142,10 @@ def check_exports(run_dir, tmp_path, cache_dir):
     checkpoint = sorted(glob.glob(str(run_dir / "checkpoints" / "step_*")))[-1]
     state = {**load_file(str(plan.seed_checkpoint / "model.safetensors")), **load_file(checkpoint + "/model.safetensors")}
     own = Llama(plan.spec)
+    quantize_base(own, plan.config.base_storage, plan.spec)  # a QLoRA run's base: its packed words (as int32)
     attach(own, plan.config.trained, plan.spec)
-    own.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()}, strict=False)
+    own.load_state_dict({k: torch.from_numpy(v.view(np.int32) if v.dtype == np.uint32 else v)
+                         for k, v in state.items()}, strict=False)
     tokens = np.random.default_rng(0).integers(0, plan.spec.vocab_size, size=(2, 24))
     with torch.no_grad():
         expected = own(torch.from_numpy(tokens)).numpy()
@@ -157,3 +160,60 @@ def check_exports(run_dir, tmp_path, cache_dir):
     assert trained > 0  # the adapters moved from their zero start, so the checks below see them
     for kind, logits in got.items():
         assert np.abs(logits - expected).max() <= 1e-5, (kind, float(np.abs(logits - expected).max()))
+
+
+def test_qlora_on_a_folder_mlx_lm_quantized_agrees_across_frameworks_and_exports_to_both_libraries(cache_dir,
+                                                                                                   tmp_path):
+    """A float32 Llama folder quantized by mlx_lm.convert -q (4 bits, groups of 64) is the frozen base of a LoRA run
+    in both frameworks: the project's quantizer writes the same bytes; MLX and torch agree to 1e-4 a step; each rank
+    holds under a fifth of the float32 base; the adapters export for mlx-lm (over the quantized base) and peft (over
+    it dequantized); and a folder whose scales do not fit its weights is refused in one line before any rank."""
+    import shutil
+    import subprocess
+    import sys
+
+    from safetensors.numpy import load_file, save_file
+
+    from common.model.quantize import FullPrecision, Quantization, quantize_tensors
+    from common.model.spec import ModelSpec
+    from common.model.weights import init_weights, load_pretrained, save_pretrained
+
+    data, tokenizer = chat_data(tmp_path)
+    # every matrix's input side a multiple of 64 (as in a real Llama), so every Linear and the embedding quantize
+    spec = ModelSpec(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=192, max_seq_len=512)
+    fp32, quantized = tmp_path / "fp32", tmp_path / "q4"
+    save_pretrained(fp32, spec, init_weights(spec, 3))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy2(tokenizer / name, fp32 / name)
+    subprocess.run([sys.executable, "-m", "mlx_lm", "convert", "--hf-path", str(fp32), "--mlx-path", str(quantized),
+                    "-q", "--q-bits", "4", "--q-group-size", "64"], check=True, capture_output=True, timeout=120)
+    theirs = load_file(str(quantized / "model.safetensors"))
+    ours = quantize_tensors(Quantization(4, 64), spec, load_pretrained(fp32)[1])
+    assert ours.keys() == theirs.keys() and all(np.array_equal(ours[k], theirs[k]) for k in ours)
+
+    flags = ("--init-from", quantized, "--dataset", data, "--tokenizer", tokenizer, "--mask-prompt", *LORA,
+             "--seq-len", 64, "--global-batch-size", 8, "--warmup-steps", 2, "--lr", "1e-2", "--quiet",
+             "--profile-steps", 0, "--no-op-profile", "--no-link-probe", "--eval-every", 0)
+    out = tmp_path / "qlora"
+    dpcompare("compare", *flags, "--steps", 8, "--no-samples", "--frameworks", "mlx,torch", "--nproc", 1,
+              "--out", out, cache_dir=cache_dir, timeout=600)
+    np.testing.assert_allclose(losses(out / "mlx-n1"), losses(out / "torch-n1"), rtol=0, atol=1e-4)
+    fp32_bytes = FullPrecision().base_bytes(spec)
+    for framework in ("mlx", "torch"):
+        s = summary(out / f"{framework}-n1")
+        assert s["base_quantization"] == {"bits": 4, "group_size": 64, "mode": "affine"}
+        base_bytes = s["weights_bytes_read"][0] - s["state_bytes"]["params"][0]
+        assert base_bytes == Quantization(4, 64).base_bytes(spec) <= 0.2 * fp32_bytes, (base_bytes, fp32_bytes)
+    assert "4-bit base, groups of 64" in (out / "report.md").read_text()
+    check_exports(out / "mlx-n1", tmp_path, cache_dir)
+
+    bad = tmp_path / "bad"
+    shutil.copytree(quantized, bad)
+    tensors = load_file(str(bad / "model.safetensors"))
+    tensors["model.layers.1.mlp.up_proj.scales"] = tensors["model.layers.1.mlp.up_proj.scales"][:, :-1].copy()
+    save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "mlx"})
+    proc = dpcompare("run", *flags[2:], "--init-from", bad, "--steps", 2, "--framework", "mlx", "--out",
+                     tmp_path / "refused", cache_dir=cache_dir, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "model.layers.1.mlp.up_proj.scales has shape (192, 0), the spec needs (192, 1)" in proc.stderr.strip()
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "refused" / "ranks").exists()
