@@ -1,0 +1,166 @@
+"""`dpcompare plan --model` (issue 56): the probe's figures composed into a step, the memory of a model nobody
+trained, the fit column and the cheapest change, and the one-line refusals. The probe itself is a subprocess of a
+framework (tests/integration/test_plan_model.py runs it); here a fake stands in, its figures linear in the FLOPs."""
+import json
+
+import pytest
+from costmodel_fixtures import summary, write_run
+
+from common.costmodel.model_memory import model_memory
+from common.costmodel.probed import Phases, phases, request_for, transfer
+from common.costmodel.workload import Workload
+from common.model.hfconfig import to_hf_config
+from common.model.lora import Adapters, FullModel
+from common.model.spec import PRESETS
+from common.parallel import layout
+from compare.cli import main
+
+
+def fake_probe(framework, req, environment):
+    """Seconds proportional to each piece's FLOPs at 10 GFLOP/s: what the composition must carry through."""
+    from common.costmodel.probed import block_flops_per_token
+
+    tokens = req.rows * req.seq_len
+    block = block_flops_per_token(req.spec, req.seq_len) * tokens / 1e10
+    head = 6 * req.vocab_rows * req.spec.dim * tokens / 1e10
+    return {"block_forward_s": block / 3, "block_step_s": block, "head_forward_s": head / 3, "head_step_s": head,
+            "optimizer_s": 1e-9 * req.optimizer_elements, "optimizer_elements": req.optimizer_elements}
+
+
+@pytest.fixture
+def runs(tmp_path, monkeypatch):
+    import compare.plan.model_plan as model_plan
+
+    monkeypatch.setattr(model_plan, "run_probe", fake_probe)
+    monkeypatch.setattr(model_plan, "run_environment", lambda run_dir, summary: {})
+    write_run(tmp_path / "torch-n1", summary("torch", 1))
+    write_run(tmp_path / "mlx-n1", summary("mlx", 1))
+    folder = tmp_path / "llama"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(to_hf_config(PRESETS["base"])))
+    return tmp_path
+
+
+def test_phases_scale_the_probed_rows_to_the_global_batch_and_the_head_to_the_vocabulary():
+    w = Workload(PRESETS["small"], 128, 8, framework="torch")
+    req = request_for(w, FullModel(), (0, 64))
+    figures = {"block_forward_s": 1.0, "block_step_s": 3.0, "head_forward_s": 0.5, "head_step_s": 1.5,
+               "optimizer_s": 2.0, "optimizer_elements": 1000}
+    p = phases(figures, req, w)
+    scale, vocab = 8 / req.rows, PRESETS["small"].vocab_size / req.vocab_rows
+    assert p.forward_s == pytest.approx(scale * (4 * 1.0 + vocab * 0.5))
+    assert p.compute_s == pytest.approx(scale * (4 * 3.0 + vocab * 1.5))
+    assert p.optimizer_s == pytest.approx(2.0 / 1000 * FullModel().trained_parameters(PRESETS["small"]))
+
+
+def test_lora_on_the_last_blocks_runs_only_the_forward_below_them():
+    w = Workload(PRESETS["small"], 128, 8, framework="torch")
+    req = request_for(w, Adapters(8, 16.0, layers=1), (0, 64))
+    figures = {"block_forward_s": 1.0, "block_step_s": 3.0, "head_forward_s": 0.0, "head_step_s": 0.0,
+               "optimizer_s": 0.0, "optimizer_elements": 1}
+    assert phases(figures, req, w).compute_s == pytest.approx(8 / req.rows * (1 * 3.0 + 3 * 1.0))
+
+
+def test_the_run_measured_beyond_its_probe_is_a_fixed_cost_and_below_it_a_ratio():
+    from dataclasses import replace
+
+    from common.costmodel.calibrate import calibrate
+    from costmodel_fixtures import SPEC
+
+    from common.model.spec import ModelSpec
+
+    cal = calibrate(summary("torch", 1), ModelSpec.from_dict(SPEC))
+    measured = cal.forward_s + cal.backward_s
+    slower = transfer(cal, Phases(measured / 4, measured / 4, cal.optimizer_s))
+    assert slower.compute_fixed_s == pytest.approx(measured / 2) and slower.compute_ratio == 1.0
+    faster = transfer(replace(cal), Phases(measured, measured, cal.optimizer_s))
+    assert faster.compute_fixed_s == 0.0 and faster.compute_ratio == pytest.approx(0.5)
+    assert faster.apply(Phases(1.0, 3.0, 0.0)).compute_s == pytest.approx(2.0)
+
+
+def test_lora_on_a_quantized_base_holds_the_packed_base_and_trains_only_the_adapters():
+    from common.model.quantize import Quantization
+
+    spec = PRESETS["base"]
+    w = Workload(spec, 128, 8, framework="mlx")
+    lay = layout("ddp", 2)
+    full = model_memory(lay, w, FullModel())
+    lora = Adapters(8, 16.0)
+    qlora = model_memory(lay, w, lora, Quantization(4, 64))
+    adapters = lora.trained_parameters(spec) * 4
+    assert qlora["gradients"] == adapters and qlora["optimizer"] == 2 * adapters
+    assert qlora["weights"] == pytest.approx(Quantization(4, 64).base_bytes(spec) + adapters)
+    assert qlora["weights"] < full["weights"] / 5 and qlora["total"] < full["total"]
+
+
+def test_plan_model_predicts_each_framework_marks_the_fit_and_names_the_cheapest_change(runs, capsys):
+    out = runs / "plan"
+    code = main(["plan", "--from", str(runs / "mlx-n1"), "--from", str(runs / "torch-n1"), "--model",
+                 str(runs / "llama"), "--nproc", "2", "--strategies", "ddp,fsdp", "--device-memory-gb", "6",
+                 "--link-gbps", "10", "--latency-us", "50", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["model"]["spec"]["n_layers"] == 12 and plan["model"]["trained"] is None
+    rows = plan["predictions"]
+    assert {r["framework"] for r in rows} == {"mlx", "torch"}
+    for r in rows:
+        assert {"strategy", "mesh", "world_size", "step_s", "tokens_per_s", "memory_bytes", "fits"} <= r.keys()
+        parts = r["memory_bytes"]
+        assert parts["total"] == pytest.approx(sum(v for k, v in parts.items() if k != "total"))
+        assert {"weights", "gradients", "optimizer", "activations", "overhead"} <= parts.keys()
+    ddp2 = [r for r in rows if r["strategy"] == "ddp" and r["world_size"] == 2]
+    fsdp2 = [r for r in rows if r["strategy"] == "fsdp"]
+    assert all(not r["fits"] for r in ddp2) and all(r["fits"] for r in fsdp2), [r["memory_bytes"]["total"] for r in rows]
+    assert all(r["to_fit"].startswith("fsdp x2 fits") for r in ddp2)
+    assert "does not fit: fsdp x2 fits" in printed
+
+
+def test_plan_model_with_lora_keeps_ddp_and_says_so(runs, capsys):
+    code = main(["plan", "--from", str(runs / "torch-n1"), "--model", "base", "--lora-rank", "4", "--nproc", "2",
+                 "--out", str(runs / "lora")])
+    assert code == 0
+    rows = json.loads((runs / "lora" / "plan.json").read_text())["predictions"]
+    assert {r["strategy"] for r in rows} == {"ddp"} and "LoRA trains under ddp only" in capsys.readouterr().out
+
+
+def bad_model_inputs(runs):
+    no_config = runs / "empty"
+    no_config.mkdir()
+    refused = runs / "yarn"
+    refused.mkdir()
+    (refused / "config.json").write_text(json.dumps({**to_hf_config(PRESETS["tiny"]),
+                                                     "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}))
+    act = runs / "gelu"
+    act.mkdir()
+    (act / "config.json").write_text(json.dumps({**to_hf_config(PRESETS["tiny"]), "hidden_act": "gelu"}))
+    mlx = str(runs / "mlx-n1")
+    return [
+        (["plan", "--from", mlx, "--model", str(no_config)], "config.json not found"),
+        (["plan", "--from", mlx, "--model", str(refused)], "not implemented"),
+        (["plan", "--from", mlx, "--model", str(act)], "hidden_act = 'gelu' is not implemented"),
+        (["plan", "--from", mlx, "--model", "tiny", "--frameworks", "torch"], "no torch run to calibrate on"),
+        (["plan", "--from", mlx, "--model", "nosuch"], "no such preset, folder or config.json"),
+        (["plan", "--from", mlx, "--model", "tiny", "--quantize-base", "4"], "needs --lora-rank"),
+        (["plan", "--from", mlx, "--from", str(runs / "torch-n1")], "several --from runs are read with --model"),
+    ]
+
+
+def test_plan_model_refuses_bad_input_with_one_line_and_exit_2(runs, capsys):
+    for argv, message in bad_model_inputs(runs):
+        code = main(argv)
+        err = capsys.readouterr().err
+        assert code == 2, (argv, err)
+        assert err.count("\n") == 1 and message in err and "Traceback" not in err, (argv, err)
+
+
+def test_run_warns_when_its_ranks_would_not_fit_this_machine(monkeypatch):
+    from common.config import RunConfig
+    from compare.plan import model
+
+    monkeypatch.setattr("common.costmodel.model_memory.machine_memory_bytes", lambda: 4e9)
+    big = RunConfig.from_dict({"preset": "base", "nproc": 2, "seq_len": 512, "global_batch_size": 16})
+    line = model.memory_warning(big, big.model_spec(50000))
+    assert line and "exceeds this machine's 4.0 GB" in line and "\n" not in line
+    small = RunConfig.from_dict({"preset": "tiny", "nproc": 2})
+    assert model.memory_warning(small, small.model_spec(2048)) is None
