@@ -125,6 +125,11 @@ Trained = FullModel | Adapters
 def trained_parameters_of(lora_rank: int, lora_alpha: float, lora_targets: str, lora_layers: int) -> Trained:
     """The RunConfig's choice as its object (RunConfig.trained): FullModel at rank 0."""
     if not lora_rank:
+        given = [flag for flag, value in (("--lora-targets", lora_targets), ("--lora-alpha", lora_alpha),
+                                          ("--lora-layers", lora_layers)) if value]
+        if given:  # a rank of 0 trains every parameter: adapter settings beside it are a mistake, not a choice
+            raise UserError(f"{given[0]} sets up LoRA adapters, but the rank is 0 (every parameter trains); "
+                            "give --lora-rank R > 0")
         return FullModel()
     targets = tuple(t.strip() for t in lora_targets.split(",") if t.strip()) if lora_targets else DEFAULT_TARGETS
     unknown = [t for t in targets if t not in TARGET_PATHS]
