@@ -5,7 +5,7 @@ every rank (and by `dpcompare export`, `sample`, `diagnose --from`), typed inste
     rank (common/train/loop.py)                RunPlan.read(run_dir).config / .spec / .token_cache / ...
 
 The file keeps the layout users and older runs have: {"config", "spec", "token_cache", "seed_checkpoint",
-"world_size", "backend", "data"}. `world_size` and `backend` are written for a reader of the file alone;
+"world_size", "backend", "data"}, and "initial_adapters" for a LoRA run. `world_size` and `backend` are written for a reader of the file alone;
 the rank takes them from the config (`cfg.world_size`, `cfg.resolved_backend`), which decides them.
 The report reads run_config.json as a plain dict on purpose: it must render runs of older versions too.
 """
@@ -30,17 +30,21 @@ class RunPlan:
     token_cache: Path        # the prepared tokens every rank reads (common/data/tokencache.py)
     seed_checkpoint: Path    # the initial weights, the same file for every rank and framework
     data: dict = field(default_factory=dict)  # the cache's sizes and tokenizer, for the report
+    initial_adapters: Path | None = None  # LoRA's starting values (common/model/lora.py), beside the seed checkpoint
 
     @classmethod
     def of(cls, cfg: RunConfig, spec: ModelSpec, token_cache: Path, seed_checkpoint: Path,
            cache_meta: dict) -> "RunPlan":
-        return cls(cfg, spec, Path(token_cache), Path(seed_checkpoint),
-                   {k: cache_meta.get(k) for k in DATA_FIELDS})
+        from common.model.lora import initial_adapters_file
+
+        return cls(cfg, spec, Path(token_cache), Path(seed_checkpoint), {k: cache_meta.get(k) for k in DATA_FIELDS},
+                   initial_adapters_file(cfg.trained, spec, cfg.seed, cfg.cache_path))
 
     def to_dict(self) -> dict:
         return {"config": self.config.to_dict(), "spec": self.spec.to_dict(), "token_cache": str(self.token_cache),
                 "seed_checkpoint": str(self.seed_checkpoint), "world_size": self.config.world_size,
-                "backend": self.config.resolved_backend, "data": self.data}
+                "backend": self.config.resolved_backend, "data": self.data,
+                **({"initial_adapters": str(self.initial_adapters)} if self.initial_adapters else {})}
 
     def write(self, run_dir: Path) -> Path:
         path = Path(run_dir) / PLAN_FILE
@@ -54,7 +58,8 @@ class RunPlan:
         if not isinstance(raw, dict) or "config" not in raw:
             raise UserError(f"{run_dir} holds no readable {PLAN_FILE}: not a run directory")
         return cls(RunConfig.from_dict(raw["config"]), ModelSpec.from_dict(raw["spec"]), Path(raw["token_cache"]),
-                   Path(raw["seed_checkpoint"]), raw.get("data") or {})
+                   Path(raw["seed_checkpoint"]), raw.get("data") or {},
+                   Path(raw["initial_adapters"]) if raw.get("initial_adapters") else None)
 
     def tokenizer_file(self) -> tuple[Path, dict]:
         """The run's tokenizer.json (kept in its token cache) and the cache's meta (eos_id, pad_id)."""

@@ -12,8 +12,11 @@ frozen base is named by its fingerprint (common/train/loop.py).
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -120,6 +123,25 @@ class Adapters:
 
 
 Trained = FullModel | Adapters
+
+
+def initial_adapters_file(trained: Trained, spec: ModelSpec, seed: int, cache_dir: Path) -> Path | None:
+    """The adapters' initial values as a safetensors file (HF module names, `.lora_A` / `.lora_B`), written once per
+    (spec, adapters, seed) beside the seed checkpoints, so that both frameworks, and another tool, start from the
+    same file; None when every parameter trains (the seed checkpoint holds them all)."""
+    if not isinstance(trained, Adapters):
+        return None
+    key = hashlib.sha256(json.dumps([spec.to_dict(), trained.describe(), seed], sort_keys=True).encode())
+    path = Path(cache_dir) / "seeds" / f"adapters-{key.hexdigest()[:16]}.safetensors"
+    if not path.is_file():
+        from safetensors.numpy import save_file
+
+        from common.fsutil import atomic_path
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(path) as tmp:
+            save_file(trained.initial_values(spec, seed), str(tmp), metadata={"format": "pt"})
+    return path
 
 
 def trained_parameters_of(lora_rank: int, lora_alpha: float, lora_targets: str, lora_layers: int) -> Trained:

@@ -212,14 +212,17 @@ def start_trainer(plan: RunPlan, run_dir: Path, world: World, trainer_cls: Train
     The weights (and moments) are sources read slice by slice (common/checkpoint/tensorsource.py): each rank reads
     only what its strategy keeps, and its status records how many bytes that was (`weights_bytes_read`). What trains
     (common/model/lora.py) comes from the checkpoint, or starts at its initial values (the seed's, or LoRA's
-    adapters drawn from the run's seed); a frozen base always comes from the seed (or --init-from) file."""
+    adapters drawn from the run's seed, written beside it: RunPlan.initial_adapters); a frozen base always comes from the seed (or --init-from) file."""
     cfg, spec = plan.config, plan.spec
     trained, start_step, resume_from = cfg.trained, 0, None
     if cfg.resume and (resume_from := latest_checkpoint(run_dir)) is not None:
         state = open_checkpoint(resume_from, spec, fingerprints, trained.state_shapes(spec))
         weights, start_step = state.weights, state.step
     else:
-        weights = DictSource(trained.initial_values(spec, cfg.seed))
+        # LoRA's initial adapters from their file beside the seed (a host without the launcher's cache draws the
+        # same values itself)
+        weights = (SafetensorsSource(plan.initial_adapters) if plan.initial_adapters and plan.initial_adapters.is_file()
+                   else DictSource(trained.initial_values(spec, cfg.seed)))
     if frozen_base(cfg, spec):
         base = seed_source(plan)  # float32, or quantized (common/model/quantize.py): its tensors as stored
         check_source(spec, base, str(base.path), expected=cfg.base_storage.base_shapes(spec))

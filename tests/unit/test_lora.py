@@ -118,3 +118,19 @@ def test_an_adapted_linear_adds_scale_times_b_a_to_the_base():
     a, b = weights["model.layers.0.self_attn.o_proj.lora_A"], weights["model.layers.0.self_attn.o_proj.lora_B"]
     expected = x @ weights["model.layers.0.self_attn.o_proj.weight"].T + 3.0 * (x @ a.T) @ b.T
     np.testing.assert_allclose(np.array(linear(mx.array(x))), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_initial_adapters_are_written_once_beside_the_seed_for_both_frameworks_and_other_tools(tmp_path):
+    from safetensors.numpy import load_file
+
+    from common.model.lora import initial_adapters_file
+
+    adapters = Adapters(rank=4, alpha=8.0, targets=("q_proj", "v_proj"))
+    path = initial_adapters_file(adapters, SPEC, 7, tmp_path)
+    written = load_file(str(path))
+    expected = adapters.initial_values(SPEC, 7)
+    assert written.keys() == expected.keys() and all(np.array_equal(written[k], expected[k]) for k in expected)
+    mtime = path.stat().st_mtime_ns
+    assert initial_adapters_file(adapters, SPEC, 7, tmp_path) == path and path.stat().st_mtime_ns == mtime
+    assert initial_adapters_file(adapters, SPEC, 8, tmp_path) != path  # another seed, another file
+    assert initial_adapters_file(FullModel(), SPEC, 7, tmp_path) is None  # the seed checkpoint holds every value
