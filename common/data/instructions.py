@@ -2,9 +2,12 @@
 it out of the loss. The forms are those mlx-lm's trainer reads (tuner/datasets.py):
 
     {"text": ...}                              plain text, read by common/data/sources.py as any document
-    {"prompt": ..., "completion": ...}         BOS (where the tokenizer adds one) + the prompt's tokens + the
-                                               completion's tokens + EOS, each text tokenized on its own;
-                                               the BOS and the prompt are marked
+    {"prompt": ..., "completion": ...}         where the tokenizer folder has a chat template: a user turn and
+                                               the assistant's, rendered as a chat record below (mlx-lm's
+                                               CompletionsDataset does this); without one, BOS (where the
+                                               tokenizer adds one) + the prompt's tokens + the completion's
+                                               tokens + EOS, each text tokenized on its own; the BOS and the
+                                               prompt are marked
     {"messages": [{"role", "content"}, ...]}   the conversation rendered by the tokenizer folder's chat template
                                                (transformers' apply_chat_template), tokenized as a whole; the
                                                marked prompt is the rendering of messages[:-1] with the
@@ -136,6 +139,21 @@ def _chat(record: dict, path: Path, line: int) -> Record:
 # ---- the chat template -------------------------------------------------------------------------
 
 
+def templated_records(records: list[Record], tokenizer) -> list[Record]:
+    """The records a chat template renders: chat records, and prompt/completion pairs where the tokenizer folder
+    has a template (as mlx-lm renders them); the template is loaded only when there is one."""
+    folder = _folder(tokenizer)
+    with_template = folder is not None and has_chat_template(folder)
+    return [r for r in records if r.kind == CHAT or (with_template and r.kind == PROMPT_COMPLETION)]
+
+
+def as_chat(record: Record) -> Record:
+    """A prompt/completion pair as mlx-lm's CompletionsDataset renders it: the user's turn, then the assistant's."""
+    return Record(CHAT, record.path, record.line, tools=record.tools,
+                  messages=({"role": "user", "content": record.prompt},
+                            {"role": "assistant", "content": record.completion}))
+
+
 def template_identity(tokenizer) -> str | None:
     """sha256 of the files a tokenizer folder's chat template is read from, None without a template: the token
     cache's fingerprint takes it, so editing the template rebuilds the cache."""
@@ -206,6 +224,8 @@ def _where_record(record: Record) -> str:
 
 def encode(records: list[Record], info, template: ChatTemplate | None) -> tuple[list[list[int]], list[int]]:
     """Each record's token ids and how many of its leading tokens are the prompt."""
+    if template is not None:  # pairs go through the template too, as mlx-lm renders them
+        records = [as_chat(r) if r.kind == PROMPT_COMPLETION else r for r in records]
     tokens: list[list[int]] = []
     prompt_lengths: list[int] = []
     pairs = [r for r in records if r.kind == PROMPT_COMPLETION]

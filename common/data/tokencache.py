@@ -267,8 +267,8 @@ def prepare_tokens(dataset: str, tokenizer, *, cache_dir: Path, split: str = "tr
         info = load_tokenizer("builtin", corpus_docs=sample, vocab_size=builtin_vocab_size, cache_dir=cache_dir)
     encode = None
     if records:
-        chats = [r for r in records.records if r.kind == instructions.CHAT]
-        template_of = instructions.ChatTemplate(tokenizer, chats[0]) if chats else None
+        templated = instructions.templated_records(records.records, tokenizer)
+        template_of = instructions.ChatTemplate(tokenizer, templated[0]) if templated else None
         encode = functools.partial(instructions.encode, info=info, template=template_of)
     if num_threads:
         os.environ.setdefault("RAYON_NUM_THREADS", str(num_threads))
@@ -304,6 +304,7 @@ def _fingerprint(identity: dict, tokenizer_key, val_fraction: float, split: str,
            "val_fraction": val_fraction, "split": split, "text_field": text_field}
     if chat_template is not None:  # absent otherwise: caches built before templates counted keep their names
         key["chat_template"] = chat_template
+        key["prompt_completion"] = "chat_template"  # pairs rendered as a user/assistant turn, as mlx-lm's
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 

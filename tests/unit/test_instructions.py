@@ -107,6 +107,20 @@ def test_chat_records_render_with_the_folders_template_and_mark_all_before_the_l
     assert cache.meta["instruction"]["kinds"] == ["chat"]
 
 
+def test_prompt_completion_records_go_through_the_folders_template_as_mlx_lm_renders_them(chat, info, tmp_path):
+    """mlx-lm's CompletionsDataset renders a pair as a user turn and the assistant's; so does the cache, where the
+    tokenizer folder has a template (without one, the pair is concatenated: the test above)."""
+    folder, _, _ = chat
+    cache = prepare_tokens(write_jsonl(tmp_path / "pairs.jsonl", PAIRS[2:]), str(folder), cache_dir=tmp_path,
+                           val_fraction=0, progress=False)
+    prompt = "<|user|>Name a colour.<|endoftext|>\n<|assistant|>"
+    (tokens, mask), = samples(cache)
+    prompt_ids = info.encode_batch([prompt])[0]
+    assert tokens == info.encode_batch([prompt + " Red, like a ball.<|endoftext|>\n"])[0]
+    assert mask == [1] * len(prompt_ids) + [0] * (len(tokens) - len(prompt_ids))
+    assert cache.meta["instruction"]["kinds"] == ["prompt/completion"]
+
+
 def test_a_new_chat_template_builds_a_new_cache_and_the_same_one_reuses_it(chat, tmp_path):
     folder, data, cache = chat
     same, edited = shutil.copytree(folder, tmp_path / "same"), shutil.copytree(folder, tmp_path / "edited")
