@@ -65,6 +65,13 @@ def _exp_minus(x: mx.array, shift: mx.array, kind: str | None = None) -> mx.arra
     return mx.exp(x - mx.stop_gradient(shift))
 
 
+def _exp(x: mx.array, kind: str | None = None) -> mx.array:
+    """exp(x): the fused one, where chosen, for float32."""
+    if (kind or _EXP["kind"]) == "fused" and x.dtype == mx.float32:
+        return fast_exp.exp(x)
+    return mx.exp(x)
+
+
 def _exp_negated(x: mx.array) -> mx.array:
     if _EXP["kind"] == "fused" and x.dtype == mx.float32:
         return fast_exp.exp_negated(x)
@@ -90,7 +97,7 @@ def _softmax(scores: mx.array, exp_kind: str) -> mx.array:
     fuses the subtraction and exp into one kernel built for this CPU (--mlx-cpu-jit; MLX's softmax and exp
     primitives are prebuilt for baseline x86-64); the max is a constant shift, no gradient flows to it."""
     s = scores.astype(mx.float32)
-    e = _exp_minus(s, s.max(axis=-1, keepdims=True), exp_kind)
+    e = _exp(s - mx.stop_gradient(s.max(axis=-1, keepdims=True)), exp_kind)  # shift first: fast_exp.exp says why
     return (e / e.sum(axis=-1, keepdims=True)).astype(scores.dtype)
 
 
@@ -102,12 +109,12 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.arra
     """softmax(q k^T * scale + mask) v, (B, H, T, D) with H a multiple of k's and v's heads (grouped-query).
 
     On a Metal GPU: MLX's fused kernel (mx.fast.scaled_dot_product_attention). On a CPU that kernel is not
-    fused: MLX computes it as below, with its softmax primitive and the prebuilt exp (7.4 ms per layer of a
-    29 ms tiny forward, issue 27). Written out here and fused by mx.compile, the forward rounds at the same
-    points, bit for bit in float32 and bfloat16 (q * scale and the scores in the input dtype, softmax in
-    float32, P rounded to the input dtype, P v in it: docs/precision.md); the softmax's backward runs in
-    float32, as in torch's CPU flash-attention kernel, where MLX's primitive ran it in the input dtype
-    (benchmarks/bench_attention.py measures both)."""
+    fused: MLX computes it with its softmax primitive and the prebuilt exp (7.4 ms per layer of a 29 ms tiny
+    forward, issue 27). Written out here and fused by mx.compile instead: in float32 as `_attend` (the mask as a
+    bias added by the scores' matmul, the normalisation after P v, a backward written as torch's CPU
+    flash-attention kernel computes it: 1.6-1.8x faster forward + backward, benchmarks/bench_attention.py); in
+    bfloat16 step by step, rounding at the same points as MLX's kernel (q * scale and the scores in the input
+    dtype, softmax in float32, P rounded to the input dtype, P v in it: docs/precision.md)."""
     if mx.default_device() == mx.gpu:
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
     B, H, T, D = q.shape
@@ -118,9 +125,41 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.arra
         k, v = k[:, :, None], v[:, :, None]
         if mask.ndim == 4:
             mask = mask[:, :, None]
-    scores = matmul(q * mx.array(scale, dtype=q.dtype), k.swapaxes(-1, -2))
+    q = q * mx.array(scale, dtype=q.dtype)
+    if q.dtype == mx.float32:
+        bias = mx.where(mask, mx.array(0.0), mx.array(-mx.inf))
+        return _attend(q, k, v, bias)[0].reshape(B, H, T, D)
+    scores = matmul(q, k.swapaxes(-1, -2))
     scores = mx.where(mask, scores, mx.array(-mx.inf, dtype=scores.dtype))
     return matmul(_SOFTMAX[_EXP["kind"]](scores), v).reshape(B, H, T, D)
+
+
+@mx.custom_function
+def _attend(q: mx.array, k: mx.array, v: mx.array, bias: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """(softmax(q k^T + bias) v, E, l), float32, q already scaled: E = exp(S - row max) unnormalised and l its row
+    sums, so that P v is computed as (E v) / l (a T x D division, not T x T) and the backward reads E and l
+    instead of computing them again. Measured against the step-by-step form, each alone in one sitting (Intel
+    Xeon VM, docs/notes/2026-11-attention-cpu.md): the bias added by the matmul (addmm) instead of a `where`,
+    the shift subtracted before the exp, and the division moved after P v."""
+    scores = mx.addmm(bias, q, k.swapaxes(-1, -2))
+    e = _exp(scores - mx.stop_gradient(scores.max(axis=-1, keepdims=True)))
+    rows = e.sum(axis=-1, keepdims=True)
+    return (e @ v) / rows, e, rows
+
+
+@_attend.vjp
+def _attend_vjp(primals, cotangents, outputs):
+    """With P = E / l and dO the output's cotangent: dV = P^T dO, dP = dO V^T, dS = P (dP - rowsum(dO O))
+    (rowsum(dP P) = rowsum(dO O): T x D, not T x T), dQ = dS K, dK = dS^T Q. The 1 / l goes onto dO first."""
+    q, k, v, bias = primals
+    out, e, rows = outputs
+    d_out = cotangents[0] / rows
+    d_v = e.swapaxes(-1, -2) @ d_out
+    d_scores = e * (d_out @ v.swapaxes(-1, -2) - (d_out * out).sum(axis=-1, keepdims=True))
+    d_q, d_k = d_scores @ k, d_scores.swapaxes(-1, -2) @ q
+    if d_k.shape != k.shape:  # grouped-query: k and v were broadcast over the query heads of their group
+        d_k, d_v = d_k.sum(axis=2, keepdims=True), d_v.sum(axis=2, keepdims=True)
+    return d_q, d_k, d_v, mx.zeros_like(bias)
 
 
 class Linear(nn.Linear):
