@@ -379,10 +379,10 @@ class RunConfig:
         if storage.bits < 32 and not isinstance(trained, Adapters):
             raise UserError("a quantized base is frozen: --quantize-base (or a quantized --init-from folder) needs "
                             "--lora-rank R, as QLoRA trains adapters beside it")
-        if self.quantize_base and self.init_from and storage != base_storage_of(self.quantize_base,
-                                                                                self.quantize_group_size):
-            raise UserError(f"--init-from {self.init_from} is already quantized ({storage.bits} bits, group size "
-                            f"{storage.group_size}); drop --quantize-base or pass those values")
+        flags = base_storage_of(self.quantize_base, self.quantize_group_size)
+        if self.quantize_base and self.init_from and storage != flags:
+            raise UserError(f"--init-from {self.init_from} is already quantized ({storage.describe()}); drop "
+                            "--quantize-base or pass those values")
 
 
 def _choice(name: str, value, allowed, where: str = "") -> None:
