@@ -138,24 +138,32 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.arra
 def _attend(q: mx.array, k: mx.array, v: mx.array, bias: mx.array) -> tuple[mx.array, mx.array, mx.array]:
     """(softmax(q k^T + bias) v, E, l), float32, q already scaled: E = exp(S - row max) unnormalised and l its row
     sums, so that P v is computed as (E v) / l (a T x D division, not T x T) and the backward reads E and l
-    instead of computing them again. Measured against the step-by-step form, each alone in one sitting (Intel
-    Xeon VM, docs/notes/2026-11-attention-cpu.md): the bias added by the matmul (addmm) instead of a `where`,
-    the shift subtracted before the exp, and the division moved after P v."""
+    instead of computing them again. l comes out of the same matmul as E v, by a column of ones appended to v
+    (one reduction over T x T fewer). Each change measured against the step-by-step form in one sitting (Intel
+    Xeon VM, docs/notes/2026-11-attention-cpu.md): the bias added by the matmul (addmm) instead of a `where`, the
+    shift subtracted before the exp, the division after P v, the ones column."""
     scores = mx.addmm(bias, q, k.swapaxes(-1, -2))
     e = _exp(scores - mx.stop_gradient(scores.max(axis=-1, keepdims=True)))
-    rows = e.sum(axis=-1, keepdims=True)
-    return (e @ v) / rows, e, rows
+    out_and_rows = e @ _with_ones(v)
+    rows = out_and_rows[..., -1:]
+    return out_and_rows[..., :-1] / rows, e, rows
+
+
+def _with_ones(x: mx.array) -> mx.array:
+    return mx.concatenate([x, mx.ones(x.shape[:-1] + (1,), dtype=x.dtype)], axis=-1)
 
 
 @_attend.vjp
 def _attend_vjp(primals, cotangents, outputs):
     """With P = E / l and dO the output's cotangent: dV = P^T dO, dP = dO V^T, dS = P (dP - rowsum(dO O))
-    (rowsum(dP P) = rowsum(dO O): T x D, not T x T), dQ = dS K, dK = dS^T Q. The 1 / l goes onto dO first."""
+    (rowsum(dP P) = rowsum(dO O): T x D, not T x T), dQ = dS K, dK = dS^T Q. The 1 / l goes onto dO first, and
+    the row term into the dP matmul, as a column of dO against a column of ones beside V."""
     q, k, v, bias = primals
     out, e, rows = outputs
     d_out = cotangents[0] / rows
     d_v = e.swapaxes(-1, -2) @ d_out
-    d_scores = e * (d_out @ v.swapaxes(-1, -2) - (d_out * out).sum(axis=-1, keepdims=True))
+    row_term = (d_out * out).sum(axis=-1, keepdims=True)
+    d_scores = e * (mx.concatenate([d_out, -row_term], axis=-1) @ _with_ones(v).swapaxes(-1, -2))
     d_q, d_k = d_scores @ k, d_scores.swapaxes(-1, -2) @ q
     if d_k.shape != k.shape:  # grouped-query: k and v were broadcast over the query heads of their group
         d_k, d_v = d_k.sum(axis=2, keepdims=True), d_v.sum(axis=2, keepdims=True)
