@@ -137,7 +137,11 @@ def memory_record(run_dir: Path, s: dict) -> dict:
     fixed = [0.0] * n if on_gpu else [f or 0.0 for f in (s.get("fixed_rss_bytes") or [None] * n)]
     fmt = (s.get("config") or {}).get("checkpoint_format", "hf")
     mesh = (s.get("config") or {}).get("mesh") or ""
-    per_rank = [predicted_peak(strategy, workload_of(s, spec), n, f, rank, fmt, mesh) for rank, f in enumerate(fixed)]
+    if s.get("adapters"):  # LoRA: the frozen base (float32 or quantized) and the adapters' state alone
+        per_rank = [lora_peak(s, spec, n, f) for f in fixed]
+    else:
+        per_rank = [predicted_peak(strategy, workload_of(s, spec), n, f, rank, fmt, mesh)
+                    for rank, f in enumerate(fixed)]
     if on_gpu:  # a GPU allocator's peak: no host workspace (the checkpoint's copies are host memory too)
         for parts in per_rank:
             parts.update(workspace=0.0, checkpoint=0.0, saving=0.0, peak_at="step")
@@ -146,3 +150,20 @@ def memory_record(run_dir: Path, s: dict) -> dict:
     return {"basis": "framework peak" if on_gpu else "peak RSS", "parts": per_rank[0], "peak_bytes": peaks,
             "peak_at": [p["peak_at"] for p in per_rank],
             "measured_bytes": measured, "error": [p / m - 1 if m else None for p, m in zip(peaks, measured)]}
+
+
+def lora_peak(s: dict, spec, n: int, fixed: float) -> dict:
+    """A LoRA run's predicted peak per rank (ddp): common/costmodel/model_memory.py's parts with the rank's measured
+    fixed footprint and the framework's workspace as its overhead, in predicted_peak's record shape."""
+    from common.costmodel.model_memory import model_memory
+    from common.model.lora import Adapters
+    from common.model.quantize import Quantization
+
+    a, q = s["adapters"], s.get("base_quantization")
+    trained = Adapters(rank=a["rank"], alpha=a["alpha"], targets=tuple(a["targets"]), layers=a.get("layers", 0))
+    storage = Quantization(q["bits"], q["group_size"]) if q else None
+    workspace = WORKSPACE_BYTES.get(s.get("framework"), 0.0)
+    parts = model_memory(layout("ddp", n), workload_of(s, spec), trained, storage, fixed + workspace)
+    total = parts.pop("total")
+    return {**parts, "fixed": fixed, "workspace": workspace, "checkpoint": 0.0, "step": total, "saving": 0.0,
+            "peak_at": "step", "total": total}
