@@ -49,7 +49,7 @@ def compare(folder: Path, out: Path, bits: int, steps: int, nproc: str) -> None:
            "--profile-steps", "0", "--no-op-profile", "--no-samples", "--frameworks", "mlx,torch",
            "--nproc", nproc, "--out", str(out), "--overwrite", *(("--quantize-base", str(bits)) if bits else ())]
     print("$", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True)
+    subprocess.run(cmd, check=False)  # a failed run is in the table too (its log says why)
 
 
 def table(out: Path, bits: int) -> list[str]:
@@ -57,6 +57,9 @@ def table(out: Path, bits: int) -> list[str]:
     verdicts = json.loads((out / "summary.json").read_text())["verdicts"]["pairs"]
     for run in sorted(p for p in out.iterdir() if (p / "summary.json").is_file()):
         s = json.loads((run / "summary.json").read_text())
+        if s.get("status") != "ok":
+            rows.append(f"| {'4-bit' if bits else 'fp32'} | {run.name} | {s.get('status')}: see its log.txt | | | |")
+            continue
         times = [json.loads(line)["step_time_s"] for line in (run / "metrics.jsonl").read_text().splitlines()
                  if '"step_time_s"' in line][1:]  # the first step compiles
         base = [(w - s["state_bytes"]["params"][0]) / 2**20 for w in s["weights_bytes_read"] if w is not None]
