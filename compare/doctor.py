@@ -56,7 +56,7 @@ def doctor(measure_peak: bool = False) -> str:
             f"  jaccl       {'yes' if usable['jaccl'] else 'no'} (jaccl, jaccl-ring: Thunderbolt 5 RDMA between Macs)",
             f"  BLAS linked {mlx_linked_blas()}",
             f"  --mlx-blas auto uses: {env.mlx_blas('auto')[0]}",
-            f"  --mlx-exp auto uses: {env.mlx_exp(RunConfig())}",
+            f"  --mlx-exp auto uses: {described(RunConfig(), 'exp')}",
             f"  --mlx-bf16-matmul auto uses: {described(RunConfig(dtype='bfloat16'), 'bf16_matmul')}",
         ]
     lines += ["", f"torch         {versions['torch'] or 'not installed'}"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
+from typing import cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -128,7 +129,8 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.arra
     q = q * mx.array(scale, dtype=q.dtype)
     if q.dtype == mx.float32:
         bias = mx.where(mask, mx.array(0.0), mx.array(-mx.inf))
-        return _attend(q, k, v, bias)[0].reshape(B, H, T, D)
+        out, _, _ = cast(tuple, _attend(q, k, v, bias))
+        return out.reshape(B, H, T, D)
     scores = matmul(q, k.swapaxes(-1, -2))
     scores = mx.where(mask, scores, mx.array(-mx.inf, dtype=scores.dtype))
     return matmul(_SOFTMAX[_EXP["kind"]](scores), v).reshape(B, H, T, D)

@@ -29,6 +29,21 @@ def set_exp(kind: str) -> None:
         raise ValueError(f"unknown exp {kind!r}; allowed: {', '.join(EXP_KINDS)}")
 
 
+BF16_MATMUL_KINDS = ("native", "fp32")
+
+
+def set_bf16_matmul(kind: str) -> None:
+    """MLX's twin routes its CPU bf16 matmuls through float32 and the BLAS (--mlx-bf16-matmul); torch's CPU bf16
+    matmul reaches oneDNN already, so every kind runs torch's own."""
+    if kind not in BF16_MATMUL_KINDS:
+        raise ValueError(f"unknown bf16 matmul {kind!r}; allowed: {', '.join(BF16_MATMUL_KINDS)}")
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, bf16_kind: str | None = None) -> torch.Tensor:
+    """a @ b: MLX's twin is where its bf16 matmuls choose their route (mlx_impl/model.py); here torch's own."""
+    return a @ b
+
+
 def attention_mask(padding_mask: torch.Tensor | None, T: int) -> torch.Tensor | None:
     if padding_mask is None:
         return None  # is_causal=True: the kernel builds it, no T x T tensor

@@ -148,14 +148,6 @@ def precompiled_preamble(compiler: str, root: Path) -> Path | None:
     return folder if target.is_file() else None
 
 
-def mlx_exp(cfg) -> str:
-    """What --mlx-exp gives the MLX ranks, as the report says it: under auto, the faster exp as timed here at the
-    run's shapes, with both timings (compare/machine/kernels.py; the ranks read the same cached choice)."""
-    from .kernels import described
-
-    return described(cfg, "exp")
-
-
 def _cpu_signature() -> str:
     """A short hash of this CPU's model and flags: kernels built with -march=native run only on such CPUs."""
     from common.kernels import cpu_signature

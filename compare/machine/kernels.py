@@ -10,6 +10,7 @@ import functools
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from common.config import RunConfig
 from common.errors import UserError
@@ -34,29 +35,25 @@ def described(cfg: RunConfig, kernel: str) -> str:
     fixed = fixed_choice(cfg, kernel, mlx_device(cfg), sys.platform)
     if fixed is not None:
         return f"{fixed} ({HOW[kernel][fixed]})"
+    if cfg.hostfile:  # other hosts: their ranks time it there, with their own CPU and kernels
+        return "auto (timed by each host's ranks)"
     try:
         shape = measured_shape(cfg, kernel, cfg.model_spec())
     except UserError:
-        return "auto (measured by the ranks)"
-    entry = _measured(cfg.mlx_cpu_jit, str(cfg.cache_path), cfg.mlx_blas, cfg.threads_per_rank, bool(cfg.hostfile),
-                      kernel, shape)
+        return "auto (timed by the ranks)"
+    entry = _measured(cfg.mlx_cpu_jit, str(cfg.cache_path), cfg.mlx_blas, cfg.threads_per_rank, kernel, shape)
     if "error" in entry:
-        return f"auto (measured by the ranks; here: {entry['error']})"
+        return f"auto (timed by the ranks; here: {entry['error']})"
     return describe(kernel, entry["choice"], entry)
 
 
 @functools.lru_cache(maxsize=32)
-def _measured(cpu_jit: str, cache_dir: str, blas: str, threads: int, remote: bool, kernel: str,
-              shape: tuple[int, ...]) -> dict:
+def _measured(cpu_jit: str, cache_dir: str, blas: str, threads: int, kernel: str, shape: tuple[int, ...]) -> dict:
     """The cache entry of `kernel` at `shape`; timed in a child with the ranks' environment on a miss."""
     entry = KernelCache(cache_dir).get(Identity.here(cpu_jit), kernel, shape)
     if entry is not None:
         return entry
-    extra = {**env.thread_env(threads), **env.mlx_blas(blas)[1]}
-    if not remote:  # the ranks on this host build their kernels with the wrapper compiler
-        from pathlib import Path
-
-        extra.update(env.mlx_cpu_jit(cpu_jit, Path(cache_dir))[1])
+    extra = {**env.thread_env(threads), **env.mlx_blas(blas)[1], **env.mlx_cpu_jit(cpu_jit, Path(cache_dir))[1]}
     extra["DPCOMPARE_CACHE"] = cache_dir  # the child's cache folder (common/config.py default_cache_dir)
     argv = [sys.executable, "-m", "mlx_impl.kernel_choice", "--mlx-cpu-jit", cpu_jit,
             "--measure", f"{kernel}={','.join(map(str, shape))}"]

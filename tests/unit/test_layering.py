@@ -72,9 +72,10 @@ def class_members(path: Path) -> dict[str, dict[str, tuple[str, ...] | None]]:
 
 # Files with no counterpart in the other framework, and why (each file's docstring says more).
 # fast_exp.py: MLX's CPU exp runs one element at a time, torch's is vectorised (mlx_impl/fast_exp.py).
+# kernel_choice.py: times MLX's selectable CPU kernels (the exp, the bf16 matmul route) for `auto`; torch has none.
 # adamw.py: torch's AdamW update without a torch.optim.Optimizer, whose construction imports torch._dynamo
 # (torch_impl/adamw.py); MLX's step builds mlx.optimizers.AdamW, which costs nothing to import.
-FRAMEWORK_ONLY = {"mlx_impl": {"fast_exp.py"}, "torch_impl": {"adamw.py"}}
+FRAMEWORK_ONLY = {"mlx_impl": {"fast_exp.py", "kernel_choice.py"}, "torch_impl": {"adamw.py"}}
 # Public names that only one framework has, per file: (the names, why).
 NAME_ONLY = {
     "comm.py": ({"average_gradients", "Watch", "FixedCount", "AllReduceCounter", "SendCounter"},
