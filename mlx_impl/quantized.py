@@ -67,19 +67,32 @@ class QuantizedEmbedding(QuantizedLinear):
 def _dequantized_product(bits: int, group_size: int):
     """x (s * q + b)^T on a CPU: the matrix dequantized (float32) and handed to the BLAS, as torch does it. MLX's CPU
     quantized matmul has no BLAS behind it: 35-60x slower than this at (512, 2048) x (2048, 2048)
-    (benchmarks/bench_quantized.py). The backward dequantizes again instead of keeping each block's float32 matrix
-    from the forward to the backward, which would hold the float32 base at the step's peak."""
+    (benchmarks/bench_quantized.py). A block of rows at a time (Quantization.row_blocks), and the backward
+    dequantizes again instead of keeping each matrix from the forward to the backward, which would hold the float32
+    base at the step's peak."""
+
+    storage = Quantization(bits, group_size)
+
+    def blocks(weight, scales, biases, dtype):
+        """Each block of rows (storage.row_blocks) dequantized, one at a time as the products use them."""
+        for start, stop in storage.row_blocks(weight.shape[0], scales.shape[1] * group_size):
+            yield start, stop, mx.dequantize(weight[start:stop], scales[start:stop], biases[start:stop],
+                                             group_size=group_size, bits=bits).astype(dtype)
 
     @mx.custom_function
     def product(x, weight, scales, biases):
-        return x @ mx.dequantize(weight, scales, biases, group_size=group_size, bits=bits).astype(x.dtype).T
+        parts = [x @ w.T for _, _, w in blocks(weight, scales, biases, x.dtype)]
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
 
     @product.vjp
     def product_vjp(primals, cotangent, output):
         x, weight, scales, biases = primals
-        w = mx.dequantize(weight, scales, biases, group_size=group_size, bits=bits).astype(cotangent.dtype)
+        grad = None
+        for start, stop, w in blocks(weight, scales, biases, cotangent.dtype):
+            part = cotangent[..., start:stop] @ w
+            grad = part if grad is None else grad + part
         # the base is frozen: its cotangents are never evaluated (MLX is lazy), only shaped
-        return cotangent @ w, mx.zeros_like(weight), mx.zeros_like(scales), mx.zeros_like(biases)
+        return grad, mx.zeros_like(weight), mx.zeros_like(scales), mx.zeros_like(biases)
 
     return product
 

@@ -5,9 +5,9 @@ ones that compute on exactly the dequantized values MLX's quantized matmul uses.
 the packed `weight` (MLX's uint32 words, held as int32: the same bits), `scales` and `biases` under the same HF
 path, frozen parameters the strategy's load fills from the quantized seed (torch_impl/load.py), before lora.py
 attaches the adapters: a QuantizedLinear carries them as model.Linear does. torch has no kernel for MLX's
-layout, so each product dequantizes s * q + b (float32, as MLX's kernel) and runs F.linear; the backward
-dequantizes again rather than keep the float32 matrix from the forward, so a rank holds the packed base and one
-matrix at a time, not the float32 base. With a float32 base (FullPrecision) it changes nothing.
+layout, so each product dequantizes s * q + b (float32, as MLX's kernel) a block of rows at a time and runs
+F.linear; the backward dequantizes again rather than keep the float32 matrix from the forward, so a rank holds the
+packed base and one block at a time, not the float32 base. With a float32 base (FullPrecision) it changes nothing.
 """
 from __future__ import annotations
 
@@ -28,20 +28,32 @@ def dequantize(weight: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor,
     return (codes * scales.unsqueeze(-1) + biases.unsqueeze(-1)).flatten(-2)
 
 
+def blocks(weight, scales, biases, bits: int, group_size: int, dtype):
+    """Each block of rows (Quantization.row_blocks) dequantized, one at a time as the products use them."""
+    for start, stop in Quantization(bits, group_size).row_blocks(weight.shape[0], scales.shape[1] * group_size):
+        yield start, stop, dequantize(weight[start:stop], scales[start:stop], biases[start:stop], bits,
+                                      group_size).to(dtype)
+
+
 class QuantizedProduct(torch.autograd.Function):
-    """x (s * q + b)^T, its backward dequantizing again (only x has a gradient: the base is frozen)."""
+    """x (s * q + b)^T a block of rows at a time, its backward dequantizing again (only x has a gradient: the base
+    is frozen)."""
 
     @staticmethod
     def forward(ctx, x, weight, scales, biases, bits, group_size):
         ctx.save_for_backward(weight, scales, biases)
         ctx.bits, ctx.group_size = bits, group_size
-        return F.linear(x, dequantize(weight, scales, biases, bits, group_size).to(x.dtype))
+        parts = [F.linear(x, w) for _, _, w in blocks(weight, scales, biases, bits, group_size, x.dtype)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
     @staticmethod
     def backward(ctx, grad):
         weight, scales, biases = ctx.saved_tensors
-        w = dequantize(weight, scales, biases, ctx.bits, ctx.group_size).to(grad.dtype)
-        return grad @ w, None, None, None, None, None
+        out = None
+        for start, stop, w in blocks(weight, scales, biases, ctx.bits, ctx.group_size, grad.dtype):
+            part = grad[..., start:stop] @ w
+            out = part if out is None else out.add_(part)
+        return out, None, None, None, None, None
 
 
 class QuantizedLinear(nn.Module):

@@ -26,6 +26,9 @@ from common.model.weights import parameter_shapes
 
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)  # what MLX's quantized matmul accepts
+# The float32 bytes a product dequantizes at a time: the 1B shape's 4-bit peak RSS fell from 8.7 GB (MLX) and 6.3
+# (torch) with whole matrices (benchmarks/bench_lora_1b.py); a block still fills the BLAS (512 x 2048 x 4096).
+BLOCK_BYTES = 32 * 2**20
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,12 @@ class Quantization:
     def base_bytes(self, spec: ModelSpec) -> int:
         """Bytes of the base as both frameworks hold it: packed words, float32 scales and biases, float32 rest."""
         return sum(math.prod(s) * 4 for s in self.base_shapes(spec).values())  # uint32 and float32: 4 bytes
+
+    def row_blocks(self, out_features: int, in_features: int) -> list[tuple[int, int]]:
+        """The rows a product dequantizes at a time (both frameworks): a block's float32 matrix at most BLOCK_BYTES,
+        so that a rank never holds a large matrix dequantized whole (the tied head of a 128k vocabulary: 1 GB)."""
+        rows = max(1, BLOCK_BYTES // (4 * in_features))
+        return [(start, min(start + rows, out_features)) for start in range(0, out_features, rows)]
 
     def describe(self) -> dict:
         """config.json's `quantization` section (mlx-lm's), and summary.json's."""

@@ -159,3 +159,27 @@ def test_both_trainers_train_adapters_on_a_4_bit_base_to_the_same_losses(uncompi
         assert sizes["params"] == 4 * cfg.trained.trained_parameters(spec)  # the adapters alone train
     np.testing.assert_allclose(losses["mlx"], losses["torch"], rtol=0, atol=1e-5)
     assert losses["mlx"][-1] < losses["mlx"][0]
+
+
+def test_a_product_dequantizes_a_block_of_rows_at_a_time_with_the_same_values(monkeypatch):
+    """Blocks of rows (Quantization.row_blocks) give the product and the input's gradient of the whole matrix."""
+    import common.model.quantize as quantize
+
+    ours, theirs, dequantized, b = quantized_linear_pair(False)
+    x = np.random.default_rng(3).standard_normal((5, 128)).astype(np.float32)
+    monkeypatch.setattr(quantize, "BLOCK_BYTES", 40 * 128 * 4)  # 96 rows in blocks of 40, 40 and 16
+    assert Quantization(4, 64).row_blocks(96, 128) == [(0, 40), (40, 80), (80, 96)]
+    expected = x @ dequantized.T
+    xt = torch.from_numpy(x).requires_grad_(True)
+    out = theirs(xt)
+    (out ** 2).sum().backward()
+    from mlx_impl import quantized as mlx_quantized
+
+    mlx_quantized._dequantized_product.cache_clear()  # built again under the small blocks
+    got = ours(mx.array(x))
+    grad = mx.grad(lambda v: (ours(v) ** 2).sum())(mx.array(x))
+    mlx_quantized._dequantized_product.cache_clear()
+    for value in (np.array(got), out.detach().numpy()):
+        np.testing.assert_allclose(value, expected, rtol=0, atol=2e-6)
+    for value in (np.array(grad), xt.grad.numpy()):
+        np.testing.assert_allclose(value, 2 * expected @ dequantized, rtol=0, atol=1e-5)
