@@ -5,7 +5,7 @@ that run MLX's quantized matmul. Mirrors torch_impl/quantized.py.
 the packed uint32 `weight`, `scales` and `biases` under the same HF path, placeholders the strategy's load fills
 from the quantized seed (mlx_impl/load.py), before lora.py attaches the adapters: a QuantizedLinear carries them
 as model.Linear does. On a Metal GPU, MLX's quantized matmul computes x (s * q + b)^T from the packed words; on a
-CPU the matrix is dequantized at use and multiplied by the BLAS (`_dequantized_product`), as torch's twin does.
+CPU the matrix is dequantized at use and multiplied by the BLAS (`dequantized_product`), as torch's twin does.
 Either way the gradient reaches x (and the adapters), never the base. With a float32 base
 (common/model/quantize.py FullPrecision) it changes nothing.
 """
@@ -38,7 +38,7 @@ class QuantizedLinear(nn.Module):
         if mx.default_device() == mx.gpu:
             return mx.quantized_matmul(x, self.weight, self.scales.astype(x.dtype), self.biases.astype(x.dtype),
                                        transpose=True, group_size=self.group_size, bits=self.bits)
-        return _dequantized_product(self.bits, self.group_size)(x, self.weight, self.scales, self.biases)
+        return dequantized_product(self.bits, self.group_size)(x, self.weight, self.scales, self.biases)
 
     def __call__(self, x: mx.array) -> mx.array:
         y = self.base_product(x)
@@ -56,39 +56,42 @@ class QuantizedEmbedding(QuantizedLinear):
         super().__init__(dims, num_embeddings, False, storage)
 
     def __call__(self, tokens: mx.array) -> mx.array:
-        return mx.dequantize(self.weight[tokens], self.scales[tokens], self.biases[tokens],
-                             group_size=self.group_size, bits=self.bits)
+        return dequantize(self.weight[tokens], self.scales[tokens], self.biases[tokens], self.bits, self.group_size)
 
     def as_linear(self, x: mx.array) -> mx.array:
         return self.base_product(x)
 
 
+def dequantize(weight: mx.array, scales: mx.array, biases: mx.array, bits: int, group_size: int) -> mx.array:
+    """s * q + b of packed rows with their scales and biases (MLX's own kernel), in their dtype."""
+    return mx.dequantize(weight, scales, biases, group_size=group_size, bits=bits)
+
+
+def blocks(weight, scales, biases, bits: int, group_size: int, dtype):
+    """Each block of rows (Quantization.row_blocks) dequantized, one at a time as the products use them."""
+    for start, stop in Quantization(bits, group_size).row_blocks(weight.shape[0], scales.shape[1] * group_size):
+        yield start, stop, dequantize(weight[start:stop], scales[start:stop], biases[start:stop], bits,
+                                      group_size).astype(dtype)
+
+
 @functools.cache
-def _dequantized_product(bits: int, group_size: int):
+def dequantized_product(bits: int, group_size: int):
     """x (s * q + b)^T on a CPU: the matrix dequantized (float32) and handed to the BLAS, as torch does it. MLX's CPU
     quantized matmul has no BLAS behind it: 35-60x slower than this at (512, 2048) x (2048, 2048)
     (benchmarks/bench_quantized.py). A block of rows at a time (Quantization.row_blocks), and the backward
     dequantizes again instead of keeping each matrix from the forward to the backward, which would hold the float32
     base at the step's peak."""
 
-    storage = Quantization(bits, group_size)
-
-    def blocks(weight, scales, biases, dtype):
-        """Each block of rows (storage.row_blocks) dequantized, one at a time as the products use them."""
-        for start, stop in storage.row_blocks(weight.shape[0], scales.shape[1] * group_size):
-            yield start, stop, mx.dequantize(weight[start:stop], scales[start:stop], biases[start:stop],
-                                             group_size=group_size, bits=bits).astype(dtype)
-
     @mx.custom_function
     def product(x, weight, scales, biases):
-        parts = [x @ w.T for _, _, w in blocks(weight, scales, biases, x.dtype)]
+        parts = [x @ w.T for _, _, w in blocks(weight, scales, biases, bits, group_size, x.dtype)]
         return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
 
     @product.vjp
     def product_vjp(primals, cotangent, output):
         x, weight, scales, biases = primals
         grad = None
-        for start, stop, w in blocks(weight, scales, biases, cotangent.dtype):
+        for start, stop, w in blocks(weight, scales, biases, bits, group_size, cotangent.dtype):
             part = cotangent[..., start:stop] @ w
             grad = part if grad is None else grad + part
         # the base is frozen: its cotangents are never evaluated (MLX is lazy), only shaped

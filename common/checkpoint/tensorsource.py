@@ -112,7 +112,7 @@ class SafetensorsSource:
         first, count = (rows.start, len(rows)) if contiguous else (0, shape[0] if shape else 1)
         row_bytes = dtype.itemsize * int(np.prod(shape[1:], dtype=np.int64)) if shape else dtype.itemsize
         out = np.empty((count, *shape[1:]) if shape else (), dtype)
-        buffer = memoryview(out.reshape(-1).view(np.uint8)) if out.size else memoryview(b"")
+        buffer = out.reshape(-1).view(np.uint8).data if out.size else memoryview(b"")
         offset, done = self._start + entry["data_offsets"][0] + first * row_bytes, 0
         while done < len(buffer):  # pread may return less than asked
             got = os.preadv(self._fd, [buffer[done:]], offset + done)

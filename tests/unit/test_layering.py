@@ -78,6 +78,8 @@ def class_members(path: Path) -> dict[str, dict[str, tuple[str, ...] | None]]:
 FRAMEWORK_ONLY = {"mlx_impl": {"fast_exp.py", "kernel_choice.py"}, "torch_impl": {"adamw.py"}}
 # Public names that only one framework has, per file: (the names, why).
 NAME_ONLY = {
+    "quantized.py": ({"QuantizedProduct", "dequantized_product"}, "a quantized product's own backward: torch's is an "
+                     "autograd.Function, MLX's an mx.custom_function built per bit width and group size"),
     "comm.py": ({"average_gradients", "Watch", "FixedCount", "AllReduceCounter", "SendCounter"},
                 "MLX averages the gradients itself (torch's DDP and FSDP2 do it in their hooks); torch counts a step's "
                 "collectives with what sees them: dispatch modes for all-reduces and sends, a fixed count for DDP's "
@@ -109,7 +111,7 @@ MEMBER_ONLY = [
      "compiled functions are traced; torch counts a strategy's first step under what sees them"),
     (("microsteps.py:StepFunctions",), {"micro_step", "eval_step", "model", "wrapped"}, "what a strategy runs of the "
      "Trainer: MLX its compiled micro-step and eval, torch its model, bare and as the step runs it"),
-    (("model.py:*",), {"forward"}, "a torch module's entry point; MLX's is __call__"),
+    (("model.py:*", "quantized.py:*"), {"forward"}, "a torch module's entry point; MLX's is __call__"),
     (("model.py:Embedding",), {"reset_parameters"}, "torch draws a module's weights as it builds it, on the meta "
      "device too, where the draw imports torch._dynamo; MLX's modules draw nothing that a rank would skip"),
 ]

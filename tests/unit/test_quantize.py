@@ -175,10 +175,10 @@ def test_a_product_dequantizes_a_block_of_rows_at_a_time_with_the_same_values(mo
     (out ** 2).sum().backward()
     from mlx_impl import quantized as mlx_quantized
 
-    mlx_quantized._dequantized_product.cache_clear()  # built again under the small blocks
+    mlx_quantized.dequantized_product.cache_clear()  # built again under the small blocks
     got = ours(mx.array(x))
     grad = mx.grad(lambda v: (ours(v) ** 2).sum())(mx.array(x))
-    mlx_quantized._dequantized_product.cache_clear()
+    mlx_quantized.dequantized_product.cache_clear()
     for value in (np.array(got), out.detach().numpy()):
         np.testing.assert_allclose(value, expected, rtol=0, atol=2e-6)
     for value in (np.array(grad), xt.grad.numpy()):
