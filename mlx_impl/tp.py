@@ -32,7 +32,7 @@ from .comm import CommCounter
 from .grads import sum_of_squares
 from .load import load_local
 from .microsteps import Grads, MicroSteps
-from .model import RMSNorm
+from .model import RMSNorm, matmul
 from .rank_state import as_float32, local_numpy
 
 
@@ -132,7 +132,7 @@ class RowParallelLinear(ShardedToAllLinear):
         return layer
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = x @ self["weight"].astype(x.dtype).T  # the cast at use of common/model/precision.py
+        y = matmul(x, self["weight"].astype(x.dtype).T)  # the cast at use (precision.py); bf16: --mlx-bf16-matmul
         self.counter.add(y)
         return mx.distributed.all_sum(y, group=self.group)
 

@@ -66,3 +66,25 @@ def test_the_set_route_reaches_linear_and_the_tied_head():
         assert np.array_equal(a, b)
     with pytest.raises(ValueError):
         model.set_bf16_matmul("fp16")
+
+
+def test_tensor_parallels_row_parallel_layer_goes_through_the_models_matmul(monkeypatch):
+    """o_proj and down_proj under tp (mlx_impl/tp.py RowParallelLinear) take the same bf16 route as Linear."""
+    from types import SimpleNamespace
+
+    from mlx_impl import tp
+
+    calls = []
+
+    def spy(a, b, bf16_kind=None):
+        calls.append((a.dtype, b.dtype))
+        return model.matmul(a, b, bf16_kind)
+
+    monkeypatch.setattr(tp, "matmul", spy)
+    x, w = operands()
+    plain = model.Linear(64, 48, bias=False)
+    plain.weight = w
+    shards = SimpleNamespace(group=mx.distributed.init(), size=1, counter=SimpleNamespace(add=lambda y: None))
+    layer = tp.RowParallelLinear.from_sharded(plain, shards)
+    assert np.array_equal(np.array(layer(x).astype(mx.float32)), np.array(plain(x).astype(mx.float32)))
+    assert calls == [(mx.bfloat16, mx.bfloat16)]
