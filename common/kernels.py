@@ -1,6 +1,7 @@
 """Which kernels an MLX rank computes with, where the choice depends on the machine: the build of its compiled
-CPU kernels (--mlx-cpu-jit, compare/machine/environment.py), its exp (--mlx-exp, mlx_impl/fast_exp.py) and the
-route of its bfloat16 matmuls on a CPU (--mlx-bf16-matmul, mlx_impl/model.py `matmul`).
+CPU kernels (--mlx-cpu-jit, compare/machine/environment.py), its exp (--mlx-exp, mlx_impl/fast_exp.py), the
+route of its bfloat16 matmuls on a CPU (--mlx-bf16-matmul, mlx_impl/model.py `matmul`) and its cross-entropy's
+shift (no flag: always timed on a Linux CPU; mlx_impl/model.py `set_cross_entropy`).
 
 A selectable kernel's `auto` is decided by measuring, not by a rule about CPUs: each candidate is timed at the
 run's own shapes on this machine (mlx_impl/kernel_choice.py) and the faster one is taken (`faster`, a pure
@@ -26,8 +27,9 @@ if TYPE_CHECKING:
 
 # Each selectable kernel: its candidates, the first the one MLX computes by itself (kept on a tie), and the unit
 # of its timings.
-CANDIDATES = {"exp": ("native", "fused"), "bf16_matmul": ("native", "fp32")}
-UNITS = {"exp": "ns per element", "bf16_matmul": "ps per multiply-add"}
+CANDIDATES = {"exp": ("native", "fused"), "bf16_matmul": ("native", "fp32"),
+              "cross_entropy": ("native", "shift", "tree", "tree_shift")}
+UNITS = {"exp": "ns per element", "bf16_matmul": "ps per multiply-add", "cross_entropy": "ns per logit"}
 # Bump when mlx_impl/fast_exp.py or the fp32 route changes what is timed: the cached timings are then stale.
 KERNELS_REVISION = 3
 CACHE_FILE = "kernel-choice.json"
@@ -56,7 +58,7 @@ def measures(device: str, system: str) -> bool:
 def fixed_choice(cfg: RunConfig, kernel: str, device: str, system: str) -> str | None:
     """The candidate a run uses without measuring: the one named on the command line, MLX's own where `auto`
     does not measure (`measures`), MLX's own bf16 matmul in a float32 run (none happen). None: measure."""
-    chosen = {"exp": cfg.mlx_exp, "bf16_matmul": cfg.mlx_bf16_matmul}[kernel]
+    chosen = {"exp": cfg.mlx_exp, "bf16_matmul": cfg.mlx_bf16_matmul}.get(kernel, "auto")  # no flag for the rest
     if chosen != "auto":
         return chosen
     if not measures(device, system) or (kernel == "bf16_matmul" and cfg.dtype != "bfloat16"):
@@ -64,11 +66,15 @@ def fixed_choice(cfg: RunConfig, kernel: str, device: str, system: str) -> str |
     return None
 
 
-def measured_shape(cfg: RunConfig, kernel: str, spec: ModelSpec) -> tuple[int, ...]:
+def measured_shape(cfg: RunConfig, kernel: str, spec: ModelSpec, exp: str = "native") -> tuple[int, ...]:
     """The shape a kernel is timed at, from the run's own: the attention scores (micro-batch, heads, seq, seq)
-    for the exp (its softmax), the MLP's up projection (micro-batch x seq, dim, ffn) for the bf16 matmul."""
+    for the exp (its softmax), the MLP's up projection (micro-batch x seq, dim, ffn) for the bf16 matmul, the
+    logits (micro-batch x seq, vocab) for the cross-entropy, with the index of the run's `exp` in
+    CANDIDATES["exp"] last (it is timed with that exp)."""
     if kernel == "exp":
         return (cfg.micro_batch_size, spec.n_heads, cfg.seq_len, cfg.seq_len)
+    if kernel == "cross_entropy":
+        return (cfg.micro_batch_size * cfg.seq_len, spec.vocab_size, CANDIDATES["exp"].index(exp))
     return (cfg.micro_batch_size * cfg.seq_len, spec.dim, spec.ffn_dim)
 
 

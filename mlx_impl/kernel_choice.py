@@ -6,6 +6,8 @@ caches, this file times).
   build is shared with it.
 - bf16 matmul (--mlx-bf16-matmul): x @ W^T in bfloat16 by MLX's own kernel, and the fp32 route (model.matmul:
   exact upcast, the BLAS's sgemm, one rounding), at the MLP's up-projection shape.
+- cross-entropy's shift (model.set_cross_entropy): the model's cross-entropy, forward and backward compiled, with
+  each form of its row max and shift and the run's exp, over float32 logits of the run's (tokens, vocabulary).
 
 Each candidate runs once to build its kernels, then they alternate and the minimum per call counts; the shapes
 are cut to about a few million elements (a few tens of ms per call at worst), so a measurement takes well under a
@@ -32,6 +34,7 @@ from common.model.spec import ModelSpec
 from . import model
 
 MAX_EXP_ELEMENTS = 4 * 2**20          # scores cut to about 4M elements (a few ms per call with either exp)
+MAX_LOGITS = 4 * 2**20               # logits cut to about 4M (about 40 ms per call at a 50k vocabulary)
 MAX_MATMUL_MACS = 64 * 2**20          # rows cut to about 64M multiply-adds (13 ms at MLX's own 5 GFLOP/s)
 ROUNDS = 5
 
@@ -74,7 +77,25 @@ def time_bf16_matmul(shape: tuple[int, ...]) -> dict[str, float]:
     return {kind: 1e12 * t / (rows * n_in * n_out) for kind, t in best.items()}
 
 
-TIMERS = {"exp": time_exp, "bf16_matmul": time_bf16_matmul}
+def time_cross_entropy(shape: tuple[int, ...]) -> dict[str, float]:
+    """ns per logit of the model's cross-entropy, forward and backward compiled (as the step computes it), with
+    each shift, at (tokens, vocabulary, the exp's index in CANDIDATES["exp"]) = `shape`, tokens cut to MAX_LOGITS."""
+    rows, vocab, exp_index = shape
+    rows = max(1, min(rows, MAX_LOGITS // max(1, vocab)))
+    rng = np.random.default_rng(0)
+    logits = mx.array(rng.standard_normal((rows, vocab)).astype(np.float32))
+    targets = mx.array(rng.integers(0, vocab, rows).astype(np.int32))
+    mx.eval(logits, targets)
+    exp = CANDIDATES["exp"][exp_index]
+
+    def form(kind: str):
+        return mx.compile(mx.value_and_grad(lambda x, t: model._cross_entropy(x, t, kind, exp).sum()))
+
+    best = _min_time_s({kind: form(kind) for kind in CANDIDATES["cross_entropy"]}, (logits, targets))
+    return {kind: 1e9 * t / (rows * vocab) for kind, t in best.items()}
+
+
+TIMERS = {"exp": time_exp, "bf16_matmul": time_bf16_matmul, "cross_entropy": time_cross_entropy}
 
 
 def _cut(shape: tuple[int, ...], most: int) -> tuple[int, ...]:
@@ -98,7 +119,8 @@ def choice_for(cfg: RunConfig, spec: ModelSpec, kernel: str) -> tuple[str, dict 
     chosen = fixed_choice(cfg, kernel, device, sys.platform)
     if chosen is not None:
         return chosen, None
-    entry = measured(cfg.cache_path, Identity.here(cfg.mlx_cpu_jit), kernel, measured_shape(cfg, kernel, spec))
+    exp = choice_for(cfg, spec, "exp")[0] if kernel == "cross_entropy" else "native"  # timed with the run's exp
+    entry = measured(cfg.cache_path, Identity.here(cfg.mlx_cpu_jit), kernel, measured_shape(cfg, kernel, spec, exp))
     return entry["choice"], entry
 
 

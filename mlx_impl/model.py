@@ -348,6 +348,18 @@ def token_loss_sum(model, inputs, targets, mask):
     return losses.sum(), losses
 
 
+CROSS_ENTROPY_KINDS = ("native", "shift", "tree", "tree_shift")
+_CROSS_ENTROPY = {"kind": "native"}
+
+
+def set_cross_entropy(kind: str) -> None:
+    """cross_entropy's shift from now on (traced, as set_exp; auto times them): MLX's row max inside the exp's
+    kernels ("native"), subtracted first ("shift"), or the `_row_max` tree's ("tree", "tree_shift")."""
+    if kind not in CROSS_ENTROPY_KINDS:
+        raise ValueError(f"unknown cross-entropy {kind!r}; allowed: {', '.join(CROSS_ENTROPY_KINDS)}")
+    _CROSS_ENTROPY["kind"] = kind
+
+
 def cross_entropy(logits: mx.array, targets: mx.array) -> mx.array:
     """Per-token cross-entropy, logsumexp(logits) - logits[target], with the logsumexp written out.
 
@@ -357,9 +369,15 @@ def cross_entropy(logits: mx.array, targets: mx.array) -> mx.array:
     subtraction and exp into one kernel and the backward reuses the forward's exponentials (the gradient of
     exp is its output). The max is a constant shift that cancels, so no gradient flows to it; the target
     logit is read from `logits`, not from the shifted array, which would then have to be materialised too."""
-    peak = mx.stop_gradient(logits.max(axis=-1, keepdims=True))
+    return _cross_entropy(logits, targets, _CROSS_ENTROPY["kind"])
+
+
+def _cross_entropy(logits: mx.array, targets: mx.array, kind: str, exp_kind: str | None = None) -> mx.array:
+    """cross_entropy with the shift `kind` (set_cross_entropy) and the exp `exp_kind` (set_exp's, where None)."""
+    peak = mx.stop_gradient(_row_max(logits) if kind.startswith("tree") else logits.max(axis=-1, keepdims=True))
     target_logits = mx.take_along_axis(logits, targets[..., None], axis=-1).squeeze(-1)
-    return mx.log(_exp_minus(logits, peak).sum(axis=-1)) + peak.squeeze(-1) - target_logits
+    e = _exp(logits - peak, exp_kind) if kind.endswith("shift") else _exp_minus(logits, peak, exp_kind)
+    return mx.log(e.sum(axis=-1)) + peak.squeeze(-1) - target_logits
 
 
 def load_weights(model: Llama, weights: dict[str, np.ndarray]) -> None:

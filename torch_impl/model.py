@@ -39,6 +39,16 @@ def set_bf16_matmul(kind: str) -> None:
         raise ValueError(f"unknown bf16 matmul {kind!r}; allowed: {', '.join(BF16_MATMUL_KINDS)}")
 
 
+CROSS_ENTROPY_KINDS = ("native", "shift", "tree", "tree_shift")
+
+
+def set_cross_entropy(kind: str) -> None:
+    """MLX's twin picks how its written-out cross-entropy shifts the logits (a timed choice); torch's
+    F.cross_entropy is one fused kernel, so every kind runs it."""
+    if kind not in CROSS_ENTROPY_KINDS:
+        raise ValueError(f"unknown cross-entropy {kind!r}; allowed: {', '.join(CROSS_ENTROPY_KINDS)}")
+
+
 def matmul(a: torch.Tensor, b: torch.Tensor, bf16_kind: str | None = None) -> torch.Tensor:
     """a @ b: MLX's twin is where its bf16 matmuls choose their route (mlx_impl/model.py); here torch's own."""
     return a @ b

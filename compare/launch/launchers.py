@@ -20,6 +20,7 @@ from typing import Callable
 
 from common.config import RunConfig
 from common.errors import UserError
+from common.model.spec import ModelSpec
 
 from ..machine import environment as env
 from ..machine.kernels import kernels_line
@@ -167,7 +168,7 @@ def launcher_for(cfg: RunConfig, backend: str) -> Callable[[Job], list[str]]:
     return next(start for applies, start in LAUNCHERS if applies(cfg, backend))
 
 
-def rank_environment(cfg: RunConfig) -> tuple[dict[str, str], str]:
+def rank_environment(cfg: RunConfig, spec: ModelSpec | None = None) -> tuple[dict[str, str], str]:
     """(environment every rank gets, BLAS description): threads, allocator, BLAS and MLX's CPU kernels."""
     extra = env.thread_env(cfg.threads_per_rank)
     if cfg.tune_malloc:
@@ -182,17 +183,17 @@ def rank_environment(cfg: RunConfig) -> tuple[dict[str, str], str]:
             jit, jit_env = env.mlx_cpu_jit(cfg.mlx_cpu_jit, cfg.cache_path)
             blas += f"; fused CPU kernels: {jit}"
             extra.update(jit_env)
-        blas += f"; {kernels_line(cfg)}"  # exp and bf16 matmul: auto's timed choice (compare/machine/kernels.py)
+        blas += f"; {kernels_line(cfg, spec)}"  # auto's timed choices (compare/machine/kernels.py)
     return extra, blas
 
 
 def build_command(cfg: RunConfig, run_dir: Path, module: str = "launch", args: list[str] | None = None,
-                  link: EmulatedLink | None = None) -> tuple[list[str], dict, str]:
+                  link: EmulatedLink | None = None, spec: ModelSpec | None = None) -> tuple[list[str], dict, str]:
     """(argv, extra environment, BLAS description) that start every rank of this run.
 
     Every rank runs `python -m {framework}_impl.{module} ARGS` (default: the training entry with the run
     directory; `doctor --fabric` starts `fabric` the same way)."""
-    extra, blas = rank_environment(cfg)
+    extra, blas = rank_environment(cfg, spec)  # spec: the run's model (its vocabulary), where known
     job = Job(cfg, Path(run_dir), effective_backend(cfg), f"{cfg.framework}_impl.{module}",
               [str(run_dir)] if args is None else list(args), extra, link)
     return launcher_for(cfg, job.backend)(job), job.env, blas

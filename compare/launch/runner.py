@@ -159,7 +159,7 @@ def launch(cfg: RunConfig, inputs: Inputs, run_dir: Path) -> dict:
     tracking.check_installed(cfg.report_to)
     if cfg.link and cfg.world_size > 1:
         check_can_emulate(cfg.link)
-    build_command(cfg, run_dir)  # refuses a job it cannot start before anything is written
+    build_command(cfg, run_dir, spec=inputs.spec)  # refuses a job it cannot start before anything is written
     check_run_dir(run_dir, cfg.resume, cfg.overwrite, clear=True)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -226,7 +226,7 @@ def run_attempt(cfg: RunConfig, inputs: Inputs, run_dir: Path, restarts: Restart
     """Start every rank once (restart k of the run when restarts.attempt is k), watch them, stop them."""
     link = EmulatedLink(cfg.link, cfg.nproc, cfg.link_inner, cfg.group_size) if cfg.link and cfg.world_size > 1 \
         else None
-    argv, extra_env, blas = build_command(cfg, run_dir, link=link)
+    argv, extra_env, blas = build_command(cfg, run_dir, link=link, spec=inputs.spec)
     attempt = Attempt(argv, blas)
     try:
         inputs.plan(cfg).write(run_dir)

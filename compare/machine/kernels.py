@@ -16,12 +16,15 @@ from common.config import RunConfig
 from common.errors import UserError
 from common.kernels import CANDIDATES, Identity, KernelCache, describe, fixed_choice, measured_shape
 
+from common.model.spec import ModelSpec
+
 from . import environment as env
 
 PROBE_TIMEOUT_S = 120  # a cold kernel cache builds a few kernels with g++ (0.2-0.8 s each)
-LABELS = {"exp": "exp", "bf16_matmul": "bf16 matmul"}
+LABELS = {"exp": "exp", "bf16_matmul": "bf16 matmul", "cross_entropy": "cross-entropy shift"}
 HOW = {"exp": {"native": "MLX's own", "fused": "range reduction and a polynomial, vectorised by mx.compile"},
-       "bf16_matmul": {"native": "MLX's own bf16 kernel", "fp32": "exact upcast, sgemm, rounded once"}}
+       "bf16_matmul": {"native": "MLX's own bf16 kernel", "fp32": "exact upcast, sgemm, rounded once"},
+       "cross_entropy": {"native": "MLX's row max, inside the exp"}}
 
 
 def mlx_device(cfg: RunConfig) -> str:
@@ -30,21 +33,36 @@ def mlx_device(cfg: RunConfig) -> str:
     return "gpu" if gpu else "cpu"
 
 
-def described(cfg: RunConfig, kernel: str) -> str:
-    """What `kernel` computes with in this run's MLX ranks, with the timings behind an `auto` choice."""
+def described(cfg: RunConfig, kernel: str, spec: ModelSpec | None = None) -> str:
+    """What `kernel` computes with in this run's MLX ranks, with the timings behind an `auto` choice. `spec`: the
+    run's model, its vocabulary the tokenizer's (prepare_inputs); the cross-entropy's shape needs it."""
     fixed = fixed_choice(cfg, kernel, mlx_device(cfg), sys.platform)
     if fixed is not None:
-        return f"{fixed} ({HOW[kernel][fixed]})"
+        return f"{fixed} ({HOW[kernel][fixed]})" if fixed in HOW[kernel] else fixed
     if cfg.hostfile:  # other hosts: their ranks time it there, with their own CPU and kernels
         return "auto (timed by each host's ranks)"
-    try:
-        shape = measured_shape(cfg, kernel, cfg.model_spec())
-    except UserError:
+    entry = _entry(cfg, kernel, spec)
+    if entry is None:
         return "auto (timed by the ranks)"
-    entry = _measured(cfg.mlx_cpu_jit, str(cfg.cache_path), cfg.mlx_blas, cfg.threads_per_rank, kernel, shape)
     if "error" in entry:
         return f"auto (timed by the ranks; here: {entry['error']})"
     return describe(kernel, entry["choice"], entry)
+
+
+def _entry(cfg: RunConfig, kernel: str, spec: ModelSpec | None) -> dict | None:
+    """The cache entry of an `auto` kernel of this run (timed on a miss), None where its shape is not known here."""
+    if kernel == "cross_entropy" and spec is None:
+        return None  # its vocabulary is the tokenizer's, known once the inputs are prepared
+    try:
+        spec = spec or cfg.model_spec()
+    except UserError:
+        return None
+    exp = "native"
+    if kernel == "cross_entropy":  # timed at the run's logits, with the run's exp
+        exp = fixed_choice(cfg, "exp", mlx_device(cfg), sys.platform) or (_entry(cfg, "exp", spec) or {}).get(
+            "choice", "native")
+    shape = measured_shape(cfg, kernel, spec, exp)
+    return _measured(cfg.mlx_cpu_jit, str(cfg.cache_path), cfg.mlx_blas, cfg.threads_per_rank, kernel, shape)
 
 
 @functools.lru_cache(maxsize=32)
@@ -70,7 +88,8 @@ def _measured(cpu_jit: str, cache_dir: str, blas: str, threads: int, kernel: str
         return {"error": f"unreadable output: {out.stdout[-200:]!r}"}
 
 
-def kernels_line(cfg: RunConfig) -> str:
-    """The selectable kernels' part of the BLAS line: `exp: ...` and, in a bfloat16 run, `bf16 matmul: ...`."""
+def kernels_line(cfg: RunConfig, spec: ModelSpec | None = None) -> str:
+    """The selectable kernels' part of the BLAS line: `exp: ...`, in a bfloat16 run `bf16 matmul: ...`, and the
+    cross-entropy's shift (timed at `spec`'s vocabulary: the run's model, where the launcher knows it)."""
     kernels = [k for k in CANDIDATES if k != "bf16_matmul" or cfg.dtype == "bfloat16"]
-    return "; ".join(f"{LABELS[k]}: {described(cfg, k)}" for k in kernels)
+    return "; ".join(f"{LABELS[k]}: {described(cfg, k, spec)}" for k in kernels)

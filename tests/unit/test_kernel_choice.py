@@ -1,4 +1,4 @@
-"""`auto` for MLX's selectable kernels (--mlx-exp, --mlx-bf16-matmul): the faster of the timings it is handed,
+"""`auto` for MLX's selectable kernels (--mlx-exp, --mlx-bf16-matmul, the cross-entropy's shift): the faster of the timings it is handed,
 cached per machine, MLX version, kernel build and shape, and measured again when MLX changes. Nothing here times
 anything: the timings are handed in."""
 from __future__ import annotations
@@ -17,6 +17,7 @@ from common.model.spec import preset
     ({"native": 4.9, "fused": 7.2}, "native"),
     ({"native": 365.0, "fp32": 34.5}, "fp32"),
     ({"native": 5.0, "fused": 5.0}, "native"),  # a tie keeps MLX's own, listed first
+    ({"native": 6.2, "shift": 4.7, "tree": 5.6, "tree_shift": 4.2}, "tree_shift"),
 ])
 def test_auto_picks_the_faster_of_the_timings_it_is_handed(timings, expected):
     assert faster(timings) == expected
@@ -32,6 +33,8 @@ def test_auto_picks_the_faster_of_the_timings_it_is_handed(timings, expected):
     (RunConfig(mlx_exp="fused"), "exp", "gpu", "darwin", "fused"),                # a named choice is kept
     (RunConfig(mlx_exp="native"), "exp", "cpu", "linux", "native"),
     (RunConfig(mlx_bf16_matmul="fp32"), "bf16_matmul", "cpu", "linux", "fp32"),
+    (RunConfig(mlx_exp="native"), "cross_entropy", "cpu", "linux", None),      # no flag: always timed there
+    (RunConfig(), "cross_entropy", "gpu", "darwin", "native"),
 ])
 def test_a_named_choice_is_kept_and_auto_measures_only_on_a_linux_cpu(cfg, kernel, device, system, expected):
     assert fixed_choice(cfg, kernel, device, system) == expected
@@ -41,6 +44,8 @@ def test_the_measured_shapes_are_the_runs_own():
     cfg, spec = RunConfig(seq_len=128, global_batch_size=8), preset("tiny")
     assert measured_shape(cfg, "exp", spec) == (8, spec.n_heads, 128, 128)
     assert measured_shape(cfg, "bf16_matmul", spec) == (8 * 128, spec.dim, spec.ffn_dim)
+    # the logits, and the exp the cross-entropy runs with (its index among the exp's candidates)
+    assert measured_shape(cfg, "cross_entropy", spec, "fused") == (8 * 128, spec.vocab_size, 1)
 
 
 def test_a_cached_choice_is_reused_and_dropped_when_the_mlx_version_changes(tmp_path):
@@ -63,8 +68,10 @@ def test_the_launcher_reads_the_cache_without_starting_a_measurement(tmp_path, m
     from compare.machine import kernels
 
     cfg = RunConfig(cache_dir=str(tmp_path), dtype="bfloat16", device="cpu")
-    for kernel, timings in (("exp", {"native": 9.8, "fused": 3.1}), ("bf16_matmul", {"native": 365.0, "fp32": 34.5})):
-        KernelCache(tmp_path).put(Identity.here(cfg.mlx_cpu_jit), kernel, measured_shape(cfg, kernel, cfg.model_spec()),
+    spec = cfg.model_spec(vocab_size=1051)  # the tokenizer's vocabulary, as prepare_inputs gives it
+    for kernel, timings in (("exp", {"native": 9.8, "fused": 3.1}), ("bf16_matmul", {"native": 365.0, "fp32": 34.5}),
+                            ("cross_entropy", {"native": 6.2, "shift": 4.7, "tree": 5.6, "tree_shift": 4.2})):
+        KernelCache(tmp_path).put(Identity.here(cfg.mlx_cpu_jit), kernel, measured_shape(cfg, kernel, spec, "fused"),
                                   timings)
 
     def no_child(*args, **kwargs):
@@ -72,10 +79,14 @@ def test_the_launcher_reads_the_cache_without_starting_a_measurement(tmp_path, m
 
     monkeypatch.setattr(subprocess, "run", no_child)
     kernels._measured.cache_clear()
-    line = kernels.kernels_line(cfg)
+    line = kernels.kernels_line(cfg, spec)
     if fixed_choice(cfg, "exp", "cpu", __import__("sys").platform) is None:  # a Linux CPU: auto measured
         assert line == ("exp: fused (measured: fused 3.1, native 9.8 ns per element); "
-                        "bf16 matmul: fp32 (measured: fp32 34.5, native 365 ps per multiply-add)")
+                        "bf16 matmul: fp32 (measured: fp32 34.5, native 365 ps per multiply-add); "
+                        "cross-entropy shift: tree_shift (measured: tree_shift 4.2, native 6.2, shift 4.7, tree 5.6 "
+                        "ns per logit)")
+        # without the run's model the vocabulary is not known here: the ranks time it
+        assert kernels.kernels_line(cfg).endswith("cross-entropy shift: auto (timed by the ranks)")
     else:
         assert line.startswith("exp: native")
 
@@ -84,4 +95,4 @@ def test_the_description_names_the_choice_first_then_the_other_timings():
     entry = {"choice": "fused", "timings": {"native": 9.8, "fused": 3.1}}
     assert describe("exp", "fused", entry) == "fused (measured: fused 3.1, native 9.8 ns per element)"
     assert describe("exp", "native", None) == "native"
-    assert set(CANDIDATES) == {"exp", "bf16_matmul"}
+    assert set(CANDIDATES) == {"exp", "bf16_matmul", "cross_entropy"}

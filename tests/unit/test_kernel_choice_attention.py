@@ -59,3 +59,24 @@ def test_the_attention_core_and_its_gradients_match_a_float64_reference(kv_heads
         minus[i] = minus[i] - eps * direction
         numeric = ((reference(*plus, np_mask, scale) - reference(*minus, np_mask, scale)) * cotangent).sum() / (2 * eps)
         assert float((np.array(grad) * direction).sum()) == pytest.approx(numeric, rel=1e-4, abs=1e-4)
+
+
+@pytest.mark.parametrize("exp_kind", model.EXP_KINDS)
+@pytest.mark.parametrize("vocab", [1051, 4099])
+def test_every_cross_entropy_shift_gives_the_same_losses_and_gradients(exp_kind, vocab):
+    """The forms auto chooses between (model.set_cross_entropy) differ in speed, not in the losses: the max is
+    exact whichever way it is taken, and x - max is the same subtraction inside the exp's kernels or before."""
+    rng = np.random.default_rng(1)
+    logits = mx.array((4 * rng.standard_normal((64, vocab))).astype(np.float32))
+    targets = mx.array(rng.integers(0, vocab, 64).astype(np.int32))
+
+    def run(kind):
+        f = mx.compile(mx.value_and_grad(lambda x: model._cross_entropy(x, targets, kind, exp_kind).sum()))
+        loss, grad = f(logits)
+        return np.array(model._cross_entropy(logits, targets, kind, exp_kind)), np.array(grad)
+
+    losses, grads = run("native")
+    for kind in model.CROSS_ENTROPY_KINDS:
+        kind_losses, kind_grads = run(kind)
+        assert np.array_equal(kind_losses, losses), kind
+        np.testing.assert_allclose(kind_grads, grads, rtol=1e-6, atol=1e-12)
