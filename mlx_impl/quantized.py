@@ -67,11 +67,14 @@ def dequantize(weight: mx.array, scales: mx.array, biases: mx.array, bits: int, 
     return mx.dequantize(weight, scales, biases, group_size=group_size, bits=bits)
 
 
-def blocks(weight, scales, biases, bits: int, group_size: int, dtype):
-    """Each block of rows (Quantization.row_blocks) dequantized, one at a time as the products use them."""
+def blocks(weight, scales, biases, bits: int, group_size: int, dtype, after: list):
+    """Each block of rows (Quantization.row_blocks) dequantized, one at a time as the products use them: each after
+    `after[-1]` (the product's input, then the previous block's product), which the caller appends to. MLX would
+    otherwise dequantize every block of every layer as soon as it reads the graph (a dequantize depends on nothing
+    but the packed words) and hold them all until their products: the float32 base again, at the step's peak."""
     for start, stop in Quantization(bits, group_size).row_blocks(weight.shape[0], scales.shape[1] * group_size):
-        yield start, stop, dequantize(weight[start:stop], scales[start:stop], biases[start:stop], bits,
-                                      group_size).astype(dtype)
+        packed = mx.depends([weight[start:stop], scales[start:stop], biases[start:stop]], [after[-1]])
+        yield start, stop, dequantize(*packed, bits, group_size).astype(dtype)
 
 
 @functools.cache
@@ -84,16 +87,19 @@ def dequantized_product(bits: int, group_size: int):
 
     @mx.custom_function
     def product(x, weight, scales, biases):
-        parts = [x @ w.T for _, _, w in blocks(weight, scales, biases, bits, group_size, x.dtype)]
-        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+        parts = [x]
+        for _, _, w in blocks(weight, scales, biases, bits, group_size, x.dtype, parts):
+            parts.append(x @ w.T)
+        return parts[1] if len(parts) == 2 else mx.concatenate(parts[1:], axis=-1)
 
     @product.vjp
     def product_vjp(primals, cotangent, output):
         x, weight, scales, biases = primals
-        grad = None
-        for start, stop, w in blocks(weight, scales, biases, bits, group_size, cotangent.dtype):
+        grads = [cotangent]
+        for start, stop, w in blocks(weight, scales, biases, bits, group_size, cotangent.dtype, grads):
             part = cotangent[..., start:stop] @ w
-            grad = part if grad is None else grad + part
+            grads.append(part if len(grads) == 1 else grads[-1] + part)
+        grad = grads[-1]
         # the base is frozen: its cotangents are never evaluated (MLX is lazy), only shaped
         return grad, mx.zeros_like(weight), mx.zeros_like(scales), mx.zeros_like(biases)
 

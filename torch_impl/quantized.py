@@ -28,8 +28,9 @@ def dequantize(weight: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor,
     return (codes * scales.unsqueeze(-1) + biases.unsqueeze(-1)).flatten(-2)
 
 
-def blocks(weight, scales, biases, bits: int, group_size: int, dtype):
-    """Each block of rows (Quantization.row_blocks) dequantized, one at a time as the products use them."""
+def blocks(weight, scales, biases, bits: int, group_size: int, dtype, after: list):
+    """Each block of rows (Quantization.row_blocks) dequantized, one at a time as the products use them (torch runs
+    in program order: `after`, what MLX's must wait for, orders nothing here)."""
     for start, stop in Quantization(bits, group_size).row_blocks(weight.shape[0], scales.shape[1] * group_size):
         yield start, stop, dequantize(weight[start:stop], scales[start:stop], biases[start:stop], bits,
                                       group_size).to(dtype)
@@ -43,14 +44,14 @@ class QuantizedProduct(torch.autograd.Function):
     def forward(ctx, x, weight, scales, biases, bits, group_size):
         ctx.save_for_backward(weight, scales, biases)
         ctx.bits, ctx.group_size = bits, group_size
-        parts = [F.linear(x, w) for _, _, w in blocks(weight, scales, biases, bits, group_size, x.dtype)]
+        parts = [F.linear(x, w) for _, _, w in blocks(weight, scales, biases, bits, group_size, x.dtype, [x])]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
     @staticmethod
     def backward(ctx, grad):
         weight, scales, biases = ctx.saved_tensors
         out = None
-        for start, stop, w in blocks(weight, scales, biases, ctx.bits, ctx.group_size, grad.dtype):
+        for start, stop, w in blocks(weight, scales, biases, ctx.bits, ctx.group_size, grad.dtype, [grad]):
             part = grad[..., start:stop] @ w
             out = part if out is None else out.add_(part)
         return out, None, None, None, None, None
