@@ -46,7 +46,7 @@ def compare(folder: Path, out: Path, bits: int, steps: int, nproc: str) -> None:
            "--dataset", str(SHARED / "tinystories" / "train.txt"), "--tokenizer", str(SHARED / "gpt2"),
            "--lora-rank", "8", "--lora-targets", "q_proj,v_proj", "--seq-len", "128", "--global-batch-size", "4",
            "--steps", str(steps), "--warmup-steps", "1", "--eval-every", "0",
-           "--profile-steps", "0", "--no-op-profile", "--no-samples", "--frameworks", "mlx,torch",
+           "--profile-steps", "0", "--no-op-profile", "--no-samples", "--collective-timeout-s", "900", "--frameworks", "mlx,torch",
            "--nproc", nproc, "--out", str(out), "--overwrite", *(("--quantize-base", str(bits)) if bits else ())]
     print("$", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=False)  # a failed run is in the table too (its log says why)
