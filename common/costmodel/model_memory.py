@@ -15,7 +15,8 @@ The parts, each predicted (the framework factors are memory.py's, fitted on meas
     dequantize  torch's quantized product dequantizes a matrix at a time in float32 (the codes, their float
                 copy, the product): three times the largest quantized matrix; MLX's kernel reads the packed words
     overhead    the framework's own: the rank's fixed footprint and workspace, taken from the calibration run
-                (its peak less the parts above at its own shapes), or memory.py's constants without one
+                (its peak less the parts above at its own shapes), or memory.py's constants without one; at
+                N > 1 plus what a job of several ranks adds to it (JOB_FIXED_BYTES)
 """
 from __future__ import annotations
 
@@ -31,6 +32,10 @@ from common.parallel.layout import MASTER_BYTES, Layout
 # A rank's footprint before its model exists, where no run measured it (summary.json's fixed_rss_bytes on the
 # reference machine: MLX about 54 MB at N=1 and 89 MB at N=2, torch about 370 MB; docs/scaling.md).
 FIXED_BYTES = {"mlx": 60e6, "torch": 370e6}
+# What a rank's fixed footprint adds in a job of more than one rank (the communication backend's libraries and
+# buffers), measured as fixed_rss_bytes at N=2 less N=1 on tiny (Intel Xeon VM): MLX ring 44.3 -> 79.0 MB,
+# torch gloo 232.5 -> 241.0 MB. A calibration run at N=1 lacks it, one at N > 1 has it (overhead_from_run).
+JOB_FIXED_BYTES = {"mlx": 35e6, "torch": 8e6}
 DEQUANTIZE_COPIES = {"mlx": 0, "torch": 3}
 PARTS = ("weights", "gradients", "optimizer", "activations", "gathered", "update", "reduce", "dequantize")
 
@@ -63,6 +68,7 @@ def model_memory(lay: Layout, w: Workload, trained: Trained = FullModel(), stora
         "dequantize": DEQUANTIZE_COPIES[fw] * largest * 4 if bits < 32 else 0.0,
     }
     overhead = FIXED_BYTES[fw] + WORKSPACE_BYTES[fw] if overhead_bytes is None else overhead_bytes
+    overhead += JOB_FIXED_BYTES[fw] if lay.mesh.size > 1 else 0.0
     return {**parts, "overhead": overhead, "total": sum(parts.values()) + overhead}
 
 
@@ -72,7 +78,7 @@ def overhead_from_run(lay: Layout, w: Workload, peak_bytes: float | None, traine
     predicting the run itself gives its peak back); None without a measured peak."""
     if not peak_bytes:
         return None
-    parts = model_memory(lay, w, trained, storage, 0.0)
+    parts = model_memory(lay, w, trained, storage, 0.0)  # with the job's fixed bytes at N > 1: not the run's own
     return max(0.0, peak_bytes - parts["total"])
 
 

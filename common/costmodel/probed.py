@@ -4,7 +4,8 @@ The probe ({mlx,torch}_impl/block_probe.py, a subprocess in the run's framework 
 times one transformer block of the model's real shapes on `rows` sequences of the micro-batch's length: its
 forward, and its forward with the backward a step runs (every gradient; under LoRA the adapters' and the
 activations'); the head (embedding lookup, final norm, head over `vocab_rows` of the vocabulary, cross-entropy)
-the same two ways; and AdamW's update over some elements. `phases` turns them into forward, backward and
+the same two ways; and the step's update (the global norm, the clip, AdamW) over the model's own trained
+tensors, up to OPTIMIZER_ELEMENTS of them. `phases` turns them into forward, backward and
 optimizer seconds for one rank doing the whole global batch, as a Calibration holds them:
 
     forward   = rows_scale x (L x block_forward + head_forward x V / vocab_rows)
@@ -16,8 +17,8 @@ something to train at or below them (every block, or under LoRA on the last k bl
 their forward only). `transfer` then takes from the calibration run what the probe does not see: the probe run
 on the run's own model gives the run's forward + backward and update as the probe would time them; what the run
 measured beyond that is a fixed cost per step (the step's own host work: the loss, the gradient scaling, the
-data), added as is; where the run measured less (the whole step compiled tighter than its parts), the ratio
-scales the new model's figures instead. `other` (host work per step), the link fits and the host work per byte
+data), added as is; where the run measured less (the whole step compiled into one call where the probe makes
+one a piece), the difference is taken off, never below the ratio measured / probed of the new model's figures. `other` (host work per step), the link fits and the host work per byte
 stay the run's. docs/scaling.md ("A model you have not trained") says the same with the measured accuracy.
 """
 from __future__ import annotations
@@ -37,8 +38,9 @@ from common.model.weights import parameter_shapes
 RESULT_PREFIX = "dpcompare-block-probe "
 VOCAB_ROWS = 32768          # the head is timed over at most this many vocabulary rows, then scaled by V / rows
 PROBE_FLOPS = 4e10          # rows are cut so that one block's forward + backward is about this many FLOPs (~1 s)
-OPTIMIZER_ELEMENTS = 8 * 2**20
-BUDGET_S = 1.0              # a timing repeats within this many seconds (at least twice)
+OPTIMIZER_ELEMENTS = 32 * 2**20  # the update is timed over at most this many of the model's own elements
+BUDGET_S = 1.0              # a timing repeats (up to 7 calls) within this many seconds
+MIN_CALLS = 3               # ... and this often at least, where they take under MIN_CALLS x BUDGET_S in all
 
 
 def base_storage(bits: int, group_size: int):
@@ -82,11 +84,18 @@ class ProbeRequest:
         return base_storage_of(*self.quantize) if self.quantize[0] else FullPrecision()
 
     def optimizer_tensors(self) -> list[int]:
-        """The update's tensors: the block's largest matrix's size each, optimizer_elements in all."""
-        size = max(math.prod(s) for n, s in parameter_shapes(self.spec.with_(n_layers=1)).items()
-                   if n.startswith("model.layers."))
-        size = max(1, min(size, self.optimizer_elements))
-        return [size] * max(1, self.optimizer_elements // size)
+        """The update's tensors: the sizes of what trains, in the model's order, until optimizer_elements (the
+        last cut to what is left). The update's cost per element grows with its tensors and their total (the
+        moments of a block's matrices stay in the cache, a model's do not): over `small`'s 28M elements torch's
+        update took 10.7 ns an element against 4.1 over 64 block-sized tensors of 8M in all, which had made
+        the probe's update a third of the measured one (issue 56)."""
+        left, sizes = self.optimizer_elements, []
+        for shape in self.trained.state_shapes(self.spec).values():
+            if left <= 0:
+                break
+            sizes.append(min(math.prod(shape), left))
+            left -= sizes[-1]
+        return sizes or [1]
 
     def to_json(self) -> dict:
         trained = self.trained.describe() if isinstance(self.trained, Adapters) else None
@@ -154,8 +163,12 @@ def phases(figures: dict, req: ProbeRequest, w: Workload) -> Phases:
 
 @dataclass(frozen=True)
 class Transfer:
-    """What the calibration run measured beyond the probe of its own model: a fixed cost per step (seconds) or,
-    where it measured less, a ratio; one each for forward + backward and for the update."""
+    """What the calibration run measured beyond the probe of its own model, as seconds per step (negative where
+    it measured less: the probe's calls each pay a dispatch the whole compiled step pays once), and the ratio
+    measured / probed (at most 1) below which a smaller model is not taken; one each for forward + backward and
+    for the update. Added, not scaled: the probe of a small model is milliseconds, and a ratio of them carried
+    one noisy timing into every figure of the target (tiny's head 9 against 16 ms on a loaded machine made
+    torch's `small` 23 % short; MLX's probe of tiny, 1.5x its step, made `small` 42 % short; issue 56)."""
     compute_fixed_s: float
     compute_ratio: float
     optimizer_fixed_s: float
@@ -163,9 +176,9 @@ class Transfer:
 
     def apply(self, p: Phases) -> Phases:
         share = p.forward_s / p.compute_s if p.compute_s else 0.5
-        compute = p.compute_s * self.compute_ratio + self.compute_fixed_s
-        return Phases(share * compute, (1 - share) * compute, p.optimizer_s * self.optimizer_ratio
-                      + self.optimizer_fixed_s)
+        compute = max(p.compute_s + self.compute_fixed_s, p.compute_s * self.compute_ratio)
+        optimizer = max(p.optimizer_s + self.optimizer_fixed_s, p.optimizer_s * self.optimizer_ratio)
+        return Phases(share * compute, (1 - share) * compute, optimizer)
 
     def to_dict(self) -> dict:
         return dict(vars(self))
@@ -176,9 +189,7 @@ def transfer(cal: Calibration, probed_own: Phases) -> Transfer:
     measured = cal.forward_s + cal.backward_s
 
     def split(seen: float, probed: float) -> tuple[float, float]:
-        if probed <= 0:
-            return seen, 1.0
-        return (seen - probed, 1.0) if seen >= probed else (0.0, seen / probed)
+        return seen - probed, min(1.0, seen / probed) if probed > 0 else 1.0
     c_fixed, c_ratio = split(measured, probed_own.compute_s)
     o_fixed, o_ratio = split(cal.optimizer_s, probed_own.optimizer_s)
     return Transfer(c_fixed, c_ratio, o_fixed, o_ratio)

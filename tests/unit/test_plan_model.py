@@ -61,7 +61,7 @@ def test_lora_on_the_last_blocks_runs_only_the_forward_below_them():
     assert phases(figures, req, w).compute_s == pytest.approx(8 / req.rows * (1 * 3.0 + 3 * 1.0))
 
 
-def test_the_run_measured_beyond_its_probe_is_a_fixed_cost_and_below_it_a_ratio():
+def test_what_the_run_measured_beyond_or_below_its_probe_is_added_to_the_model_never_below_the_ratio():
     from dataclasses import replace
 
     from common.costmodel.calibrate import calibrate
@@ -74,8 +74,11 @@ def test_the_run_measured_beyond_its_probe_is_a_fixed_cost_and_below_it_a_ratio(
     slower = transfer(cal, Phases(measured / 4, measured / 4, cal.optimizer_s))
     assert slower.compute_fixed_s == pytest.approx(measured / 2) and slower.compute_ratio == 1.0
     faster = transfer(replace(cal), Phases(measured, measured, cal.optimizer_s))
-    assert faster.compute_fixed_s == 0.0 and faster.compute_ratio == pytest.approx(0.5)
-    assert faster.apply(Phases(1.0, 3.0, 0.0)).compute_s == pytest.approx(2.0)
+    assert faster.compute_fixed_s == pytest.approx(-measured) and faster.compute_ratio == pytest.approx(0.5)
+    big = Phases(100 * measured, 300 * measured, 0.0)  # a model much larger than the run's: the difference taken off
+    assert faster.apply(big).compute_s == pytest.approx(399 * measured)
+    assert faster.apply(Phases(measured, measured, 0.0)).compute_s == pytest.approx(measured)  # its own model
+    assert faster.apply(Phases(0.5 * measured, 0.5 * measured, 0.0)).compute_s == pytest.approx(0.5 * measured)
 
 
 def test_lora_on_a_quantized_base_holds_the_packed_base_and_trains_only_the_adapters():
@@ -164,3 +167,15 @@ def test_run_warns_when_its_ranks_would_not_fit_this_machine(monkeypatch):
     assert line and "exceeds this machine's 4.0 GB" in line and "\n" not in line
     small = RunConfig.from_dict({"preset": "tiny", "nproc": 2})
     assert model.memory_warning(small, small.model_spec(2048)) is None
+
+
+def test_a_rank_of_a_job_of_several_holds_the_backends_fixed_bytes_beside_the_overhead_measured_at_one():
+    from common.costmodel.model_memory import JOB_FIXED_BYTES, overhead_from_run
+
+    w = Workload(PRESETS["small"], 128, 8, framework="mlx")
+    one, two = model_memory(layout("ddp", 1), w, FullModel(), None, 1e8), model_memory(layout("ddp", 2), w, FullModel(), None, 1e8)
+    assert two["overhead"] == one["overhead"] + JOB_FIXED_BYTES["mlx"]
+    # calibrated on an N=2 run, the overhead is its peak less the parts and less the job's bytes: N=2 gives it back
+    overhead = overhead_from_run(layout("ddp", 2), w, two["total"])
+    assert overhead == pytest.approx(1e8) and model_memory(layout("ddp", 1), w, FullModel(), None, overhead)["total"] \
+        == pytest.approx(one["total"])
