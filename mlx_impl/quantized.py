@@ -73,8 +73,8 @@ def blocks(weight, scales, biases, bits: int, group_size: int, dtype, after: lis
     otherwise dequantize every block of every layer as soon as it reads the graph (a dequantize depends on nothing
     but the packed words) and hold them all until their products: the float32 base again, at the step's peak."""
     for start, stop in Quantization(bits, group_size).row_blocks(weight.shape[0], scales.shape[1] * group_size):
-        packed = mx.depends([weight[start:stop], scales[start:stop], biases[start:stop]], [after[-1]])
-        yield start, stop, dequantize(*packed, bits, group_size).astype(dtype)
+        w, s, b = mx.depends([weight[start:stop], scales[start:stop], biases[start:stop]], [after[-1]])
+        yield start, stop, dequantize(w, s, b, bits, group_size).astype(dtype)
 
 
 @functools.cache
