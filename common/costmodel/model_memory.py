@@ -12,8 +12,8 @@ The parts, each predicted (the framework factors are memory.py's, fitted on meas
     gathered    whole parameters held beside the shards (fsdp)
     update      the copies AdamW's update holds (MLX writes new parameters before the old are freed)
     reduce      ddp's gradient reduction copies (MLX's grouped all-reduce)
-    dequantize  torch's quantized product dequantizes a matrix at a time in float32 (the codes, their float
-                copy, the product): three times the largest quantized matrix; MLX's kernel reads the packed words
+    dequantize  a quantized product dequantizes a block of rows at a time in float32, in both frameworks on a CPU
+                (the codes, their float copy, the product: three blocks of at most quantize.BLOCK_BYTES)
     overhead    the framework's own: the rank's fixed footprint and workspace, taken from the calibration run
                 (its peak less the parts above at its own shapes), or memory.py's constants without one; at
                 N > 1 plus what a job of several ranks adds to it (JOB_FIXED_BYTES)
@@ -26,6 +26,7 @@ import os
 from common.costmodel.memory import ACTIVATION_FACTOR, REDUCE_FACTOR, UPDATE_FACTOR, WORKSPACE_BYTES
 from common.costmodel.workload import Workload
 from common.model.lora import Adapters, FullModel, Trained
+from common.model.quantize import BLOCK_BYTES
 from common.model.weights import parameter_shapes
 from common.parallel.layout import MASTER_BYTES, Layout
 
@@ -36,7 +37,7 @@ FIXED_BYTES = {"mlx": 60e6, "torch": 370e6}
 # buffers), measured as fixed_rss_bytes at N=2 less N=1 on tiny (Intel Xeon VM): MLX ring 44.3 -> 79.0 MB,
 # torch gloo 232.5 -> 241.0 MB. A calibration run at N=1 lacks it, one at N > 1 has it (overhead_from_run).
 JOB_FIXED_BYTES = {"mlx": 35e6, "torch": 8e6}
-DEQUANTIZE_COPIES = {"mlx": 0, "torch": 3}
+DEQUANTIZE_COPIES = {"mlx": 3, "torch": 3}
 PARTS = ("weights", "gradients", "optimizer", "activations", "gathered", "update", "reduce", "dequantize")
 
 
@@ -65,7 +66,7 @@ def model_memory(lay: Layout, w: Workload, trained: Trained = FullModel(), stora
         "gathered": lay.gathered_bytes(w),
         "update": state * UPDATE_FACTOR[fw],
         "reduce": state * REDUCE_FACTOR[fw] if lay.copies_gradients_for_reduce else 0.0,
-        "dequantize": DEQUANTIZE_COPIES[fw] * largest * 4 if bits < 32 else 0.0,
+        "dequantize": DEQUANTIZE_COPIES[fw] * min(largest * 4, BLOCK_BYTES) if bits < 32 else 0.0,
     }
     overhead = FIXED_BYTES[fw] + WORKSPACE_BYTES[fw] if overhead_bytes is None else overhead_bytes
     overhead += JOB_FIXED_BYTES[fw] if lay.mesh.size > 1 else 0.0
