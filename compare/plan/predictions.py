@@ -155,7 +155,7 @@ def memory_record(run_dir: Path, s: dict) -> dict:
 def lora_peak(s: dict, spec, n: int, fixed: float) -> dict:
     """A LoRA run's predicted peak per rank (ddp): common/costmodel/model_memory.py's parts with the rank's measured
     fixed footprint and the framework's workspace as its overhead, in predicted_peak's record shape."""
-    from common.costmodel.model_memory import model_memory
+    from common.costmodel.model_memory import JOB_FIXED_BYTES, model_memory
     from common.model.lora import Adapters
     from common.model.quantize import Quantization
 
@@ -163,7 +163,9 @@ def lora_peak(s: dict, spec, n: int, fixed: float) -> dict:
     trained = Adapters(rank=a["rank"], alpha=a["alpha"], targets=tuple(a["targets"]), layers=a.get("layers", 0))
     storage = Quantization(q["bits"], q["group_size"]) if q else None
     workspace = WORKSPACE_BYTES.get(s.get("framework"), 0.0)
-    parts = model_memory(layout("ddp", n), workload_of(s, spec), trained, storage, fixed + workspace)
+    # the rank's measured fixed footprint holds its job's communication state already (model_memory adds it at N > 1)
+    job = JOB_FIXED_BYTES.get(s.get("framework"), 0.0) if n > 1 else 0.0
+    parts = model_memory(layout("ddp", n), workload_of(s, spec), trained, storage, fixed + workspace - job)
     total = parts.pop("total")
     return {**parts, "fixed": fixed, "workspace": workspace, "checkpoint": 0.0, "step": total, "saving": 0.0,
             "peak_at": "step", "total": total}
