@@ -156,12 +156,12 @@ def lora_peak(s: dict, spec, n: int, fixed: float) -> dict:
     """A LoRA run's predicted peak per rank (ddp): common/costmodel/model_memory.py's parts with the rank's measured
     fixed footprint and the framework's workspace as its overhead, in predicted_peak's record shape."""
     from common.costmodel.model_memory import JOB_FIXED_BYTES, model_memory
-    from common.model.lora import Adapters
-    from common.model.quantize import Quantization
+    from common.model.lora import trained_parameters_of
+    from common.model.quantize import base_storage_of
 
-    a, q = s["adapters"], s.get("base_quantization")
-    trained = Adapters(rank=a["rank"], alpha=a["alpha"], targets=tuple(a["targets"]), layers=a.get("layers", 0))
-    storage = Quantization(q["bits"], q["group_size"]) if q else None
+    a, q = s["adapters"], s.get("base_quantization") or {"bits": 0, "group_size": 0}
+    trained = trained_parameters_of(a["rank"], a["alpha"], ",".join(a["targets"]), a.get("layers", 0))
+    storage = base_storage_of(q["bits"], q["group_size"])
     workspace = WORKSPACE_BYTES.get(s.get("framework"), 0.0)
     # the rank's measured fixed footprint holds its job's communication state already (model_memory adds it at N > 1)
     job = JOB_FIXED_BYTES.get(s.get("framework"), 0.0) if n > 1 else 0.0
