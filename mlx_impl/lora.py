@@ -36,3 +36,11 @@ def _module(model: nn.Module, path: str) -> nn.Module:
     for part in path.split("."):
         node = node[int(part)] if isinstance(node, list) else getattr(node, part)
     return node
+
+
+def adapted(module: nn.Module, x: mx.array, y: mx.array) -> mx.array:
+    """y, plus scale * (x A^T) B^T where `attach` gave `module` adapters (in the input's dtype, as the weight): what an
+    adapted Linear (model.py) or a quantized one (quantized.py) adds to its base product."""
+    if "lora_A" not in module:
+        return y
+    return y + ((x @ module.lora_A.astype(x.dtype).T) @ module.lora_B.astype(x.dtype).T) * module.lora_scale

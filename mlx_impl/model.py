@@ -21,6 +21,7 @@ from common.model.spec import ModelSpec
 from common.model.weights import load_pretrained
 
 from . import fast_exp
+from .lora import adapted
 
 EXP_KINDS = ("native", "fused")
 _EXP = {"kind": "native"}
@@ -196,9 +197,7 @@ class Linear(nn.Linear):
         y = matmul(x, self.weight.astype(x.dtype).T)
         if "bias" in self:
             y = y + self.bias.astype(x.dtype)
-        if "lora_A" in self:  # LoRA (lora.py): + scale * (x A^T) B^T, in the input's dtype as the weight
-            y = y + ((x @ self.lora_A.astype(x.dtype).T) @ self.lora_B.astype(x.dtype).T) * self.lora_scale
-        return y
+        return adapted(self, x, y)  # LoRA's term where lora.py attached adapters
 
 
 class Embedding(nn.Embedding):

@@ -19,7 +19,7 @@ import mlx.nn as nn
 from common.model.quantize import BaseStorage, Quantization
 from common.model.spec import ModelSpec
 
-from .lora import _module
+from .lora import _module, adapted
 
 
 class QuantizedLinear(nn.Module):
@@ -44,9 +44,7 @@ class QuantizedLinear(nn.Module):
         y = self.base_product(x)
         if "bias" in self:
             y = y + self.bias.astype(x.dtype)
-        if "lora_A" in self:  # LoRA (lora.py), as model.Linear adds it
-            y = y + ((x @ self.lora_A.astype(x.dtype).T) @ self.lora_B.astype(x.dtype).T) * self.lora_scale
-        return y
+        return adapted(self, x, y)  # LoRA's term, as model.Linear adds it
 
 
 class QuantizedEmbedding(QuantizedLinear):

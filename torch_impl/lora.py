@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from common.model.lora import Trained
 from common.model.spec import ModelSpec
@@ -28,3 +29,11 @@ def attach(model: nn.Module, trained: Trained, spec: ModelSpec) -> None:
         linear.lora_scale = trained.scale
     for name, param in model.named_parameters():
         param.requires_grad_(name in shapes)
+
+
+def adapted(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """y, plus scale * (x A^T) B^T where `attach` gave `module` adapters (in the input's dtype, as the weight): what an
+    adapted Linear (model.py) or a quantized one (quantized.py) adds to its base product."""
+    if not hasattr(module, "lora_A"):
+        return y
+    return y + F.linear(F.linear(x, module.lora_A.to(x.dtype)), module.lora_B.to(x.dtype)) * module.lora_scale

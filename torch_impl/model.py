@@ -18,6 +18,8 @@ from common.model.rope import spec_tables
 from common.model.spec import ModelSpec
 from common.model.weights import load_pretrained
 
+from .lora import adapted
+
 
 EXP_KINDS = ("native", "fused")
 
@@ -107,9 +109,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-        if hasattr(self, "lora_A"):  # LoRA (lora.py): + scale * (x A^T) B^T, in the input's dtype as the weight
-            y = y + F.linear(F.linear(x, self.lora_A.to(x.dtype)), self.lora_B.to(x.dtype)) * self.lora_scale
-        return y
+        return adapted(self, x, y)  # LoRA's term where lora.py attached adapters
 
 
 class Embedding(nn.Embedding):

@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from common.model.quantize import BaseStorage, Quantization
 from common.model.spec import ModelSpec
 
+from .lora import adapted
+
 
 def dequantize(weight: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int,
                group_size: int) -> torch.Tensor:
@@ -76,9 +78,7 @@ class QuantizedLinear(nn.Module):
         y = self.base_product(x)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
-        if hasattr(self, "lora_A"):  # LoRA (lora.py), as model.Linear adds it
-            y = y + F.linear(F.linear(x, self.lora_A.to(x.dtype)), self.lora_B.to(x.dtype)) * self.lora_scale
-        return y
+        return adapted(self, x, y)  # LoRA's term, as model.Linear adds it
 
 
 class QuantizedEmbedding(QuantizedLinear):
