@@ -167,7 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--latency-us-inner", type=float, help="two-level link: one-hop latency inside a machine, µs")
     plan.add_argument("--meshes", action="store_true", help="every mesh of dp, fsdp, tp and pp per N (instead of "
                                                             "--strategies), the fastest named (docs/scaling.md)")
-    plan.add_argument("--device-memory-gb", type=float, help="memory per rank, GB: say whether each plan fits")
+    plan.add_argument("--device-memory-gb", type=float, help="memory of each machine (or GPU), GB: say whether each "
+                                                             "plan fits (with --model, default: this machine's)")
+    plan.add_argument("--ranks-per-machine", type=int, default=1, help="ranks sharing one machine's memory (default "
+                      "1): a layout fits where this many of its ranks do; 2 for two ranks on one 2-core machine")
     plan.add_argument("--out", help="where plan.json and plan.png go (default RUN_DIR/plan)")
     from .plan.model import add_model_flags
 

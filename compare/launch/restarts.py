@@ -37,7 +37,9 @@ from .watchdog import failure_cause
 
 NOT_RETRIED = {"disk full": "a full disk is not retried (free space, then --resume)",
                "not finite": "a non-finite loss or weights, or drifted replicas, come back at every restart "
-                             "(lower --lr, then --resume)"}
+                             "(lower --lr, then --resume)",
+               "out of memory": "a rank killed for memory is killed again at every restart (a layout that fits: "
+                                "`dpcompare plan --model`, then --resume)"}
 FULL_BYTES = 64 * 1024    # less free than this where the run writes: a disk full, whatever the ranks said
 RESCUE_TIMEOUT_S = 120.0  # a survivor saving the whole state: seconds at most, minutes for a large model
 HOST_PROBE_S = 5.0       # ssh's connect timeout when asking a host whether it answers

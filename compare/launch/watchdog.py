@@ -19,6 +19,7 @@ from common.config import RunConfig
 from common.metrics import read_json, write_json
 from common.train.supervisor import request_stop
 
+from ..machine.oom import oom_killed
 from .slurm import allocation_revoked, this_host_only
 
 POLL_S = 0.2
@@ -120,6 +121,10 @@ def diagnose(ranks: dict, world, local: bool, exit_code: int | None) -> dict | N
             continue
         state = process_state(info.get("pid"))
         if state is None or state == "Z":
+            if rss := oom_killed(info.get("pid")):
+                return {"failed_rank": rank, "cause": "out of memory", "error": f"rank {rank} (pid {info.get('pid')}) "
+                        f"was killed by the kernel's out-of-memory killer in step {info.get('step', 0) + 1}, at "
+                        f"{rss / 1e9:.1f} GB resident; `dpcompare plan --model` names a layout that fits"}
             return {"failed_rank": rank, "cause": "died", "error": f"rank {rank} (pid {info.get('pid')}) died in step "
                                                   f"{info.get('step', 0) + 1} without reporting an error "
                                                   "(killed by a signal or out of memory?)"}

@@ -56,6 +56,10 @@ def run_plan(args) -> int:
     strategies = parse_strategies(args.strategies)
     if args.device_memory_gb is not None and not (math.isfinite(args.device_memory_gb) and args.device_memory_gb > 0):
         raise UserError(f"--device-memory-gb must be a positive number, got {args.device_memory_gb}")
+    sharing = getattr(args, "ranks_per_machine", 1)
+    sharing = 1 if sharing is None else sharing
+    if sharing < 1:
+        raise UserError(f"--ranks-per-machine must be a positive whole number, got {sharing}")
     if getattr(args, "model", None):  # a model the run did not train: compare/plan/model_plan.py
         from compare.plan.model_plan import model_plan
 
@@ -84,9 +88,9 @@ def run_plan(args) -> int:
         # an MLX mesh needs a group split: MPI (or nccl), whatever backend the fits ran on
         note = fit_backend_note(fit_on, MLX_SPLIT_BACKENDS, "MLX's meshes run")
         cal = replace(cal, notes=[*cal.notes, note]) if note else cal
-    memory = args.device_memory_gb * 1e9 if args.device_memory_gb else None
-    meshes = mesh_plan(cal, link, world_sizes, memory, runs_on) if getattr(args, "meshes", False) else None
-    rows = meshes["rows"] if meshes else make_plan(cal, link, strategies, world_sizes, memory, backend)
+    memory = args.device_memory_gb * 1e9 if args.device_memory_gb else None  # a machine's
+    meshes = mesh_plan(cal, link, world_sizes, memory, runs_on, sharing) if getattr(args, "meshes", False) else None
+    rows = meshes["rows"] if meshes else make_plan(cal, link, strategies, world_sizes, memory, backend, sharing)
     out = Path(args.out) if args.out else run_dir / "plan"
     points = measured_points(run_dir, summary)
     w = cal.workload
@@ -102,7 +106,7 @@ def run_plan(args) -> int:
         write_json(out / "plan.json", {
             "from": str(run_dir), "calibrated_on": what, "link": links_json(link, link_how), "backend": backend,
             **({"links_by_backend": {b: links_json(*on) for b, on in routes.items()}} if several else {}),
-            "device_memory_bytes": memory, "calibration": {k: v for k, v in vars(cal).items() if k not in ("workload", "link")},
+            "device_memory_bytes": memory, "ranks_per_machine": sharing, "calibration": {k: v for k, v in vars(cal).items() if k not in ("workload", "link")},
             "predictions": rows, "measured": points, "figure": "plan.png" if drawn else None,
             **({"best": meshes["best"], "refused": meshes["refused"]} if meshes else {})})
     except OSError as err:
@@ -114,6 +118,8 @@ def run_plan(args) -> int:
     for axis, seconds in cal.host_s_per_call.items():
         print(f"host work on {axis}: {1e3 * seconds:.3g} ms per call, fitted on {cal.fitted_on[axis]}")
     print()
+    if memory and sharing > 1:
+        print(f"fits: up to {sharing} ranks share each machine's {args.device_memory_gb:g} GB")
     print(mesh_table(meshes, args.device_memory_gb) if meshes else table(rows, args.device_memory_gb))
     print()
     for strategy in strategies if not meshes else ():

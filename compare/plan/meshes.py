@@ -14,6 +14,7 @@ from common.costmodel.calibrate import Calibration
 from common.costmodel.levels import Links
 from common.costmodel.predict import predict
 from common.errors import UserError
+from compare.plan.table import rank_share
 
 # Outermost first, as common/parallel/mesh.py lays ranks out: pp across machines, tp inside one.
 AXES = ("pp", "dp", "fsdp", "tp")
@@ -52,7 +53,7 @@ def label(mesh: tuple[tuple[str, int], ...]) -> str:
 
 
 def mesh_plan(cal: Calibration, links: Links, world_sizes: list[int], device_memory_bytes: float | None,
-              runs_on: RunsOn | None = None) -> dict:
+              runs_on: RunsOn | None = None, ranks_per_machine: int = 1) -> dict:
     """{"rows": one per valid mesh and N (predict()'s dict with `label` and `backend`), "refused": {N: [(label,
     reason)]}, "best": {N: {"fastest", "fastest_fitting"}} (labels, or None)}. `runs_on(mesh text)`: the backend
     a mesh runs on and the link as that backend sees it (compare/plan/command.py; MLX's meshes split on mpi, its
@@ -67,7 +68,8 @@ def mesh_plan(cal: Calibration, links: Links, world_sizes: list[int], device_mem
             strategy, text = candidate(mesh)
             backend, on = runs_on(text) if n > 1 else ("none", None)  # one rank: no backend, no link
             try:
-                row = predict(cal, strategy, n, on, device_memory_bytes, backend=backend, mesh=text).to_dict()
+                row = predict(cal, strategy, n, on, rank_share(device_memory_bytes, ranks_per_machine, n),
+                              backend=backend, mesh=text).to_dict()
             except UserError as err:
                 refused.setdefault(n, []).append((label(mesh), str(err).split("; ")[0]))
                 continue

@@ -25,7 +25,7 @@ from compare.plan.links import choose_links, describe_links, links_json, predict
 from compare.plan.meshes import mesh_plan, mesh_table
 from compare.plan.model import exp_of, resolve_model, run_environment, run_probe, storage_of, trained_of, workload_for
 from compare.plan.runs import cores_shared_by, n1_beside, read_run
-from compare.plan.table import make_plan, table
+from compare.plan.table import make_plan, rank_share, table
 
 LORA_FOR_FIT = Adapters(rank=8, alpha=16.0)
 
@@ -65,7 +65,8 @@ def model_plan(args, from_runs: list[str], world_sizes: list[int], strategies: l
     if isinstance(trained, Adapters):
         trained.check(spec)
     gb = args.device_memory_gb or (machine_memory_bytes() or 0) / 1e9 or None
-    limit = gb * 1e9 if gb else None
+    sharing = getattr(args, "ranks_per_machine", None) or 1
+    limit = gb * 1e9 if gb else None  # a machine's; a rank's share of it: rank_share
     meshes = getattr(args, "meshes", False)
     notes = []
     if isinstance(trained, Adapters) and (meshes or strategies != ["ddp"]):
@@ -105,10 +106,11 @@ def model_plan(args, from_runs: list[str], world_sizes: list[int], strategies: l
         for r in mine:
             r["framework"] = fw
             if "impossible" not in r:
-                judge(r, w, trained, storage, overhead, limit)
+                judge(r, w, trained, storage, overhead, rank_share(limit, sharing, r["world_size"]))
         for r in mine:
             if r.get("fits") is False:
-                r["to_fit"] = cheapest_change(r, mine, w, trained, storage, overhead, limit)
+                r["to_fit"] = cheapest_change(r, mine, w, trained, storage, overhead,
+                                              rank_share(limit, sharing, r["world_size"]))
         rows += mine
         report[fw] = {"from": str(run_dir), "link": links_json(link, link_how), "link_text": describe_links(link, link_how),
                       "probe": {"model": figures, "run_model": own, "request": req.to_json(),
@@ -125,10 +127,13 @@ def model_plan(args, from_runs: list[str], world_sizes: list[int], strategies: l
                 "name": name, "spec": spec.to_dict(), "trained": trained.describe(),
                 "quantize": storage.describe() if storage is not None else None, "seq_len": w.seq_len,
                 "global_batch_size": w.global_batch_size, "grad_accum": w.grad_accum, "dtype": w.dtype},
-            "device_memory_bytes": limit, "frameworks": report, "predictions": rows, "notes": notes})
+            "device_memory_bytes": limit, "ranks_per_machine": sharing, "frameworks": report, "predictions": rows, "notes": notes})
     except OSError as err:
         raise UserError(f"cannot write the plan into {out}: {err.strerror}") from None
     print(f"plan for {what}")
+    if limit:
+        print(f"fits: against {gb:.3g} GB a machine" + (f", shared by up to {sharing} ranks" if sharing > 1
+                                                         else ", one rank each"))
     for fw in frameworks:
         print(f"\n{fw}: calibrated on {report[fw]['from']}; link {report[fw]['link_text']}")
         mine = [r for r in rows if r["framework"] == fw]

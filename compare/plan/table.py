@@ -13,22 +13,29 @@ from common.errors import UserError
 
 
 def make_plan(cal: Calibration, link: Links, strategies: list[str], world_sizes: list[int],
-              device_memory_bytes: float | None, backend: str | None = None) -> list[dict]:
+              device_memory_bytes: float | None, backend: str | None = None, ranks_per_machine: int = 1) -> list[dict]:
     """One row per strategy and N: the prediction on `backend` (the calibration's by default), or why that split
-    is impossible."""
+    is impossible. `device_memory_bytes`: a machine's, shared by up to `ranks_per_machine` ranks (rank_share)."""
     rows = []
     for strategy in strategies:
         for n in sorted({1, *world_sizes}) if strategy == "ddp" else world_sizes:  # ddp x1: the baseline
             if n == 1 and strategy != "ddp":
                 continue  # fsdp and tp need 2 ranks or more; ddp at 1 is the baseline
             try:
-                rows.append(predict(cal, strategy, n, link if n > 1 else None, device_memory_bytes,
+                rows.append(predict(cal, strategy, n, link if n > 1 else None,
+                                    rank_share(device_memory_bytes, ranks_per_machine, n),
                                     backend=backend if n > 1 else None).to_dict())
             except UserError as err:
                 # The check's advice (--set, --nproc) is for a run; a plan only needs the reason.
                 rows.append({"strategy": strategy, "world_size": n,
                              "impossible": str(err).split("; ")[0].split(": run on")[0]})
     return rows
+
+
+def rank_share(machine_bytes: float | None, ranks_per_machine: int, n: int) -> float | None:
+    """What one rank of an N-rank job may use of its machine's memory, where `ranks_per_machine` ranks share one
+    (fewer where the job has fewer)."""
+    return machine_bytes / max(1, min(ranks_per_machine, n)) if machine_bytes else None
 
 
 def table(rows: list[dict], device_memory_gb: float | None) -> str:

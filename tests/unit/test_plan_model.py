@@ -119,6 +119,26 @@ def test_plan_model_predicts_each_framework_marks_the_fit_and_names_the_cheapest
     assert "does not fit: fsdp x2 fits" in printed
 
 
+def test_ranks_sharing_a_machine_share_its_memory_and_one_rank_has_it_all(runs, capsys):
+    """The same 6 GB shared by two ranks: fsdp x2 no longer fits (each rank has 3 GB), ddp x1 is judged against the
+    whole machine (a job of one rank shares it with nobody)."""
+    argv = ["plan", "--from", str(runs / "torch-n1"), "--model", str(runs / "llama"), "--nproc", "2", "--strategies",
+            "ddp,fsdp", "--device-memory-gb", "6"]
+    rows = {}
+    for sharing in (1, 2):
+        assert main([*argv, "--ranks-per-machine", str(sharing), "--out", str(runs / f"share{sharing}")]) == 0
+        plan = json.loads((runs / f"share{sharing}" / "plan.json").read_text())
+        assert plan["ranks_per_machine"] == sharing
+        rows[sharing] = {(r["strategy"], r["world_size"]): r for r in plan["predictions"]}
+    fsdp2 = rows[1][("fsdp", 2)]["memory_bytes"]["total"]
+    assert 3e9 < fsdp2 <= 6e9 and rows[1][("fsdp", 2)]["fits"] and not rows[2][("fsdp", 2)]["fits"]
+    assert rows[2][("ddp", 1)]["fits"] == rows[1][("ddp", 1)]["fits"] == (rows[1][("ddp", 1)]["memory_bytes"]["total"]
+                                                                          <= 6e9)
+    assert "shared by up to 2 ranks" in capsys.readouterr().out
+    assert main([*argv, "--ranks-per-machine", "0"]) == 2
+    assert "--ranks-per-machine must be a positive" in capsys.readouterr().err
+
+
 def test_plan_model_with_lora_keeps_ddp_and_says_so(runs, capsys):
     code = main(["plan", "--from", str(runs / "torch-n1"), "--model", "base", "--lora-rank", "4", "--nproc", "2",
                  "--out", str(runs / "lora")])

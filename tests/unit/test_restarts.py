@@ -366,3 +366,31 @@ def test_a_jaccl_hostfile_shrinks_to_the_rdma_devices_between_the_hosts_kept(tmp
     written = json.loads(Path(nxt.hostfile).read_text())
     assert nxt.nproc == 2 and written["backend"] == "jaccl"
     assert [(h["ssh"], h["rdma"]) for h in written["hosts"]] == [("mac1", [None, "en3"]), ("mac3", ["en1", None])]
+
+
+OOM_LOG = ("[46082.504447] oom-kill:constraint=CONSTRAINT_NONE,nodemask=(null),cpuset=/,mems_allowed=0,global_oom\n"
+           "[46082.504517] Out of memory: Killed process 23006 (python) total-vm:14925624kB, anon-rss:12241548kB, "
+           "file-rss:24kB, shmem-rss:0kB, UID:0 pgtables:24268kB oom_score_adj:0\n")
+
+
+def test_the_kernels_out_of_memory_line_names_the_rank_only_when_it_is_recent():
+    from compare.machine.oom import killed_rss
+
+    assert killed_rss(OOM_LOG, 23006, now_s=46090.0) == 12241548 * 1024
+    assert killed_rss(OOM_LOG, 23005, now_s=46090.0) is None          # another pid
+    assert killed_rss(OOM_LOG, 23006, now_s=46082.5 + 3600) is None   # the same pid, reused an hour later
+
+
+def test_a_rank_the_kernel_killed_for_memory_is_named_so_and_never_restarted(monkeypatch, tmp_path):
+    from compare.launch import watchdog
+
+    monkeypatch.setattr(watchdog, "process_state", lambda pid: None)   # the rank's process is gone
+    monkeypatch.setattr(watchdog, "oom_killed", lambda pid: 12.2e9 if pid == 4242 else None)
+    ranks = {0: {"rank": 0, "pid": 4241, "step": 0, "status": "running"},
+             1: {"rank": 1, "pid": 4242, "step": 0, "status": "running"}}
+    failure = watchdog.diagnose({1: ranks[1]}, [1], True, None)
+    assert failure["cause"] == "out of memory" and "out-of-memory killer in step 1, at 12.2 GB" in failure["error"]
+    assert watchdog.diagnose({0: ranks[0]}, [0], True, None)["cause"] == "died"   # a signal, not the kernel
+    cfg = RunConfig(preset="tiny", nproc=2, max_restarts=2)
+    assert Restarts(cfg).after_failure(cfg, failure, tmp_path, time.time(), {}, None) is None
+    assert "killed again at every restart" in failure["error"]
