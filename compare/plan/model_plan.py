@@ -16,7 +16,7 @@ from pathlib import Path
 from common.costmodel.calibrate import calibrate
 from common.costmodel.fit import fit_host_costs
 from common.costmodel.model_memory import machine_memory_bytes, model_memory, overhead_from_run
-from common.costmodel.probed import calibration_for, phases, request_for, transfer
+from common.costmodel.probed import calibration_for, phases, request_for, split_per_call, transfer
 from common.errors import UserError
 from common.metrics import write_json
 from common.model.lora import Adapters, FullModel, trained_parameters_of
@@ -87,7 +87,7 @@ def model_plan(args, from_runs: list[str], world_sizes: list[int], strategies: l
         quantize = (getattr(storage, "bits", 0) if storage is not None else 0, getattr(storage, "group_size", 64))
         own_req = request_for(w_run, run_trained(summary), run_quantize(summary), exp)
         req = request_for(w, trained, quantize, exp)
-        own, figures = run_probe(fw, own_req, environment), run_probe(fw, req, environment)
+        own, figures = probe(fw, own_req, environment), probe(fw, req, environment)
         moved = transfer(cal, phases(own, own_req, w_run))
         target = calibration_for(cal, w, moved.apply(phases(figures, req, w)), f"{args.model} probed, from {run_dir}")
         on_gpu = str(summary.get("device", "")).startswith(("cuda", "gpu", "mps"))
@@ -145,6 +145,14 @@ def model_plan(args, from_runs: list[str], world_sizes: list[int], strategies: l
         print(f"note: {note}")
     print(f"\nplan: {out / 'plan.json'}; how the model is probed and what it cannot know: docs/scaling.md")
     return 0
+
+
+def probe(fw: str, req, environment: dict) -> dict:
+    """The probe's figures; a quantized base's timed at two row counts too, its per-call part apart (split_per_call)."""
+    figures = run_probe(fw, req, environment)
+    if req.quantize[0]:
+        figures = split_per_call(figures, run_probe(fw, replace(req, rows=2 * req.rows), environment), req.rows)
+    return figures
 
 
 def describe_model(name: str, spec, trained, storage, w) -> str:

@@ -53,6 +53,26 @@ def test_phases_scale_the_probed_rows_to_the_global_batch_and_the_head_to_the_vo
     assert p.optimizer_s == pytest.approx(2.0 / 1000 * FullModel().trained_parameters(PRESETS["small"]))
 
 
+def test_a_quantized_bases_per_call_cost_is_paid_once_per_micro_step_on_every_rank_not_per_row():
+    """Timed at 1 and 2 rows: what the second row added grows with the rows, the rest is each call's (the base's
+    dequantization): paid grad_accum times a step by every rank, whatever N splits."""
+    from common.costmodel.probed import split_per_call
+
+    w = Workload(PRESETS["small"], 128, 8, grad_accum=2, framework="torch")
+    req = request_for(w, Adapters(8, 16.0), (4, 64))
+    once = {"block_forward_s": 1.0, "block_step_s": 3.0, "head_forward_s": 0.5, "head_step_s": 1.5,
+            "optimizer_s": 2.0, "optimizer_elements": 1000}
+    twice = {**once, "block_forward_s": 1.25, "block_step_s": 3.5, "head_forward_s": 0.75, "head_step_s": 1.0}
+    split = split_per_call(once, twice, 1)
+    assert split["block_forward_s"] == 0.25 and split["block_forward_fixed_s"] == 0.75
+    assert split["block_step_s"] == 0.5 and split["block_step_fixed_s"] == 2.5
+    assert split["head_step_s"] == 0.0 and split["head_step_fixed_s"] == 1.5   # a noisy pair: none grows
+    p = phases(split, req.__class__(**{**vars(req), "rows": 1}), w)
+    vocab = PRESETS["small"].vocab_size / req.vocab_rows
+    assert p.fixed_s == pytest.approx(2 * (4 * 2.5 + vocab * 1.5))
+    assert p.compute_s == pytest.approx(8 * (4 * 0.5 + vocab * 0.0))
+
+
 def test_lora_on_the_last_blocks_runs_only_the_forward_below_them():
     w = Workload(PRESETS["small"], 128, 8, framework="torch")
     req = request_for(w, Adapters(8, 16.0, layers=1), (0, 64))
