@@ -166,6 +166,6 @@ def memory_warning(cfg: RunConfig, spec: ModelSpec) -> str | None:
     if per_rank["total"] * here <= machine:
         return None
     big = max((k for k in per_rank if k not in ("total",)), key=lambda k: per_rank[k])
-    return (f"predicted peak {per_rank['total'] / 1e9:.1f} GB per rank x {here} rank(s) here exceeds this machine's "
-            f"{machine / 1e9:.1f} GB (largest part: {big} {per_rank[big] / 1e9:.1f} GB); it may fail out of memory: "
+    return (f"predicted peak {per_rank['total'] / 1e9:.1f} GB per rank x {here} rank(s) here exceeds the "
+            f"{machine / 1e9:.1f} GB this machine has available (largest part: {big} {per_rank[big] / 1e9:.1f} GB); it may fail out of memory: "
             "`dpcompare plan --model` names a layout that fits")

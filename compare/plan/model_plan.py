@@ -132,7 +132,7 @@ def model_plan(args, from_runs: list[str], world_sizes: list[int], strategies: l
         raise UserError(f"cannot write the plan into {out}: {err.strerror}") from None
     print(f"plan for {what}")
     if limit:
-        print(f"fits: against {gb:.3g} GB a machine" + (f", shared by up to {sharing} ranks" if sharing > 1
+        print(f"fits: against {gb:.3g} GB a machine" + ("" if args.device_memory_gb else " (this one's available now)") + (f", shared by up to {sharing} ranks" if sharing > 1
                                                          else ", one rank each"))
     for fw in frameworks:
         print(f"\n{fw}: calibrated on {report[fw]['from']}; link {report[fw]['link_text']}")

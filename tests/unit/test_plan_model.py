@@ -204,7 +204,7 @@ def test_run_warns_when_its_ranks_would_not_fit_this_machine(monkeypatch):
     monkeypatch.setattr("common.costmodel.model_memory.machine_memory_bytes", lambda: 4e9)
     big = RunConfig.from_dict({"preset": "base", "nproc": 2, "seq_len": 512, "global_batch_size": 16})
     line = model.memory_warning(big, big.model_spec(50000))
-    assert line and "exceeds this machine's 4.0 GB" in line and "\n" not in line
+    assert line and "exceeds the 4.0 GB this machine has available" in line and "\n" not in line
     small = RunConfig.from_dict({"preset": "tiny", "nproc": 2})
     assert model.memory_warning(small, small.model_spec(2048)) is None
 
