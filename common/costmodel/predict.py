@@ -53,9 +53,10 @@ def predict(cal: Calibration, strategy: str, n: int, link: Links | None, device_
     rank has its own (a cluster, the plan's assumption 2)."""
     lay = layout(strategy, n, mesh)
     lay.check(cal.workload.spec)
-    cal = replace(cal, cores_shared_by=cores_shared_by)  # where the exposure rules' compute runs (pp's slot)
-    w = cal.workload
     backend = backend or cal.backend
+    # where the exposure rules' compute runs (pp's slot), and on what (pp's sends: pipeline.py's BUFFERED_BYTES)
+    cal = replace(cal, cores_shared_by=cores_shared_by, backend=backend)
+    w = cal.workload
     compute = ((cal.forward_s + cal.backward_s) * lay.work_fraction(w)
                + cal.optimizer_s * lay.state_fraction(w) + cal.other_s)
     rs = reduce_scatter_traffic(w.framework, backend)

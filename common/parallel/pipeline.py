@@ -34,6 +34,17 @@ SCHEDULES = ("gpipe", "1f1b")
 # Frameworks whose pipeline posts a send and the next receive as one batch of non-blocking operations
 # (torch.distributed.pipelining's schedules, torch_impl/pp.py); MLX's runs stage_ops one blocking op at a time.
 BATCHED_P2P = frozenset({"torch"})
+# The largest message a sender leaves in the link's buffers before going on; a larger one holds its sender until the
+# receiver has posted its receive (pipeline_timing.py's `rendezvous`). Open MPI's eager limit over TCP
+# (btl_tcp_eager_limit, 64 KiB; its shared-memory transport's is 4 KiB); a TCP socket's send buffer as Linux
+# autotunes it, up to net.ipv4.tcp_wmem's maximum of 4 MiB, for MLX's ring and gloo. `base`'s pieces (2 rows of
+# 128 x 768 in float32, 786 KB) are past MPI's and within the sockets'.
+BUFFERED_BYTES = {"mpi": 64 * 2**10, "ring": 4 * 2**20, "gloo": 4 * 2**20}
+
+
+def sender_waits(backend: str, nbytes: float) -> bool:
+    """Whether a send of `nbytes` on `backend` holds its sender until the receiver posts (BUFFERED_BYTES)."""
+    return nbytes > BUFFERED_BYTES.get(backend, float("inf"))
 
 
 DEFAULT_PIECES = 4  # --pp-microbatches when not given: at most this many pieces per micro-step

@@ -41,7 +41,7 @@ from common.model.weights import parameter_shapes
 from common.parallel.layout import (DTYPE_BYTES, Layout, Measured, largest_tensor_bytes, layer_and_head_flops,
                                     total_parameters)
 from common.parallel.embedding_group import EmbeddingGroup
-from common.parallel.pipeline import BATCHED_P2P, comm_bytes_per_step, stage_holds, stage_layers
+from common.parallel.pipeline import BATCHED_P2P, comm_bytes_per_step, sender_waits, stage_holds, stage_layers
 from common.parallel.pipeline_timing import micro_step_s
 
 
@@ -155,6 +155,9 @@ class PpLayout(Layout):
         forward_share = cal.forward_s / (cal.forward_s + cal.backward_s) if cal.forward_s + cal.backward_s else 0.5
         f_s, b_s = slot_s * forward_share, slot_s * (1 - forward_share)
         batched = w.framework in BATCHED_P2P  # the order the framework posts its sends and receives
-        waits = (micro_step_s(w.pp_schedule, n, m, f_s, b_s, sends, batched)
+        # a piece past the backend's buffers holds its sender until the receiver posts: the waits that adds are the
+        # sends' too, so the played step without sends stays buffered
+        rendezvous = sender_waits(cal.backend, colls[0].nbytes)
+        waits = (micro_step_s(w.pp_schedule, n, m, f_s, b_s, sends, batched, rendezvous)
                  - micro_step_s(w.pp_schedule, n, m, f_s, b_s, [0.0] * len(sends), batched))
         return w.grad_accum * waits + tied_s

@@ -318,3 +318,22 @@ def test_fsdp_on_a_cpu_adds_fsdp2_host_work_in_torch_and_hides_part_of_mlx_colle
     hidden = FSDP_HIDDEN_SHARE["mlx"] * (mlx_cal.forward_s + mlx_cal.backward_s) / 2
     assert on_paper.exposed_comm_s - on_cpu.exposed_comm_s == pytest.approx(min(hidden, on_paper.exposed_comm_s))
     assert on_cpu.compute_s == on_paper.compute_s
+
+
+def test_a_pipeline_piece_past_the_backends_buffers_holds_its_sender_and_the_plan_pays_for_it():
+    """base's pieces (786 KB) are past Open MPI's 64 KiB eager limit and within a socket's 4 MiB: on mpi each send
+    waits for its receive (pipeline_timing.py's rendezvous), which a played step never makes shorter."""
+    from dataclasses import replace as with_
+
+    from common.parallel.pipeline import sender_waits
+
+    assert sender_waits("mpi", 786_432) and not sender_waits("ring", 786_432) and not sender_waits("nccl", 1e12)
+    cal = calibrate(summary("mlx", 1), TINY)
+    w = with_(cal.workload, global_batch_size=64, seq_len=256, pp_microbatches=4)   # 16-row pieces: 1 MB
+    cal = with_(cal, workload=w)
+    slow = Link.wire(1, 100)
+    on_ring, on_mpi = (predict(cal, "pp", 2, slow, backend=b) for b in ("ring", "mpi"))
+    assert on_mpi.exposed_comm_s > on_ring.exposed_comm_s > 0
+    small = with_(cal, workload=with_(w, global_batch_size=4, seq_len=8))   # 1-row pieces of 8 tokens: buffered
+    assert (predict(small, "pp", 2, slow, backend="mpi").exposed_comm_s
+            == predict(small, "pp", 2, slow, backend="ring").exposed_comm_s)
