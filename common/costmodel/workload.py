@@ -23,6 +23,7 @@ class Workload:
     target_tokens: int | None = None  # real target tokens per step where a run counted them (padding has fewer)
     pp_microbatches: int = 4          # pp: pieces per micro-step (RunConfig.pp_microbatches)
     pp_schedule: str = "1f1b"         # pp: the order of a stage's pieces (RunConfig.pp_schedule)
+    trained_elements: int | None = None  # what has gradients to reduce (LoRA: the adapters); None: every parameter
 
     @property
     def tokens_per_step(self) -> int:
@@ -43,4 +44,15 @@ def workload_of(summary: dict, spec: ModelSpec) -> Workload:
                     int(cfg.get("grad_accum", 1)), summary.get("dtype", cfg.get("dtype", "float32")), framework,
                     int(bucket_mb * 2**20) if bucket_mb else None, summary.get("tokens_per_step"),
                     int(cfg.get("pp_microbatches") or (summary.get("pipeline") or {}).get("microbatches") or 4),
-                    str(cfg.get("pp_schedule") or "1f1b"))
+                    str(cfg.get("pp_schedule") or "1f1b"), lora_elements(cfg, spec))
+
+
+def lora_elements(cfg: dict, spec: ModelSpec) -> int | None:
+    """A LoRA run's adapter elements (what its ddp all-reduces), from its config; None for a full fine-tune."""
+    if not int(cfg.get("lora_rank") or 0):
+        return None
+    from common.model.lora import trained_parameters_of
+
+    trained = trained_parameters_of(int(cfg["lora_rank"]), float(cfg.get("lora_alpha") or 0.0),
+                                    str(cfg.get("lora_targets") or ""), int(cfg.get("lora_layers") or 0))
+    return int(trained.trained_parameters(spec))

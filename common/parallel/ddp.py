@@ -45,6 +45,8 @@ class DdpLayout(Layout):
         return total_parameters(spec) * DTYPE_BYTES[policy(dtype).reduce_dtype]
 
     def step_collectives(self, w: Workload, reduce_scatter: str) -> list[Collective]:
+        if w.trained_elements is not None:  # LoRA: the adapters' gradients alone (the frozen base has none)
+            return [gradient_all_reduce(w.trained_elements * DTYPE_BYTES[policy(w.dtype).reduce_dtype], w)]
         return [gradient_all_reduce(self.gradient_bytes(w.spec, w.dtype), w)]
 
     def payload_bytes_per_step(self, spec: ModelSpec, micro_batch_size: int, seq_len: int, grad_accum: int,

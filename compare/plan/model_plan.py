@@ -83,6 +83,8 @@ def model_plan(args, from_runs: list[str], world_sizes: list[int], strategies: l
             cal = fit_host_costs(cal, fit_on)
         w_run = cal.workload
         w = workload_for(args, spec, w_run)
+        if isinstance(trained, Adapters):  # ddp reduces the adapters' gradients only
+            w = replace(w, trained_elements=int(trained.trained_parameters(spec)))
         environment, exp = run_environment(run_dir, summary), exp_of(summary)
         quantize = (getattr(storage, "bits", 0) if storage is not None else 0, getattr(storage, "group_size", 64))
         own_req = request_for(w_run, run_trained(summary), run_quantize(summary), exp)
@@ -148,11 +150,9 @@ def model_plan(args, from_runs: list[str], world_sizes: list[int], strategies: l
 
 
 def probe(fw: str, req, environment: dict) -> dict:
-    """The probe's figures; a quantized base's timed at two row counts too, its per-call part apart (split_per_call)."""
-    figures = run_probe(fw, req, environment)
-    if req.quantize[0]:
-        figures = split_per_call(figures, run_probe(fw, replace(req, rows=2 * req.rows), environment), req.rows)
-    return figures
+    """The probe's figures at its rows and at twice them, each call's part apart from the rows' (split_per_call)."""
+    once = run_probe(fw, req, environment)
+    return split_per_call(once, run_probe(fw, replace(req, rows=2 * req.rows), environment), req.rows)
 
 
 def describe_model(name: str, spec, trained, storage, w) -> str:

@@ -127,6 +127,7 @@ def test_the_estimate_adds_the_tied_gradients_all_reduce_and_the_last_stages_cop
 
     class Cal:  # a calibration's fields the exposed-communication rule reads
         workload, forward_s, backward_s, overlap, sync_overhead_s, on_cpu, cores_shared_by = w, 0.01, 0.02, None, 0.0, True, 1.0
+        backend = "gloo"
 
     link = Link.wire(1.0, 100.0)
     untied_cal = type("U", (Cal,), {"workload": Workload(untied, 8, 32, grad_accum=2, pp_microbatches=4)})
