@@ -4,7 +4,8 @@ trained, then train them and print predicted against measured step time and peak
     python benchmarks/bench_plan_model.py [--models small,base] [--nproc 1,2] [--strategies ddp,fsdp]
                                           [--frameworks mlx,torch] [--steps 8] [--out runs/bench/plan_model.json]
 
-Per framework: one `dpcompare run` of tiny at N=1 (the builtin data), then `dpcompare plan --from it --model M` with
+Per framework: one `dpcompare run` of tiny at N=1 (the builtin data) and, at N=2, one of tiny per strategy (`plan
+--fit`: the host work its collectives cost; --no-fit leaves them out), then `dpcompare plan --from it --model M` with
 M's config.json written for GPT-2's vocabulary (the targets train on TinyStories with GPT-2's tokenizer), then one
 `dpcompare run` of M per strategy and N, the frameworks alternating. Predicted and measured are each the run's median
 step and its largest peak RSS over ranks. The runs load the machine (both cores, minutes for `base`): every figure is
@@ -25,8 +26,9 @@ from common.model.spec import PRESETS
 GPT2_VOCAB = 50257
 
 
-def plan_rows(cal_dir: Path, model_dir: Path, args, out: Path) -> list[dict]:
-    argv = benchlib.DPCOMPARE + ["plan", "--from", str(cal_dir), "--model", str(model_dir), "--nproc",
+def plan_rows(cal_dir: Path, model_dir: Path, args, out: Path, fits: list[Path]) -> list[dict]:
+    argv = benchlib.DPCOMPARE + ["plan", "--from", str(cal_dir), *[a for d in fits for a in ("--fit", str(d))],
+                                 "--model", str(model_dir), "--nproc",
                                  ",".join(str(n) for n in args.nproc if n > 1) or "2", "--strategies", args.strategies,
                                  "--seq-len", str(args.seq_len), "--global-batch-size", str(args.batch), "--out", str(out)]
     proc = subprocess.run(argv, cwd=benchlib.REPO, capture_output=True, text=True)
@@ -56,6 +58,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--no-fit", dest="fit", action="store_false",
+                        help="predict without the tiny N=2 run of each strategy (`plan --fit`: its host work)")
     parser.add_argument("--out", type=Path, default=Path("runs/bench/plan_model.json"))
     args = parser.parse_args()
     args.nproc = [int(n) for n in args.nproc.split(",")]
@@ -67,12 +71,16 @@ def main() -> None:
         for fw in frameworks:
             cal = root / f"tiny-{fw}"
             run(cal, fw, "tiny", 1, "ddp", args, benchlib.BUILTIN)
+            fits = []  # each split strategy's host work, fitted on a tiny N=2 run of it (ddp's at N=2 too)
+            for strategy in (args.strategies.split(",") if args.fit and 2 in args.nproc else []):
+                fits.append(root / f"tiny-{fw}-{strategy}-2")
+                run(fits[-1], fw, "tiny", 2, strategy, args, benchlib.BUILTIN)
             for model in args.models.split(","):
                 folder = root / f"model-{model}"
                 folder.mkdir(exist_ok=True)
                 spec = PRESETS[model].with_(vocab_size=GPT2_VOCAB)
                 (folder / "config.json").write_text(json.dumps(to_hf_config(spec)))
-                for r in plan_rows(cal, folder, args, root / f"plan-{fw}-{model}"):
+                for r in plan_rows(cal, folder, args, root / f"plan-{fw}-{model}", fits):
                     if "impossible" not in r:
                         predictions[(fw, model, r["strategy"], r["world_size"])] = r
         for model in args.models.split(","):

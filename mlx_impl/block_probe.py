@@ -28,7 +28,8 @@ from common.costmodel.probed import MIN_CALLS, RESULT_PREFIX, ProbeRequest, read
 
 from .grads import clip_by_norm, sum_of_squares
 from .lora import attach
-from .model import Embedding, Linear, RMSNorm, TransformerBlock, attention_mask, cross_entropy, set_exp
+from .model import (Embedding, Linear, RMSNorm, TransformerBlock, attention_mask, cross_entropy, set_cross_entropy,
+                    set_exp)
 
 
 def timed(fn: Callable[[], object], budget_s: float) -> float:
@@ -76,6 +77,7 @@ def build(req: ProbeRequest) -> Parts:
 
 def measure(req: ProbeRequest) -> dict:
     set_exp(req.exp)
+    set_cross_entropy(req.cross_entropy)
     parts = build(req)
     block, mask = parts.model.layers[0], attention_mask(None, req.seq_len)
     tokens = mx.random.randint(0, req.vocab_rows, (req.rows, req.seq_len))

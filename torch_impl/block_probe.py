@@ -26,7 +26,8 @@ from common.costmodel.probed import MIN_CALLS, RESULT_PREFIX, ProbeRequest, read
 from .adamw import AdamW
 from .grads import clip_by_norm, sum_of_squares
 from .lora import attach
-from .model import Embedding, Linear, RMSNorm, TransformerBlock, attention_mask, cross_entropy, set_exp
+from .model import (Embedding, Linear, RMSNorm, TransformerBlock, attention_mask, cross_entropy, set_cross_entropy,
+                    set_exp)
 
 
 def timed(fn: Callable[[], object], budget_s: float) -> float:
@@ -73,6 +74,7 @@ def build(req: ProbeRequest) -> Parts:
 
 def measure(req: ProbeRequest) -> dict:
     set_exp(req.exp)
+    set_cross_entropy(req.cross_entropy)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 1))
     parts = build(req)
     mask = attention_mask(None, req.seq_len)

@@ -73,6 +73,7 @@ class ProbeRequest:
     optimizer_elements: int = OPTIMIZER_ELEMENTS
     exp: str = "native"
     budget_s: float = BUDGET_S
+    cross_entropy: str = "native"  # MLX's cross-entropy shift as the run chose it (model.set_cross_entropy)
 
     @property
     def probe_spec(self) -> ModelSpec:
@@ -102,7 +103,8 @@ class ProbeRequest:
         trained = self.trained.describe() if isinstance(self.trained, Adapters) else None
         return {"spec": self.spec.to_dict(), "rows": self.rows, "seq_len": self.seq_len, "dtype": self.dtype,
                 "trained": trained, "quantize": list(self.quantize), "vocab_rows": self.vocab_rows,
-                "optimizer_elements": self.optimizer_elements, "exp": self.exp, "budget_s": self.budget_s}
+                "optimizer_elements": self.optimizer_elements, "exp": self.exp, "budget_s": self.budget_s,
+                "cross_entropy": self.cross_entropy}
 
 
 def read_request(path: str) -> ProbeRequest:
@@ -112,7 +114,8 @@ def read_request(path: str) -> ProbeRequest:
                                                          int(t.get("layers") or 0))
     return ProbeRequest(ModelSpec.from_dict(d["spec"]), int(d["rows"]), int(d["seq_len"]), d["dtype"], trained,
                         (int(d["quantize"][0]), int(d["quantize"][1])), int(d["vocab_rows"]),
-                        int(d["optimizer_elements"]), d.get("exp", "native"), float(d.get("budget_s", BUDGET_S)))
+                        int(d["optimizer_elements"]), d.get("exp", "native"), float(d.get("budget_s", BUDGET_S)),
+                        d.get("cross_entropy", "native"))
 
 
 def block_flops_per_token(spec: ModelSpec, seq_len: int) -> float:
@@ -122,14 +125,16 @@ def block_flops_per_token(spec: ModelSpec, seq_len: int) -> float:
     return 6.0 * weights + 12.0 * seq_len * spec.n_heads * spec.head_dim
 
 
-def request_for(w: Workload, trained: Trained, quantize: tuple[int, int], exp: str = "native") -> ProbeRequest:
+def request_for(w: Workload, trained: Trained, quantize: tuple[int, int], exp: str = "native",
+                cross_entropy: str = "native") -> ProbeRequest:
     """The probe of workload `w`: a micro-batch's rows (the global batch over grad_accum), cut to about
     PROBE_FLOPS per block (one row at least)."""
     micro_rows = max(1, int(w.micro_rows(1)))
     per_row = block_flops_per_token(w.spec, w.seq_len) * w.seq_len
     rows = max(1, min(micro_rows, int(PROBE_FLOPS // per_row)))
     return ProbeRequest(w.spec, rows, w.seq_len, w.dtype, trained, quantize, min(VOCAB_ROWS, w.spec.vocab_size),
-                        min(OPTIMIZER_ELEMENTS, max(trained.trained_parameters(w.spec), 2**16)), exp)
+                        min(OPTIMIZER_ELEMENTS, max(trained.trained_parameters(w.spec), 2**16)), exp,
+                        cross_entropy=cross_entropy)
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ environment (common/costmodel/probed.py says how its figures become a step). mod
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -143,6 +144,12 @@ def run_probe(framework: str, req: ProbeRequest, environment: dict) -> dict:
 def exp_of(summary: dict) -> str:
     """The exp MLX's run used (its BLAS line names it), for the probe to use the same."""
     return "fused" if "exp: fused" in str(summary.get("blas") or "") else "native"
+
+
+def cross_entropy_of(summary: dict) -> str:
+    """The cross-entropy shift MLX's run used (its BLAS line: `cross-entropy shift: tree_shift (measured ...)`)."""
+    m = re.search(r"cross-entropy shift: (\w+)", str(summary.get("blas") or ""))
+    return m.group(1) if m else "native"
 
 
 def memory_warning(cfg: RunConfig, spec: ModelSpec) -> str | None:

@@ -23,7 +23,7 @@ from common.model.lora import Adapters, FullModel, trained_parameters_of
 from common.parallel import layout
 from compare.plan.links import choose_links, describe_links, links_json, predicted_backend
 from compare.plan.meshes import mesh_plan, mesh_table
-from compare.plan.model import exp_of, resolve_model, run_environment, run_probe, storage_of, trained_of, workload_for
+from compare.plan.model import cross_entropy_of, exp_of, resolve_model, run_environment, run_probe, storage_of, trained_of, workload_for
 from compare.plan.runs import cores_shared_by, n1_beside, read_run
 from compare.plan.table import make_plan, rank_share, table
 
@@ -87,8 +87,9 @@ def model_plan(args, from_runs: list[str], world_sizes: list[int], strategies: l
             w = replace(w, trained_elements=int(trained.trained_parameters(spec)))
         environment, exp = run_environment(run_dir, summary), exp_of(summary)
         quantize = (getattr(storage, "bits", 0) if storage is not None else 0, getattr(storage, "group_size", 64))
-        own_req = request_for(w_run, run_trained(summary), run_quantize(summary), exp)
-        req = request_for(w, trained, quantize, exp)
+        ce = cross_entropy_of(summary)
+        own_req = request_for(w_run, run_trained(summary), run_quantize(summary), exp, ce)
+        req = request_for(w, trained, quantize, exp, ce)
         own, figures = probe(fw, own_req, environment), probe(fw, req, environment)
         moved = transfer(cal, phases(own, own_req, w_run))
         target = calibration_for(cal, w, moved.apply(phases(figures, req, w)), f"{args.model} probed, from {run_dir}")
