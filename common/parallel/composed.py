@@ -269,10 +269,9 @@ class MeshLayout(Layout):
     def prediction_caveat(self) -> str | None:
         if not self.tp_stages:
             return None
-        # Every loopback sitting of `tiny` at N=4 (docs/scaling.md, sittings 1-5: MLX -18 to -46 %, torch -27 to
-        # -46 %, 2 cores shared or a core per rank; sitting 16: MLX -37 to -43 %, torch -51 to -54 %); over two
-        # levels it went both ways until sitting 16's pipeline timing, and -2 to -34 % since. Counting tp's calls
-        # once per piece moves only their latency under the per-byte fit, and per call it helped loopback and
-        # broke the two levels, so the model is not bent to it.
-        return ("pp x tp ran 18-54 % slower than predicted on loopback in every sitting measured, and up to 34 % "
-                "over two levels: its tp groups all-reduce once per block and pipeline piece (docs/scaling.md)")
+        # Every loopback sitting of `tiny` at N=4 until stop 62 (docs/scaling.md, sittings 1-5: MLX -18 to -46 %,
+        # torch -27 to -46 %; sitting 16: MLX -37 to -43 %, torch -51 to -54 %), up to -34 % over two levels. Since
+        # tp's calls are counted once per pipeline piece (stage_tp_collectives), one sitting on the Intel VM: torch
+        # -0.0 % over two levels and -5.2 % on loopback, MLX -22.8 % and -51.5 % (docs/scaling.md).
+        return ("pp x tp: MLX's ran 23-52 % slower than predicted in the latest sitting (torch's within 5 % since "
+                "its tp all-reduces are counted once per pipeline piece; 18-54 % slower before) (docs/scaling.md)")
