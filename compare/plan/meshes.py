@@ -14,7 +14,7 @@ from common.costmodel.calibrate import Calibration
 from common.costmodel.levels import Links
 from common.costmodel.predict import predict
 from common.errors import UserError
-from compare.plan.table import rank_share
+from compare.plan.table import fit_cell, rank_share
 
 # Outermost first, as common/parallel/mesh.py lays ranks out: pp across machines, tp inside one.
 AXES = ("pp", "dp", "fsdp", "tp")
@@ -93,7 +93,7 @@ def mesh_table(plan: dict, device_memory_gb: float | None) -> str:
         cells = (r["label"] + mark, str(n), f"{r['step_s']:.4g}", f"{r['tokens_per_s']:,.0f}",
                  f"{100 * r['exposed_share']:.0f}%", f"{r['memory_bytes']['total'] / 1e9:.3f}",
                  r.get("backend") or "–", levels)
-        body.append(cells + (("yes" if r["fits"] else "NO",) if device_memory_gb else ()))
+        body.append(cells + ((fit_cell(r),) if device_memory_gb else ()))
     widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *body]]
     lines.append("")

@@ -38,6 +38,12 @@ def rank_share(machine_bytes: float | None, ranks_per_machine: int, n: int) -> f
     return machine_bytes / max(1, min(ranks_per_machine, n)) if machine_bytes else None
 
 
+def fit_cell(r: dict) -> str:
+    """The fit column: NO, `tight` (fits with less to spare than the memory prediction's accuracy: `tight` in
+    plan.json, set by plan --model) or yes."""
+    return "NO" if not r["fits"] else "tight" if r.get("tight") else "yes"
+
+
 def table(rows: list[dict], device_memory_gb: float | None) -> str:
     header = ("strategy", "N", "step s", "tokens/s", "efficiency", "exposed comm", "memory/rank GB") + \
         (("fits",) if device_memory_gb else ())
@@ -49,7 +55,7 @@ def table(rows: list[dict], device_memory_gb: float | None) -> str:
             continue
         cells = (r["strategy"], str(r["world_size"]), f"{r['step_s']:.4g}", f"{r['tokens_per_s']:,.0f}",
                  f"{100 * r['efficiency']:.0f}%", f"{100 * r['exposed_share']:.0f}%", f"{r['memory_bytes']['total'] / 1e9:.3f}")
-        body.append(cells + (("yes" if r["fits"] else "NO",) if device_memory_gb else ()))
+        body.append(cells + ((fit_cell(r),) if device_memory_gb else ()))
     widths = [max(len(row[i]) for row in [header] + body if i < len(row)) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(header, widths)).rstrip()]
     for i, row in enumerate(body):

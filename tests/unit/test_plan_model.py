@@ -235,3 +235,16 @@ def test_under_lora_ddp_reduces_the_adapters_gradients_only(runs):
                  "--nproc", "2", "--link-gbps", "10", "--latency-us", "50", "--out", str(runs / "lora-ddp")]) == 0
     (row,) = [r for r in json.loads((runs / "lora-ddp" / "plan.json").read_text())["predictions"] if r["world_size"] == 2]
     assert row["efficiency"] > 0.9, row
+
+
+def test_a_fit_with_less_to_spare_than_the_predictions_error_is_marked_tight(runs, capsys):
+    argv = ["plan", "--from", str(runs / "torch-n1"), "--model", str(runs / "llama"), "--nproc", "2", "--strategies",
+            "fsdp", "--out", str(runs / "tight")]
+    assert main([*argv, "--device-memory-gb", "100"]) == 0
+    (row,) = [r for r in json.loads((runs / "tight" / "plan.json").read_text())["predictions"] if r["strategy"] == "fsdp"]
+    assert row["fits"] and not row["tight"]
+    capsys.readouterr()
+    assert main([*argv, "--device-memory-gb", str(row["memory_bytes"]["total"] / 0.95 / 1e9)]) == 0
+    (row,) = [r for r in json.loads((runs / "tight" / "plan.json").read_text())["predictions"] if r["strategy"] == "fsdp"]
+    printed = capsys.readouterr().out
+    assert row["fits"] and row["tight"] and "tight" in printed and "fsdp x2 fits with under 10% to spare" in printed
