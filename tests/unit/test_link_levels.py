@@ -203,7 +203,7 @@ def test_plan_at_8_and_16_lists_the_valid_meshes_with_memory_and_names_the_faste
     caveated = {r["label"] for r in saved["predictions"] if r.get("caveat")}
     assert caveated and all("pp=" in m and "tp=" in m for m in caveated)
     assert caveated == {r["label"] for r in saved["predictions"] if "pp=" in r["label"] and "tp=" in r["label"]}
-    assert sum(line.startswith("† pp x tp ran") for line in printed.splitlines()) == 1
+    assert sum(line.startswith("† pp x tp: ") for line in printed.splitlines()) == 1
     assert any(line.startswith(("pp=2,tp=4 †", "pp=4,tp=2 †")) for line in printed.splitlines())
 
 
