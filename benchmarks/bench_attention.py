@@ -38,10 +38,10 @@ def variants(scale: float, T: int, exp: str):
     """name -> attention(q, k, v): the model's and the forms it replaced (float32)."""
     import mlx.core as mx
 
-    from mlx_impl import model
+    from mlx_impl import attention, model
 
     model.set_exp(exp)
-    causal = model._causal_mask(T)
+    causal = attention._causal_mask(T)
     bias = mx.where(causal, mx.array(0.0), mx.array(-mx.inf))
 
     def grouped(q, k, v):
@@ -80,7 +80,15 @@ def variants(scale: float, T: int, exp: str):
             k, v = mx.repeat(k, H // k.shape[1], axis=1), mx.repeat(v, H // k.shape[1], axis=1)
         return model.attention(q, k, v, scale, "causal")
 
+    def in_blocks(blocks):  # the model's core in blocks of queries (model.set_attention; auto times them)
+        def f(q, k, v):
+            B, H, _, D = q.shape
+            qg, kg, vg = grouped(q * scale, k, v)
+            return attention._attend_in_blocks(qg, kg, vg, bias, blocks).reshape(B, H, T, D)
+        return f
+
     return {"model": lambda q, k, v: model.attention(q, k, v, scale, "causal"),
+            **{kind: in_blocks(n) for kind, n in attention.ATTENTION_BLOCKS.items()},
             "before": step_by_step(softmax_before),
             "shift first": step_by_step(model._SOFTMAX[exp]),
             "bias": step_by_step(model._SOFTMAX[exp], masked=False),
@@ -110,6 +118,7 @@ def main_child(a) -> None:
     torch_step = _torch_step(arrays, np.array(cot.astype(mx.float32)), scale, a.threads)
     if torch_step is not None:
         timed["torch"] = torch_step
+        timed["torch gqa"] = _torch_gqa_step(arrays, np.array(cot.astype(mx.float32)), scale)
     for f in timed.values():
         f()
     times: dict[str, list[float]] = {name: [] for name in timed}
@@ -147,6 +156,21 @@ def _torch_step(arrays, cot, scale, threads):
             t.grad = None
         kk, vv = (t.repeat_interleave(groups, dim=1) if groups > 1 else t for t in (k, v))
         (F.scaled_dot_product_attention(q, kk, vv, is_causal=True, scale=scale) * c).sum().backward()
+    return step
+
+
+def _torch_gqa_step(arrays, cot, scale):
+    """torch_impl/attention.py's call: k and v not repeated (enable_gqa), as the op classes time it."""
+    import torch
+    import torch.nn.functional as F
+
+    q, k, v = (torch.from_numpy(x).requires_grad_() for x in arrays)
+    c = torch.from_numpy(cot)
+
+    def step():
+        for t in (q, k, v):
+            t.grad = None
+        (F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True) * c).sum().backward()
     return step
 
 

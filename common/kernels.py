@@ -1,7 +1,8 @@
 """Which kernels an MLX rank computes with, where the choice depends on the machine: the build of its compiled
 CPU kernels (--mlx-cpu-jit, compare/machine/environment.py), its exp (--mlx-exp, mlx_impl/fast_exp.py), the
-route of its bfloat16 matmuls on a CPU (--mlx-bf16-matmul, mlx_impl/model.py `matmul`) and its cross-entropy's
-shift (no flag: always timed on a Linux CPU; mlx_impl/model.py `set_cross_entropy`).
+route of its bfloat16 matmuls on a CPU (--mlx-bf16-matmul, mlx_impl/model.py `matmul`), its cross-entropy's
+shift and the blocks of queries its float32 attention core runs in (no flag for these two: always timed on a Linux
+CPU; mlx_impl/model.py `set_cross_entropy`, `set_attention`).
 
 A selectable kernel's `auto` is decided by measuring, not by a rule about CPUs: each candidate is timed at the
 run's own shapes on this machine (mlx_impl/kernel_choice.py) and the faster one is taken (`faster`, a pure
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
 import shutil
 import sys
@@ -28,8 +30,10 @@ if TYPE_CHECKING:
 # Each selectable kernel: its candidates, the first the one MLX computes by itself (kept on a tie), and the unit
 # of its timings.
 CANDIDATES = {"exp": ("native", "fused"), "bf16_matmul": ("native", "fp32"),
-              "cross_entropy": ("native", "shift", "tree", "tree_shift")}
-UNITS = {"exp": "ns per element", "bf16_matmul": "ps per multiply-add", "cross_entropy": "ns per logit"}
+              "cross_entropy": ("native", "shift", "tree", "tree_shift"),
+              "attention": ("whole", "halves", "quarters")}
+UNITS = {"exp": "ns per element", "bf16_matmul": "ps per multiply-add", "cross_entropy": "ns per logit",
+         "attention": "ns per score"}
 # Bump when mlx_impl/fast_exp.py or the fp32 route changes what is timed: the cached timings are then stale.
 KERNELS_REVISION = 3
 CACHE_FILE = "kernel-choice.json"
@@ -61,7 +65,8 @@ def fixed_choice(cfg: RunConfig, kernel: str, device: str, system: str) -> str |
     chosen = {"exp": cfg.mlx_exp, "bf16_matmul": cfg.mlx_bf16_matmul}.get(kernel, "auto")  # no flag for the rest
     if chosen != "auto":
         return chosen
-    if not measures(device, system) or (kernel == "bf16_matmul" and cfg.dtype != "bfloat16"):
+    if not measures(device, system) or (kernel == "bf16_matmul" and cfg.dtype != "bfloat16") \
+            or (kernel == "attention" and cfg.dtype != "float32"):  # bfloat16's core is the step-by-step form
         return CANDIDATES[kernel][0]
     return None
 
@@ -69,13 +74,21 @@ def fixed_choice(cfg: RunConfig, kernel: str, device: str, system: str) -> str |
 def measured_shape(cfg: RunConfig, kernel: str, spec: ModelSpec, exp: str = "native") -> tuple[int, ...]:
     """The shape a kernel is timed at, from the run's own: the attention scores (micro-batch, heads, seq, seq)
     for the exp (its softmax), the MLP's up projection (micro-batch x seq, dim, ffn) for the bf16 matmul, the
-    logits (micro-batch x seq, vocab) for the cross-entropy, with the index of the run's `exp` in
-    CANDIDATES["exp"] last (it is timed with that exp)."""
+    logits (micro-batch x seq, vocab) for the cross-entropy and the attention core's q, k and v (micro-batch, heads,
+    kv heads, seq, head dim) for its blocks, these two with the index of the run's `exp` in CANDIDATES["exp"] last
+    (they are timed with that exp)."""
     if kernel == "exp":
         return (cfg.micro_batch_size, spec.n_heads, cfg.seq_len, cfg.seq_len)
     if kernel == "cross_entropy":
         return (cfg.micro_batch_size * cfg.seq_len, spec.vocab_size, CANDIDATES["exp"].index(exp))
+    if kernel == "attention":
+        return attention_shape(cfg.micro_batch_size, cfg.seq_len, spec, exp)
     return (cfg.micro_batch_size * cfg.seq_len, spec.dim, spec.ffn_dim)
+
+
+def attention_shape(rows: int, seq_len: int, spec: ModelSpec, exp: str = "native") -> tuple[int, ...]:
+    """The attention core's timed shape: (micro-batch, heads, kv heads, seq, head dim, the exp's index)."""
+    return (rows, spec.n_heads, spec.n_kv_heads, seq_len, spec.head_dim, CANDIDATES["exp"].index(exp))
 
 
 def cpu_signature() -> str:
@@ -123,16 +136,19 @@ class KernelCache:
         return json.dumps([identity.machine, identity.mlx, identity.build, kernel, list(shape)])
 
     def get(self, identity: Identity, kernel: str, shape: tuple[int, ...]) -> dict | None:
+        """The entry, or None: none stored, or one timed on a loaded machine that is quieter now (`stale`)."""
         from common.metrics import read_json
 
         entry = (read_json(self.path, {}) or {}).get(self.key(identity, kernel, shape))
-        return entry if isinstance(entry, dict) and "choice" in entry and "timings" in entry else None
+        if not (isinstance(entry, dict) and "choice" in entry and "timings" in entry):
+            return None
+        return None if stale(entry.get("load_per_cpu"), load_per_cpu()) else entry
 
     def put(self, identity: Identity, kernel: str, shape: tuple[int, ...], timings: Mapping[str, float]) -> dict:
         from common.metrics import read_json, write_json
 
         entry = {"choice": faster(timings), "timings": dict(timings), "unit": UNITS[kernel],
-                 "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+                 "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "load_per_cpu": load_per_cpu()}
         entries = {k: v for k, v in (read_json(self.path, {}) or {}).items()
                    if _mlx_of(k) == identity.mlx}  # an MLX upgrade invalidates every older timing
         entries[self.key(identity, kernel, shape)] = entry
@@ -142,6 +158,25 @@ class KernelCache:
         except OSError:
             pass  # a read-only cache costs a measurement next time, nothing more
         return entry
+
+
+LOADED = 1.0  # a timing made with more runnable tasks than CPUs (the 1-minute load average) is not kept for good
+
+
+def load_per_cpu() -> float | None:
+    """The 1-minute load average over the CPUs; None where the system does not say."""
+    try:
+        return round(os.getloadavg()[0] / (os.cpu_count() or 1), 2)
+    except (OSError, AttributeError):
+        return None
+
+
+def stale(measured_at: float | None, now: float | None) -> bool:
+    """Whether a timing made at load `measured_at` (per CPU) is timed again at load `now`: made on a loaded machine
+    (over LOADED) that is at most half as loaded now. Under load the candidates' times move by up to 10x (the
+    attention core's demo shape: 72.6 against 7.1 ns per score, whole, timed beside two test workers and quiet on
+    the Intel Xeon VM), and a choice made then was kept until MLX changed."""
+    return measured_at is not None and now is not None and measured_at > LOADED and now <= measured_at / 2
 
 
 def _mlx_of(key: str) -> str | None:

@@ -26,10 +26,11 @@ from mlx.utils import tree_flatten
 
 from common.costmodel.probed import MIN_CALLS, RESULT_PREFIX, ProbeRequest, read_request
 
-from .grads import clip_by_norm, sum_of_squares
+from .grads import clip_by_norm, squares_of
+from .kernel_choice import probe_attention
 from .lora import attach
-from .model import (Embedding, Linear, RMSNorm, TransformerBlock, attention_mask, cross_entropy, set_cross_entropy,
-                    set_exp)
+from .model import (Embedding, Linear, RMSNorm, TransformerBlock, attention_mask, cross_entropy, set_attention,
+                    set_cross_entropy, set_exp)
 
 
 def timed(fn: Callable[[], object], budget_s: float) -> float:
@@ -78,6 +79,7 @@ def build(req: ProbeRequest) -> Parts:
 def measure(req: ProbeRequest) -> dict:
     set_exp(req.exp)
     set_cross_entropy(req.cross_entropy)
+    set_attention(probe_attention(req))
     parts = build(req)
     block, mask = parts.model.layers[0], attention_mask(None, req.seq_len)
     tokens = mx.random.randint(0, req.vocab_rows, (req.rows, req.seq_len))
@@ -127,7 +129,7 @@ def optimizer(req: ProbeRequest) -> dict:
     holder = {"params": params}
 
     def update(g):
-        norm = mx.sqrt(sum((sum_of_squares(x) for _, x in tree_flatten(g)), mx.array(0.0)))
+        norm = mx.sqrt(squares_of(x for _, x in tree_flatten(g)))
         return opt.apply_gradients(clip_by_norm(g, 1.0, norm), holder["params"])
 
     step = mx.compile(update, inputs=[opt.state], outputs=[opt.state])

@@ -18,7 +18,7 @@ from common.config import RunConfig
 from common.train.protocols import StateStream, World
 
 from .comm import CommCounter, average_gradients
-from .grads import sum_of_squares
+from .grads import squares_of
 from .load import load_local
 from .microsteps import Grads, MicroSteps
 from .rank_state import local_numpy, numpy_stream
@@ -52,7 +52,7 @@ class Replicated(MicroSteps):
         return average_gradients(grads, self.group, self.reduce_bytes, self.stream)
 
     def global_norm(self, grads: Grads) -> mx.array:
-        return mx.sqrt(sum((sum_of_squares(g) for _, g in tree_flatten(grads)), mx.array(0.0)))
+        return mx.sqrt(squares_of(g for _, g in tree_flatten(grads)))
 
     def export_state(self, weights: Mapping[str, mx.array], exp_avg: Mapping[str, mx.array],
                      exp_avg_sq: Mapping[str, mx.array]) -> tuple[StateStream, StateStream, StateStream]:

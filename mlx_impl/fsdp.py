@@ -52,7 +52,7 @@ from common.parallel.fsdp import fsdp_rows, reduce_scatter_kind
 from common.train.protocols import StateStream, World
 
 from .comm import CommCounter, average_gradients
-from .grads import sum_of_squares
+from .grads import squares_of
 from .load import SHARD, hf_name, load_local
 from .microsteps import Grads, MicroSteps
 from .rank_state import as_float32, local_numpy
@@ -145,8 +145,8 @@ class Sharding(MicroSteps):
 
         nn.utils.clip_grad_norm_sharded would all-sum the replicated ones too, counting them N times."""
         flat = tree_flatten(grads)
-        replicated_sq = sum((sum_of_squares(g) for k, g in flat if not self.is_sharded(k)), mx.array(0.0))
-        sharded_sq = sum((sum_of_squares(g) for k, g in flat if self.is_sharded(k)), mx.array(0.0))
+        replicated_sq = squares_of(g for k, g in flat if not self.is_sharded(k))
+        sharded_sq = squares_of(g for k, g in flat if self.is_sharded(k))
         return mx.sqrt(replicated_sq + mx.distributed.all_sum(sharded_sq, group=self.group, stream=self.stream))
 
     def export_state(self, weights: Mapping[str, mx.array], exp_avg: Mapping[str, mx.array],

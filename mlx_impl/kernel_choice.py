@@ -9,6 +9,10 @@ caches, this file times).
 - cross-entropy's shift (model.set_cross_entropy): the model's cross-entropy, forward and backward compiled, with
   each form of its row max and shift and the run's exp, over float32 logits of the run's (tokens, vocabulary).
 
+- attention (model.set_attention): the model's float32 attention core, forward and backward compiled, whole or in
+  blocks of queries, at the run's (micro-batch, heads, kv heads, seq, head dim) with the run's exp, the micro-batch
+  cut to about MAX_SCORES scores (the blocks win where the scores outgrow the cache, so the cut keeps that size).
+
 Each candidate runs once to build its kernels, then they alternate and the minimum per call counts; the shapes
 are cut to about a few million elements (a few tens of ms per call at worst), so a measurement takes well under a
 second. The launcher measures first in a child with the ranks' environment (`python -m mlx_impl.kernel_choice`,
@@ -28,14 +32,16 @@ import mlx.core as mx
 import numpy as np
 
 from common.config import RunConfig, default_cache_dir
-from common.kernels import CANDIDATES, Identity, KernelCache, fixed_choice, measured_shape
+from common.costmodel.probed import ProbeRequest
+from common.kernels import CANDIDATES, Identity, KernelCache, attention_shape, fixed_choice, measured_shape, measures
 from common.model.spec import ModelSpec
 
-from . import model
+from . import attention, model
 
 MAX_EXP_ELEMENTS = 4 * 2**20          # scores cut to about 4M elements (a few ms per call with either exp)
 MAX_LOGITS = 4 * 2**20               # logits cut to about 4M (about 40 ms per call at a 50k vocabulary)
 MAX_MATMUL_MACS = 64 * 2**20          # rows cut to about 64M multiply-adds (13 ms at MLX's own 5 GFLOP/s)
+MAX_SCORES = 4 * 2**20               # attention cut to about 4M scores (16 MB: past a 4 MB L2; ~80 ms a call)
 ROUNDS = 5
 
 
@@ -95,7 +101,34 @@ def time_cross_entropy(shape: tuple[int, ...]) -> dict[str, float]:
     return {kind: 1e9 * t / (rows * vocab) for kind, t in best.items()}
 
 
-TIMERS = {"exp": time_exp, "bf16_matmul": time_bf16_matmul, "cross_entropy": time_cross_entropy}
+def time_attention(shape: tuple[int, ...]) -> dict[str, float]:
+    """ns per score (B x H x T x T) of the model's float32 attention core, forward and backward compiled, with each
+    block count, at (micro-batch, heads, kv heads, seq, head dim, the exp's index) = `shape`, the micro-batch cut
+    to MAX_SCORES."""
+    rows, heads, kv_heads, seq, head_dim, exp_index = shape
+    rows = max(1, min(rows, MAX_SCORES // max(1, heads * seq * seq)))
+    rng = np.random.default_rng(0)
+    q, k, v, cot = (mx.array(rng.standard_normal((rows, h, seq, head_dim)).astype(np.float32))
+                    for h in (heads, kv_heads, kv_heads, heads))
+    mx.eval(q, k, v, cot)
+    before = attention._ATTENTION["kind"]
+    model.set_exp(CANDIDATES["exp"][exp_index])
+
+    def form(kind: str):
+        def loss(q, k, v):
+            model.set_attention(kind)  # read while the step is traced, at its first call
+            return (model.attention(q, k, v, head_dim ** -0.5, "causal") * cot).sum()
+        return mx.compile(mx.value_and_grad(loss, argnums=(0, 1, 2)))
+
+    try:
+        best = _min_time_s({kind: form(kind) for kind in CANDIDATES["attention"]}, (q, k, v))
+    finally:
+        model.set_attention(before)
+    return {kind: 1e9 * t / (rows * heads * seq * seq) for kind, t in best.items()}
+
+
+TIMERS = {"exp": time_exp, "bf16_matmul": time_bf16_matmul, "cross_entropy": time_cross_entropy,
+          "attention": time_attention}
 
 
 def _cut(shape: tuple[int, ...], most: int) -> tuple[int, ...]:
@@ -119,9 +152,20 @@ def choice_for(cfg: RunConfig, spec: ModelSpec, kernel: str) -> tuple[str, dict 
     chosen = fixed_choice(cfg, kernel, device, sys.platform)
     if chosen is not None:
         return chosen, None
-    exp = choice_for(cfg, spec, "exp")[0] if kernel == "cross_entropy" else "native"  # timed with the run's exp
+    exp = choice_for(cfg, spec, "exp")[0] if kernel in ("cross_entropy", "attention") else "native"  # the run's exp
     entry = measured(cfg.cache_path, Identity.here(cfg.mlx_cpu_jit), kernel, measured_shape(cfg, kernel, spec, exp))
     return entry["choice"], entry
+
+
+def probe_attention(req: ProbeRequest) -> str:
+    """The block probe's attention blocks (mlx_impl/block_probe.py): as asked, or under "auto" the ones a run
+    takes on this CPU in float32, timed at the probe's rows and cached as a rank's choice is."""
+    if req.attention != "auto":
+        return req.attention
+    if req.dtype != "float32" or mx.default_device() == mx.gpu or not measures("cpu", sys.platform):
+        return CANDIDATES["attention"][0]
+    shape = attention_shape(req.rows, req.seq_len, req.spec, req.exp)
+    return measured(default_cache_dir(), Identity.here("auto"), "attention", shape)["choice"]
 
 
 def main() -> int:

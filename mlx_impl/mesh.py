@@ -39,7 +39,7 @@ from common.train.protocols import Batch, ForwardBackwardResult, Phase, StateStr
 from .comm import CommCounter
 from .ddp import Replicated
 from .fsdp import Sharding, shard_model
-from .grads import sum_of_squares
+from .grads import squares_of
 from .load import SHARD, hf_name
 from .microsteps import Grads, Losses, MicroSteps, StepFunctions
 from .pp import Pipeline
@@ -170,16 +170,10 @@ class ShardedTensorParallel(MicroSteps):
     def global_norm(self, grads: Grads) -> mx.array:
         """Squares of every tensor once over the mesh: the tp-split shards summed over tp and fsdp, the other
         fsdp shards over fsdp, the replicated final norm once."""
-        zero = mx.array(0.0)
-        tp_split, sharded, replicated = zero, zero, zero
-        for key, g in tree_flatten(grads):
-            squares = sum_of_squares(g)
-            if SHARD not in key:
-                replicated = replicated + squares
-            elif tp_split_axis(hf_name(key)) is not None:
-                tp_split = tp_split + squares
-            else:
-                sharded = sharded + squares
+        flat = tree_flatten(grads)
+        replicated = squares_of(g for key, g in flat if SHARD not in key)
+        tp_split = squares_of(g for key, g in flat if SHARD in key and tp_split_axis(hf_name(key)) is not None)
+        sharded = squares_of(g for key, g in flat if SHARD in key and tp_split_axis(hf_name(key)) is None)
         over_tp = mx.distributed.all_sum(tp_split, group=self.tp.group)
         return mx.sqrt(replicated + mx.distributed.all_sum(over_tp + sharded, group=self.fsdp.group))
 
@@ -261,15 +255,9 @@ class TensorParallelStages(Pipeline):
     def global_norm(self, grads: Grads) -> mx.array:
         """Squares of every tensor once over the mesh: the tp-split ones summed over the stage's tp group, the
         replicated ones once (a tied matrix on the first stage only), then the stages summed over pp."""
-        zero = mx.array(0.0)
-        split, replicated = zero, zero
-        for key, g in tree_flatten(grads):
-            if not self.counts(key):
-                continue
-            if tp_split_axis(key) is None:
-                replicated = replicated + sum_of_squares(g)
-            else:
-                split = split + sum_of_squares(g)
+        counted = [(key, g) for key, g in tree_flatten(grads) if self.counts(key)]
+        replicated = squares_of(g for key, g in counted if tp_split_axis(key) is None)
+        split = squares_of(g for key, g in counted if tp_split_axis(key) is not None)
         total = mx.distributed.all_sum(split, group=self.tp.group) + replicated
         return mx.sqrt(mx.distributed.all_sum(total, group=self.group))
 

@@ -7,9 +7,7 @@ embedding output is cast to the compute dtype, and every parameter is cast to it
 """
 from __future__ import annotations
 
-import functools
 from pathlib import Path
-from typing import cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -20,174 +18,10 @@ from common.model.rope import spec_tables
 from common.model.spec import ModelSpec
 from common.model.weights import load_pretrained
 
-from . import fast_exp
+from .attention import ATTENTION_BLOCKS, attention, attention_mask, set_attention  # noqa: F401
+from .kernels import (_EXP, _SOFTMAX, BF16_MATMUL_KINDS, EXP_KINDS, _exp, _exp_minus, _exp_negated,  # noqa: F401
+                      _row_max, _softmax, matmul, set_bf16_matmul, set_exp)
 from .lora import adapted
-
-EXP_KINDS = ("native", "fused")
-_EXP = {"kind": "native"}
-
-
-def set_exp(kind: str) -> None:
-    """The exp that softmax, cross-entropy and SiLU trace from now on: "native" (mx.exp) or "fused"
-    (mlx_impl/fast_exp.py, --mlx-exp). The Trainer sets it before it compiles its step: a compiled function
-    keeps the graph it traced, so a change reaches only what is traced after it."""
-    if kind not in EXP_KINDS:
-        raise ValueError(f"unknown exp {kind!r}; allowed: {', '.join(EXP_KINDS)}")
-    _EXP["kind"] = kind
-
-
-BF16_MATMUL_KINDS = ("native", "fp32")
-_BF16_MATMUL = {"kind": "native"}
-
-
-def set_bf16_matmul(kind: str) -> None:
-    """How bfloat16 matmuls on a CPU compute from now on (--mlx-bf16-matmul; traced, as set_exp): "native"
-    (MLX's own bf16 kernel) or "fp32" (`matmul`'s route through the BLAS's sgemm)."""
-    if kind not in BF16_MATMUL_KINDS:
-        raise ValueError(f"unknown bf16 matmul {kind!r}; allowed: {', '.join(BF16_MATMUL_KINDS)}")
-    _BF16_MATMUL["kind"] = kind
-
-
-def matmul(a: mx.array, b: mx.array, bf16_kind: str | None = None) -> mx.array:
-    """a @ b. With bfloat16 operands on a CPU under --mlx-bf16-matmul fp32: both upcast to float32 (exact), one
-    float32 matmul (the preloaded OpenBLAS's sgemm, 20x MLX's own bf16 kernel, which reaches no BLAS), the result
-    rounded once to bfloat16. Both accumulate in float32 and round once, so the values are the bf16 kernel's
-    (docs/precision.md); so are the gradients: the vjp of the casts rounds each once to bfloat16. Metal and CUDA
-    keep MLX's own kernel."""
-    if a.dtype == b.dtype == mx.bfloat16 and (bf16_kind or _BF16_MATMUL["kind"]) == "fp32" \
-            and mx.default_device() == mx.cpu:
-        return (a.astype(mx.float32) @ b.astype(mx.float32)).astype(mx.bfloat16)
-    return a @ b
-
-
-def _exp_minus(x: mx.array, shift: mx.array, kind: str | None = None) -> mx.array:
-    """exp(x - shift); shift (a row max) gets no gradient, as it cancels wherever this is used."""
-    if (kind or _EXP["kind"]) == "fused" and x.dtype == mx.float32:
-        return fast_exp.exp_minus(x, shift)
-    return mx.exp(x - mx.stop_gradient(shift))
-
-
-def _exp(x: mx.array, kind: str | None = None) -> mx.array:
-    """exp(x): the fused one, where chosen, for float32."""
-    if (kind or _EXP["kind"]) == "fused" and x.dtype == mx.float32:
-        return fast_exp.exp(x)
-    return mx.exp(x)
-
-
-def _exp_negated(x: mx.array) -> mx.array:
-    if _EXP["kind"] == "fused" and x.dtype == mx.float32:
-        return fast_exp.exp_negated(x)
-    return mx.exp(-x)
-
-
-def attention_mask(padding_mask: mx.array | None, T: int) -> mx.array | str:
-    if padding_mask is None:
-        return "causal"  # the fused kernel builds it, no T x T array
-    causal = mx.tril(mx.ones((T, T), dtype=mx.bool_))
-    keys = padding_mask.astype(mx.bool_)[:, None, None, :]  # (B, 1, 1, T): broadcasts over heads, queries
-    # The diagonal stays visible so a query at a padded position still has a key; a fully masked
-    # row would softmax to NaN.
-    return causal & (keys | mx.eye(T, dtype=mx.bool_))
-
-
-def _causal_mask(T: int) -> mx.array:
-    return mx.arange(T)[:, None] >= mx.arange(T)[None]
-
-
-def _softmax(scores: mx.array, exp_kind: str) -> mx.array:
-    """Softmax over the last axis in float32, rounded once to the scores' dtype. Written out so that mx.compile
-    fuses the subtraction and exp into one kernel built for this CPU (--mlx-cpu-jit; MLX's softmax and exp
-    primitives are prebuilt for baseline x86-64); the max is a constant shift, no gradient flows to it."""
-    s = scores.astype(mx.float32)
-    e = _exp(s - mx.stop_gradient(_row_max(s)), exp_kind)  # shift first: fast_exp.exp says why
-    return (e / e.sum(axis=-1, keepdims=True)).astype(scores.dtype)
-
-
-def _row_max(x: mx.array) -> mx.array:
-    """x.max(axis=-1, keepdims=True), the same values: the row halved by elementwise maximums down to 8 columns (an
-    odd column out is kept aside as a running maximum), which mx.compile fuses into one vectorised kernel, then
-    MLX's max over what is left. MLX's own CPU max reduction runs at half its sum's speed: 0.46 -> 0.25 ms over the
-    demo's attention scores, 2.26 -> 0.94 over `small`'s (Intel Xeon VM, docs/notes/2026-11-attention-cpu.md)."""
-    aside = None
-    while x.shape[-1] > 8:
-        half = x.shape[-1] // 2
-        if x.shape[-1] % 2:
-            last = x[..., -1:]
-            aside = last if aside is None else mx.maximum(aside, last)
-        x = mx.maximum(x[..., :half], x[..., half:2 * half])
-    peak = x.max(axis=-1, keepdims=True)
-    return peak if aside is None else mx.maximum(peak, aside)
-
-
-# One compiled softmax per exp: a compiled function keeps the graph it first traced.
-_SOFTMAX = {kind: mx.compile(functools.partial(_softmax, exp_kind=kind)) for kind in EXP_KINDS}
-
-
-def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array | str) -> mx.array:
-    """softmax(q k^T * scale + mask) v, (B, H, T, D) with H a multiple of k's and v's heads (grouped-query).
-
-    On a Metal GPU: MLX's fused kernel (mx.fast.scaled_dot_product_attention). On a CPU that kernel is not
-    fused: MLX computes it with its softmax primitive and the prebuilt exp (7.4 ms per layer of a 29 ms tiny
-    forward, issue 27). Written out here and fused by mx.compile instead: in float32 as `_attend` (the mask as a
-    bias added by the scores' matmul, the normalisation after P v, a backward written as torch's CPU
-    flash-attention kernel computes it: 1.6-1.8x faster forward + backward, benchmarks/bench_attention.py); in
-    bfloat16 step by step, rounding at the same points as MLX's kernel (q * scale and the scores in the input
-    dtype, softmax in float32, P rounded to the input dtype, P v in it: docs/precision.md)."""
-    if mx.default_device() == mx.gpu:
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
-    B, H, T, D = q.shape
-    if isinstance(mask, str):
-        mask = _causal_mask(T)
-    if H != k.shape[1]:  # each k/v head serves H / kv_heads query heads: (B, kv_heads, H / kv_heads, T, D)
-        q = q.reshape(B, k.shape[1], H // k.shape[1], T, D)
-        k, v = k[:, :, None], v[:, :, None]
-        if mask.ndim == 4:
-            mask = mask[:, :, None]
-    q = q * mx.array(scale, dtype=q.dtype)
-    if q.dtype == mx.float32:
-        bias = mx.where(mask, mx.array(0.0), mx.array(-mx.inf))
-        out, _, _ = cast(tuple, _attend(q, k, v, bias))
-        return out.reshape(B, H, T, D)
-    scores = matmul(q, k.swapaxes(-1, -2))
-    scores = mx.where(mask, scores, mx.array(-mx.inf, dtype=scores.dtype))
-    return matmul(_SOFTMAX[_EXP["kind"]](scores), v).reshape(B, H, T, D)
-
-
-@mx.custom_function
-def _attend(q: mx.array, k: mx.array, v: mx.array, bias: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-    """(softmax(q k^T + bias) v, E, l), float32, q already scaled: E = exp(S - row max) unnormalised and l its row
-    sums, so that P v is computed as (E v) / l (a T x D division, not T x T) and the backward reads E and l
-    instead of computing them again. l comes out of the same matmul as E v, by a column of ones appended to v
-    (one reduction over T x T fewer). Each change measured against the step-by-step form in one sitting (Intel
-    Xeon VM, docs/notes/2026-11-attention-cpu.md): the bias added by the matmul (addmm) instead of a `where`, the
-    shift subtracted before the exp, the division after P v, the ones column."""
-    scores = mx.addmm(bias, q, k.swapaxes(-1, -2))
-    e = _exp(scores - mx.stop_gradient(_row_max(scores)))
-    out_and_rows = e @ _with_ones(v)
-    rows = out_and_rows[..., -1:]
-    return out_and_rows[..., :-1] / rows, e, rows
-
-
-def _with_ones(x: mx.array) -> mx.array:
-    return mx.concatenate([x, mx.ones(x.shape[:-1] + (1,), dtype=x.dtype)], axis=-1)
-
-
-@_attend.vjp
-def _attend_vjp(primals, cotangents, outputs):
-    """With P = E / l and dO the output's cotangent: dV = P^T dO, dP = dO V^T, dS = P (dP - rowsum(dO O))
-    (rowsum(dP P) = rowsum(dO O): T x D, not T x T), dQ = dS K, dK = dS^T Q. The 1 / l goes onto dO first, and
-    the row term into the dP matmul, as a column of dO against a column of ones beside V."""
-    q, k, v, bias = primals
-    out, e, rows = outputs
-    d_out = cotangents[0] / rows
-    d_v = e.swapaxes(-1, -2) @ d_out
-    row_term = (d_out * out).sum(axis=-1, keepdims=True)
-    d_scores = e * (mx.concatenate([d_out, -row_term], axis=-1) @ _with_ones(v).swapaxes(-1, -2))
-    d_q, d_k = d_scores @ k, d_scores.swapaxes(-1, -2) @ q
-    if d_k.shape != k.shape:  # grouped-query: k and v were broadcast over the query heads of their group
-        d_k, d_v = d_k.sum(axis=2, keepdims=True), d_v.sum(axis=2, keepdims=True)
-    return d_q, d_k, d_v, mx.zeros_like(bias)
-
 
 class Linear(nn.Linear):
     """The float32 weight (and bias, where the spec has one) is cast to the input's dtype at use, so its

@@ -58,7 +58,7 @@ from common.parallel.pipeline_stage import StageBookkeeping
 from common.train.protocols import Batch, ForwardBackwardResult, Phase, StateStream, World, no_phase
 
 from .comm import CommCounter
-from .grads import sum_of_squares
+from .grads import squares_of
 from .load import load_local
 from .microsteps import Grads, Losses, StepFunctions, wait_for
 from .model import cross_entropy
@@ -342,7 +342,7 @@ class Pipeline(StageBookkeeping):
     def global_norm(self, grads: Grads) -> mx.array:
         """Each stage's sum of squares, summed over the stages: every parameter lives on exactly one, a tied
         matrix counted on the first stage only."""
-        squares = sum((sum_of_squares(g) for k, g in tree_flatten(grads) if self.counts(k)), mx.array(0.0))
+        squares = squares_of(g for k, g in tree_flatten(grads) if self.counts(k))
         return mx.sqrt(mx.distributed.all_sum(squares, group=self.group))
 
     def export_state(self, weights: Mapping[str, mx.array], exp_avg: Mapping[str, mx.array],

@@ -49,8 +49,8 @@ from .quantized import quantize_base
 from .mesh import mesh_strategy
 from .kernel_choice import choice_for
 from .microsteps import Grads, Losses, StepFunctions
-from .model import (Llama, cross_entropy, load_weights, set_bf16_matmul, set_cross_entropy, set_exp,  # noqa: F401
-                    token_loss_sum, weights_of)  # (benchmarks, tests)
+from .model import (Llama, cross_entropy, load_weights, set_attention, set_bf16_matmul,  # noqa: F401
+                    set_cross_entropy, set_exp, token_loss_sum, weights_of)  # (benchmarks, tests)
 from .opclasses import Workloads, workloads
 from .pp import Pipeline
 from .rank_state import state_bytes
@@ -106,6 +106,7 @@ class Trainer:
         set_exp(choice_for(cfg, spec, "exp")[0])
         set_bf16_matmul(choice_for(cfg, spec, "bf16_matmul")[0])
         set_cross_entropy(choice_for(cfg, spec, "cross_entropy")[0])
+        set_attention(choice_for(cfg, spec, "attention")[0])
         self.model = Llama(spec, compute_dtype=cfg.dtype)
         quantize_base(self.model, cfg.base_storage, spec)  # the frozen base's storage (quantized.py)
         # What trains (common/model/lora.py): every parameter, or LoRA's adapters with the rest frozen (lora.py).

@@ -29,7 +29,7 @@ from common.parallel.tp import tp_index, tp_split_axis
 from common.train.protocols import StateStream, World
 
 from .comm import CommCounter
-from .grads import sum_of_squares
+from .grads import squares_of
 from .load import load_local
 from .microsteps import Grads, MicroSteps
 from .model import RMSNorm, matmul
@@ -92,8 +92,8 @@ class TensorParallel(MicroSteps):
         """The whole model's gradient norm: the squares of sharded gradients summed over ranks, those of
         replicated ones (the same on every rank) counted once."""
         flat = tree_flatten(grads)
-        sharded = sum((sum_of_squares(g) for k, g in flat if tp_split_axis(k) is not None), mx.array(0.0))
-        replicated = sum((sum_of_squares(g) for k, g in flat if tp_split_axis(k) is None), mx.array(0.0))
+        sharded = squares_of(g for k, g in flat if tp_split_axis(k) is not None)
+        replicated = squares_of(g for k, g in flat if tp_split_axis(k) is None)
         return mx.sqrt(replicated + mx.distributed.all_sum(sharded, group=self.group))
 
     def export_state(self, weights: Mapping[str, mx.array], exp_avg: Mapping[str, mx.array],

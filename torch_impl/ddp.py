@@ -19,7 +19,7 @@ from common.config import RunConfig
 from common.train.protocols import StateStream, World
 
 from .comm import CommCounter, FixedCount, Watch
-from .grads import norm_dtype, sum_of_squares
+from .grads import norm_dtype, squares_of
 from .load import load_local
 from .microsteps import Grads, MicroSteps
 from .model import Llama
@@ -54,7 +54,7 @@ class Replicated(MicroSteps):
 
     def global_norm(self, grads: Grads) -> torch.Tensor:
         dtype = norm_dtype(self.device)
-        return torch.stack([sum_of_squares(g, dtype) for g in grads]).sum().sqrt()
+        return squares_of(grads, dtype, self.device).sqrt()
 
     def export_state(self, weights: Mapping[str, torch.Tensor], exp_avg: Mapping[str, torch.Tensor],
                      exp_avg_sq: Mapping[str, torch.Tensor]) -> tuple[StateStream, StateStream, StateStream]:

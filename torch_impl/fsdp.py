@@ -49,7 +49,7 @@ from common.train.heap import release_freed_heap
 from common.train.protocols import Batch, StateStream, World
 
 from .comm import CommCounter, FixedCount, Watch
-from .grads import norm_dtype, sum_of_squares
+from .grads import norm_dtype, squares_of
 from .load import load_local
 from .microsteps import Grads, MicroSteps, StepFunctions
 from .model import Llama
@@ -141,7 +141,7 @@ class Sharding(MicroSteps):
         every element lives on exactly one rank (FSDP2 pads uneven shards with zeros)."""
         dtype = norm_dtype(self.device)
         local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-        squares = torch.stack([sum_of_squares(g, dtype) for g in local]).sum()
+        squares = squares_of(local, dtype, self.device)
         dist.all_reduce(squares, group=self.group)
         return squares.sqrt()
 

@@ -2,6 +2,8 @@
 Mirrors mlx_impl/grads.py."""
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
 
 from .load import local
@@ -26,6 +28,14 @@ def sum_of_squares(x: torch.Tensor, dtype: torch.dtype = torch.float64, width: i
     if n < flat.numel():
         norms.append(torch.linalg.vector_norm(flat[n:]).reshape(1))
     return torch.cat(norms).to(dtype).square().sum() if norms else torch.zeros((), dtype=dtype, device=x.device)
+
+
+def squares_of(tensors: Iterable[torch.Tensor], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """Sum of x² over every tensor, in `dtype` (sum_of_squares each, then their sum; zero where there are none).
+    mlx_impl/grads.py's squares_of sums the same, in float32, in fewer kernels."""
+    tensors = list(tensors)
+    return torch.stack([sum_of_squares(t, dtype) for t in tensors]).sum() if tensors else \
+        torch.zeros((), dtype=dtype, device=device)
 
 
 def clip_by_norm(grads: Grads, max_norm: float, norm: torch.Tensor) -> None:

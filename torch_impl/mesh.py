@@ -38,7 +38,7 @@ from common.train.protocols import Batch, ForwardBackwardResult, Phase, StateStr
 
 from .comm import CommCounter
 from .fsdp import Sharding, shard_model
-from .grads import norm_dtype, sum_of_squares
+from .grads import norm_dtype, squares_of
 from .load import load_local
 from .microsteps import Grads, StepFunctions
 from .model import Llama
@@ -184,8 +184,7 @@ class ShardedTensorParallel(Sharding):
                      if not (isinstance(g, DTensor) and g.device_mesh.ndim == 2)]
 
         def squares(tensors: list[torch.Tensor]) -> torch.Tensor:
-            return torch.stack([sum_of_squares(t, dtype) for t in tensors]).sum() if tensors else \
-                torch.zeros((), dtype=dtype, device=self.device)
+            return squares_of(tensors, dtype, self.device)
 
         over_tp = squares(both)
         dist.all_reduce(over_tp, group=self.tp_group)
@@ -253,8 +252,7 @@ class TensorParallelStages(Pipeline):
         counted = [g for g in grads if id(g) not in uncounted]
 
         def squares(tensors: list[torch.Tensor]) -> torch.Tensor:
-            return torch.stack([sum_of_squares(t, dtype) for t in tensors]).sum() if tensors else \
-                torch.zeros((), dtype=dtype, device=self.device)
+            return squares_of(tensors, dtype, self.device)
 
         split = squares([g.to_local() for g in counted if isinstance(g, DTensor)])
         dist.all_reduce(split, group=self.tp.group)

@@ -18,27 +18,9 @@ from common.model.rope import spec_tables
 from common.model.spec import ModelSpec
 from common.model.weights import load_pretrained
 
+from .kernels import BF16_MATMUL_KINDS, EXP_KINDS, matmul, set_bf16_matmul, set_exp  # noqa: F401
+from .attention import ATTENTION_BLOCKS, attention, attention_mask, set_attention  # noqa: F401
 from .lora import adapted
-
-
-EXP_KINDS = ("native", "fused")
-
-
-def set_exp(kind: str) -> None:
-    """MLX's twin picks the exp of its softmax, cross-entropy and SiLU (--mlx-exp, mlx_impl/fast_exp.py); torch's
-    own CPU exp is vectorised already, so there is nothing to choose here and every kind runs torch.exp."""
-    if kind not in EXP_KINDS:
-        raise ValueError(f"unknown exp {kind!r}; allowed: {', '.join(EXP_KINDS)}")
-
-
-BF16_MATMUL_KINDS = ("native", "fp32")
-
-
-def set_bf16_matmul(kind: str) -> None:
-    """MLX's twin routes its CPU bf16 matmuls through float32 and the BLAS (--mlx-bf16-matmul); torch's CPU bf16
-    matmul reaches oneDNN already, so every kind runs torch's own."""
-    if kind not in BF16_MATMUL_KINDS:
-        raise ValueError(f"unknown bf16 matmul {kind!r}; allowed: {', '.join(BF16_MATMUL_KINDS)}")
 
 
 CROSS_ENTROPY_KINDS = ("native", "shift", "tree", "tree_shift")
@@ -49,22 +31,6 @@ def set_cross_entropy(kind: str) -> None:
     F.cross_entropy is one fused kernel, so every kind runs it."""
     if kind not in CROSS_ENTROPY_KINDS:
         raise ValueError(f"unknown cross-entropy {kind!r}; allowed: {', '.join(CROSS_ENTROPY_KINDS)}")
-
-
-def matmul(a: torch.Tensor, b: torch.Tensor, bf16_kind: str | None = None) -> torch.Tensor:
-    """a @ b: MLX's twin is where its bf16 matmuls choose their route (mlx_impl/model.py); here torch's own."""
-    return a @ b
-
-
-def attention_mask(padding_mask: torch.Tensor | None, T: int) -> torch.Tensor | None:
-    if padding_mask is None:
-        return None  # is_causal=True: the kernel builds it, no T x T tensor
-    device = padding_mask.device
-    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
-    keys = padding_mask.bool()[:, None, None, :]  # (B, 1, 1, T): broadcasts over heads, queries
-    # The diagonal stays visible so a query at a padded position still has a key; a fully masked
-    # row would softmax to NaN.
-    return causal & (keys | torch.eye(T, dtype=torch.bool, device=device))
 
 
 class RoPE(nn.Module):
@@ -131,14 +97,6 @@ class RMSNorm(nn.RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         normed = F.rms_norm(x.float(), self.normalized_shape, None, self.eps).to(x.dtype)
         return normed * self.weight.to(x.dtype)
-
-
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-              mask: torch.Tensor | None) -> torch.Tensor:
-    """softmax(q k^T * scale + mask) v, (B, H, T, D) with H a multiple of k's and v's heads (grouped-query):
-    torch's fused kernel on every device (mlx_impl/model.py writes MLX's out on a CPU, where MLX has none)."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
-                                          enable_gqa=True)
 
 
 class Attention(nn.Module):

@@ -32,7 +32,7 @@ from common.parallel.tp import tp_index
 from common.train.protocols import StateStream, World
 
 from .comm import AllReduceCounter, CommCounter, Watch
-from .grads import norm_dtype, sum_of_squares
+from .grads import norm_dtype, squares_of
 from .load import load_local
 from .microsteps import Grads, MicroSteps
 from .model import Attention, Llama
@@ -89,8 +89,7 @@ class TensorParallel(MicroSteps):
         dtype = norm_dtype(self.device)
 
         def squares(tensors: list[torch.Tensor]) -> torch.Tensor:
-            return torch.stack([sum_of_squares(t, dtype) for t in tensors]).sum() if tensors else \
-                torch.zeros((), dtype=dtype)
+            return squares_of(tensors, dtype, "cpu" if not tensors else tensors[0].device)
 
         sharded = squares([g.to_local() for g in grads if isinstance(g, DTensor)])
         dist.all_reduce(sharded, group=self.group)

@@ -74,6 +74,7 @@ class ProbeRequest:
     exp: str = "native"
     budget_s: float = BUDGET_S
     cross_entropy: str = "native"  # MLX's cross-entropy shift as the run chose it (model.set_cross_entropy)
+    attention: str = "auto"  # MLX's attention blocks: "auto" times them at the probe's own shapes, as a run would
 
     @property
     def probe_spec(self) -> ModelSpec:
@@ -104,7 +105,7 @@ class ProbeRequest:
         return {"spec": self.spec.to_dict(), "rows": self.rows, "seq_len": self.seq_len, "dtype": self.dtype,
                 "trained": trained, "quantize": list(self.quantize), "vocab_rows": self.vocab_rows,
                 "optimizer_elements": self.optimizer_elements, "exp": self.exp, "budget_s": self.budget_s,
-                "cross_entropy": self.cross_entropy}
+                "cross_entropy": self.cross_entropy, "attention": self.attention}
 
 
 def read_request(path: str) -> ProbeRequest:
@@ -115,7 +116,7 @@ def read_request(path: str) -> ProbeRequest:
     return ProbeRequest(ModelSpec.from_dict(d["spec"]), int(d["rows"]), int(d["seq_len"]), d["dtype"], trained,
                         (int(d["quantize"][0]), int(d["quantize"][1])), int(d["vocab_rows"]),
                         int(d["optimizer_elements"]), d.get("exp", "native"), float(d.get("budget_s", BUDGET_S)),
-                        d.get("cross_entropy", "native"))
+                        d.get("cross_entropy", "native"), d.get("attention", "auto"))
 
 
 def block_flops_per_token(spec: ModelSpec, seq_len: int) -> float:

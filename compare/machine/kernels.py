@@ -21,10 +21,12 @@ from common.model.spec import ModelSpec
 from . import environment as env
 
 PROBE_TIMEOUT_S = 120  # a cold kernel cache builds a few kernels with g++ (0.2-0.8 s each)
-LABELS = {"exp": "exp", "bf16_matmul": "bf16 matmul", "cross_entropy": "cross-entropy shift"}
+LABELS = {"exp": "exp", "bf16_matmul": "bf16 matmul", "cross_entropy": "cross-entropy shift",
+          "attention": "attention core"}
 HOW = {"exp": {"native": "MLX's own", "fused": "range reduction and a polynomial, vectorised by mx.compile"},
        "bf16_matmul": {"native": "MLX's own bf16 kernel", "fp32": "exact upcast, sgemm, rounded once"},
-       "cross_entropy": {"native": "MLX's row max, inside the exp"}}
+       "cross_entropy": {"native": "MLX's row max, inside the exp"},
+       "attention": {"whole": "all queries at once"}}
 
 
 def mlx_device(cfg: RunConfig) -> str:
@@ -58,7 +60,7 @@ def _entry(cfg: RunConfig, kernel: str, spec: ModelSpec | None) -> dict | None:
     except UserError:
         return None
     exp = "native"
-    if kernel == "cross_entropy":  # timed at the run's logits, with the run's exp
+    if kernel in ("cross_entropy", "attention"):  # timed with the run's exp
         exp = fixed_choice(cfg, "exp", mlx_device(cfg), sys.platform) or (_entry(cfg, "exp", spec) or {}).get(
             "choice", "native")
     shape = measured_shape(cfg, kernel, spec, exp)
@@ -89,7 +91,9 @@ def _measured(cpu_jit: str, cache_dir: str, blas: str, threads: int, kernel: str
 
 
 def kernels_line(cfg: RunConfig, spec: ModelSpec | None = None) -> str:
-    """The selectable kernels' part of the BLAS line: `exp: ...`, in a bfloat16 run `bf16 matmul: ...`, and the
-    cross-entropy's shift (timed at `spec`'s vocabulary: the run's model, where the launcher knows it)."""
-    kernels = [k for k in CANDIDATES if k != "bf16_matmul" or cfg.dtype == "bfloat16"]
+    """The selectable kernels' part of the BLAS line: `exp: ...`, in a bfloat16 run `bf16 matmul: ...`, the
+    cross-entropy's shift (timed at `spec`'s vocabulary: the run's model, where the launcher knows it), and in a
+    float32 run the attention core's blocks."""
+    kernels = [k for k in CANDIDATES if (k != "bf16_matmul" or cfg.dtype == "bfloat16")
+               and (k != "attention" or cfg.dtype == "float32")]
     return "; ".join(f"{LABELS[k]}: {described(cfg, k, spec)}" for k in kernels)

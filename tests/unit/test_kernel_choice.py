@@ -8,7 +8,8 @@ import subprocess
 import pytest
 
 from common.config import RunConfig
-from common.kernels import CANDIDATES, Identity, KernelCache, describe, faster, fixed_choice, measured_shape
+from common.kernels import (CANDIDATES, UNITS, Identity, KernelCache, describe, faster, fixed_choice, measured_shape,
+                            stale)
 from common.model.spec import preset
 
 
@@ -35,6 +36,9 @@ def test_auto_picks_the_faster_of_the_timings_it_is_handed(timings, expected):
     (RunConfig(mlx_bf16_matmul="fp32"), "bf16_matmul", "cpu", "linux", "fp32"),
     (RunConfig(mlx_exp="native"), "cross_entropy", "cpu", "linux", None),      # no flag: always timed there
     (RunConfig(), "cross_entropy", "gpu", "darwin", "native"),
+    (RunConfig(), "attention", "cpu", "linux", None),                         # no flag: timed in float32
+    (RunConfig(dtype="bfloat16"), "attention", "cpu", "linux", "whole"),      # bf16's core has no blocks
+    (RunConfig(), "attention", "cpu", "darwin", "whole"),
 ])
 def test_a_named_choice_is_kept_and_auto_measures_only_on_a_linux_cpu(cfg, kernel, device, system, expected):
     assert fixed_choice(cfg, kernel, device, system) == expected
@@ -46,6 +50,9 @@ def test_the_measured_shapes_are_the_runs_own():
     assert measured_shape(cfg, "bf16_matmul", spec) == (8 * 128, spec.dim, spec.ffn_dim)
     # the logits, and the exp the cross-entropy runs with (its index among the exp's candidates)
     assert measured_shape(cfg, "cross_entropy", spec, "fused") == (8 * 128, spec.vocab_size, 1)
+    # q, k and v's shapes (heads and kv heads), timed with the run's exp too
+    assert measured_shape(cfg, "attention", spec, "fused") == (8, spec.n_heads, spec.n_kv_heads, 128,
+                                                                spec.head_dim, 1)
 
 
 def test_a_cached_choice_is_reused_and_dropped_when_the_mlx_version_changes(tmp_path):
@@ -62,6 +69,22 @@ def test_a_cached_choice_is_reused_and_dropped_when_the_mlx_version_changes(tmp_
     cache.put(new, "exp", shape, {"native": 4.0, "fused": 5.0})
     assert cache.get(new, "exp", shape)["choice"] == "native"
     assert cache.get(old, "exp", shape) is None                        # and the old version's entries are gone
+
+
+def test_a_choice_timed_under_load_is_timed_again_once_the_machine_is_quieter(tmp_path, monkeypatch):
+    import common.kernels as kernels_module
+
+    assert not stale(None, 0.1) and not stale(3.0, None)   # a system that does not say keeps what it has
+    assert not stale(0.9, 0.0)                              # timed on a quiet machine: kept
+    assert stale(2.5, 1.2) and not stale(2.5, 1.3)          # timed loaded: again at half the load or less
+    cache, shape, who = KernelCache(tmp_path), (8, 4, 2, 128, 16, 1), Identity("cpu0", "0.32.4", "native-r3")
+    monkeypatch.setattr(kernels_module, "load_per_cpu", lambda: 3.0)
+    stored = cache.put(who, "attention", shape, {"whole": 72.6, "halves": 57.9, "quarters": 51.7})
+    assert stored["load_per_cpu"] == 3.0 and cache.get(who, "attention", shape) == stored  # still loaded: kept
+    monkeypatch.setattr(kernels_module, "load_per_cpu", lambda: 0.2)
+    assert cache.get(who, "attention", shape) is None       # quiet now: measured again
+    assert cache.put(who, "attention", shape, {"whole": 7.1, "halves": 6.6, "quarters": 7.5})["choice"] == "halves"
+    assert cache.get(who, "attention", shape)["load_per_cpu"] == 0.2
 
 
 def test_the_launcher_reads_the_cache_without_starting_a_measurement(tmp_path, monkeypatch):
@@ -95,4 +118,5 @@ def test_the_description_names_the_choice_first_then_the_other_timings():
     entry = {"choice": "fused", "timings": {"native": 9.8, "fused": 3.1}}
     assert describe("exp", "fused", entry) == "fused (measured: fused 3.1, native 9.8 ns per element)"
     assert describe("exp", "native", None) == "native"
-    assert set(CANDIDATES) == {"exp", "bf16_matmul", "cross_entropy"}
+    assert set(CANDIDATES) == {"exp", "bf16_matmul", "cross_entropy", "attention"}
+    assert all(kernel in UNITS for kernel in CANDIDATES)

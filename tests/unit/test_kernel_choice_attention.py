@@ -27,11 +27,21 @@ def reference(q, k, v, mask, scale):
     return np.einsum("bhts,bhsd->bhtd", p / p.sum(axis=-1, keepdims=True), v)
 
 
+@pytest.fixture(params=list(model.ATTENTION_BLOCKS))
+def blocks(request):
+    """Each of the attention core's block counts auto chooses between (model.set_attention), set while traced."""
+    model.set_attention(request.param)
+    yield request.param
+    model.set_attention("whole")
+
+
 @pytest.mark.parametrize("kv_heads", [4, 2])
 @pytest.mark.parametrize("padded", [False, True])
-def test_the_attention_core_and_its_gradients_match_a_float64_reference(kv_heads, padded):
+@pytest.mark.parametrize("T", [24, 23])
+def test_the_attention_core_and_its_gradients_match_a_float64_reference(kv_heads, padded, T, blocks):
+    """Whole or in blocks of queries (a length the blocks do not divide too): the same values and gradients."""
     rng = np.random.default_rng(0)
-    B, H, T, D = 2, 4, 24, 8
+    B, H, D = 2, 4, 8
     q, k, v = (rng.standard_normal((B, h, T, D)) for h in (H, kv_heads, kv_heads))
     cotangent = rng.standard_normal((B, H, T, D))
     padding = np.ones((B, T), dtype=np.int32)
