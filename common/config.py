@@ -46,7 +46,7 @@ DEVICES = ("auto", "cpu", "cuda", "mps", "gpu")
 MLX_BLAS = ("auto", "system", "bundled")
 MLX_CPU_JIT = ("auto", "native", "baseline")
 MLX_EXP = ("auto", "native", "fused")  # mlx_impl/fast_exp.py
-MLX_BF16_MATMUL = ("auto", "native", "fp32")  # mlx_impl/model.py matmul
+MLX_BF16_MATMUL = ("auto", "native", "fp32")  # mlx_impl/kernels.py matmul
 DTYPES = ("float32", "bfloat16")
 CHECKPOINT_FORMATS = ("hf", "sharded")  # common/checkpoint/store.py, common/checkpoint/sharded.py
 TRACKERS = ("tensorboard", "wandb", "trackio")  # --report-to (compare/report/tracking.py)
@@ -134,7 +134,7 @@ class RunConfig:
     mlx_blas: str = "auto"
     mlx_cpu_jit: str = "auto"        # mx.compile kernel flags, Linux x86 (compare/machine/environment.py)
     mlx_exp: str = "auto"            # exp in softmax, cross-entropy and SiLU: auto, native or fused (mlx_impl/fast_exp.py)
-    mlx_bf16_matmul: str = "auto"    # bf16 matmuls on a CPU: auto, native or fp32 (sgemm, one rounding; mlx_impl/model.py)
+    mlx_bf16_matmul: str = "auto"    # bf16 matmuls on a CPU: auto, native or fp32 (sgemm, one rounding; mlx_impl/kernels.py)
     all_reduce_size_mb: float = 32.0
     # MLX: the stream collectives run on. auto = the CPU stream on a Metal GPU, where a collective on the
     # GPU stream that waits ~5 s for a slow peer is killed by Metal's watchdog (mlx_impl/comm.py).

@@ -1,8 +1,8 @@
 """Which kernels an MLX rank computes with, where the choice depends on the machine: the build of its compiled
 CPU kernels (--mlx-cpu-jit, compare/machine/environment.py), its exp (--mlx-exp, mlx_impl/fast_exp.py), the
-route of its bfloat16 matmuls on a CPU (--mlx-bf16-matmul, mlx_impl/model.py `matmul`), its cross-entropy's
+route of its bfloat16 matmuls on a CPU (--mlx-bf16-matmul, mlx_impl/kernels.py `matmul`), its cross-entropy's
 shift and the blocks of queries its float32 attention core runs in (no flag for these two: always timed on a Linux
-CPU; mlx_impl/model.py `set_cross_entropy`, `set_attention`).
+CPU; mlx_impl/model.py `set_cross_entropy`, mlx_impl/attention.py `set_attention`).
 
 A selectable kernel's `auto` is decided by measuring, not by a rule about CPUs: each candidate is timed at the
 run's own shapes on this machine (mlx_impl/kernel_choice.py) and the faster one is taken (`faster`, a pure
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import platform
 import shutil
 import sys
@@ -135,20 +134,25 @@ class KernelCache:
     def key(identity: Identity, kernel: str, shape: tuple[int, ...]) -> str:
         return json.dumps([identity.machine, identity.mlx, identity.build, kernel, list(shape)])
 
-    def get(self, identity: Identity, kernel: str, shape: tuple[int, ...]) -> dict | None:
-        """The entry, or None: none stored, or one timed on a loaded machine that is quieter now (`stale`)."""
+    def get(self, identity: Identity, kernel: str, shape: tuple[int, ...], contended: bool = False) -> dict | None:
+        """The entry, or None: none stored, or one timed while other work took the CPU from the timing (`contended`),
+        which only the ranks of the run that timed it take (contended=True), so that they agree with their
+        launcher; the next launch times it again."""
         from common.metrics import read_json
 
         entry = (read_json(self.path, {}) or {}).get(self.key(identity, kernel, shape))
         if not (isinstance(entry, dict) and "choice" in entry and "timings" in entry):
             return None
-        return None if stale(entry.get("load_per_cpu"), load_per_cpu()) else entry
+        return entry if contended or not was_contended(entry.get("cpu_share")) else None
 
-    def put(self, identity: Identity, kernel: str, shape: tuple[int, ...], timings: Mapping[str, float]) -> dict:
+    def put(self, identity: Identity, kernel: str, shape: tuple[int, ...], timings: Mapping[str, float],
+            cpu_share: float | None = None) -> dict:
+        """Store the timings and their choice; `cpu_share`: the timing's CPU time over its wall time (was_contended)."""
         from common.metrics import read_json, write_json
 
         entry = {"choice": faster(timings), "timings": dict(timings), "unit": UNITS[kernel],
-                 "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "load_per_cpu": load_per_cpu()}
+                 "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                 "cpu_share": None if cpu_share is None else round(cpu_share, 2)}
         entries = {k: v for k, v in (read_json(self.path, {}) or {}).items()
                    if _mlx_of(k) == identity.mlx}  # an MLX upgrade invalidates every older timing
         entries[self.key(identity, kernel, shape)] = entry
@@ -160,23 +164,16 @@ class KernelCache:
         return entry
 
 
-LOADED = 1.0  # a timing made with more runnable tasks than CPUs (the 1-minute load average) is not kept for good
+MIN_CPU_SHARE = 0.8  # a timing whose process ran less of its wall time than this shared the CPU with other work
 
 
-def load_per_cpu() -> float | None:
-    """The 1-minute load average over the CPUs; None where the system does not say."""
-    try:
-        return round(os.getloadavg()[0] / (os.cpu_count() or 1), 2)
-    except (OSError, AttributeError):
-        return None
-
-
-def stale(measured_at: float | None, now: float | None) -> bool:
-    """Whether a timing made at load `measured_at` (per CPU) is timed again at load `now`: made on a loaded machine
-    (over LOADED) that is at most half as loaded now. Under load the candidates' times move by up to 10x (the
-    attention core's demo shape: 72.6 against 7.1 ns per score, whole, timed beside two test workers and quiet on
-    the Intel Xeon VM), and a choice made then was kept until MLX changed."""
-    return measured_at is not None and now is not None and measured_at > LOADED and now <= measured_at / 2
+def was_contended(cpu_share: float | None) -> bool:
+    """Whether a timing shared its CPU: its process's CPU time over its wall time under MIN_CPU_SHARE (a one-thread
+    timing alone on a core reads about 1). Beside other work the candidates' times move by up to 10x, unevenly
+    (the attention core's demo shape: 73.6 against 6.9 ns per score, whole, timed beside two test workers and alone
+    on the Intel Xeon VM; the 1-minute load average read 0.48 per CPU, too slow to see it), and a choice made then
+    was kept until MLX changed. None (not recorded): kept."""
+    return cpu_share is not None and cpu_share < MIN_CPU_SHARE
 
 
 def _mlx_of(key: str) -> str | None:

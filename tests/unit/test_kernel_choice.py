@@ -9,7 +9,7 @@ import pytest
 
 from common.config import RunConfig
 from common.kernels import (CANDIDATES, UNITS, Identity, KernelCache, describe, faster, fixed_choice, measured_shape,
-                            stale)
+                            was_contended)
 from common.model.spec import preset
 
 
@@ -71,20 +71,14 @@ def test_a_cached_choice_is_reused_and_dropped_when_the_mlx_version_changes(tmp_
     assert cache.get(old, "exp", shape) is None                        # and the old version's entries are gone
 
 
-def test_a_choice_timed_under_load_is_timed_again_once_the_machine_is_quieter(tmp_path, monkeypatch):
-    import common.kernels as kernels_module
-
-    assert not stale(None, 0.1) and not stale(3.0, None)   # a system that does not say keeps what it has
-    assert not stale(0.9, 0.0)                              # timed on a quiet machine: kept
-    assert stale(2.5, 1.2) and not stale(2.5, 1.3)          # timed loaded: again at half the load or less
+def test_a_choice_timed_while_the_cpu_was_shared_is_timed_again_by_the_next_launch(tmp_path):
+    assert not was_contended(None) and not was_contended(0.97) and was_contended(0.6)
     cache, shape, who = KernelCache(tmp_path), (8, 4, 2, 128, 16, 1), Identity("cpu0", "0.32.4", "native-r3")
-    monkeypatch.setattr(kernels_module, "load_per_cpu", lambda: 3.0)
-    stored = cache.put(who, "attention", shape, {"whole": 72.6, "halves": 57.9, "quarters": 51.7})
-    assert stored["load_per_cpu"] == 3.0 and cache.get(who, "attention", shape) == stored  # still loaded: kept
-    monkeypatch.setattr(kernels_module, "load_per_cpu", lambda: 0.2)
-    assert cache.get(who, "attention", shape) is None       # quiet now: measured again
-    assert cache.put(who, "attention", shape, {"whole": 7.1, "halves": 6.6, "quarters": 7.5})["choice"] == "halves"
-    assert cache.get(who, "attention", shape)["load_per_cpu"] == 0.2
+    stored = cache.put(who, "attention", shape, {"whole": 73.6, "halves": 57.5, "quarters": 51.0}, cpu_share=0.62)
+    assert cache.get(who, "attention", shape) is None                   # the launcher times it again
+    assert cache.get(who, "attention", shape, contended=True) == stored  # its own ranks take it, as it chose
+    cache.put(who, "attention", shape, {"whole": 6.6, "halves": 6.9, "quarters": 9.5}, cpu_share=0.99)
+    assert cache.get(who, "attention", shape)["choice"] == "whole"       # timed alone: kept from now on
 
 
 def test_the_launcher_reads_the_cache_without_starting_a_measurement(tmp_path, monkeypatch):
