@@ -14,7 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from common.costmodel.calibrate import calibrate
-from common.costmodel.fit import fit_host_costs
+from common.costmodel.fit import carried_to, fit_host_costs
 from common.costmodel.model_memory import machine_memory_bytes, model_memory, overhead_from_run
 from common.costmodel.probed import calibration_for, phases, request_for, split_per_call, transfer
 from common.errors import UserError
@@ -94,6 +94,7 @@ def model_plan(args, from_runs: list[str], world_sizes: list[int], strategies: l
         own, figures = probe(fw, own_req, environment), probe(fw, req, environment)
         moved = transfer(cal, phases(own, own_req, w_run))
         target = calibration_for(cal, w, moved.apply(phases(figures, req, w)), f"{args.model} probed, from {run_dir}")
+        target = carried_to(target, w_run, predicted_backend(summary))  # the fits' host work, per call
         on_gpu = str(summary.get("device", "")).startswith(("cuda", "gpu", "mps"))
         peaks = summary.get("peak_mem_bytes" if on_gpu else "peak_rss_bytes") or []
         run_lay = layout(summary.get("strategy", "ddp"), cal.world_size, (summary.get("config") or {}).get("mesh") or "")

@@ -293,3 +293,21 @@ def test_predict_runs_prints_each_run_against_compares_prediction_fitted_on_the_
     assert abs(float(cells[4].split("(")[1].split()[0])) < 1 and sorted(cells[5].split(", ")) == ["ddp (mpi)", "tp (mpi)"]
     missing = subprocess.run([sys.executable, str(script), str(tmp_path / "nope")], capture_output=True, text=True)
     assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1 and "nope" in missing.stderr
+
+
+def test_a_fit_carried_to_another_model_charges_what_the_fit_run_paid_per_call():
+    """plan --model: tiny's N=2 host work per byte, carried to a bigger model, costs what each of the fit run's
+    calls cost (its bytes per call), for as many calls as the bigger model makes; the same model keeps the figure."""
+    from common.costmodel.fit import carried_to
+    from common.parallel import layout
+
+    cal = calibrate(summary("torch", 1), TINY)
+    fitted = fit_host_costs(cal, [("ddp2", measured_at(cal, "ddp", 2, PER_BYTE), 1.0)])
+    assert carried_to(fitted, cal.workload, "gloo") == fitted
+    big = replace(cal.workload, spec=TINY.with_(n_layers=8, dim=256, n_heads=4, n_kv_heads=4, ffn_dim=512))
+    carried = carried_to(replace(fitted, workload=big), cal.workload, "gloo")
+    small_calls, big_calls = (layout("ddp", 2).collectives(w) for w in (cal.workload, big))
+    paid_by_the_fit_run = PER_BYTE * moved(small_calls) / sum(c.calls for c in small_calls)
+    assert carried.host_s_per_byte["dp"] * moved(big_calls) == pytest.approx(
+        paid_by_the_fit_run * sum(c.calls for c in big_calls))
+    assert carried.host_s_per_byte["dp"] < fitted.host_s_per_byte["dp"]  # a bigger model's calls carry more
