@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
 import shutil
 import sys
@@ -117,10 +118,22 @@ class Identity:
     build: str
 
     @classmethod
-    def here(cls, cpu_jit: str) -> Identity:
-        """This machine and MLX, with the kernels --mlx-cpu-jit `cpu_jit` builds."""
+    def here(cls, cpu_jit: str, environ: Mapping[str, str] | None = None) -> Identity:
+        """This machine and MLX, with the kernels --mlx-cpu-jit `cpu_jit` builds and the BLAS `environ` (the
+        timing's environment: this process's where None) loads (`blas_of`)."""
         build = "native" if native_cpu_kernels(cpu_jit) else "baseline"
-        return cls(cpu_signature(), mlx_version(), f"{build}-r{KERNELS_REVISION}")
+        blas = blas_of(os.environ if environ is None else environ)
+        return cls(cpu_signature(), mlx_version(), f"{build}-{blas}-r{KERNELS_REVISION}")
+
+
+def blas_of(environ: Mapping[str, str]) -> str:
+    """The BLAS a timing's matmuls reach, from its environment: the preloaded library's name and OpenBLAS's core
+    where one is set, else MLX's own. A timing with matmuls in it (the bf16 route, the attention core) depends on
+    it: the demo's attention core timed 75.9 ns per score under MLX's own BLAS (a test's run without OpenBLAS)
+    against 6.9 with it, and that entry, keyed without the BLAS, was read by the runs that have it."""
+    preload = environ.get("LD_PRELOAD", "")
+    name = next((Path(p).name.split(".so")[0] for p in preload.replace(":", " ").split() if "blas" in p.lower()), "")
+    return f"{name}:{environ.get('OPENBLAS_CORETYPE', '')}" if name else "own"
 
 
 class KernelCache:
@@ -169,10 +182,10 @@ MIN_CPU_SHARE = 0.8  # a timing whose process ran less of its wall time than thi
 
 def was_contended(cpu_share: float | None) -> bool:
     """Whether a timing shared its CPU: its process's CPU time over its wall time under MIN_CPU_SHARE (a one-thread
-    timing alone on a core reads about 1). Beside other work the candidates' times move by up to 10x, unevenly
-    (the attention core's demo shape: 73.6 against 6.9 ns per score, whole, timed beside two test workers and alone
-    on the Intel Xeon VM; the 1-minute load average read 0.48 per CPU, too slow to see it), and a choice made then
-    was kept until MLX changed. None (not recorded): kept."""
+    timing alone on a core reads about 1). Beside other work the candidates' times move unevenly: the attention
+    core at the demo's shape read whole 11.0, halves 6.97, quarters 16.3 ns per score beside a busy loop on each of
+    the Intel Xeon VM's two cores (cpu_share 0.57), against 6.9, 6.5 and 7.1 alone, and a choice made then was kept
+    until MLX changed. None (not recorded): kept."""
     return cpu_share is not None and cpu_share < MIN_CPU_SHARE
 
 

@@ -67,14 +67,20 @@ def _entry(cfg: RunConfig, kernel: str, spec: ModelSpec | None) -> dict | None:
     return _measured(cfg.mlx_cpu_jit, str(cfg.cache_path), cfg.mlx_blas, cfg.threads_per_rank, kernel, shape)
 
 
+def timing_environment(cpu_jit: str, cache_dir: str, blas: str, threads: int) -> dict:
+    """What the timing child adds to this environment: the ranks' threads, BLAS and kernel build, and the cache."""
+    extra = {**env.thread_env(threads), **env.mlx_blas(blas)[1], **env.mlx_cpu_jit(cpu_jit, Path(cache_dir))[1]}
+    extra["DPCOMPARE_CACHE"] = cache_dir  # the child's cache folder (common/config.py default_cache_dir)
+    return extra
+
+
 @functools.lru_cache(maxsize=32)
 def _measured(cpu_jit: str, cache_dir: str, blas: str, threads: int, kernel: str, shape: tuple[int, ...]) -> dict:
     """The cache entry of `kernel` at `shape`; timed in a child with the ranks' environment on a miss."""
-    entry = KernelCache(cache_dir).get(Identity.here(cpu_jit), kernel, shape)
+    extra = timing_environment(cpu_jit, cache_dir, blas, threads)
+    entry = KernelCache(cache_dir).get(Identity.here(cpu_jit, env.child_env(extra)), kernel, shape)
     if entry is not None:
         return entry
-    extra = {**env.thread_env(threads), **env.mlx_blas(blas)[1], **env.mlx_cpu_jit(cpu_jit, Path(cache_dir))[1]}
-    extra["DPCOMPARE_CACHE"] = cache_dir  # the child's cache folder (common/config.py default_cache_dir)
     argv = [sys.executable, "-m", "mlx_impl.kernel_choice", "--mlx-cpu-jit", cpu_jit,
             "--measure", f"{kernel}={','.join(map(str, shape))}"]
     try:

@@ -71,6 +71,17 @@ def test_a_cached_choice_is_reused_and_dropped_when_the_mlx_version_changes(tmp_
     assert cache.get(old, "exp", shape) is None                        # and the old version's entries are gone
 
 
+def test_the_blas_a_timing_reached_is_part_of_its_key():
+    from common.kernels import blas_of
+
+    lib = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
+    assert blas_of({}) == "own" and blas_of({"LD_PRELOAD": "/usr/lib/libjemalloc.so.2"}) == "own"
+    assert blas_of({"LD_PRELOAD": lib}) == "libopenblas:"
+    assert blas_of({"LD_PRELOAD": lib, "OPENBLAS_CORETYPE": "SKYLAKEX"}) == "libopenblas:SKYLAKEX"
+    own, openblas = (Identity.here("baseline", e) for e in ({}, {"LD_PRELOAD": lib}))
+    assert own != openblas and own.build.startswith("baseline-own-")
+
+
 def test_a_choice_timed_while_the_cpu_was_shared_is_timed_again_by_the_next_launch(tmp_path):
     assert not was_contended(None) and not was_contended(0.97) and was_contended(0.6)
     cache, shape, who = KernelCache(tmp_path), (8, 4, 2, 128, 16, 1), Identity("cpu0", "0.32.4", "native-r3")
@@ -88,8 +99,10 @@ def test_the_launcher_reads_the_cache_without_starting_a_measurement(tmp_path, m
     spec = cfg.model_spec(vocab_size=1051)  # the tokenizer's vocabulary, as prepare_inputs gives it
     for kernel, timings in (("exp", {"native": 9.8, "fused": 3.1}), ("bf16_matmul", {"native": 365.0, "fp32": 34.5}),
                             ("cross_entropy", {"native": 6.2, "shift": 4.7, "tree": 5.6, "tree_shift": 4.2})):
-        KernelCache(tmp_path).put(Identity.here(cfg.mlx_cpu_jit), kernel, measured_shape(cfg, kernel, spec, "fused"),
-                                  timings)
+        ranks = kernels.env.child_env(kernels.timing_environment(cfg.mlx_cpu_jit, str(tmp_path), cfg.mlx_blas,
+                                                                 cfg.threads_per_rank))  # the BLAS they load
+        KernelCache(tmp_path).put(Identity.here(cfg.mlx_cpu_jit, ranks), kernel,
+                                  measured_shape(cfg, kernel, spec, "fused"), timings)
 
     def no_child(*args, **kwargs):
         raise AssertionError("a cached choice started a measurement")
