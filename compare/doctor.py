@@ -58,6 +58,7 @@ def doctor(measure_peak: bool = False) -> str:
             f"  --mlx-blas auto uses: {env.mlx_blas('auto')[0]}",
             f"  --mlx-exp auto uses: {described(RunConfig(), 'exp')}",
             f"  --mlx-bf16-matmul auto uses: {described(RunConfig(dtype='bfloat16'), 'bf16_matmul')}",
+            f"  attention core (auto, the default run's shapes): {described(RunConfig(), 'attention')}",
         ]
     lines += ["", f"torch         {versions['torch'] or 'not installed'}"]
     if "error" in torch:
