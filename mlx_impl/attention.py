@@ -13,6 +13,18 @@ import mlx.core as mx
 
 from . import kernels
 
+ATTENTION_BLOCKS = {"whole": 1, "halves": 2, "quarters": 4}
+_ATTENTION = {"kind": "whole"}
+
+
+def set_attention(kind: str) -> None:
+    """How the float32 attention core on a CPU splits its queries from now on (traced, as set_exp; auto times
+    them): "whole", or "halves"/"quarters", blocks of consecutive queries (`_attend_in_blocks`)."""
+    if kind not in ATTENTION_BLOCKS:
+        raise ValueError(f"unknown attention {kind!r}; allowed: {', '.join(ATTENTION_BLOCKS)}")
+    _ATTENTION["kind"] = kind
+
+
 def attention_mask(padding_mask: mx.array | None, T: int) -> mx.array | str:
     if padding_mask is None:
         return "causal"  # the fused kernel builds it, no T x T array
@@ -69,18 +81,6 @@ def _attend(q: mx.array, k: mx.array, v: mx.array, bias: mx.array) -> tuple[mx.a
     out_and_rows = e @ _with_ones(v)
     rows = out_and_rows[..., -1:]
     return out_and_rows[..., :-1] / rows, e, rows
-
-
-ATTENTION_BLOCKS = {"whole": 1, "halves": 2, "quarters": 4}
-_ATTENTION = {"kind": "whole"}
-
-
-def set_attention(kind: str) -> None:
-    """How the float32 attention core on a CPU splits its queries from now on (traced, as set_exp; auto times
-    them): "whole", or "halves"/"quarters", blocks of consecutive queries (`_attend_in_blocks`)."""
-    if kind not in ATTENTION_BLOCKS:
-        raise ValueError(f"unknown attention {kind!r}; allowed: {', '.join(ATTENTION_BLOCKS)}")
-    _ATTENTION["kind"] = kind
 
 
 def _attend_in_blocks(q: mx.array, k: mx.array, v: mx.array, bias: mx.array, blocks: int) -> mx.array:

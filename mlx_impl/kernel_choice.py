@@ -116,7 +116,7 @@ def time_attention(shape: tuple[int, ...]) -> dict[str, float]:
     q, k, v, cot = (mx.array(rng.standard_normal((rows, h, seq, head_dim)).astype(np.float32))
                     for h in (heads, kv_heads, kv_heads, heads))
     mx.eval(q, k, v, cot)
-    before = attention._ATTENTION["kind"]
+    before = attention._ATTENTION["kind"], model._EXP["kind"]
     model.set_exp(CANDIDATES["exp"][exp_index])
 
     def form(kind: str):
@@ -127,8 +127,9 @@ def time_attention(shape: tuple[int, ...]) -> dict[str, float]:
 
     try:
         best = _min_time_s({kind: form(kind) for kind in CANDIDATES["attention"]}, (q, k, v))
-    finally:
-        model.set_attention(before)
+    finally:  # the process's own choices stay as they were
+        model.set_attention(before[0])
+        model.set_exp(before[1])
     return {kind: 1e9 * t / (rows * heads * seq * seq) for kind, t in best.items()}
 
 
