@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import cast
 
 import mlx.core as mx
+import numpy as np
 
 from . import kernels
 
@@ -39,6 +40,21 @@ def _causal_mask(T: int) -> mx.array:
     return mx.arange(T)[:, None] >= mx.arange(T)[None]
 
 
+_CAUSAL_BIAS: dict[int, mx.array] = {}
+
+
+def _causal_bias(T: int) -> mx.array:
+    """The causal mask as the (T, T) bias the scores' matmul adds (0 or -inf), made once per length from numpy, so
+    a compiled step holds it as a constant: built inside the step (arange, compare, where) and given a zeros
+    cotangent, it cost 0.2-0.4 ms of a demo layer's 4.1-4.5 ms core (benchmarks/bench_attention.py: the model's
+    core against the same core handed a bias made outside)."""
+    if T not in _CAUSAL_BIAS:
+        if len(_CAUSAL_BIAS) >= 32:  # sampling grows T token by token: keep a bound
+            _CAUSAL_BIAS.clear()
+        _CAUSAL_BIAS[T] = mx.array(np.where(np.tri(T, dtype=bool), 0.0, -np.inf).astype(np.float32))
+    return _CAUSAL_BIAS[T]
+
+
 def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array | str) -> mx.array:
     """softmax(q k^T * scale + mask) v, (B, H, T, D) with H a multiple of k's and v's heads (grouped-query).
 
@@ -52,8 +68,8 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.arra
     if mx.default_device() == mx.gpu:
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
     B, H, T, D = q.shape
-    if isinstance(mask, str):
-        mask = _causal_mask(T)
+    causal = isinstance(mask, str)
+    mask = _causal_mask(T) if isinstance(mask, str) else mask
     if H != k.shape[1]:  # each k/v head serves H / kv_heads query heads: (B, kv_heads, H / kv_heads, T, D)
         q = q.reshape(B, k.shape[1], H // k.shape[1], T, D)
         k, v = k[:, :, None], v[:, :, None]
@@ -61,7 +77,7 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.arra
             mask = mask[:, :, None]
     q = q * mx.array(scale, dtype=q.dtype)
     if q.dtype == mx.float32:
-        bias = mx.where(mask, mx.array(0.0), mx.array(-mx.inf))
+        bias = _causal_bias(T) if causal else mx.where(mask, mx.array(0.0), mx.array(-mx.inf))
         return _attend_in_blocks(q, k, v, bias, ATTENTION_BLOCKS[_ATTENTION["kind"]]).reshape(B, H, T, D)
     scores = kernels.matmul(q, k.swapaxes(-1, -2))
     scores = mx.where(mask, scores, mx.array(-mx.inf, dtype=scores.dtype))
@@ -118,5 +134,5 @@ def _attend_vjp(primals, cotangents, outputs):
     d_q, d_k = d_scores @ k, d_scores.swapaxes(-1, -2) @ q
     if d_k.shape != k.shape:  # grouped-query: k and v were broadcast over the query heads of their group
         d_k, d_v = d_k.sum(axis=2, keepdims=True), d_v.sum(axis=2, keepdims=True)
-    return d_q, d_k, d_v, mx.zeros_like(bias)
+    return d_q, d_k, d_v, mx.broadcast_to(mx.array(0.0, dtype=bias.dtype), bias.shape)  # no T x T write
 
