@@ -34,8 +34,9 @@ CANDIDATES = {"exp": ("native", "fused"), "bf16_matmul": ("native", "fp32"),
               "attention": ("whole", "halves", "quarters")}
 UNITS = {"exp": "ns per element", "bf16_matmul": "ps per multiply-add", "cross_entropy": "ns per logit",
          "attention": "ns per score"}
-# Bump when mlx_impl/fast_exp.py or the fp32 route changes what is timed: the cached timings are then stale.
-KERNELS_REVISION = 3
+# Bump when a timed kernel changes (mlx_impl/fast_exp.py, the fp32 route, the attention core): the cached timings are
+# then stale. 4: the attention core's causal bias made once per length.
+KERNELS_REVISION = 4
 CACHE_FILE = "kernel-choice.json"
 
 
