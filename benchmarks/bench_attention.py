@@ -38,7 +38,7 @@ def variants(scale: float, T: int, exp: str):
     """name -> attention(q, k, v): the model's and the forms it replaced (float32)."""
     import mlx.core as mx
 
-    from mlx_impl import attention, model
+    from mlx_impl import attention, kernels, model
 
     model.set_exp(exp)
     causal = attention._causal_mask(T)
@@ -52,7 +52,7 @@ def variants(scale: float, T: int, exp: str):
 
     def shifted_in_kernel(s):  # the softmax until issue 58: the row max subtracted inside the exp's kernels
         s32 = s.astype(mx.float32)
-        e = model._exp_minus(s32, s32.max(axis=-1, keepdims=True), exp)
+        e = kernels._exp_minus(s32, s32.max(axis=-1, keepdims=True), exp)
         return (e / e.sum(axis=-1, keepdims=True)).astype(s.dtype)
 
     softmax_before = mx.compile(shifted_in_kernel)
@@ -68,7 +68,7 @@ def variants(scale: float, T: int, exp: str):
 
     @mx.custom_function
     def softmax_vjp(s):
-        return model._softmax(s, exp)
+        return kernels._softmax(s, exp)
 
     @softmax_vjp.vjp
     def _softmax_vjp(primals, cotangent, output):
@@ -90,8 +90,8 @@ def variants(scale: float, T: int, exp: str):
     return {"model": lambda q, k, v: model.attention(q, k, v, scale, "causal"),
             **{kind: in_blocks(n) for kind, n in attention.ATTENTION_BLOCKS.items()},
             "before": step_by_step(softmax_before),
-            "shift first": step_by_step(model._SOFTMAX[exp]),
-            "bias": step_by_step(model._SOFTMAX[exp], masked=False),
+            "shift first": step_by_step(kernels._SOFTMAX[exp]),
+            "bias": step_by_step(kernels._SOFTMAX[exp], masked=False),
             "softmax vjp": step_by_step(softmax_vjp),
             "per head": per_head}
 
@@ -118,7 +118,7 @@ def main_child(a) -> None:
     torch_step = _torch_step(arrays, np.array(cot.astype(mx.float32)), scale, a.threads)
     if torch_step is not None:
         timed["torch"] = torch_step
-        timed["torch gqa"] = _torch_gqa_step(arrays, np.array(cot.astype(mx.float32)), scale)
+        timed["torch gqa"] = _torch_step(arrays, np.array(cot.astype(mx.float32)), scale, a.threads, gqa=True)
     for f in timed.values():
         f()
     times: dict[str, list[float]] = {name: [] for name in timed}
@@ -140,7 +140,9 @@ def main_child(a) -> None:
         print(line, flush=True)
 
 
-def _torch_step(arrays, cot, scale, threads):
+def _torch_step(arrays, cot, scale, threads, gqa=False):
+    """torch's fused core, k and v repeated per query head, or with gqa=True not repeated (enable_gqa), as
+    torch_impl/attention.py calls it and the op classes time it; None without torch."""
     try:
         import torch
         import torch.nn.functional as F
@@ -149,28 +151,13 @@ def _torch_step(arrays, cot, scale, threads):
     torch.set_num_threads(threads)
     q, k, v = (torch.from_numpy(x).requires_grad_() for x in arrays)
     c = torch.from_numpy(cot)
-    groups = q.shape[1] // k.shape[1]
+    groups = 1 if gqa else q.shape[1] // k.shape[1]
 
     def step():
         for t in (q, k, v):
             t.grad = None
         kk, vv = (t.repeat_interleave(groups, dim=1) if groups > 1 else t for t in (k, v))
-        (F.scaled_dot_product_attention(q, kk, vv, is_causal=True, scale=scale) * c).sum().backward()
-    return step
-
-
-def _torch_gqa_step(arrays, cot, scale):
-    """torch_impl/attention.py's call: k and v not repeated (enable_gqa), as the op classes time it."""
-    import torch
-    import torch.nn.functional as F
-
-    q, k, v = (torch.from_numpy(x).requires_grad_() for x in arrays)
-    c = torch.from_numpy(cot)
-
-    def step():
-        for t in (q, k, v):
-            t.grad = None
-        (F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True) * c).sum().backward()
+        (F.scaled_dot_product_attention(q, kk, vv, is_causal=True, scale=scale, enable_gqa=gqa) * c).sum().backward()
     return step
 
 

@@ -81,7 +81,7 @@ def measure(req: ProbeRequest) -> dict:
     set_cross_entropy(req.cross_entropy)
     set_attention(probe_attention(req))
     parts = build(req)
-    block, mask = parts.model.layers[0], attention_mask(None, req.seq_len)
+    mask = attention_mask(None, req.seq_len)
     tokens = mx.random.randint(0, req.vocab_rows, (req.rows, req.seq_len))
     targets = mx.random.randint(0, req.vocab_rows, (req.rows, req.seq_len))
 
@@ -100,7 +100,6 @@ def measure(req: ProbeRequest) -> dict:
         forward, step = _compiled(part, loss, [part.state])
         figures[f"{name}_forward_s"] = timed(lambda: forward(one), req.budget_s)
         figures[f"{name}_step_s"] = timed(lambda: step(one), req.budget_s)
-    del block
     figures.update(optimizer(req))
     return {**figures, "framework": "mlx", "version": getattr(mx, "__version__", "?")}
 

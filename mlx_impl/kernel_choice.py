@@ -1,7 +1,7 @@
 """`auto` for MLX's selectable CPU kernels, decided by timing the candidates here (common/kernels.py decides and
 caches, this file times).
 
-- exp (--mlx-exp): the model's own compiled softmax (model._SOFTMAX) with mx.exp and with the fused exp
+- exp (--mlx-exp): the model's own compiled softmax (kernels._SOFTMAX) with mx.exp and with the fused exp
   (fast_exp.py), over float32 scores of the run's attention shape: the same kernels the step compiles, so their
   build is shared with it.
 - bf16 matmul (--mlx-bf16-matmul): x @ W^T in bfloat16 by MLX's own kernel, and the fp32 route (model.matmul:
@@ -36,7 +36,7 @@ from common.costmodel.probed import ProbeRequest
 from common.kernels import CANDIDATES, Identity, KernelCache, attention_shape, fixed_choice, measured_shape, measures
 from common.model.spec import ModelSpec
 
-from . import attention, model
+from . import attention, kernels, model
 
 MAX_EXP_ELEMENTS = 4 * 2**20          # scores cut to about 4M elements (a few ms per call with either exp)
 MAX_LOGITS = 4 * 2**20               # logits cut to about 4M (about 40 ms per call at a 50k vocabulary)
@@ -67,7 +67,7 @@ def time_exp(shape: tuple[int, ...]) -> dict[str, float]:
     shape = _cut(shape, MAX_EXP_ELEMENTS)
     scores = mx.array(np.random.default_rng(0).standard_normal(shape).astype(np.float32))
     mx.eval(scores)
-    best = _min_time_s({kind: model._SOFTMAX[kind] for kind in CANDIDATES["exp"]}, (scores,))
+    best = _min_time_s({kind: kernels._SOFTMAX[kind] for kind in CANDIDATES["exp"]}, (scores,))
     return {kind: 1e9 * t / scores.size for kind, t in best.items()}
 
 
@@ -116,7 +116,7 @@ def time_attention(shape: tuple[int, ...]) -> dict[str, float]:
     q, k, v, cot = (mx.array(rng.standard_normal((rows, h, seq, head_dim)).astype(np.float32))
                     for h in (heads, kv_heads, kv_heads, heads))
     mx.eval(q, k, v, cot)
-    before = attention._ATTENTION["kind"], model._EXP["kind"]
+    before = attention._ATTENTION["kind"], kernels._EXP["kind"]
     model.set_exp(CANDIDATES["exp"][exp_index])
 
     def form(kind: str):

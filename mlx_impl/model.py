@@ -19,8 +19,8 @@ from common.model.spec import ModelSpec
 from common.model.weights import load_pretrained
 
 from .attention import ATTENTION_BLOCKS, attention, attention_mask, set_attention  # noqa: F401
-from .kernels import (_EXP, _SOFTMAX, BF16_MATMUL_KINDS, EXP_KINDS, _exp, _exp_minus, _exp_negated,  # noqa: F401
-                      _row_max, _softmax, matmul, set_bf16_matmul, set_exp)
+from .kernels import (BF16_MATMUL_KINDS, EXP_KINDS, _exp, _exp_minus, _exp_negated, _row_max,  # noqa: F401
+                      matmul, set_bf16_matmul, set_exp)
 from .lora import adapted
 
 class Linear(nn.Linear):
