@@ -81,16 +81,31 @@ def pytest_xdist_make_scheduler(config, log):
     return SharedRunScheduling(config, log)
 
 
+def _session_cache(tmp_path_factory, name: str = "dpcompare-cache") -> Path:
+    """A cache folder of the session's: under xdist in the controller's basetemp, which its workers share (a
+    worker's basetemp is popen-gwN inside the controller's)."""
+    base = tmp_path_factory.getbasetemp()
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+    shared.mkdir(exist_ok=True)
+    return shared
+
+
+@pytest.hookimpl(trylast=True)  # after the tmp_path plugin has made its factory
+def pytest_configure(config):
+    """Whatever a test starts without naming a cache (the unit lane's kernel timings, MLX's compiled kernels) goes
+    to the session's folder, never to the user's own ~/.cache/dpcompare: timings made by tests running side by side
+    would otherwise be read by the user's next run. A folder apart from `cache_dir`'s, so that the shared runs do
+    not read timings made beside other tests. Set before xdist starts its workers, which inherit it."""
+    if not os.environ.get("DPCOMPARE_CACHE"):
+        os.environ["DPCOMPARE_CACHE"] = str(_session_cache(config._tmp_path_factory, "dpcompare-default-cache"))
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):
     """One token cache and seed-checkpoint store for the whole session, as a user's cache would be; under
     xdist the workers share the one the matrix filled before they started (token cache, seed checkpoints,
     MLX's compiled kernels; each is written whole under a temporary name, so concurrent runs are safe)."""
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        shared = tmp_path_factory.getbasetemp().parent / "dpcompare-cache"  # a worker's basetemp is popen-gwN
-        shared.mkdir(exist_ok=True)
-        return shared
-    return tmp_path_factory.mktemp("dpcompare-cache")
+    return _session_cache(tmp_path_factory)
 
 
 def runs_integration(config) -> bool:
