@@ -19,6 +19,7 @@ Variants (docs/notes/2026-11-attention-cpu.md has what each measured):
 - bias: shift first, with the mask added as a 0 / -inf bias instead of `where`;
 - softmax vjp: shift first, with the softmax's backward written by hand, dS = P (dP - rowsum(dP P));
 - per head: the model's, with k and v repeated per query head (a contiguous (B, H, T, D) layout, no GQA reshape);
+- folded: the model's `_attend` with each k/v head's query group as more rows of one matmul (the bias tiled);
 - torch: torch's scaled_dot_product_attention (its CPU flash kernel), the target.
 """
 from __future__ import annotations
@@ -36,7 +37,10 @@ CHILD = "DPCOMPARE_BENCH_ATTENTION_CHILD"
 
 def variants(scale: float, T: int, exp: str):
     """name -> attention(q, k, v): the model's and the forms it replaced (float32)."""
+    from typing import cast
+
     import mlx.core as mx
+    import numpy as np
 
     from mlx_impl import attention, kernels, model
 
@@ -87,7 +91,15 @@ def variants(scale: float, T: int, exp: str):
             return attention._attend_in_blocks(qg, kg, vg, bias, blocks).reshape(B, H, T, D)
         return f
 
+    def folded(q, k, v):  # each k/v head's query group as more rows of one matmul, the bias tiled to match
+        B, H, _, D = q.shape
+        g = H // k.shape[1]
+        qf = (q * scale).reshape(B, k.shape[1], g * T, D)
+        tiled = mx.array(np.tile(np.array(bias), (g, 1)))
+        return cast(tuple, attention._attend(qf, k, v, tiled))[0].reshape(B, H, T, D)
+
     return {"model": lambda q, k, v: model.attention(q, k, v, scale, "causal"),
+            "folded": folded,
             **{kind: in_blocks(n) for kind, n in attention.ATTENTION_BLOCKS.items()},
             "before": step_by_step(softmax_before),
             "shift first": step_by_step(kernels._SOFTMAX[exp]),

@@ -35,8 +35,10 @@ CANDIDATES = {"exp": ("native", "fused"), "bf16_matmul": ("native", "fp32"),
 UNITS = {"exp": "ns per element", "bf16_matmul": "ps per multiply-add", "cross_entropy": "ns per logit",
          "attention": "ns per score"}
 # Bump when a timed kernel changes (mlx_impl/fast_exp.py, the fp32 route, the attention core): the cached timings are
-# then stale. 4: the attention core's causal bias made once per length.
-KERNELS_REVISION = 4
+# then stale, and when the native kernels are built otherwise (compare/machine/environment.py JIT_CACHE_GENERATION).
+# 4: the attention core's causal bias made once per length. 5: the strided kernels' unit-stride inner loop
+# (compare/machine/strided_kernels.py), which makes the exp with its shift inside 5x faster.
+KERNELS_REVISION = 5
 CACHE_FILE = "kernel-choice.json"
 
 

@@ -66,7 +66,8 @@ def mlx_blas(choice: str) -> tuple[str, dict]:
 # A new kernel cache where an old one may hold kernels built otherwise: until stop 46 a local MPI job's ranks built
 # theirs with the plain g++ into the native cache (mlx_mpirun: Open MPI's prefix put /usr/bin first on PATH), and
 # MLX names a kernel by its graph, so a later native run read them back.
-JIT_CACHE_GENERATION = "-2"
+# "-3": the strided kernels' unit-stride inner loop (strided_kernels.py), which kernels built before it lack.
+JIT_CACHE_GENERATION = "-3"
 
 
 def mlx_cpu_jit(choice: str, cache_root: Path) -> tuple[str, dict]:
@@ -92,7 +93,9 @@ def mlx_cpu_jit(choice: str, cache_root: Path) -> tuple[str, dict]:
     wrapper = root / "bin" / "g++"
     pch = precompiled_preamble(compiler, root)
     include = f' -I "{pch}"' if pch else ""
-    script = f'#!/bin/sh\nexec "{compiler}" -march=native{include} "$@"\n'
+    # Each kernel's source is rewritten first: a strided kernel gets a unit-stride inner loop (strided_kernels.py).
+    rewrite = f'for a in "$@"; do case "$a" in *.cpp) "{sys.executable}" "{STRIDED_KERNELS}" "$a" ;; esac; done\n'
+    script = f'#!/bin/sh\n{rewrite}exec "{compiler}" -march=native{include} "$@"\n'
     try:
         wrapper.parent.mkdir(parents=True, exist_ok=True)
         if not wrapper.exists() or wrapper.read_text() != script:
@@ -108,6 +111,7 @@ def mlx_cpu_jit(choice: str, cache_root: Path) -> tuple[str, dict]:
     return f"native (-march=native{', preamble precompiled' if pch else ''})", {"PATH": path, "TMPDIR": str(root)}
 
 
+STRIDED_KERNELS = Path(__file__).resolve().parent / "strided_kernels.py"
 # What MLX 0.32 compiles each fused CPU kernel with (mlx/backend/cpu/compiled.cpp), less -shared and the output.
 MLX_KERNEL_FLAGS = ("-std=c++17", "-O3", "-Wall", "-fPIC")
 PREAMBLE = Path("mlx") / "backend" / "cpu" / "compiled_preamble.h"
