@@ -18,6 +18,7 @@ builds both and compares). A kernel this does not recognise is left as MLX wrote
 """
 from __future__ import annotations
 
+import os
 import re
 import sys
 from pathlib import Path
@@ -105,8 +106,10 @@ def main(argv: list[str]) -> int:
                 path = Path(arg)
                 text = path.read_text()
                 new = rewrite(text)
-                if new != text:
-                    path.write_text(new)
+                if new != text:  # atomic: the ranks of one run may build the same kernel at once
+                    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+                    tmp.write_text(new)
+                    os.replace(tmp, path)
             except Exception:  # noqa: BLE001 - MLX's own kernel is always a correct fallback
                 continue
     return 0
