@@ -94,8 +94,13 @@ def mlx_cpu_jit(choice: str, cache_root: Path) -> tuple[str, dict]:
     pch = precompiled_preamble(compiler, root)
     include = f' -I "{pch}"' if pch else ""
     # Each kernel's source is rewritten first: a strided kernel gets a unit-stride inner loop (strided_kernels.py).
-    rewrite = f'for a in "$@"; do case "$a" in *.cpp) "{sys.executable}" "{STRIDED_KERNELS}" "$a" ;; esac; done\n'
-    script = f'#!/bin/sh\n{rewrite}exec "{compiler}" -march=native{include} "$@"\n'
+    # Where g++ fails on a rewritten source, MLX's own (KERNEL.cpp.orig) goes back and is built as MLX wrote it.
+    each_source = 'for a in "$@"; do case "$a" in *.cpp) '
+    build = f'"{compiler}" -march=native{include} "$@"'
+    script = (f'#!/bin/sh\n{each_source}"{sys.executable}" "{STRIDED_KERNELS}" "$a" ;; esac; done\n'
+              f'if {build}; then {each_source}rm -f "$a.orig" ;; esac; done; exit 0; fi\n'
+              f'{each_source}if [ -f "$a.orig" ]; then mv "$a.orig" "$a"; fi ;; esac; done\n'
+              f'exec {build}\n')
     try:
         wrapper.parent.mkdir(parents=True, exist_ok=True)
         if not wrapper.exists() or wrapper.read_text() != script:

@@ -63,7 +63,7 @@ def rewrite(source: str) -> str:
     if sorted(m["name"] for m in steps) != sorted(inputs) or any(m["dim"] != dim for m in steps):  # type: ignore[index]
         return source
     outputs = [m["name"] for m in (_STORE.match(line) for line in body) if m]
-    if not outputs or any(name not in types for name in outputs):
+    if not outputs or any(name not in types or name in inputs for name in outputs):
         return source
     fast_body = []
     for line in body:
@@ -99,7 +99,8 @@ def rewrite(source: str) -> str:
 
 
 def main(argv: list[str]) -> int:
-    """Rewrite each .cpp argument in place; never fail the build (a kernel left as it was still compiles)."""
+    """Rewrite each .cpp argument in place, MLX's source kept beside it as KERNEL.cpp.orig: where g++ fails on the
+    rewrite, the wrapper (environment.py mlx_cpu_jit) puts it back and builds it as MLX wrote it. Never fails."""
     for arg in argv:
         if arg.endswith(".cpp"):
             try:
@@ -107,9 +108,10 @@ def main(argv: list[str]) -> int:
                 text = path.read_text()
                 new = rewrite(text)
                 if new != text:  # atomic: the ranks of one run may build the same kernel at once
-                    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-                    tmp.write_text(new)
-                    os.replace(tmp, path)
+                    for name, content in ((f"{path.name}.orig", text), (path.name, new)):
+                        tmp = path.with_name(f"{name}.{os.getpid()}.tmp")
+                        tmp.write_text(content)
+                        os.replace(tmp, path.with_name(name))
             except Exception:  # noqa: BLE001 - MLX's own kernel is always a correct fallback
                 continue
     return 0

@@ -92,18 +92,28 @@ np.savez({out!r}, **{{k: np.array(v) for k, v in cases.items()}})
 """
 
 
+NATIVE = pytest.mark.skipif(sys.platform != "linux" or platform.machine() != "x86_64" or not shutil.which("g++"),
+                            reason="native MLX kernels are built on Linux x86-64 with a g++")
+
+
+@pytest.fixture(scope="module")
+def native(tmp_path_factory) -> dict:
+    """The native wrapper's environment, built once for the module (its precompiled preamble takes 2 s)."""
+    description, jit = mlx_cpu_jit("native", tmp_path_factory.mktemp("jit"))
+    assert description.startswith("native")
+    return jit
+
+
 def _run(env: dict, out: Path) -> dict:
     subprocess.run([sys.executable, "-c", CHILD.format(root=str(ROOT), out=str(out))],
                    env={**os.environ, **env}, check=True, timeout=300)
     return dict(np.load(out))
 
 
-@pytest.mark.skipif(sys.platform != "linux" or platform.machine() != "x86_64" or not shutil.which("g++"),
-                    reason="native MLX kernels are built on Linux x86-64 with a g++")
-def test_rewritten_kernels_give_the_bits_of_mlxs_own_loop(tmp_path):
+@NATIVE
+def test_rewritten_kernels_give_the_bits_of_mlxs_own_loop(tmp_path, native):
     pytest.importorskip("mlx.core")
-    description, rewriting = mlx_cpu_jit("native", tmp_path / "rewriting")
-    assert description.startswith("native")
+    rewriting = native
     # The same wrapper without the rewrite: the same g++, flags and precompiled preamble.
     wrapper = Path(rewriting["PATH"].split(os.pathsep)[0]) / "g++"
     plain_root = tmp_path / "plain"
@@ -119,3 +129,27 @@ def test_rewritten_kernels_give_the_bits_of_mlxs_own_loop(tmp_path):
     built = list((Path(rewriting["TMPDIR"]) / "mlx").rglob("*strided*.cpp"))
     assert built and all(MARK in f.read_text() for f in built), json.dumps([f.name for f in built])
     assert not any(MARK in f.read_text() for f in (plain_root / "mlx").rglob("*.cpp"))
+
+
+@NATIVE
+@pytest.mark.parametrize("rewritten", ["int broken(", "int f() { return 2; }\n"])
+def test_the_wrapper_builds_mlxs_source_where_the_rewrite_does_not_compile(tmp_path, native, rewritten):
+    script = (Path(native["PATH"].split(os.pathsep)[0]) / "g++").read_text()
+    wrapper = tmp_path / "g++"
+    fake = tmp_path / "fake_rewrite.py"  # stands in for strided_kernels.py: its source and .orig, as main() writes them
+    fake.write_text("import sys, pathlib\np = pathlib.Path(sys.argv[1])\n"
+                    "p.with_name(p.name + '.orig').write_text(p.read_text())\n"
+                    f"p.write_text({rewritten!r})\n")
+    assert str(Path(__file__).parents[2] / "compare" / "machine" / "strided_kernels.py") in script
+    wrapper.write_text(script.replace(str(Path(__file__).parents[2] / "compare" / "machine" / "strided_kernels.py"),
+                                      str(fake)))
+    wrapper.chmod(0o755)
+    source = tmp_path / "kernel.cpp"
+    source.write_text("int f() { return 1; }\n")
+    built = subprocess.run([str(wrapper), "-std=c++17", "-O3", "-fPIC", "-shared", str(source), "-o",
+                            str(tmp_path / "libkernel.so")], capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+    assert (tmp_path / "libkernel.so").is_file()
+    assert not (tmp_path / "kernel.cpp.orig").exists()
+    # a rewrite that compiles is kept; one that does not gives MLX's source back, built as MLX wrote it
+    assert source.read_text() == (rewritten if "return 2" in rewritten else "int f() { return 1; }\n")
