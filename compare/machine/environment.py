@@ -113,7 +113,8 @@ def mlx_cpu_jit(choice: str, cache_root: Path) -> tuple[str, dict]:
             raise UserError(f"--mlx-cpu-jit native: cannot write {wrapper}: {exc.strerror}") from None
         return baseline + f"; cannot write {wrapper.parent}", {}
     path = os.pathsep.join([str(wrapper.parent), os.environ.get("PATH", "")])
-    return f"native (-march=native{', preamble precompiled' if pch else ''})", {"PATH": path, "TMPDIR": str(root)}
+    return (f"native (-march=native{', preamble precompiled' if pch else ''}, strided loops vectorised)",
+            {"PATH": path, "TMPDIR": str(root)})
 
 
 STRIDED_KERNELS = Path(__file__).resolve().parent / "strided_kernels.py"
