@@ -95,9 +95,12 @@ def mlx_cpu_jit(choice: str, cache_root: Path) -> tuple[str, dict]:
     include = f' -I "{pch}"' if pch else ""
     # Each kernel's source is rewritten first: a strided kernel gets a unit-stride inner loop (strided_kernels.py).
     # Where g++ fails on a rewritten source, MLX's own (KERNEL.cpp.orig) goes back and is built as MLX wrote it.
+    # Only MLX's strided kernels (their source names the function so; the file is a temporary name) are handed to
+    # Python, and with -S (no site packages to import): 30 ms a kernel, against 0.2 s for g++.
     each_source = 'for a in "$@"; do case "$a" in *.cpp) '
     build = f'"{compiler}" -march=native{include} "$@"'
-    script = (f'#!/bin/sh\n{each_source}"{sys.executable}" "{STRIDED_KERNELS}" "$a" ;; esac; done\n'
+    script = (f'#!/bin/sh\n{each_source}if grep -q _strided_ "$a"; then "{sys.executable}" -S "{STRIDED_KERNELS}" '
+              '"$a"; fi ;; esac; done\n'
               f'if {build}; then {each_source}rm -f "$a.orig" ;; esac; done; exit 0; fi\n'
               f'{each_source}if [ -f "$a.orig" ]; then mv "$a.orig" "$a"; fi ;; esac; done\n'
               f'exec {build}\n')

@@ -144,12 +144,12 @@ def test_the_wrapper_builds_mlxs_source_where_the_rewrite_does_not_compile(tmp_p
     wrapper.write_text(script.replace(str(Path(__file__).parents[2] / "compare" / "machine" / "strided_kernels.py"),
                                       str(fake)))
     wrapper.chmod(0o755)
-    source = tmp_path / "kernel.cpp"
-    source.write_text("int f() { return 1; }\n")
+    source = tmp_path / "tmp_0123.cpp"  # MLX's temporary name; the wrapper hands only strided kernels to the rewrite
+    source.write_text("int f() { return 1; }  // f_strided_1\n")
     built = subprocess.run([str(wrapper), "-std=c++17", "-O3", "-fPIC", "-shared", str(source), "-o",
                             str(tmp_path / "libkernel.so")], capture_output=True, text=True)
     assert built.returncode == 0, built.stderr
     assert (tmp_path / "libkernel.so").is_file()
-    assert not (tmp_path / "kernel.cpp.orig").exists()
+    assert not (tmp_path / "tmp_0123.cpp.orig").exists()
     # a rewrite that compiles is kept; one that does not gives MLX's source back, built as MLX wrote it
-    assert source.read_text() == (rewritten if "return 2" in rewritten else "int f() { return 1; }\n")
+    assert source.read_text() == (rewritten if "return 2" in rewritten else "int f() { return 1; }  // f_strided_1\n")
