@@ -3,6 +3,7 @@ trained, then train them and print predicted against measured step time and peak
 
     python benchmarks/bench_plan_model.py [--models small,base] [--nproc 1,2] [--strategies ddp,fsdp]
                                           [--frameworks mlx,torch] [--steps 8] [--out runs/bench/plan_model.json]
+                                          [--keep DIR]
 
 Per framework: one `dpcompare run` of tiny at N=1 (the builtin data) and, at N=2, one of tiny per strategy (`plan
 --fit`: the host work its collectives cost; --no-fit leaves them out), then `dpcompare plan --from it --model M` with
@@ -61,12 +62,17 @@ def main() -> None:
     parser.add_argument("--no-fit", dest="fit", action="store_false",
                         help="predict without the tiny N=2 run of each strategy (`plan --fit`: its host work)")
     parser.add_argument("--out", type=Path, default=Path("runs/bench/plan_model.json"))
+    parser.add_argument("--keep", type=Path, default=None,
+                        help="keep the runs and plans in this new folder (to predict again from the same runs)")
     args = parser.parse_args()
+    if args.keep is not None and args.keep.exists():
+        raise SystemExit(f"bench_plan_model: --keep {args.keep} exists; give a new folder")
     args.nproc = [int(n) for n in args.nproc.split(",")]
     frameworks = args.frameworks.split(",")
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-plan-model-") as tmp:
-        root = Path(tmp)
+        root = Path(tmp) if args.keep is None else args.keep
+        root.mkdir(parents=True, exist_ok=True)
         predictions = {}
         for fw in frameworks:
             cal = root / f"tiny-{fw}"

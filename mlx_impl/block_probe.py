@@ -25,6 +25,7 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten
 
 from common.costmodel.probed import MIN_CALLS, RESULT_PREFIX, ProbeRequest, read_request
+from common.metrics import held_at_peak_rss
 
 from .grads import clip_by_norm, squares_of
 from .kernel_choice import probe_attention
@@ -101,6 +102,7 @@ def measure(req: ProbeRequest) -> dict:
         figures[f"{name}_forward_s"] = timed(lambda: forward(one), req.budget_s)
         figures[f"{name}_step_s"] = timed(lambda: step(one), req.budget_s)
     figures.update(optimizer(req))
+    figures["head_peak_bytes"] = held_at_peak_rss(lambda: mx.eval(step(one)))  # the head's (the loop's last)
     return {**figures, "framework": "mlx", "version": getattr(mx, "__version__", "?")}
 
 

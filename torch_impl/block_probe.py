@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from common.costmodel.probed import MIN_CALLS, RESULT_PREFIX, ProbeRequest, read_request
+from common.metrics import held_at_peak_rss
 
 from .adamw import AdamW
 from .grads import clip_by_norm, squares_of
@@ -108,6 +109,7 @@ def measure(req: ProbeRequest) -> dict:
         figures[f"{name}_forward_s"] = timed(forward_only(loss), req.budget_s)
         figures[f"{name}_step_s"] = timed(stepped(loss), req.budget_s)
     figures.update(optimizer(req))
+    figures["head_peak_bytes"] = held_at_peak_rss(stepped(head))  # last: it changes how malloc maps
     return {**figures, "framework": "torch", "version": torch.__version__}
 
 

@@ -17,6 +17,16 @@ The parts, each predicted (the framework factors are memory.py's, fitted on meas
     overhead    the framework's own: the rank's fixed footprint and workspace, taken from the calibration run
                 (its peak less the parts above at its own shapes), or memory.py's constants without one; at
                 N > 1 plus what a job of several ranks adds to it (JOB_FIXED_BYTES)
+
+Two phases, and the peak is the larger (`peak_at`). "backward": the parts above summed, as the frameworks' factors
+were fitted (memory.py: the state, every gradient, the update's copies and the activations, two logits-sized
+arrays among them). "head", where the probe measured what the head holds (`w.head_held`): the step's start of the
+backward, where the head and its cross-entropy hold their logits-sized buffers (counted in the activations) and the
+vocabulary matrices' gradients (in the gradients) beside every block's activations and the state, and no other
+gradient (MLX's are the step's graph; torch's where the reduction does not keep them, GRADIENTS_KEPT). The sum
+misses the head where the vocabulary outweighs the model: MLX's cross-entropy holds 4-6 logits-sized buffers at its
+peak where the sum counts 2, and `small`'s (28M parameters, 206 MB logits at 1,024 tokens) peak RSS was predicted
+15-26 % short (docs/scaling.md).
 """
 from __future__ import annotations
 
@@ -38,12 +48,24 @@ FIXED_BYTES = {"mlx": 60e6, "torch": 370e6}
 # torch gloo 232.5 -> 241.0 MB. A calibration run at N=1 lacks it, one at N > 1 has it (overhead_from_run).
 JOB_FIXED_BYTES = {"mlx": 35e6, "torch": 8e6}
 DEQUANTIZE_COPIES = {"mlx": 3, "torch": 3}
+# Whether a rank's gradients outlive its step where its reduction keeps them (ddp at N > 1): torch's DDP zeroes its
+# bucket views in place (torch_impl/ddp.py keeps_grads), so they are resident through the next step's head; MLX's
+# are outputs of the step's graph, freed with it.
+GRADIENTS_KEPT = {"mlx": False, "torch": True}
 PARTS = ("weights", "gradients", "optimizer", "activations", "gathered", "update", "reduce", "dequantize")
 
 
 def model_memory(lay: Layout, w: Workload, trained: Trained = FullModel(), storage=None,
                  overhead_bytes: float | None = None) -> dict:
-    """{part: bytes per rank (module docstring), "overhead", "total"} of workload `w` under layout `lay`."""
+    """{part: bytes per rank (module docstring), "overhead", "total"} of workload `w` under layout `lay`, the parts
+    those of the phase at the peak (peak_phase)."""
+    return peak_phase(lay, w, trained, storage, overhead_bytes)[1]
+
+
+def peak_phase(lay: Layout, w: Workload, trained: Trained = FullModel(), storage=None,
+               overhead_bytes: float | None = None) -> tuple[str, dict]:
+    """("backward" or "head", model_memory's parts of that phase): the head phase only where the probe measured
+    what the head holds (`w.head_held`), and only where it holds more than the backward."""
     fw = w.framework if w.framework in WORKSPACE_BYTES else "torch"
     spec = w.spec
     lora = isinstance(trained, Adapters)
@@ -52,11 +74,11 @@ def model_memory(lay: Layout, w: Workload, trained: Trained = FullModel(), stora
     base = storage.base_bytes(spec) if bits < 32 else sum(math.prod(s) for s in parameter_shapes(spec).values()) * 4
     trained_elements = trained.trained_parameters(spec) * (1.0 if lora else local_share)
     state = trained_elements * MASTER_BYTES
-    activations = lay.activation_bytes(w)
+    logits = lay.logits_bytes(w)
+    blocks_act = lay.activation_bytes(w) - 2 * logits  # every block's saved tensors
     if isinstance(trained, Adapters):  # the blocks below the lowest adapted one keep nothing for a backward that never runs
-        tokens = w.micro_rows(lay.dp_size) * w.seq_len
-        logits = tokens * 2 * spec.vocab_size * 4
-        activations = logits + (activations - logits) * len(trained.blocks(spec)) / spec.n_layers
+        blocks_act *= len(trained.blocks(spec)) / spec.n_layers
+    activations = blocks_act + 2 * logits
     largest = max((math.prod(s) for s in parameter_shapes(spec).values() if len(s) == 2), default=0)
     parts = {
         "weights": base * local_share + (state if lora else 0.0),
@@ -70,7 +92,15 @@ def model_memory(lay: Layout, w: Workload, trained: Trained = FullModel(), stora
     }
     overhead = FIXED_BYTES[fw] + WORKSPACE_BYTES[fw] if overhead_bytes is None else overhead_bytes
     overhead += JOB_FIXED_BYTES[fw] if lay.mesh.size > 1 else 0.0
-    return {**parts, "overhead": overhead, "total": sum(parts.values()) + overhead}
+    backward = {**parts, "overhead": overhead, "total": sum(parts.values()) + overhead}
+    if w.head_held is None:
+        return "backward", backward
+    kept = GRADIENTS_KEPT[fw] and lay.copies_gradients_for_reduce
+    head_logits, head_bytes = w.head_held
+    head_parts = {**parts, "gradients": (state if kept else 0.0) + head_bytes, "update": 0.0, "reduce": 0.0,
+                  "activations": blocks_act * ACTIVATION_FACTOR[fw] + head_logits * logits}
+    head = {**head_parts, "overhead": overhead, "total": sum(head_parts.values()) + overhead}
+    return ("head", head) if head["total"] > backward["total"] else ("backward", backward)
 
 
 def overhead_from_run(lay: Layout, w: Workload, peak_bytes: float | None, trained: Trained = FullModel(),

@@ -142,6 +142,15 @@ def request_for(w: Workload, trained: Trained, quantize: tuple[int, int], exp: s
                         cross_entropy=cross_entropy)
 
 
+def head_held(figures: dict, req: ProbeRequest) -> tuple[float, float] | None:
+    """What the head holds at its peak (split_per_call's `head_logits` and `head_fixed_bytes`): (float32
+    logits-sized buffers of a micro-batch, bytes beside them whatever the tokens, at the model's whole vocabulary:
+    its vocabulary matrices' gradients); None where the probe could not measure it."""
+    if figures.get("head_logits") is None:
+        return None
+    return figures["head_logits"], figures["head_fixed_bytes"] * req.spec.vocab_size / req.vocab_rows
+
+
 @dataclass(frozen=True)
 class Phases:
     """Forward, backward and optimizer seconds of one rank doing the whole global batch; `fixed_s` what each rank
@@ -159,7 +168,7 @@ class Phases:
 PER_CALL = ("block_forward_s", "block_step_s", "head_forward_s", "head_step_s")
 
 
-def split_per_call(once: dict, twice: dict, rows: int) -> dict:
+def split_per_call(once: dict, twice: dict, rows: int, logits_per_row: int = 0) -> dict:
     """The probe's figures at `rows` (once) and at 2 x rows (twice): each block and head timing split into what
     `rows` rows add (kept under its name) and what a call pays whatever its rows (`*_fixed_s`). A quantized base
     dequantizes its matrices once a call: scaled with the rows, 1B's 4-bit LoRA step (probed on one row, trained on
@@ -167,11 +176,21 @@ def split_per_call(once: dict, twice: dict, rows: int) -> dict:
     a product of one row's 128 tokens runs below the BLAS's rate at four rows' 512, and torch's 1B block timed 0.281
     s a call at one row, 0.476 at two, 0.902 at four, which the pair (0.086 + 0.195 a row) puts at 0.866 where one
     row scaled said 1.124 (Intel Xeon VM; MLX 0.245, 0.435, 0.797: 0.815 against 0.979). The rows' part is kept
-    between none and all of the timing (a noisy pair never makes either negative)."""
+    between none and all of the timing (a noisy pair never makes either negative).
+
+    The head's resident peak (`head_peak_bytes`) splits the same way: what the rows add is the cross-entropy's
+    logits-sized buffers (`head_logits`, in float32 logits of `rows`), the rest the vocabulary matrices' gradients
+    (`head_fixed_bytes`). One figure could not tell them apart: at `small`'s probe of 2 rows of 32 tokens the
+    matrices' gradients (67 MB) made it 10 logits, where a step of 8 rows of 128 holds about 3 (issue 56)."""
     out = dict(once)
     for key in PER_CALL:
         grows = min(once[key], max(0.0, twice[key] - once[key]))
         out[key], out[key[:-2] + "_fixed_s"] = grows, once[key] - grows
+    one, two = once.get("head_peak_bytes"), twice.get("head_peak_bytes")
+    logits = rows * logits_per_row * 4  # bytes of one float32 logits array of `rows` (seq x vocabulary rows each)
+    if one and two and logits:
+        grows = min(one, max(0.0, two - one))
+        out["head_logits"], out["head_fixed_bytes"] = grows / logits, one - grows
     return out
 
 

@@ -24,6 +24,9 @@ class Workload:
     pp_microbatches: int = 4          # pp: pieces per micro-step (RunConfig.pp_microbatches)
     pp_schedule: str = "1f1b"         # pp: the order of a stage's pieces (RunConfig.pp_schedule)
     trained_elements: int | None = None  # what has gradients to reduce (LoRA: the adapters); None: every parameter
+    head_held: tuple[float, float] | None = None  # what the head holds at its peak, measured by plan's probe
+    #   (common/costmodel/probed.py head_held): float32 logits-sized buffers of a micro-batch, and bytes beside them
+    #   (its vocabulary matrices' gradients); model_memory.py's head phase. None: not measured
 
     @property
     def tokens_per_step(self) -> int:

@@ -225,8 +225,11 @@ class Layout(ABC):
                            / self.activation_split)
         tokens = w.micro_rows(self.dp_size) * w.seq_len
         layers = tokens * self.activation_layers(s) * per_token_layer * DTYPE_BYTES[w.dtype]
-        logits = tokens * 2 * s.vocab_size * 4
-        return layers + logits
+        return layers + 2 * self.logits_bytes(w)
+
+    def logits_bytes(self, w: Workload) -> float:
+        """One float32 logits array of a micro-batch on one rank (its tokens x the vocabulary)."""
+        return w.micro_rows(self.dp_size) * w.seq_len * w.spec.vocab_size * 4
 
     def gathered_bytes(self, w: Workload) -> float:
         """Whole parameters (and gradients) a rank holds beyond its own at the step's peak (fsdp)."""

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from common.costmodel.calibrate import calibrate
 from common.costmodel.fit import carried_to, fit_host_costs
-from common.costmodel.model_memory import machine_memory_bytes, model_memory, overhead_from_run
-from common.costmodel.probed import calibration_for, phases, request_for, split_per_call, transfer
+from common.costmodel.model_memory import machine_memory_bytes, model_memory, overhead_from_run, peak_phase
+from common.costmodel.probed import calibration_for, head_held, phases, request_for, split_per_call, transfer
 from common.errors import UserError
 from common.metrics import write_json
 from common.model.lora import Adapters, FullModel, trained_parameters_of
@@ -98,8 +98,9 @@ def model_plan(args, from_runs: list[str], world_sizes: list[int], strategies: l
         on_gpu = str(summary.get("device", "")).startswith(("cuda", "gpu", "mps"))
         peaks = summary.get("peak_mem_bytes" if on_gpu else "peak_rss_bytes") or []
         run_lay = layout(summary.get("strategy", "ddp"), cal.world_size, (summary.get("config") or {}).get("mesh") or "")
-        overhead = overhead_from_run(run_lay, w_run, max((p for p in peaks if p), default=None), run_trained(summary),
-                                     None)
+        overhead = overhead_from_run(run_lay, replace(w_run, head_held=head_held(own, own_req)),
+                                     max((p for p in peaks if p), default=None), run_trained(summary), None)
+        w = replace(w, head_held=head_held(figures, req))  # the head phase of this model's peak (model_memory)
         backend = predicted_backend(summary)
         link, link_how = choose_links(args, summary, backend)
 
@@ -158,7 +159,8 @@ def model_plan(args, from_runs: list[str], world_sizes: list[int], strategies: l
 def probe(fw: str, req, environment: dict) -> dict:
     """The probe's figures at its rows and at twice them, each call's part apart from the rows' (split_per_call)."""
     once = run_probe(fw, req, environment)
-    return split_per_call(once, run_probe(fw, replace(req, rows=2 * req.rows), environment), req.rows)
+    return split_per_call(once, run_probe(fw, replace(req, rows=2 * req.rows), environment), req.rows,
+                          req.seq_len * req.vocab_rows)
 
 
 def describe_model(name: str, spec, trained, storage, w) -> str:
@@ -183,10 +185,15 @@ def memory_of(r: dict, w, trained, storage, overhead) -> dict:
     return model_memory(layout(r["strategy"], r["world_size"], r.get("mesh") or ""), w, trained, storage, overhead)
 
 
+def phase_of(r: dict, w, trained, storage, overhead) -> str:
+    """Which phase holds the row's peak (model_memory.peak_phase): "head" or "backward"."""
+    return peak_phase(layout(r["strategy"], r["world_size"], r.get("mesh") or ""), w, trained, storage, overhead)[0]
+
+
 def judge(r: dict, w, trained, storage, overhead, limit) -> None:
     """The row's memory as model_memory predicts it, whether it fits `limit`, and the bottleneck if it does not."""
     memory = memory_of(r, w, trained, storage, overhead)
-    r["memory_bytes"] = memory
+    r["memory_bytes"], r["memory_peak_at"] = memory, phase_of(r, w, trained, storage, overhead)
     r["fits"] = None if limit is None else memory["total"] <= limit
     # within TIGHT of the limit the prediction's own error decides: torch's 1B full fine-tune, 22.7 GB predicted
     # against 24.3 available, trained 3 steps at 21 GB and was killed at 24.9 GB in its profiled steps (issue 56)

@@ -272,3 +272,73 @@ def test_the_mlx_probe_differentiates_only_what_each_timing_reads():
     assert "embed_tokens.weight" in head and not any(k.startswith("block.") for k in head)
     figures = measure(req)
     assert all(figures[k] > 0 for k in ("block_forward_s", "block_step_s", "head_forward_s", "head_step_s"))
+
+
+def test_the_peak_is_the_heads_phase_where_the_vocabulary_outweighs_the_model_and_the_sum_elsewhere():
+    """MLX's cross-entropy holds 4-6 logits-sized buffers at its peak where the summed parts count 2 (issue 56): with
+    the probe's measured count the head phase (blocks' activations, state, what the head holds) is the peak of a
+    small model with a large vocabulary, and the summed backward phase stays the peak of a model whose state
+    outweighs its logits."""
+    from dataclasses import replace
+
+    from common.costmodel.model_memory import peak_phase
+
+    small = Workload(PRESETS["small"].with_(vocab_size=50257), 128, 8, framework="mlx")
+    lay = layout("ddp", 1)
+    phase, summed = peak_phase(lay, small, FullModel(), None, 1e8)
+    assert phase == "backward" and summed == model_memory(lay, small, FullModel(), None, 1e8)  # no probe: the sum
+    phase, head = peak_phase(lay, replace(small, head_held=(5.0, 7e7)), FullModel(), None, 1e8)
+    logits = lay.logits_bytes(small)
+    assert phase == "head" and head["total"] > summed["total"]
+    assert head["gradients"] == 7e7 and head["update"] == 0  # the head's own: MLX's others are the step's graph's
+    assert head["activations"] - (summed["activations"] - 2 * 0.8 * logits) == pytest.approx(5.0 * logits)
+    assert head["total"] == pytest.approx(sum(v for k, v in head.items() if k != "total"))
+    # the same count on a model whose state outweighs its logits leaves the sum the peak
+    big = Workload(PRESETS["base"].with_(n_layers=24, vocab_size=2048), 128, 8, framework="mlx", head_held=(5.0, 0.0))
+    assert peak_phase(lay, big, FullModel(), None, 1e8)[0] == "backward"
+    # torch's DDP keeps its gradients (bucket views) through the next step's head at N > 1, not at N = 1
+    torch_small = replace(small, framework="torch", head_held=(5.0, 0.0))
+    assert model_memory(layout("ddp", 2), torch_small, FullModel(), None, 1e8)["gradients"] > 0
+    assert model_memory(layout("ddp", 1), torch_small, FullModel(), None, 1e8)["gradients"] == 0
+
+
+def test_the_heads_peak_splits_into_what_the_rows_add_and_the_vocabulary_matrices_gradients():
+    """The probe measures the head's resident peak at its rows and at twice them (as its timings): what the rows
+    add is logits-sized buffers, the rest the vocabulary matrices' gradients, scaled to the model's vocabulary."""
+    from common.costmodel.probed import head_held, split_per_call
+
+    req = request_for(Workload(PRESETS["small"].with_(vocab_size=50257), 32, 2, framework="mlx"), FullModel(),
+                      (0, 64))
+    per_row = req.seq_len * req.vocab_rows
+    logits = req.rows * per_row * 4
+    grads = 2 * req.vocab_rows * req.spec.dim * 4
+    once = {"head_peak_bytes": 3 * logits + grads} | {k: 1.0 for k in ("block_forward_s", "block_step_s",
+                                                                        "head_forward_s", "head_step_s")}
+    twice = {**once, "head_peak_bytes": 6 * logits + grads}
+    split = split_per_call(once, twice, req.rows, per_row)
+    assert split["head_logits"] == pytest.approx(3.0) and split["head_fixed_bytes"] == pytest.approx(grads)
+    count, beside = head_held(split, req)
+    assert count == pytest.approx(3.0) and beside == pytest.approx(2 * 50257 * req.spec.dim * 4)
+    assert head_held(split_per_call(once, {**twice, "head_peak_bytes": None}, req.rows, per_row), req) is None
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc")
+def test_the_probes_peak_counts_the_pages_a_call_touches_not_what_it_only_reserves():
+    """common/metrics.py held_at_peak_rss, in a process of its own (it changes how that process's malloc maps)."""
+    import subprocess
+    import sys
+
+    code = """
+import numpy as np
+from common.metrics import held_at_peak_rss
+def touch():
+    a = np.ones(16 * 2**20, dtype=np.float32)  # 64 MiB written
+    b = np.empty(32 * 2**20, dtype=np.float32)  # 128 MiB reserved, never written
+    return float(a.sum()) + b.nbytes * 0
+def nothing():
+    return sum(range(1000))
+print(held_at_peak_rss(touch), held_at_peak_rss(nothing))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    touched, idle = (float(x) / 2**20 for x in out)
+    assert 64 <= touched < 64 + 16 and idle < 4
