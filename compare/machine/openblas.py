@@ -81,7 +81,7 @@ def kernels_for(library: str) -> tuple[str, dict]:
     own = os.environ.get("OPENBLAS_CORETYPE")
     if own:
         core = core_of(library, own)
-        return f"core {core or own} (OPENBLAS_CORETYPE={own}, yours)", {}
+        return f"core {core or own} (OPENBLAS_CORETYPE={own}, yours){narrower_than_the_cpu(core)}", {}
     detected = core_of(library, None)
     if detected is None:
         return "core unknown (openblas_get_corename failed)", {}
@@ -94,3 +94,18 @@ def kernels_for(library: str) -> tuple[str, dict]:
         return f"core {detected} (the CPU allows {chosen}; this OpenBLAS has no such core)", {}
     return f"core {core} (OPENBLAS_CORETYPE={chosen}: OpenBLAS's own detection chose {detected})", \
         {"OPENBLAS_CORETYPE": chosen}
+
+
+def narrower_than_the_cpu(core: str | None) -> str:
+    """", narrower than ..." where a user's own core uses narrower kernels than this CPU allows, else
+    "". Their choice stands (they may have a reason); the line says what it costs to keep it: on the Zen 5, whose
+    environment sets OPENBLAS_CORETYPE=Haswell, a 1024 fp32 matmul ran at 125 GFLOP/s against 226 with SKYLAKEX
+    (docs/cpu-performance.md)."""
+    if core is None:
+        return ""
+    flags, vendor = cpu_flags_and_vendor()
+    wider = choose_coretype(core, flags, vendor)  # not asked of the library: the run does not switch to it
+    if wider is None:
+        return ""
+    isa = "AVX-512" if isa_level(flags) == 2 else "AVX2"
+    return f", narrower than this CPU's {isa}: unset it, or set {wider}"

@@ -21,6 +21,9 @@ def test_plan_model_probes_small_on_a_tiny_run_and_judges_each_layout_against_th
     assert (plan["model"]["seq_len"], plan["model"]["global_batch_size"]) == (32, 2)
     probe = plan["frameworks"]["torch"]["probe"]
     assert probe["model"]["framework"] == "torch" and probe["request"]["spec"]["dim"] == PRESETS["small"].dim
+    # the head's resident peak is measured (model_memory's head phase): its logits at least are resident at it
+    request = probe["request"]
+    assert probe["model"]["head_peak_bytes"] >= request["rows"] * request["seq_len"] * request["vocab_rows"] * 4
     rows = plan["predictions"]
     assert {(r["framework"], r["strategy"], r["world_size"]) for r in rows} == {
         ("torch", "ddp", 1), ("torch", "ddp", 2), ("torch", "fsdp", 2)}
@@ -28,6 +31,7 @@ def test_plan_model_probes_small_on_a_tiny_run_and_judges_each_layout_against_th
         memory = r["memory_bytes"]
         assert abs(sum(v for k, v in memory.items() if k != "total") - memory["total"]) <= 1e-6 * memory["total"], r
         assert r["fits"] is (memory["total"] <= DEVICE_GB * 1e9), r
+        assert r["memory_peak_at"] in ("head", "backward"), r
         assert r["step_s"] > 0 and r["tokens_per_s"] > 0
         if not r["fits"]:  # a layout that does not fit is told the cheapest change, on its own line too
             assert r["to_fit"] and f"{r['strategy']} x{r['world_size']} does not fit: {r['to_fit']}" in proc.stdout

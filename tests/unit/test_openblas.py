@@ -84,3 +84,23 @@ def test_doctors_matmul_peak_runs_the_kernels_the_runs_get(monkeypatch, tmp_path
     peaks = peak.measured_peaks(refresh=True)
     assert seen["mlx_impl.peak"]["OPENBLAS_CORETYPE"] == "SKYLAKEX"
     assert peaks["mlx"]["blas"] == chosen[0]
+
+
+def test_a_users_core_narrower_than_the_cpu_is_kept_and_named_as_such(monkeypatch):
+    """The Zen 5's environment sets OPENBLAS_CORETYPE=Haswell on an AVX-512 CPU: kept, and the BLAS line says what
+    the CPU allows; a user core as wide as the CPU gets no remark."""
+    library = env.system_openblas()
+    if library is None:
+        pytest.skip("no system OpenBLAS")
+    cores = {"HASWELL": "Haswell", "SKYLAKEX": "SkylakeX"}
+    monkeypatch.setattr(openblas, "core_of", lambda lib, core: cores[core])
+    monkeypatch.setattr(openblas, "cpu_flags_and_vendor", lambda: (AVX512, "AuthenticAMD"))
+    monkeypatch.setenv("OPENBLAS_CORETYPE", "HASWELL")
+    description, extra = openblas.kernels_for(library)
+    assert description == ("core Haswell (OPENBLAS_CORETYPE=HASWELL, yours), narrower than this CPU's AVX-512: "
+                           "unset it, or set SKYLAKEX") and extra == {}
+    monkeypatch.setenv("OPENBLAS_CORETYPE", "SKYLAKEX")
+    assert openblas.kernels_for(library) == ("core SkylakeX (OPENBLAS_CORETYPE=SKYLAKEX, yours)", {})
+    monkeypatch.setattr(openblas, "cpu_flags_and_vendor", lambda: (AVX2, "AuthenticAMD"))
+    monkeypatch.setenv("OPENBLAS_CORETYPE", "HASWELL")  # as wide as an AVX2 CPU allows
+    assert openblas.kernels_for(library)[0] == "core Haswell (OPENBLAS_CORETYPE=HASWELL, yours)"
