@@ -94,7 +94,7 @@ def measure(req: ProbeRequest) -> dict:
     def block_out(m: nn.Module) -> mx.array:
         return m.block(m.x, mask).astype(mx.float32).sum()
 
-    figures = {}
+    figures: dict[str, float | None] = {}
     one = mx.array(1.0)
     for name, loss in (("block", block_out), ("head", head)):
         part = _holding(parts, name)  # only what the timed loss reads: MLX's gradient of the rest would be zeros

@@ -104,7 +104,7 @@ def measure(req: ProbeRequest) -> dict:
                 loss()
         return forward
 
-    figures = {}
+    figures: dict[str, float | None] = {}
     for name, loss in (("block", block_out), ("head", head)):
         figures[f"{name}_forward_s"] = timed(forward_only(loss), req.budget_s)
         figures[f"{name}_step_s"] = timed(stepped(loss), req.budget_s)
