@@ -341,4 +341,6 @@ print(held_at_peak_rss(touch), held_at_peak_rss(nothing))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     touched, idle = (float(x) / 2**20 for x in out)
-    assert 64 <= touched < 64 + 16 and idle < 4
+    # Linux's RSS counters lag by some pages a thread (63.9 MiB read once in 20 runs beside a busy loop on each
+    # core): the bounds tell 64 MiB written from 192 reserved and from nothing, not the last page
+    assert 60 <= touched < 64 + 16 and idle < 4
