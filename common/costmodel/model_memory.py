@@ -52,6 +52,10 @@ DEQUANTIZE_COPIES = {"mlx": 3, "torch": 3}
 # bucket views in place (torch_impl/ddp.py keeps_grads), so they are resident through the next step's head; MLX's
 # are outputs of the step's graph, freed with it.
 GRADIENTS_KEPT = {"mlx": False, "torch": True}
+# What the head holds at its peak, in float32 logits of the micro-batch, where no probe measured it (`dpcompare run`'s
+# warning): the probe's resident count on the Zen 5, 2.9-3.3 for `small` and `base` in both frameworks, 2.1 (torch)
+# and 4.1 (MLX) for the 1B shape under LoRA (docs/scaling.md); a warning errs towards warning, so the largest.
+HEAD_LOGITS_UNPROBED = 4.1
 PARTS = ("weights", "gradients", "optimizer", "activations", "gathered", "update", "reduce", "dequantize")
 
 

@@ -154,9 +154,10 @@ def cross_entropy_of(summary: dict) -> str:
 
 def memory_warning(cfg: RunConfig, spec: ModelSpec) -> str | None:
     """`dpcompare run`'s one line before any rank starts, where the predicted peak of the ranks this machine runs
-    (common/costmodel/model_memory.py, its framework overhead from constants) exceeds its memory; None where it fits,
-    the ranks run elsewhere (a hostfile) or the machine does not say its memory. It warns; it does not refuse."""
-    from common.costmodel.model_memory import machine_memory_bytes, model_memory
+    (common/costmodel/model_memory.py, its framework overhead and the head's logits from constants) exceeds its
+    memory; None where it fits, the ranks run elsewhere (a hostfile) or the machine does not say its memory. It
+    warns; it does not refuse."""
+    from common.costmodel.model_memory import HEAD_LOGITS_UNPROBED, machine_memory_bytes, model_memory
     from common.costmodel.workload import BUCKET_FIELD
 
     machine = machine_memory_bytes()
@@ -164,7 +165,7 @@ def memory_warning(cfg: RunConfig, spec: ModelSpec) -> str | None:
         return None
     bucket_mb = getattr(cfg, BUCKET_FIELD.get(cfg.framework, "bucket_cap_mb"), None)
     w = Workload(spec, cfg.seq_len, cfg.global_batch_size, cfg.grad_accum, cfg.dtype, cfg.framework,
-                 int(bucket_mb * 2**20) if bucket_mb else None)
+                 int(bucket_mb * 2**20) if bucket_mb else None, head_held=(HEAD_LOGITS_UNPROBED, 0.0))
     try:
         per_rank = model_memory(cfg.layout, w, cfg.trained, getattr(cfg, "base_storage", None))
     except (UserError, ValueError, KeyError, ZeroDivisionError):

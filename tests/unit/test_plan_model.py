@@ -344,3 +344,23 @@ print(held_at_peak_rss(touch), held_at_peak_rss(nothing))
     # Linux's RSS counters lag by some pages a thread (63.9 MiB read once in 20 runs beside a busy loop on each
     # core): the bounds tell 64 MiB written from 192 reserved and from nothing, not the last page
     assert 60 <= touched < 64 + 16 and idle < 4
+
+
+def test_runs_warning_counts_the_heads_logits_where_they_outweigh_the_model(monkeypatch):
+    """A small model over a large vocabulary: the summed parts fit the machine, the head's logits-sized buffers
+    (HEAD_LOGITS_UNPROBED of them, as the probe measured) do not, and the run is warned."""
+    from dataclasses import replace
+
+    from common.config import RunConfig
+    from common.costmodel.model_memory import HEAD_LOGITS_UNPROBED, peak_phase
+    from compare.plan import model
+
+    cfg = RunConfig.from_dict({"preset": "small", "nproc": 1, "seq_len": 512, "global_batch_size": 16})
+    spec = cfg.model_spec(128256)
+    w = Workload(spec, 512, 16, framework=cfg.framework)
+    summed = model_memory(cfg.layout, w)["total"]
+    phase, head = peak_phase(cfg.layout, replace(w, head_held=(HEAD_LOGITS_UNPROBED, 0.0)))
+    assert phase == "head" and head["total"] > summed
+    monkeypatch.setattr("common.costmodel.model_memory.machine_memory_bytes", lambda: (summed + head["total"]) / 2)
+    line = model.memory_warning(cfg, spec)
+    assert line and f"predicted peak {head['total'] / 1e9:.1f} GB per rank" in line
