@@ -118,10 +118,8 @@ def peak_rss_bytes() -> int:
     process would report the launcher's peak instead of its own.
     """
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
+        return _status_bytes("VmHWM:")
+    except (OSError, ValueError):
         pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)  # Linux reports KiB
@@ -150,6 +148,7 @@ def held_at_peak_rss(fn: Callable[[], object]) -> float | None:
 
 
 def _status_bytes(key: str) -> int:
+    """A size line of /proc/self/status (VmRSS:, VmHWM:, ...) in bytes; OSError without /proc (macOS)."""
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(key):
             return int(line.split()[1]) * 1024
@@ -160,10 +159,8 @@ def rss_bytes() -> int:
     """This process's resident set size now (VmRSS); where /proc is missing (macOS) the peak so far, which at
     a rank's start, where it is read (common/train/loop.py: the fixed footprint), is about the same."""
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
+        return _status_bytes("VmRSS:")
+    except (OSError, ValueError):
         pass
     return peak_rss_bytes()
 

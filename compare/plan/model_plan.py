@@ -185,15 +185,11 @@ def memory_of(r: dict, w, trained, storage, overhead) -> dict:
     return model_memory(layout(r["strategy"], r["world_size"], r.get("mesh") or ""), w, trained, storage, overhead)
 
 
-def phase_of(r: dict, w, trained, storage, overhead) -> str:
-    """Which phase holds the row's peak (model_memory.peak_phase): "head" or "backward"."""
-    return peak_phase(layout(r["strategy"], r["world_size"], r.get("mesh") or ""), w, trained, storage, overhead)[0]
-
-
 def judge(r: dict, w, trained, storage, overhead, limit) -> None:
     """The row's memory as model_memory predicts it, whether it fits `limit`, and the bottleneck if it does not."""
-    memory = memory_of(r, w, trained, storage, overhead)
-    r["memory_bytes"], r["memory_peak_at"] = memory, phase_of(r, w, trained, storage, overhead)
+    r["memory_peak_at"], memory = peak_phase(layout(r["strategy"], r["world_size"], r.get("mesh") or ""), w, trained,
+                                             storage, overhead)  # "head" or "backward", and that phase's parts
+    r["memory_bytes"] = memory
     r["fits"] = None if limit is None else memory["total"] <= limit
     # within TIGHT of the limit the prediction's own error decides: torch's 1B full fine-tune, 22.7 GB predicted
     # against 24.3 available, trained 3 steps at 21 GB and was killed at 24.9 GB in its profiled steps (issue 56)
