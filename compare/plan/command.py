@@ -71,17 +71,18 @@ def run_plan(args) -> int:
     # Each layout is predicted on the backend it would run on (an N=1 run ran on none; MLX's meshes split on
     # mpi, its one-axis layouts run on ring), over the link as that backend sees it (a --fabric file's entry,
     # or its loopback figures).
+    fit_on = [(d, s, cores_shared_by(s), n1_beside(Path(d), s)) for d in getattr(args, "fit", None) or [] for s in [read_run(Path(d))[0]]]
+    fits = tuple((d, s) for d, s, *_ in fit_on)  # their loopback, where the run measured none (links.fit_loopback)
     backend = predicted_backend(summary)
-    link, link_how = choose_links(args, summary, backend)
+    link, link_how = choose_links(args, summary, backend, fits)
     routes = {backend: (link, link_how)}
 
     def runs_on(mesh_text: str) -> tuple[str, Links]:
         mine = predicted_backend(summary, mesh_text)
         if mine not in routes:
-            routes[mine] = choose_links(args, summary, mine)
+            routes[mine] = choose_links(args, summary, mine, fits)
         return mine, routes[mine][0]
     cal = calibrate(summary, spec, source=str(run_dir))
-    fit_on = [(d, s, cores_shared_by(s), n1_beside(Path(d), s)) for d in getattr(args, "fit", None) or [] for s in [read_run(Path(d))[0]]]
     if fit_on:
         cal = fit_host_costs(cal, fit_on)
     if getattr(args, "meshes", False) and summary.get("framework") == "mlx":

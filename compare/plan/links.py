@@ -1,7 +1,9 @@
 """The link `dpcompare plan` predicts over: one link, or two levels (a fast one inside each machine of
 --group-size ranks, a slow one between machines: common/costmodel/levels.py). Each level comes from a `doctor
 --fabric --out` file (--fabric, --fabric-inner), from the wire by hand (--link-gbps and --latency-us, and their
--inner twins), or else from the run's own `link` record (summary.json: a two-level run records both levels).
+-inner twins), or else from the run's own `link` record (summary.json: a two-level run records both levels), or,
+for a run of one rank (which measured no link), from the loopback a `--fit` run of the same framework and backend
+measured at its start on this machine (fit_loopback).
 The `doctor --fabric --out` file is written here too (write_fabric), beside the code that reads it.
 """
 from __future__ import annotations
@@ -82,7 +84,7 @@ def predicted_backend(summary: dict, mesh: str = "") -> str:
     return measured
 
 
-def choose_links(args, summary: dict, backend: str) -> tuple[Links, str]:
+def choose_links(args, summary: dict, backend: str, fits: tuple = ()) -> tuple[Links, str]:
     """(one link or two levels, how they were chosen) for a layout on `backend` (predicted_backend): the outer
     (or only) level from choose_link; with --group-size, the inner one from its flags, else from the run's
     record."""
@@ -92,11 +94,11 @@ def choose_links(args, summary: dict, backend: str) -> tuple[Links, str]:
     group_size = getattr(args, "group_size", None)
     inner = given_link(*inner_flags, framework, backend, suffix="-inner")
     if inner is None and group_size is None:
-        return choose_link(args, summary, backend)
+        return choose_link(args, summary, backend, fits)
     if group_size is None or group_size < 1:
         raise UserError("a two-level link needs --group-size N (ranks per machine, 1 or more)" if group_size is None
                         else f"--group-size must be 1 or more, got {group_size}")
-    outer, how = choose_link(args, summary, backend)
+    outer, how = choose_link(args, summary, backend, fits)
     if isinstance(outer, TwoLevelLink):  # the run's own record had two levels: its inner one, unless given
         outer = outer.outer
     if inner is None:
@@ -108,9 +110,10 @@ def choose_links(args, summary: dict, backend: str) -> tuple[Links, str]:
     return TwoLevelLink(inner[0], outer, group_size), f"inside a machine: {inner[1]}; between machines: {how}"
 
 
-def choose_link(args, summary: dict, backend: str) -> tuple[Links, str]:
+def choose_link(args, summary: dict, backend: str, fits: tuple = ()) -> tuple[Links, str]:
     """(link, how it was chosen) from the flags (a --fabric file's entry of `backend`), else from the run (two
-    levels where it ran over two), else that backend's loopback figures."""
+    levels where it ran over two), else the loopback a fit run measured (fit_loopback: `fits` holds (its folder,
+    its summary.json)), else that backend's loopback figures."""
     framework = summary.get("framework", "")
     given = given_link(args.fabric, args.link_gbps, args.latency_us, framework, backend)
     if given is not None:
@@ -118,7 +121,37 @@ def choose_link(args, summary: dict, backend: str) -> tuple[Links, str]:
     own = links_from_record(summary.get("link"), framework, summary.get("backend") or backend)  # measured on its own
     if own:
         return own, "the run's link record"
+    measured = fit_loopback(fits, framework, backend)
+    if measured is not None:
+        return measured
     return loopback_link(backend), "pass --fabric or --link-gbps for another link"
+
+
+def fit_loopback(fits, framework: str, backend: str) -> tuple[Link, str] | None:
+    """The loopback of this machine as a --fit run of `framework` on `backend` measured it at its start (its
+    unshaped `link` record; an fsdp run's has the all-gather too, which is preferred), for a calibration run of
+    one rank, which measured none. (link, how) or None.
+
+    Not the figures docs/benchmarks.md measured elsewhere: gloo's all_gather is CPU-bound, and the assumed link
+    priced it as an all-reduce's half, 5x faster than a tiny fsdp run measured it on the Zen 5 (0.71 GB/s);
+    torch's fsdp rows of `small` and `base` came out 19-21 % short over it, while the fit runs' host work had
+    been fitted over the measured one (issue 56)."""
+    best = None
+    for source, s in fits:
+        record = s.get("link") or {}
+        if (s.get("framework"), s.get("backend")) != (framework, backend) or record.get("requested") \
+                or record.get("emulated") or record.get("inner"):
+            continue  # another framework's, another backend's, or a shaped link: not this machine's loopback
+        link = links_from_record(record, framework, backend)
+        if isinstance(link, Link) and (best is None or (link.gather_bandwidth_Bps and not best[0].gather_bandwidth_Bps)):
+            best = (link, source)
+    if best is None:
+        return None
+    link, source = best
+    return (Link(f"loopback ({backend}, measured)", link.hop_latency_s, link.bandwidth_Bps,
+                 f"{source}'s {backend} collectives, measured at its start", link.gather_hop_latency_s,
+                 link.gather_bandwidth_Bps),
+            "the calibration ran on one rank; pass --fabric or --link-gbps for another link")
 
 
 def describe_links(links: Links, how: str) -> str:

@@ -102,11 +102,12 @@ def model_plan(args, from_runs: list[str], world_sizes: list[int], strategies: l
                                      max((p for p in peaks if p), default=None), run_trained(summary), None)
         w = replace(w, head_held=head_held(figures, req))  # the head phase of this model's peak (model_memory)
         backend = predicted_backend(summary)
-        link, link_how = choose_links(args, summary, backend)
+        fits = tuple((d, s) for d, s, *_ in fit_on)  # their loopback, where the run measured none
+        link, link_how = choose_links(args, summary, backend, fits)
 
-        def runs_on(mesh_text: str, summary=summary) -> tuple:
+        def runs_on(mesh_text: str, summary=summary, fits=fits) -> tuple:
             mine = predicted_backend(summary, mesh_text)
-            return mine, choose_links(args, summary, mine)[0]
+            return mine, choose_links(args, summary, mine, fits)[0]
         mine = (mesh_plan(target, link, world_sizes, None, runs_on)["rows"] if meshes
                 else make_plan(target, link, strategies, world_sizes, None, backend))
         for r in mine:

@@ -70,3 +70,35 @@ def test_a_killed_dpcompares_namespaces_are_swept_and_nobody_elses():
     finally:
         for name in (stale, kept):
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def _loopback_record(gather_Bps=None, requested=None):
+    record = {"requested": requested, "emulated": bool(requested),
+              "allreduce": {"backend": "gloo", "world_size": 2, "latency_s": 3e-4, "bandwidth_Bps": 1.5e9}}
+    if gather_Bps:
+        record["allgather"] = {"backend": "gloo", "world_size": 2, "latency_s": 2e-4, "bandwidth_Bps": gather_Bps}
+    return record
+
+
+def test_a_one_rank_calibration_predicts_over_the_loopback_its_fit_runs_measured():
+    """A run of one rank measured no link: plan takes this machine's loopback from a --fit run of the same framework
+    and backend (an fsdp run's, with its all-gather, before a ddp run's), never a shaped link's or another
+    framework's; without one, the assumed figures."""
+    from types import SimpleNamespace
+
+    from compare.plan.links import choose_link
+
+    args = SimpleNamespace(fabric=None, link_gbps=None, latency_us=None)
+    n1 = {"framework": "torch", "world_size": 1}
+    fit = lambda record, framework="torch", backend="gloo": {"framework": framework, "backend": backend,  # noqa: E731
+                                                             "link": record}
+    ddp, fsdp = fit(_loopback_record()), fit(_loopback_record(gather_Bps=0.7e9))
+    link, how = choose_link(args, n1, "gloo", (("ddp-2", ddp), ("fsdp-2", fsdp)))
+    assert link.name == "loopback (gloo, measured)" and "fsdp-2" in link.source and "one rank" in how
+    assert link.all_gather_s(64e6, 2) == pytest.approx(2e-4 + 64e6 / 0.7e9)  # the measured gather, not half a ring
+    assert choose_link(args, n1, "gloo", (("ddp-2", ddp),))[0].gather_bandwidth_Bps is None
+    refused = (("shaped", fit(_loopback_record(0.7e9, requested="1gbit"))), ("mlx", fit(_loopback_record(0.7e9), "mlx")),
+               ("mpi", fit(_loopback_record(0.7e9), backend="mpi")))
+    assert choose_link(args, n1, "gloo", refused)[0].name == "loopback (gloo, assumed)"
+    # the run's own record and a link given by hand come first
+    assert choose_link(args, {**n1, "link": _loopback_record()}, "gloo", (("fsdp-2", fsdp),))[1] == "the run's link record"
