@@ -23,7 +23,8 @@ were fitted (memory.py: the state, every gradient, the update's copies and the a
 arrays among them). "head", where the probe measured what the head holds (`w.head_held`): the step's start of the
 backward, where the head and its cross-entropy hold their logits-sized buffers (counted in the activations) and the
 vocabulary matrices' gradients (in the gradients) beside every block's activations and the state, and no other
-gradient (MLX's are the step's graph; torch's where the reduction does not keep them, GRADIENTS_KEPT). The sum
+gradient (MLX's are the step's graph; torch's where the reduction does not keep them, GRADIENTS_KEPT); under
+fsdp also the reduction's copies of the head matrix's whole gradient (the layout's head_gathered_bytes). The sum
 misses the head where the vocabulary outweighs the model: MLX's cross-entropy holds 4-6 logits-sized buffers at its
 peak where the sum counts 2, and `small`'s (28M parameters, 206 MB logits at 1,024 tokens) peak RSS was predicted
 15-26 % short (docs/scaling.md).
@@ -102,6 +103,7 @@ def peak_phase(lay: Layout, w: Workload, trained: Trained = FullModel(), storage
     kept = GRADIENTS_KEPT[fw] and lay.copies_gradients_for_reduce
     head_logits, head_bytes = w.head_held
     head_parts = {**parts, "gradients": (state if kept else 0.0) + head_bytes, "update": 0.0, "reduce": 0.0,
+                  "gathered": parts["gathered"] + lay.head_gathered_bytes(w),
                   "activations": blocks_act * ACTIVATION_FACTOR[fw] + head_logits * logits}
     head = {**head_parts, "overhead": overhead, "total": sum(head_parts.values()) + overhead}
     return ("head", head) if head["total"] > backward["total"] else ("backward", backward)

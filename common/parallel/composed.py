@@ -245,6 +245,10 @@ class MeshLayout(Layout):
         fsdp = self.parts.get("fsdp")
         return 0.0 if fsdp is None else fsdp.gathered_bytes(w) * self.model_share(w.spec, w.framework)
 
+    def head_gathered_bytes(self, w: Workload) -> float:
+        fsdp = self.parts.get("fsdp")
+        return 0.0 if fsdp is None else fsdp.head_gathered_bytes(w) * self.model_share(w.spec, w.framework)
+
     @property
     def copies_gradients_for_reduce(self) -> bool:
         return self.mesh.has("dp")

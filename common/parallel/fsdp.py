@@ -42,6 +42,15 @@ from common.parallel.layout import (DTYPE_BYTES, MASTER_BYTES, VOCAB_MATRICES, L
 #                         (torch_impl/fsdp.py, common/train/heap.py) is returned and faulted in again, on Linux without
 #                         --tune-malloc; fitted on `small` and `base` at 12 and 24 layers, N=2 (heap_release_bytes)
 FSDP_HOST_S_PER_CALL = {"torch": 7e-3}
+# What the head's backward holds beyond its whole parameter and gradient, in vocabulary matrices, while the blocks'
+# activations are still held (common/costmodel/model_memory.py's head phase). torch: FSDP2's reduce-scatter copies
+# the whole gradient into its flat input and writes the rank's shard (1 + 1/2). MLX: fitted, as the state and
+# activations of the head phase left the peak RSS of `small` fsdp x2 short by 113-197 MB (two to four 51 MB
+# matrices) at global batch 4, 8 and 16 (AMD EPYC Zen 5, 2026-11-29, ring): its all-sum of the whole gradient
+# (mlx_impl/fsdp.py) writes a second whole one, and the head's gradient, which the one-rank probe does not
+# separate from its logits at every shape, a third. With these the three batches come out within 6 % of the peak,
+# torch's within 4 % of the step's (docs/notes/2026-11-plan-model.md).
+FSDP_HEAD_MATRICES = {"mlx": 3.0, "torch": 1.5}
 FSDP_HIDDEN_SHARE = {"mlx": 0.2}
 HEAP_RELEASE_BYTES_PER_S = {"torch": 2.5e9}
 
@@ -209,6 +218,15 @@ class FsdpLayout(Layout):
         matrices = 1 if w.spec.tie_embeddings and fw.gathers_tied_matrix_once else 2
         return (2 * max(blocks) + matrices * matrix) * (DTYPE_BYTES[w.dtype] if fw.gathers_in_compute_dtype
                                                         else MASTER_BYTES)
+
+    def head_gathered_bytes(self, w: Workload) -> float:
+        """What the head's backward holds of its vocabulary matrix beyond gathered_bytes (its whole parameter and
+        gradient) and beyond what the probe measured of the head at one rank: FSDP_HEAD_MATRICES matrices, where the
+        head is a unit of its own (a tied matrix is reduced with the embedding's part, after the whole backward)."""
+        if self.ranks == 1 or w.spec.tie_embeddings:
+            return 0.0
+        matrix = math.ceil(w.spec.vocab_size / self.ranks) * self.ranks * w.spec.dim * MASTER_BYTES
+        return FSDP_HEAD_MATRICES.get(w.framework, 0.0) * matrix
 
     def streamed_checkpoint_bytes(self, w: Workload, rank: int) -> float:
         # Rank 0 holds one gathered tensor at a time (the largest sets the peak), the others nothing. Before the

@@ -235,6 +235,11 @@ class Layout(ABC):
         """Whole parameters (and gradients) a rank holds beyond its own at the step's peak (fsdp)."""
         return 0.0
 
+    def head_gathered_bytes(self, w: Workload) -> float:
+        """What the head's backward holds whole beyond gathered_bytes and what the probe measured of the head at one
+        rank (model_memory's head phase): the reduction's copies of the vocabulary matrices' gradients (fsdp)."""
+        return 0.0
+
     @property
     def copies_gradients_for_reduce(self) -> bool:
         """Whether the gradient reduction copies the gradients (common/costmodel/memory.py REDUCE_FACTOR)."""
