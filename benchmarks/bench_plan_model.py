@@ -4,6 +4,7 @@ trained, then train them and print predicted against measured step time and peak
     python benchmarks/bench_plan_model.py [--models small,base] [--nproc 1,2] [--strategies ddp,fsdp]
                                           [--frameworks mlx,torch] [--steps 8] [--out runs/bench/plan_model.json]
                                           [--keep DIR]
+    python benchmarks/bench_plan_model.py --again DIR   # predict again from DIR's kept runs, print against them
 
 Per framework: one `dpcompare run` of tiny at N=1 (the builtin data) and, at N=2, one of tiny per strategy (`plan
 --fit`: the host work its collectives cost; --no-fit leaves them out), then `dpcompare plan --from it --model M` with
@@ -64,7 +65,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/bench/plan_model.json"))
     parser.add_argument("--keep", type=Path, default=None,
                         help="keep the runs and plans in this new folder (to predict again from the same runs)")
+    parser.add_argument("--again", type=Path, default=None, metavar="KEPT",
+                        help="train nothing: predict again from the tiny runs kept in KEPT (--keep) and print the "
+                             "predictions against KEPT's runs of the models (after a change to the cost model)")
     args = parser.parse_args()
+    if args.again is not None:
+        return again(args)
     if args.keep is not None and args.keep.exists():
         raise SystemExit(f"bench_plan_model: --keep {args.keep} exists; give a new folder")
     args.nproc = [int(n) for n in args.nproc.split(",")]
@@ -109,6 +115,34 @@ def main() -> None:
                         benchlib.print_table(rows[-1:], COLUMNS)
     benchlib.print_table(rows, COLUMNS, "plan --model: predicted from tiny N=1 against measured")
     benchlib.write_result(args.out, "plan_model", vars(args) | {"out": str(args.out)}, rows)
+
+
+def again(args) -> None:
+    """The rows of a kept sitting, predicted again from its own tiny runs, beside the runs it measured."""
+    kept, rows = args.again, []
+    if not (kept / "tiny-mlx").is_dir() and not (kept / "tiny-torch").is_dir():
+        raise SystemExit(f"bench_plan_model: --again {kept} holds no kept tiny run (tiny-mlx, tiny-torch)")
+    args.nproc = [int(n) for n in args.nproc.split(",")]
+    with tempfile.TemporaryDirectory(prefix="bench-plan-model-again-") as tmp:
+        for fw in args.frameworks.split(","):
+            fits = sorted(kept.glob(f"tiny-{fw}-*-2"))
+            for model in args.models.split(","):
+                if not (kept / f"tiny-{fw}").is_dir():
+                    continue
+                for p in plan_rows(kept / f"tiny-{fw}", kept / f"model-{model}", args, Path(tmp) / f"{fw}-{model}", fits):
+                    run_dir = kept / f"{fw}-{model}-{p['strategy']}-{p['world_size']}"
+                    if "impossible" in p or not (run_dir / "summary.json").exists():
+                        continue
+                    s = json.loads((run_dir / "summary.json").read_text())
+                    rss = max(r for r in s["peak_rss_bytes"] if r)
+                    rows.append({"framework": fw, "model": model, "strategy": p["strategy"], "N": p["world_size"],
+                                 "predicted_s": p["step_s"], "measured_s": s["step_time_s"],
+                                 "step_error": p["step_s"] / s["step_time_s"] - 1,
+                                 "predicted_mb": p["memory_bytes"]["total"] / 1e6, "measured_mb": rss / 1e6,
+                                 "rss_error": p["memory_bytes"]["total"] / rss - 1, "load": float("nan"),
+                                 "peak_at": p.get("memory_peak_at")})
+    benchlib.print_table(rows, COLUMNS[:-1] + [("peak_at", "peak at", "s")],
+                         f"plan --model predicted again from {kept}'s tiny runs against its measured runs")
 
 
 COLUMNS = [("framework", "framework", "s"), ("model", "model", "s"), ("strategy", "strategy", "s"), ("N", "N", "d"),

@@ -2,14 +2,15 @@
 --group-size ranks, a slow one between machines: common/costmodel/levels.py). Each level comes from a `doctor
 --fabric --out` file (--fabric, --fabric-inner), from the wire by hand (--link-gbps and --latency-us, and their
 -inner twins), or else from the run's own `link` record (summary.json: a two-level run records both levels), or,
-for a run of one rank (which measured no link), from the loopback a `--fit` run of the same framework and backend
-measured at its start on this machine (fit_loopback).
+for a run of one rank (which measured no link), the backend's loopback figures with the all-gather a `--fit` run of
+the same framework and backend measured at its start on this machine (fit_loopback).
 The `doctor --fabric --out` file is written here too (write_fabric), beside the code that reads it.
 """
 from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from common.costmodel.levels import Links, TwoLevelLink, links_from_record
@@ -112,8 +113,8 @@ def choose_links(args, summary: dict, backend: str, fits: tuple = ()) -> tuple[L
 
 def choose_link(args, summary: dict, backend: str, fits: tuple = ()) -> tuple[Links, str]:
     """(link, how it was chosen) from the flags (a --fabric file's entry of `backend`), else from the run (two
-    levels where it ran over two), else the loopback a fit run measured (fit_loopback: `fits` holds (its folder,
-    its summary.json)), else that backend's loopback figures."""
+    levels where it ran over two), else that backend's loopback figures, with the all-gather a fit run measured
+    where one did (fit_loopback: `fits` holds (its folder, its summary.json))."""
     framework = summary.get("framework", "")
     given = given_link(args.fabric, args.link_gbps, args.latency_us, framework, backend)
     if given is not None:
@@ -128,30 +129,30 @@ def choose_link(args, summary: dict, backend: str, fits: tuple = ()) -> tuple[Li
 
 
 def fit_loopback(fits, framework: str, backend: str) -> tuple[Link, str] | None:
-    """The loopback of this machine as a --fit run of `framework` on `backend` measured it at its start (its
-    unshaped `link` record; an fsdp run's has the all-gather too, which is preferred), for a calibration run of
-    one rank, which measured none. (link, how) or None.
+    """The backend's loopback figures with this machine's all-gather, as a --fit run of `framework` on `backend`
+    measured it at its start (an fsdp run's unshaped `link` record), for a calibration run of one rank, which
+    measured none: (link, how), or None where no fit run measured an all-gather.
 
-    Not the figures docs/benchmarks.md measured elsewhere: gloo's all_gather is CPU-bound, and the assumed link
-    priced it as an all-reduce's half, 5x faster than a tiny fsdp run measured it on the Zen 5 (0.71 GB/s);
-    torch's fsdp rows of `small` and `base` came out 19-21 % short over it, while the fit runs' host work had
-    been fitted over the measured one (issue 56)."""
-    best = None
+    The all-gather only. The assumed figures price it as half a ring all-reduce, and gloo's all_gather is CPU-bound:
+    a tiny fsdp run measured it at 0.71-0.84 GB/s on the Zen 5, where half the assumed all-reduce is 3.7, and
+    torch's fsdp rows of `small` and `base` came out 19-21 % short (issue 56). The fit runs' all-reduce is not taken:
+    ten 4 KB calls on two shared cores split between 0.1-0.3 ms and 4 ms (a rank waiting a scheduler tick for its
+    peer), so their median latency came out 0.3 or 3.7 ms from one run to the next, and their 32 MB bandwidth
+    0.58-0.87 GB/s for MLX's ring; over them MLX's `small` fsdp x2 was predicted 13-17 % long
+    (docs/notes/2026-11-plan-model.md)."""
     for source, s in fits:
         record = s.get("link") or {}
+        gather = record.get("allgather") or {}
         if (s.get("framework"), s.get("backend")) != (framework, backend) or record.get("requested") \
                 or record.get("emulated") or record.get("inner"):
             continue  # another framework's, another backend's, or a shaped link: not this machine's loopback
-        link = links_from_record(record, framework, backend)
-        if isinstance(link, Link) and (best is None or (link.gather_bandwidth_Bps and not best[0].gather_bandwidth_Bps)):
-            best = (link, source)
-    if best is None:
-        return None
-    link, source = best
-    return (Link(f"loopback ({backend}, measured)", link.hop_latency_s, link.bandwidth_Bps,
-                 f"{source}'s {backend} collectives, measured at its start", link.gather_hop_latency_s,
-                 link.gather_bandwidth_Bps),
-            "the calibration ran on one rank; pass --fabric or --link-gbps for another link")
+        if gather.get("latency_s") is not None and gather.get("bandwidth_Bps"):
+            assumed = loopback_link(backend)
+            link = assumed.with_allgather(gather["latency_s"], gather["bandwidth_Bps"], gather.get("world_size") or 2)
+            return (replace(link, name=f"loopback ({backend}, assumed; its all-gather measured)",
+                            source=f"{assumed.source}; the all-gather {source}'s, measured at its start"),
+                    "the calibration ran on one rank; pass --fabric or --link-gbps for another link")
+    return None
 
 
 def describe_links(links: Links, how: str) -> str:

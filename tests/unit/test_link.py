@@ -80,12 +80,13 @@ def _loopback_record(gather_Bps=None, requested=None):
     return record
 
 
-def test_a_one_rank_calibration_predicts_over_the_loopback_its_fit_runs_measured():
-    """A run of one rank measured no link: plan takes this machine's loopback from a --fit run of the same framework
-    and backend (an fsdp run's, with its all-gather, before a ddp run's), never a shaped link's or another
-    framework's; without one, the assumed figures."""
+def test_a_one_rank_calibration_prices_its_all_gathers_as_its_fit_runs_measured_them():
+    """A run of one rank measured no link: plan takes the backend's loopback figures, with this machine's all-gather
+    from a --fit run of the same framework and backend (an fsdp run's); never a shaped link's or another
+    framework's, and never the fit's all-reduce (its 4 KB latency swings with the scheduler on shared cores)."""
     from types import SimpleNamespace
 
+    from common.costmodel.links import loopback_link
     from compare.plan.links import choose_link
 
     args = SimpleNamespace(fabric=None, link_gbps=None, latency_us=None)
@@ -94,11 +95,13 @@ def test_a_one_rank_calibration_predicts_over_the_loopback_its_fit_runs_measured
                                                              "link": record}
     ddp, fsdp = fit(_loopback_record()), fit(_loopback_record(gather_Bps=0.7e9))
     link, how = choose_link(args, n1, "gloo", (("ddp-2", ddp), ("fsdp-2", fsdp)))
-    assert link.name == "loopback (gloo, measured)" and "fsdp-2" in link.source and "one rank" in how
+    assumed = loopback_link("gloo")
+    assert "all-gather measured" in link.name and "fsdp-2" in link.source and "one rank" in how
     assert link.all_gather_s(64e6, 2) == pytest.approx(2e-4 + 64e6 / 0.7e9)  # the measured gather, not half a ring
-    assert choose_link(args, n1, "gloo", (("ddp-2", ddp),))[0].gather_bandwidth_Bps is None
+    assert link.all_reduce_s(64e6, 2) == assumed.all_reduce_s(64e6, 2)  # the all-reduce as assumed
+    assert choose_link(args, n1, "gloo", (("ddp-2", ddp),))[0] == assumed  # no all-gather measured: as before
     refused = (("shaped", fit(_loopback_record(0.7e9, requested="1gbit"))), ("mlx", fit(_loopback_record(0.7e9), "mlx")),
                ("mpi", fit(_loopback_record(0.7e9), backend="mpi")))
-    assert choose_link(args, n1, "gloo", refused)[0].name == "loopback (gloo, assumed)"
+    assert choose_link(args, n1, "gloo", refused)[0] == assumed
     # the run's own record and a link given by hand come first
     assert choose_link(args, {**n1, "link": _loopback_record()}, "gloo", (("fsdp-2", fsdp),))[1] == "the run's link record"
