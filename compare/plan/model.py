@@ -157,7 +157,7 @@ def memory_warning(cfg: RunConfig, spec: ModelSpec) -> str | None:
     (common/costmodel/model_memory.py, its framework overhead and the head's logits from constants) exceeds its
     memory; None where it fits, the ranks run elsewhere (a hostfile) or the machine does not say its memory. It
     warns; it does not refuse."""
-    from common.costmodel.model_memory import HEAD_LOGITS_UNPROBED, machine_memory_bytes, model_memory
+    from common.costmodel.model_memory import HEAD_LOGITS_UNPROBED, machine_memory_bytes, model_memory, op_profile_bytes
     from common.costmodel.workload import BUCKET_FIELD
 
     machine = machine_memory_bytes()
@@ -171,9 +171,15 @@ def memory_warning(cfg: RunConfig, spec: ModelSpec) -> str | None:
     except (UserError, ValueError, KeyError, ZeroDivisionError):
         return None
     here = max(1, cfg.world_size // max(1, cfg.nnodes))
+    if cfg.op_profile:  # a one-rank run's op classes, timed after training, hold a copy of the gradients
+        profile = op_profile_bytes(cfg.layout, w, cfg.trained)
+        per_rank = {**per_rank, "op profile": profile, "total": per_rank["total"] + profile} if profile else per_rank
     if per_rank["total"] * here <= machine:
         return None
     big = max((k for k in per_rank if k not in ("total",)), key=lambda k: per_rank[k])
+    profile = per_rank.get("op profile")
     return (f"predicted peak {per_rank['total'] / 1e9:.1f} GB per rank x {here} rank(s) here exceeds the "
-            f"{machine / 1e9:.1f} GB this machine has available (largest part: {big} {per_rank[big] / 1e9:.1f} GB); it may fail out of memory: "
-            "`dpcompare plan --model` names a layout that fits")
+            f"{machine / 1e9:.1f} GB this machine has available (largest part: {big} {per_rank[big] / 1e9:.1f} GB"
+            + (f"; {profile / 1e9:.1f} GB of it the op profile after training: --no-op-profile leaves it out"
+               if profile else "")
+            + "); it may fail out of memory: `dpcompare plan --model` names a layout that fits")

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from common.costmodel.calibrate import calibrate
 from common.costmodel.fit import carried_to, fit_host_costs
-from common.costmodel.model_memory import machine_memory_bytes, model_memory, overhead_from_run, peak_phase
+from common.costmodel.model_memory import (machine_memory_bytes, model_memory, op_profile_bytes, overhead_from_run,
+                                          peak_phase)
 from common.costmodel.probed import calibration_for, head_held, phases, request_for, split_per_call, transfer
 from common.errors import UserError
 from common.metrics import write_json
@@ -191,19 +192,32 @@ def judge(r: dict, w, trained, storage, overhead, limit) -> None:
     r["memory_peak_at"], memory = peak_phase(layout(r["strategy"], r["world_size"], r.get("mesh") or ""), w, trained,
                                              storage, overhead)  # "head" or "backward", and that phase's parts
     r["memory_bytes"] = memory
-    r["fits"] = None if limit is None else memory["total"] <= limit
-    # within TIGHT of the limit the prediction's own error decides: torch's 1B full fine-tune, 22.7 GB predicted
-    # against 24.3 available, trained 3 steps at 21 GB and was killed at 24.9 GB in its profiled steps (issue 56)
-    r["tight"] = bool(r["fits"]) and memory["total"] > (1 - TIGHT) * limit
-    if r["fits"] is False:
+    # a one-rank run times its op classes after training, holding a copy of the gradients (op_profile_bytes):
+    # the row fits where that fits too, and --no-op-profile is then the cheapest change (cheapest_change)
+    lay = layout(r["strategy"], r["world_size"], r.get("mesh") or "")
+    r["op_profile_bytes"] = op_profile_bytes(lay, w, trained)
+    r["fits"] = None if limit is None else memory["total"] + r["op_profile_bytes"] <= limit
+    # within TIGHT of the limit the prediction's own error decides: torch's 1B full fine-tune, predicted at 22.7 GB
+    # (the summed phase) against 24.3 available, trained 3 steps at 21 GB and was killed at 24.9 GB in its profiled
+    # steps (issue 56), which op_profile_bytes now counts
+    r["tight"] = bool(r["fits"]) and memory["total"] + r["op_profile_bytes"] > (1 - TIGHT) * limit
+    if r["fits"] is False and memory["total"] <= limit:
+        r["bottleneck"] = (f"memory: {memory['total'] / 1e9:.2f} GB per rank, and {r['op_profile_bytes'] / 1e9:.2f} GB "
+                           f"more while the op classes are timed after training, does not fit in {limit / 1e9:.3g} GB")
+    elif r["fits"] is False:
         big = sorted(((k, v) for k, v in memory.items() if k != "total"), key=lambda kv: -kv[1])[:3]
         r["bottleneck"] = (f"memory: {memory['total'] / 1e9:.2f} GB per rank does not fit in {limit / 1e9:.3g} GB ("
                            + ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in big) + ")")
 
 
 def cheapest_change(r: dict, rows: list[dict], w, trained, storage, overhead, limit) -> str:
-    """The smallest change that makes row `r`'s layout fit, in this order: another strategy or mesh at the same N
-    (the same training, the fastest that fits), a smaller micro-batch (more accumulation), LoRA, a 4-bit base."""
+    """The smallest change that makes row `r`'s layout fit, in this order: no op profile after a one-rank run's
+    training (the training fits), another strategy or mesh at the same N (the same training, the fastest that
+    fits), a smaller micro-batch (more accumulation), LoRA, a 4-bit base."""
+    if r.get("op_profile_bytes") and r["memory_bytes"]["total"] <= limit:
+        return (f"--no-op-profile (the op classes a one-rank run times after training hold "
+                f"{r['op_profile_bytes'] / 1e9:.2f} GB of gradients more) fits: {r['memory_bytes']['total'] / 1e9:.2f} "
+                "GB per rank")
     same_n = [o for o in rows if o["world_size"] == r["world_size"] and o.get("fits") and o is not r]
     if same_n:
         o = min(same_n, key=lambda o: o["step_s"])

@@ -302,31 +302,6 @@ def test_the_peak_is_the_heads_phase_where_the_vocabulary_outweighs_the_model_an
     assert model_memory(layout("ddp", 1), torch_small, FullModel(), None, 1e8)["gradients"] == 0
 
 
-def test_under_fsdp_the_heads_phase_holds_the_reductions_copies_of_an_untied_head_matrix():
-    """fsdp's head phase holds, beyond the whole head matrix and its gradient (gathered_bytes), the reduction's copies
-    of that gradient: torch's flat reduce-scatter input and the shard (1.5 matrices), MLX's fitted 3 (issue 56: small
-    fsdp x2 was 14-20 % short of its peak RSS without them). Not at one rank, not in the summed backward phase, and
-    not for a tied matrix, reduced with the embedding's part after the whole backward."""
-    from dataclasses import replace
-
-    from common.costmodel.model_memory import peak_phase
-    from common.parallel.fsdp import FSDP_HEAD_MATRICES
-
-    spec = PRESETS["small"].with_(vocab_size=50257)
-    matrix = 50258 * spec.dim * 4  # padded to a multiple of the 2 ranks
-    fsdp = layout("fsdp", 2)
-    for framework in ("mlx", "torch"):
-        w = Workload(spec, 128, 8, framework=framework, head_held=(3.0, 0.0))
-        assert fsdp.head_gathered_bytes(w) == pytest.approx(FSDP_HEAD_MATRICES[framework] * matrix)
-        phase, head = peak_phase(fsdp, w, FullModel(), None, 1e8)
-        assert phase == "head" and head["gathered"] == pytest.approx(fsdp.gathered_bytes(w) + fsdp.head_gathered_bytes(w))
-        without = peak_phase(fsdp, replace(w, head_held=None), FullModel(), None, 1e8)[1]
-        assert without["gathered"] == fsdp.gathered_bytes(w)  # the summed phase: as memory.py's factors were fitted
-        tied = replace(w, spec=spec.with_(tie_embeddings=True))
-        assert fsdp.head_gathered_bytes(tied) == 0 and layout("ddp", 2).head_gathered_bytes(w) == 0
-    assert FSDP_HEAD_MATRICES["torch"] == 1.5
-
-
 def test_the_heads_peak_splits_into_what_the_rows_add_and_the_vocabulary_matrices_gradients():
     """The probe measures the head's resident peak at its rows and at twice them (as its timings): what the rows
     add is logits-sized buffers, the rest the vocabulary matrices' gradients, scaled to the model's vocabulary."""
@@ -380,7 +355,8 @@ def test_runs_warning_counts_the_heads_logits_where_they_outweigh_the_model(monk
     from common.costmodel.model_memory import HEAD_LOGITS_UNPROBED, peak_phase
     from compare.plan import model
 
-    cfg = RunConfig.from_dict({"preset": "small", "nproc": 1, "seq_len": 512, "global_batch_size": 16})
+    cfg = RunConfig.from_dict({"preset": "small", "nproc": 1, "seq_len": 512, "global_batch_size": 16,
+                               "op_profile": False})
     spec = cfg.model_spec(128256)
     w = Workload(spec, 512, 16, framework=cfg.framework)
     summed = model_memory(cfg.layout, w)["total"]
