@@ -20,9 +20,10 @@ The parts, each predicted (the framework factors are memory.py's, fitted on meas
 
 Two phases, and the peak is the larger (`peak_at`). "backward": the parts above summed, as the frameworks' factors
 were fitted (memory.py: the state, every gradient, the update's copies and the activations, two logits-sized
-arrays among them); for a framework that frees each block's activations as it writes its gradients (torch:
-FREES_ACTIVATIONS_IN_BACKWARD) and where the probe measured the head, the backward's end instead (every gradient
-beside one block's activations), its start being the head phase. "head", where the probe measured what the head holds (`w.head_held`): the step's start of the
+arrays among them). Summed, not the backward's end, though torch's autograd frees a block's activations as it
+writes its gradients: glibc keeps the freed activations' pages (each under its 32 MB mapping threshold) in its heap,
+while gradients above it are new mappings. torch's 1B full fine-tune at x1 (67 MB block matrices) peaked at 24.08 GB
+on the Zen 5, the sum 22.66, the backward's end 20.63 (docs/notes/2026-11-plan-model.md). "head", where the probe measured what the head holds (`w.head_held`): the step's start of the
 backward, where the head and its cross-entropy hold their logits-sized buffers (counted in the activations) and the
 vocabulary matrices' gradients (in the gradients) beside every block's activations and the state, and no other
 gradient (MLX's are the step's graph; torch's where the reduction does not keep them, GRADIENTS_KEPT); under
@@ -59,14 +60,6 @@ GRADIENTS_KEPT = {"mlx": False, "torch": True}
 # warning): the probe's resident count on the Zen 5, 2.9-3.3 for `small` and `base` in both frameworks, 2.1 (torch)
 # and 4.1 (MLX) for the 1B shape under LoRA (docs/scaling.md); a warning errs towards warning, so the largest.
 HEAD_LOGITS_UNPROBED = 4.1
-# Whether a framework's backward frees each block's saved activations as it writes that block's gradients, so that
-# the activations and the gradients peak at the two ends of the backward, never summed: torch's autograd releases a
-# node's saved tensors once its backward has run. Where the probe measured the head, torch's backward phase is then
-# its end (every gradient and the reduction's copies, one block's activations), the head phase its start. Summed,
-# torch's `base` peaks were predicted 7-11 % over in two Zen 5 sittings (ddp x1 +7.4 %, +8.0 %; x2 +10.7 %, +9.9 %:
-# docs/scaling.md). MLX's step is one compiled graph whose schedule memory.py's summed factors were fitted to (its
-# `base` rows within 7 % summed).
-FREES_ACTIVATIONS_IN_BACKWARD = {"mlx": False, "torch": True}
 PARTS = ("weights", "gradients", "optimizer", "activations", "gathered", "update", "reduce", "dequantize")
 
 
@@ -110,10 +103,6 @@ def peak_phase(lay: Layout, w: Workload, trained: Trained = FullModel(), storage
     backward = {**parts, "overhead": overhead, "total": sum(parts.values()) + overhead}
     if w.head_held is None:
         return "backward", backward
-    if FREES_ACTIVATIONS_IN_BACKWARD[fw]:  # the backward's end: one block's activations beside every gradient
-        active = len(trained.blocks(spec)) if isinstance(trained, Adapters) else spec.n_layers
-        end = {**parts, "activations": blocks_act / max(1, active) * ACTIVATION_FACTOR[fw]}
-        backward = {**end, "overhead": overhead, "total": sum(end.values()) + overhead}
     kept = GRADIENTS_KEPT[fw] and lay.copies_gradients_for_reduce
     head_logits, head_bytes = w.head_held
     head_parts = {**parts, "gradients": (state if kept else 0.0) + head_bytes, "update": 0.0, "reduce": 0.0,
