@@ -106,41 +106,37 @@ def main() -> None:
                             continue
                         load = benchlib.wait_for_quiet(max_wait_s=30)
                         s = run(root / f"{fw}-{model}-{strategy}-{n}", fw, model, n, strategy, args, benchlib.TINYSTORIES)
-                        rss = max(r for r in s["peak_rss_bytes"] if r)
-                        rows.append({"framework": fw, "model": model, "strategy": strategy, "N": n,
-                                     "predicted_s": p["step_s"], "measured_s": s["step_time_s"],
-                                     "step_error": p["step_s"] / s["step_time_s"] - 1,
-                                     "predicted_mb": p["memory_bytes"]["total"] / 1e6, "measured_mb": rss / 1e6,
-                                     "rss_error": p["memory_bytes"]["total"] / rss - 1, "load": load})
+                        rows.append(compared(fw, model, p, s, load))
                         benchlib.print_table(rows[-1:], COLUMNS)
     benchlib.print_table(rows, COLUMNS, "plan --model: predicted from tiny N=1 against measured")
     benchlib.write_result(args.out, "plan_model", vars(args) | {"out": str(args.out)}, rows)
 
 
+def compared(fw: str, model: str, p: dict, s: dict, load: float) -> dict:
+    """One row: plan's prediction `p` against the run's summary.json `s` (its median step, its largest peak RSS)."""
+    rss = max(r for r in s["peak_rss_bytes"] if r)
+    return {"framework": fw, "model": model, "strategy": p["strategy"], "N": p["world_size"],
+            "predicted_s": p["step_s"], "measured_s": s["step_time_s"], "step_error": p["step_s"] / s["step_time_s"] - 1,
+            "predicted_mb": p["memory_bytes"]["total"] / 1e6, "measured_mb": rss / 1e6,
+            "rss_error": p["memory_bytes"]["total"] / rss - 1, "load": load, "peak_at": p.get("memory_peak_at")}
+
+
 def again(args) -> None:
     """The rows of a kept sitting, predicted again from its own tiny runs, beside the runs it measured."""
     kept, rows = args.again, []
-    if not (kept / "tiny-mlx").is_dir() and not (kept / "tiny-torch").is_dir():
+    frameworks = [fw for fw in args.frameworks.split(",") if (kept / f"tiny-{fw}").is_dir()]
+    if not frameworks:
         raise SystemExit(f"bench_plan_model: --again {kept} holds no kept tiny run (tiny-mlx, tiny-torch)")
     args.nproc = [int(n) for n in args.nproc.split(",")]
     with tempfile.TemporaryDirectory(prefix="bench-plan-model-again-") as tmp:
-        for fw in args.frameworks.split(","):
+        for fw in frameworks:
             fits = sorted(kept.glob(f"tiny-{fw}-*-2"))
             for model in args.models.split(","):
-                if not (kept / f"tiny-{fw}").is_dir():
-                    continue
                 for p in plan_rows(kept / f"tiny-{fw}", kept / f"model-{model}", args, Path(tmp) / f"{fw}-{model}", fits):
                     run_dir = kept / f"{fw}-{model}-{p['strategy']}-{p['world_size']}"
-                    if "impossible" in p or not (run_dir / "summary.json").exists():
-                        continue
-                    s = json.loads((run_dir / "summary.json").read_text())
-                    rss = max(r for r in s["peak_rss_bytes"] if r)
-                    rows.append({"framework": fw, "model": model, "strategy": p["strategy"], "N": p["world_size"],
-                                 "predicted_s": p["step_s"], "measured_s": s["step_time_s"],
-                                 "step_error": p["step_s"] / s["step_time_s"] - 1,
-                                 "predicted_mb": p["memory_bytes"]["total"] / 1e6, "measured_mb": rss / 1e6,
-                                 "rss_error": p["memory_bytes"]["total"] / rss - 1, "load": float("nan"),
-                                 "peak_at": p.get("memory_peak_at")})
+                    if "impossible" not in p and (run_dir / "summary.json").exists():
+                        rows.append(compared(fw, model, p, json.loads((run_dir / "summary.json").read_text()),
+                                             float("nan")))
     benchlib.print_table(rows, COLUMNS[:-1] + [("peak_at", "peak at", "s")],
                          f"plan --model predicted again from {kept}'s tiny runs against its measured runs")
 

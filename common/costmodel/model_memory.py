@@ -26,8 +26,8 @@ while gradients above it are new mappings. torch's 1B full fine-tune at x1 (67 M
 on the Zen 5, the sum 22.66, the backward's end 20.63 (docs/notes/2026-11-plan-model.md).
 "head", where the probe measured what the head holds (`w.head_held`): the step's start of the backward, where the
 head and its cross-entropy hold their logits-sized buffers (counted in the activations) and the vocabulary
-matrices' gradients (in the gradients) beside every block's activations and the state, and no other gradient (MLX's are the step's graph; torch's where the reduction does not keep them, GRADIENTS_KEPT); under
-fsdp also the reduction's copies of the head matrix's whole gradient (the layout's head_gathered_bytes). The sum
+matrices' gradients (in the gradients) beside every block's activations and the state, and no other gradient
+(MLX's are the step's graph; torch's where the reduction does not keep them, GRADIENTS_KEPT); under fsdp also the reduction's copies of the head matrix's whole gradient (the layout's head_gathered_bytes). The sum
 misses the head where the vocabulary outweighs the model: MLX's cross-entropy holds 4-6 logits-sized buffers at its
 peak where the sum counts 2, and `small`'s (28M parameters, 206 MB logits at 1,024 tokens) peak RSS was predicted
 15-26 % short (docs/scaling.md).

@@ -171,13 +171,13 @@ def memory_warning(cfg: RunConfig, spec: ModelSpec) -> str | None:
     except (UserError, ValueError, KeyError, ZeroDivisionError):
         return None
     here = max(1, cfg.world_size // max(1, cfg.nnodes))
-    if cfg.op_profile:  # a one-rank run's op classes, timed after training, hold a copy of the gradients
-        profile = op_profile_bytes(cfg.layout, w, cfg.trained)
-        per_rank = {**per_rank, "op profile": profile, "total": per_rank["total"] + profile} if profile else per_rank
+    # a one-rank run's op classes, timed after training, hold a copy of the gradients
+    profile = op_profile_bytes(cfg.layout, w, cfg.trained) if cfg.op_profile else 0.0
+    if profile:
+        per_rank = {**per_rank, "op profile": profile, "total": per_rank["total"] + profile}
     if per_rank["total"] * here <= machine:
         return None
     big = max((k for k in per_rank if k not in ("total",)), key=lambda k: per_rank[k])
-    profile = per_rank.get("op profile")
     return (f"predicted peak {per_rank['total'] / 1e9:.1f} GB per rank x {here} rank(s) here exceeds the "
             f"{machine / 1e9:.1f} GB this machine has available (largest part: {big} {per_rank[big] / 1e9:.1f} GB"
             + (f"; {profile / 1e9:.1f} GB of it the op profile after training: --no-op-profile leaves it out"

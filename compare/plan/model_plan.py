@@ -183,18 +183,21 @@ def best_of(rows: list[dict]) -> dict:
     return {"best": best, "refused": {}}
 
 
+def row_layout(r: dict):
+    return layout(r["strategy"], r["world_size"], r.get("mesh") or "")
+
+
 def memory_of(r: dict, w, trained, storage, overhead) -> dict:
-    return model_memory(layout(r["strategy"], r["world_size"], r.get("mesh") or ""), w, trained, storage, overhead)
+    return model_memory(row_layout(r), w, trained, storage, overhead)
 
 
 def judge(r: dict, w, trained, storage, overhead, limit) -> None:
     """The row's memory as model_memory predicts it, whether it fits `limit`, and the bottleneck if it does not."""
-    r["memory_peak_at"], memory = peak_phase(layout(r["strategy"], r["world_size"], r.get("mesh") or ""), w, trained,
-                                             storage, overhead)  # "head" or "backward", and that phase's parts
+    lay = row_layout(r)
+    r["memory_peak_at"], memory = peak_phase(lay, w, trained, storage, overhead)  # "head" or "backward", its parts
     r["memory_bytes"] = memory
     # a one-rank run times its op classes after training, holding a copy of the gradients (op_profile_bytes):
     # the row fits where that fits too, and --no-op-profile is then the cheapest change (cheapest_change)
-    lay = layout(r["strategy"], r["world_size"], r.get("mesh") or "")
     r["op_profile_bytes"] = op_profile_bytes(lay, w, trained)
     r["fits"] = None if limit is None else memory["total"] + r["op_profile_bytes"] <= limit
     # within TIGHT of the limit the prediction's own error decides: torch's 1B full fine-tune, predicted at 22.7 GB
@@ -223,7 +226,7 @@ def cheapest_change(r: dict, rows: list[dict], w, trained, storage, overhead, li
         o = min(same_n, key=lambda o: o["step_s"])
         return (f"{o.get('label') or o['strategy']} x{o['world_size']} fits ({o['memory_bytes']['total'] / 1e9:.2f} "
                 f"GB per rank, {o['step_s']:.3g} s per step)")
-    rows_per_rank = w.micro_rows(1) / max(1, layout(r["strategy"], r["world_size"], r.get("mesh") or "").dp_size)
+    rows_per_rank = w.micro_rows(1) / max(1, row_layout(r).dp_size)
     accum = w.grad_accum
     while rows_per_rank / (accum / w.grad_accum) > 1 and w.global_batch_size % (accum * 2) == 0:
         accum *= 2
