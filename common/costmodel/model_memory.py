@@ -18,12 +18,14 @@ The parts, each predicted (the framework factors are memory.py's, fitted on meas
                 (its peak less the parts above at its own shapes), or memory.py's constants without one; at
                 N > 1 plus what a job of several ranks adds to it (JOB_FIXED_BYTES)
 
-Two phases, and the peak is the larger (`peak_at`). "backward": the parts above summed, as the frameworks' factors
-were fitted (memory.py: the state, every gradient, the update's copies and the activations, two logits-sized
-arrays among them). Summed, not the backward's end, though torch's autograd frees a block's activations as it
-writes its gradients: glibc keeps the freed activations' pages (each under its 32 MB mapping threshold) in its heap,
-while gradients above it are new mappings. torch's 1B full fine-tune at x1 (67 MB block matrices) peaked at 24.08 GB
-on the Zen 5, the sum 22.66, the backward's end 20.63 (docs/notes/2026-11-plan-model.md).
+Three phases, and the peak is the largest (`peak_at`). "backward": the parts above summed, as the frameworks'
+factors were fitted (memory.py: the state, every gradient, the update's copies and the activations, two logits-sized
+arrays among them), except torch's gradients under glibc's mmap threshold (HEAP_REUSED_BELOW_BYTES): autograd frees a
+block's activations as it writes its gradients, and glibc's heap keeps the freed pages and hands them to the
+gradients, while a gradient above the threshold is a new mapping on top. "update": the whole state, the reduction's
+buffers and the update's copies, torch's AdamW's three temporaries of its largest tensor among them
+(UPDATE_TEMPORARIES), new mappings once the backward's pages are freed. torch's 1B full fine-tune at x1 (1 GB
+embedding, 67 MB block matrices) peaked at 24.08 GB on the Zen 5: the sum of every part said 22.66, the update 23.19.
 "head", where the probe measured what the head holds (`w.head_held`): the step's start of the backward, where the
 head and its cross-entropy hold their logits-sized buffers (counted in the activations) and the vocabulary
 matrices' gradients (in the gradients) beside every block's activations and the state, and no other gradient
@@ -60,6 +62,20 @@ GRADIENTS_KEPT = {"mlx": False, "torch": True}
 # warning): the probe's resident count on the Zen 5, 2.9-3.3 for `small` and `base` in both frameworks, 2.1 (torch)
 # and 4.1 (MLX) for the 1B shape under LoRA (docs/scaling.md); a warning errs towards warning, so the largest.
 HEAD_LOGITS_UNPROBED = 4.1
+# glibc serves a tensor under its mmap threshold (32 MB once the first steps have raised it: common/train/heap.py)
+# from its heap, and keeps the pages a freed tensor leaves; a larger tensor is a mapping of its own, given back when
+# freed. So torch's gradients under the threshold are written into the pages the backward's freed activations left,
+# and add nothing beyond them, while larger ones come on top: torch `base` (719 MB of parameters, 411 MB of them in
+# tensors under 32 MB) was predicted 8-11 % over at ddp x1 and x2 on the Zen 5 while every gradient was summed, the
+# 1B shape (671 MB of 4,943 under it) 6 % under. MLX's allocator keeps its own cache of freed buffers by size, which
+# memory.py's factors were fitted with: 0, nothing taken off.
+HEAP_REUSED_BELOW_BYTES = {"mlx": 0, "torch": 32 * 2**20}
+# Copies of the largest trained tensor torch's AdamW holds at once in its update on a CPU (`torch.optim.adam`'s
+# single-tensor path, foreach being for accelerators: the square root, the bias-corrected denominator and a third),
+# measured as the resident pages one step adds: 3.00 tensors at 10 MB and at 1,049 MB (the Zen 5, torch 2.13). Above
+# the heap's threshold they are new mappings beside the whole state: the "update" phase. MLX's update writes new
+# parameters beside the old, memory.py's UPDATE_FACTOR, in the summed phase.
+UPDATE_TEMPORARIES = {"mlx": 0, "torch": 3}
 PARTS = ("weights", "gradients", "optimizer", "activations", "gathered", "update", "reduce", "dequantize")
 
 
@@ -82,6 +98,10 @@ def peak_phase(lay: Layout, w: Workload, trained: Trained = FullModel(), storage
     base = storage.base_bytes(spec) if bits < 32 else sum(math.prod(s) for s in parameter_shapes(spec).values()) * 4
     trained_elements = trained.trained_parameters(spec) * (1.0 if lora else local_share)
     state = trained_elements * MASTER_BYTES
+    shapes = trained.state_shapes(spec)
+    reused_below = HEAP_REUSED_BELOW_BYTES[fw]
+    small = sum(math.prod(s) for s in shapes.values() if math.prod(s) * MASTER_BYTES < reused_below)
+    small_gradients = small * MASTER_BYTES * (1.0 if lora else local_share)
     logits = lay.logits_bytes(w)
     blocks_act = lay.activation_bytes(w) - 2 * logits  # every block's saved tensors
     if isinstance(trained, Adapters):  # the blocks below the lowest adapted one keep nothing for a backward that never runs
@@ -100,16 +120,27 @@ def peak_phase(lay: Layout, w: Workload, trained: Trained = FullModel(), storage
     }
     overhead = FIXED_BYTES[fw] + WORKSPACE_BYTES[fw] if overhead_bytes is None else overhead_bytes
     overhead += JOB_FIXED_BYTES[fw] if lay.mesh.size > 1 else 0.0
-    backward = {**parts, "overhead": overhead, "total": sum(parts.values()) + overhead}
+    # the gradients under glibc's threshold written into the pages the freed activations left (HEAP_REUSED_BELOW_BYTES)
+    backward_parts = {**parts, "gradients": state - min(small_gradients, parts["activations"])}
+    backward = {**backward_parts, "overhead": overhead, "total": sum(backward_parts.values()) + overhead}
+    # the update: the whole state, the reduction's buffers, and AdamW's temporaries of the largest trained tensor
+    largest_trained = max((math.prod(s) for s in shapes.values()), default=0) * MASTER_BYTES
+    update_parts = {**parts, "activations": 0.0, "gathered": 0.0, "dequantize": 0.0,
+                    "update": parts["update"] + UPDATE_TEMPORARIES[fw] * largest_trained}
+    update = {**update_parts, "overhead": overhead, "total": sum(update_parts.values()) + overhead}
+    if update["total"] > backward["total"]:
+        backward_name, backward = "update", update
+    else:
+        backward_name = "backward"
     if w.head_held is None:
-        return "backward", backward
+        return backward_name, backward
     kept = GRADIENTS_KEPT[fw] and lay.copies_gradients_for_reduce
     head_logits, head_bytes = w.head_held
     head_parts = {**parts, "gradients": (state if kept else 0.0) + head_bytes, "update": 0.0, "reduce": 0.0,
                   "gathered": parts["gathered"] + lay.head_gathered_bytes(w),
                   "activations": blocks_act * ACTIVATION_FACTOR[fw] + head_logits * logits}
     head = {**head_parts, "overhead": overhead, "total": sum(head_parts.values()) + overhead}
-    return ("head", head) if head["total"] > backward["total"] else ("backward", backward)
+    return ("head", head) if head["total"] > backward["total"] else (backward_name, backward)
 
 
 def op_profile_bytes(lay: Layout, w: Workload, trained: Trained = FullModel()) -> float:

@@ -6,6 +6,7 @@ import glob
 import importlib.metadata
 import os
 import platform
+import random
 import shutil
 import socket
 import subprocess
@@ -219,12 +220,34 @@ def mpirun_is_openmpi() -> bool:
     return "Open MPI" in out or "OpenRTE" in out
 
 
+# Listening ports are chosen below the kernel's ephemeral range (Linux's ip_local_port_range, 32768-60999 by default;
+# macOS's starts at 49152), which it never hands out by itself. A block chosen inside that range is free when chosen
+# yet any process's outgoing connection can take it before the ranks bind it: a fresh-clone CI run lost test_stop's
+# MLX ring rank 1 so ("[ring] Couldn't bind socket (error: 98)", stop 66). Below it, only another listener that
+# chose the same block can, one chance in thousands.
+LISTEN_PORTS_FROM = 20000
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (32768 where the system does not say)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port_block(count: int) -> int:
-    """A base port such that base .. base+count-1 are free now, so concurrent runs do not collide."""
+    """A base port such that base .. base+count-1 are free now, below the ephemeral range where there is room
+    (LISTEN_PORTS_FROM), so concurrent runs and outgoing connections do not take them before the ranks bind."""
+    low = _ephemeral_low()
+    draw = random.SystemRandom()
     for _ in range(200):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
+        if low - count > LISTEN_PORTS_FROM:
+            base = draw.randrange(LISTEN_PORTS_FROM, low - count + 1)
+        else:  # an ephemeral range that starts low: the kernel's choice, checked as before
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                base = probe.getsockname()[1]
         if base + count >= 65535:
             continue
         if all(_port_free(base + i) for i in range(count)):

@@ -194,7 +194,7 @@ def memory_of(r: dict, w, trained, storage, overhead) -> dict:
 def judge(r: dict, w, trained, storage, overhead, limit) -> None:
     """The row's memory as model_memory predicts it, whether it fits `limit`, and the bottleneck if it does not."""
     lay = row_layout(r)
-    r["memory_peak_at"], memory = peak_phase(lay, w, trained, storage, overhead)  # "head" or "backward", its parts
+    r["memory_peak_at"], memory = peak_phase(lay, w, trained, storage, overhead)  # "head", "backward" or "update", its parts
     r["memory_bytes"] = memory
     # a one-rank run times its op classes after training, holding a copy of the gradients (op_profile_bytes):
     # the row fits where that fits too, and --no-op-profile is then the cheapest change (cheapest_change)

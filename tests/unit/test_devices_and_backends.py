@@ -193,3 +193,30 @@ def test_a_local_mpi_job_starts_mpirun_by_name_so_the_native_kernel_compiler_sta
     hostfile.write_text("mac1 slots=1\nmac2 slots=1\n")
     argv, _, _ = build_command(mlx_cfg(nproc=2, backend="mpi", hostfile=str(hostfile)), tmp_path / "run2")
     assert argv[0] == "/opt/ompi/bin/mpirun"
+
+
+def test_ring_ports_are_chosen_below_the_ephemeral_range_and_skip_a_taken_one(monkeypatch):
+    """The ranks' listening ports come from below the kernel's ephemeral range, which outgoing connections take
+    from (a CI run lost an MLX ring rank to one taken between its choice and its bind), and a block with a port
+    already listened on is never given."""
+    import socket
+
+    from compare.machine import environment
+
+    low = environment._ephemeral_low()
+    for _ in range(20):
+        base = environment.free_port_block(3)
+        assert environment.LISTEN_PORTS_FROM <= base and base + 3 <= low
+    # the only candidates 20000..20004 (a range starting at 20007): hold 20000..20003, so 20004 is the one block
+    monkeypatch.setattr(environment, "_ephemeral_low", lambda: environment.LISTEN_PORTS_FROM + 7)
+    held = []
+    try:
+        for port in range(environment.LISTEN_PORTS_FROM, environment.LISTEN_PORTS_FROM + 4):
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", port))
+            sock.listen()
+            held.append(sock)
+        assert environment.free_port_block(3) == environment.LISTEN_PORTS_FROM + 4
+    finally:
+        for sock in held:
+            sock.close()
