@@ -144,6 +144,9 @@ class RunConfig:
     # glibc malloc that keeps freed memory instead of unmapping it: 1.3-1.4x faster CPU steps for both
     # frameworks (fewer page faults), at up to 1.7x the peak RSS. Off by default: it changes memory figures.
     tune_malloc: bool = False
+    # where one machine's ranks outnumber its cores: each framework's placement (common/train/placement.py; MLX pins
+    # its ranks one core each, round-robin); off: the kernel places every rank
+    pin_ranks: bool = True
     hostfile: str = ""
     nnodes: int = 1                  # several nodes, each started by hand: torch (torchrun) or MLX ring
     node_rank: int = 0

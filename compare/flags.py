@@ -88,6 +88,9 @@ RUN_FLAGS = [
                                "skip it): the report's op-class table (docs/profiling.md)"),
     ("--trace", None, "then trace 2 more steps per rank: RUN_DIR/trace/rank{R}.json for ui.perfetto.dev "
                       "(torch.profiler; MLX: phase spans, plus an Xcode .gputrace on Metal)"),
+    ("--pin-ranks", "switch", "where one machine's ranks outnumber its cores, pin them as their framework does best "
+                             "(MLX: one core each, round-robin; torch: the kernel's choice) (default; "
+                             "--no-pin-ranks: the kernel places every rank) (docs/running.md)"),
     ("--tune-malloc", None, "glibc malloc that keeps freed memory: faster CPU steps, higher peak RSS (torch fsdp "
                             "then skips its heap releases)"),
     ("--init-from", str, "start from this HF-format Llama dir (its config.json sets the model, its tokenizer "

@@ -21,6 +21,7 @@ from typing import Callable
 
 import numpy as np
 
+from common.train.placement import rank_from_environment
 from common.train.breakdown import profile
 from common.train.opprofile import profile as op_profile
 from common.checkpoint.store import (latest_checkpoint, open_checkpoint,
@@ -57,7 +58,7 @@ def rank_main(run_dir: str, start_world: Callable[[RunConfig], World], trainer_c
     `start_world(cfg) -> World` initialises the framework's distributed state (the only part that
     differs between backends besides the Trainer).
     """
-    rank = int(os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("MLX_RANK", 0))))
+    rank = rank_from_environment()
 
     def on_sigterm(signum, frame):
         # Launchers SIGTERM the survivors when a rank dies; say so, so the watchdog blames the right rank.
