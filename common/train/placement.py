@@ -32,8 +32,9 @@ def cores_for(rank: int, ranks: int, threads: int, available: list[int]) -> set[
 
 def place_rank(run_dir: str, policy: str) -> set[int] | None:
     """Pin this process under `policy` before its framework starts threads (they inherit the mask); the cores,
-    or None where it is left to the kernel: another policy, no affinity call (macOS), a job across machines,
-    `--no-pin-ranks`, or a plan this rank cannot read (rank_main reports that)."""
+    or None where it is left to the kernel: another policy, no affinity call (macOS), a job across machines (a
+    hostfile, --nnodes, an srun step over several nodes), `--no-pin-ranks`, or a plan this rank cannot read
+    (rank_main reports that)."""
     if policy != ROUND_ROBIN or not hasattr(os, "sched_setaffinity"):
         return None
     from common.runplan import RunPlan
@@ -42,8 +43,8 @@ def place_rank(run_dir: str, policy: str) -> set[int] | None:
         cfg = RunPlan.read(Path(run_dir)).config
     except Exception:  # noqa: BLE001 - the rank's own start reads the plan again and says what is wrong
         return None
-    if not cfg.pin_ranks or cfg.nnodes > 1 or cfg.hostfile:
-        return None
+    if not cfg.pin_ranks or cfg.nnodes > 1 or cfg.hostfile or int(os.environ.get("SLURM_STEP_NUM_NODES", 1)) > 1:
+        return None  # ranks across machines (an srun step over several nodes too): each machine has its own cores
     cores = cores_for(rank_from_environment(), cfg.world_size, cfg.threads_per_rank, sorted(os.sched_getaffinity(0)))
     if cores is not None:
         try:

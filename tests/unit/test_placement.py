@@ -41,7 +41,7 @@ def test_a_rank_is_pinned_before_its_framework_starts_only_under_round_robin(tmp
     ranks = 4 * len(available)
     probe = ("import json, os, sys; from common.train.placement import place_rank; "
              f"print(json.dumps([sorted(place_rank(sys.argv[1], {policy!r}) or []), sorted(os.sched_getaffinity(0))]))")
-    env = {**os.environ, "RANK": "3"}
+    env = {**os.environ, "RANK": "3", "SLURM_STEP_NUM_NODES": "1"}
     for run_dir, pinned in ((_plan(tmp_path / "on", ranks), policy == ROUND_ROBIN),
                             (_plan(tmp_path / "off", ranks, pin_ranks=False), False)):
         out = subprocess.run([sys.executable, "-c", probe, run_dir], env=env, capture_output=True, text=True,
@@ -51,3 +51,7 @@ def test_a_rank_is_pinned_before_its_framework_starts_only_under_round_robin(tmp
             assert said == mask == [available[3 % len(available)]]
         else:
             assert said == [] and mask == available
+    # an srun step over two nodes: rank 3 is not the third rank of this machine
+    out = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "on")], env={**env, "SLURM_STEP_NUM_NODES": "2"},
+                         capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == [[], available]
