@@ -72,7 +72,8 @@ HEAD_LOGITS_UNPROBED = 4.1
 HEAP_REUSED_BELOW_BYTES = {"mlx": 0, "torch": 32 * 2**20}
 # Copies of the largest trained tensor torch's AdamW holds at once in its update on a CPU (`torch.optim.adam`'s
 # single-tensor path, foreach being for accelerators: the square root, the bias-corrected denominator and a third),
-# measured as the resident pages one step adds: 3.00 tensors at 10 MB and at 1,049 MB (the Zen 5, torch 2.13). Above
+# measured as the resident pages one step adds: 3.00 tensors at 10 MB and at 1,049 MB (the Zen 5, torch 2.13;
+# benchmarks/bench_update_rss.py). Above
 # the heap's threshold they are new mappings beside the whole state: the "update" phase. MLX's update writes new
 # parameters beside the old, memory.py's UPDATE_FACTOR, in the summed phase.
 UPDATE_TEMPORARIES = {"mlx": 0, "torch": 3}
