@@ -9,6 +9,9 @@ JSON line to <folder>/<pid>.jsonl: seconds since start, VmRSS, RssAnon and RssFi
 Python stack. Why at maxima only: the peak is what the question is about, and the stack of a peak says
 which phase (forward, backward, optimizer, checkpoint) and which call put it there.
 
+A forked child (torch's CPU ranks under `compare.launch.spawn --fork`) starts its own thread and file: a thread
+does not survive fork, and the ranks of a torch job at N=2 had written nothing.
+
 Linux only (it reads /proc); mallinfo2 needs glibc 2.33 or later, else the heap fields are null.
 """
 import os
@@ -86,6 +89,7 @@ def _start(folder: str) -> None:
 if os.environ.get("DPCOMPARE_RSS_PROBE") and os.path.exists("/proc/self/statm"):
     try:
         _start(os.environ["DPCOMPARE_RSS_PROBE"])
+        os.register_at_fork(after_in_child=lambda: _start(os.environ["DPCOMPARE_RSS_PROBE"]))
     except Exception as err:  # noqa: BLE001 - a probe must never stop the process it watches
         import sys
 

@@ -58,3 +58,34 @@ def test_the_probe_records_the_peak_in_the_function_that_made_it(tmp_path, monke
 
 def test_without_the_variable_the_probe_writes_nothing(tmp_path):
     assert not list(run(tmp_path, probe=False).iterdir())
+
+
+FORK = """
+import os, time
+time.sleep(0.1)
+pid = os.fork()
+if pid == 0:  # a rank forked from a parent that imported everything (compare.launch.spawn --fork)
+    time.sleep(0.3)  # the child's probe: its first sample, the size before
+    block = bytearray(64 * 2**20)
+    for i in range(0, len(block), 4096):
+        block[i] = 1
+    time.sleep(0.3)
+    os._exit(0)
+os.waitpid(pid, 0)
+"""
+
+
+def test_a_forked_child_samples_itself_into_its_own_file(tmp_path):
+    """A thread does not survive fork: the child starts its own, and its peak is in its own file."""
+    probe_dir = tmp_path / "probe"
+    probe_dir.mkdir()
+    script = tmp_path / "fork.py"
+    script.write_text(FORK)
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO / "benchmarks" / "rss_probe"),
+           "DPCOMPARE_RSS_PROBE": str(probe_dir)}
+    subprocess.run([sys.executable, str(script)], env=env, check=True, timeout=60)
+    files = sorted(probe_dir.glob("*.jsonl"))
+    assert len(files) == 2
+    grown = [max(s["rss_bytes"] for s in samples) - samples[0]["rss_bytes"]
+             for samples in (bench.read_probe(f)[1] for f in files)]
+    assert max(grown) >= 60 * MiB, grown
