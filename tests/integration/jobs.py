@@ -71,15 +71,19 @@ def wait_for_rank(out, rank, min_step=2, timeout=90):
 
 
 def wait_for_ranks(run_dir, world=2, min_step=3, timeout=120):
-    """Until every rank has done `min_step` steps (so checkpoint step 2 is complete)."""
+    """Until every rank has done `min_step` steps (so checkpoint step 2 is complete); a rank that failed before
+    that fails the test at once, with its error, instead of at the timeout."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         steps = []
         for rank in range(world):
             try:
-                steps.append(json.loads((run_dir / "ranks" / f"rank{rank}.json").read_text()).get("step", 0))
+                status = json.loads((run_dir / "ranks" / f"rank{rank}.json").read_text())
             except (OSError, json.JSONDecodeError):
-                steps.append(0)
+                status = {}
+            if status.get("status") == "failed":
+                raise AssertionError(f"rank {rank} failed before step {min_step}: {status.get('error')}")
+            steps.append(status.get("step", 0))
         if min(steps) >= min_step:
             return
         time.sleep(0.1)
