@@ -121,8 +121,9 @@ def peak_phase(lay: Layout, w: Workload, trained: Trained = FullModel(), storage
     }
     overhead = FIXED_BYTES[fw] + WORKSPACE_BYTES[fw] if overhead_bytes is None else overhead_bytes
     overhead += JOB_FIXED_BYTES[fw] if lay.mesh.size > 1 else 0.0
-    # the gradients under glibc's threshold written into the pages the freed activations left (HEAP_REUSED_BELOW_BYTES)
-    backward_parts = {**parts, "gradients": state - min(small_gradients, parts["activations"])}
+    # the gradients under glibc's threshold are written into the pages the freed activations left
+    # (HEAP_REUSED_BELOW_BYTES): counted once, as gradients, and the activations' part is what is left of them
+    backward_parts = {**parts, "activations": parts["activations"] - min(small_gradients, parts["activations"])}
     backward = {**backward_parts, "overhead": overhead, "total": sum(backward_parts.values()) + overhead}
     # the update: the whole state, the reduction's buffers, and AdamW's temporaries of the largest trained tensor
     largest_trained = max((math.prod(s) for s in shapes.values()), default=0) * MASTER_BYTES
