@@ -73,9 +73,8 @@ HEAP_REUSED_BELOW_BYTES = {"mlx": 0, "torch": 32 * 2**20}
 # Copies of the largest trained tensor torch's AdamW holds at once in its update on a CPU (`torch.optim.adam`'s
 # single-tensor path, foreach being for accelerators: the square root, the bias-corrected denominator and a third),
 # measured as the resident pages one step adds: 3.00 tensors at 10 MB and at 1,049 MB (the Zen 5, torch 2.13;
-# benchmarks/bench_update_rss.py). Above
-# the heap's threshold they are new mappings beside the whole state: the "update" phase. MLX's update writes new
-# parameters beside the old, memory.py's UPDATE_FACTOR, in the summed phase.
+# benchmarks/bench_update_rss.py). Above the heap's threshold they are new mappings beside the whole state: the
+# "update" phase. MLX's update writes new parameters beside the old, memory.py's UPDATE_FACTOR, in the summed phase.
 UPDATE_TEMPORARIES = {"mlx": 0, "torch": 3}
 PARTS = ("weights", "gradients", "optimizer", "activations", "gathered", "update", "reduce", "dequantize")
 
@@ -89,8 +88,8 @@ def model_memory(lay: Layout, w: Workload, trained: Trained = FullModel(), stora
 
 def peak_phase(lay: Layout, w: Workload, trained: Trained = FullModel(), storage=None,
                overhead_bytes: float | None = None) -> tuple[str, dict]:
-    """("backward" or "head", model_memory's parts of that phase): the head phase only where the probe measured
-    what the head holds (`w.head_held`), and only where it holds more than the backward."""
+    """("backward", "update" or "head", model_memory's parts of that phase, the largest): the head phase only where
+    the probe measured what the head holds (`w.head_held`)."""
     fw = w.framework if w.framework in WORKSPACE_BYTES else "torch"
     spec = w.spec
     lora = isinstance(trained, Adapters)
@@ -123,26 +122,20 @@ def peak_phase(lay: Layout, w: Workload, trained: Trained = FullModel(), storage
     overhead += JOB_FIXED_BYTES[fw] if lay.mesh.size > 1 else 0.0
     # the gradients under glibc's threshold are written into the pages the freed activations left
     # (HEAP_REUSED_BELOW_BYTES): counted once, as gradients, and the activations' part is what is left of them
-    backward_parts = {**parts, "activations": parts["activations"] - min(small_gradients, parts["activations"])}
-    backward = {**backward_parts, "overhead": overhead, "total": sum(backward_parts.values()) + overhead}
+    phases = {"backward": {**parts, "activations": parts["activations"] - min(small_gradients, parts["activations"])}}
     # the update: the whole state, the reduction's buffers, and AdamW's temporaries of the largest trained tensor
     largest_trained = max((math.prod(s) for s in shapes.values()), default=0) * MASTER_BYTES
-    update_parts = {**parts, "activations": 0.0, "gathered": 0.0, "dequantize": 0.0,
-                    "update": parts["update"] + UPDATE_TEMPORARIES[fw] * largest_trained}
-    update = {**update_parts, "overhead": overhead, "total": sum(update_parts.values()) + overhead}
-    if update["total"] > backward["total"]:
-        backward_name, backward = "update", update
-    else:
-        backward_name = "backward"
-    if w.head_held is None:
-        return backward_name, backward
-    kept = GRADIENTS_KEPT[fw] and lay.copies_gradients_for_reduce
-    head_logits, head_bytes = w.head_held
-    head_parts = {**parts, "gradients": (state if kept else 0.0) + head_bytes, "update": 0.0, "reduce": 0.0,
-                  "gathered": parts["gathered"] + lay.head_gathered_bytes(w),
-                  "activations": blocks_act * ACTIVATION_FACTOR[fw] + head_logits * logits}
-    head = {**head_parts, "overhead": overhead, "total": sum(head_parts.values()) + overhead}
-    return ("head", head) if head["total"] > backward["total"] else (backward_name, backward)
+    phases["update"] = {**parts, "activations": 0.0, "gathered": 0.0, "dequantize": 0.0,
+                        "update": parts["update"] + UPDATE_TEMPORARIES[fw] * largest_trained}
+    if w.head_held is not None:
+        kept = GRADIENTS_KEPT[fw] and lay.copies_gradients_for_reduce
+        head_logits, head_bytes = w.head_held
+        phases["head"] = {**parts, "gradients": (state if kept else 0.0) + head_bytes, "update": 0.0, "reduce": 0.0,
+                          "gathered": parts["gathered"] + lay.head_gathered_bytes(w),
+                          "activations": blocks_act * ACTIVATION_FACTOR[fw] + head_logits * logits}
+    totals = {name: {**held, "overhead": overhead, "total": sum(held.values()) + overhead} for name, held in phases.items()}
+    peak = max(totals, key=lambda name: totals[name]["total"])  # the first of equals: the summed phase
+    return peak, totals[peak]
 
 
 def op_profile_bytes(lay: Layout, w: Workload, trained: Trained = FullModel()) -> float:

@@ -21,7 +21,7 @@ from typing import Callable
 
 import numpy as np
 
-from common.train.placement import rank_from_environment
+from common.train.placement import pinned_cores, rank_from_environment
 from common.train.breakdown import profile
 from common.train.opprofile import profile as op_profile
 from common.checkpoint.store import (latest_checkpoint, open_checkpoint,
@@ -159,7 +159,7 @@ def setup_run(run_dir: Path, world: World, trainer_cls: TrainerClass) -> Run:
     status = _live_status = RankStatus(run_dir, rank)
     # The framework's fixed footprint: the interpreter, the framework and its distributed state, before any
     # model exists (the memory table of the report, common/costmodel/memory.py's predicted peak).
-    status.update(force=True, fixed_rss_bytes=rss_bytes())
+    status.update(force=True, fixed_rss_bytes=rss_bytes(), cores=pinned_cores())
     cache = TokenCache.open(plan.token_cache)
     train_view = SequenceView(cache.split("train"), cfg.seq_len, cfg.sequence, mask_prompt=cfg.mask_prompt)
     sampler = GlobalSampler(train_view.num_samples, cfg.global_batch_size, cfg.seed)

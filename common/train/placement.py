@@ -14,6 +14,7 @@ from pathlib import Path
 
 ROUND_ROBIN = "round-robin"
 KERNEL = "kernel"
+_pinned: set[int] | None = None  # what place_rank gave this process, for its rank status (pinned_cores)
 
 
 def rank_from_environment() -> int:
@@ -51,4 +52,12 @@ def place_rank(run_dir: str, policy: str) -> set[int] | None:
             os.sched_setaffinity(0, cores)
         except OSError:  # a core the job's cgroup took away since: the kernel's choice
             return None
+    global _pinned
+    _pinned = cores
     return cores
+
+
+def pinned_cores() -> list[int] | None:
+    """The cores place_rank pinned this process to (its rank status's `cores`, summary.json's `pinned_cores`), or
+    None where the kernel places it."""
+    return sorted(_pinned) if _pinned else None

@@ -356,7 +356,8 @@ def summarize(cfg: RunConfig, run_dir: Path, argv: list[str], blas: str, wall_s:
         # Bytes given to all-reduce per step: counted in the step's collectives, and from the shapes.
         "comm_bytes_per_step": rank0.get("comm_bytes_per_step"),
         "comm_bytes_per_step_estimate": rank0.get("comm_bytes_per_step_estimate"),
-        "blas": blas, "threads_per_rank": cfg.threads_per_rank,
+        "blas": blas, "threads_per_rank": cfg.threads_per_rank,  # and each rank's cores (common/train/placement.py)
+        "pinned_cores": [ranks.get(r, {}).get("cores") for r in range(world)],
         "dtype": cfg.dtype, "precision": describe_precision(cfg.dtype),
         "versions": env.versions(), "machine": env.machine(),
         "final_loss": train_rows[-1]["loss"] if train_rows else rank0.get("loss") if cfg.nnodes > 1 else None,

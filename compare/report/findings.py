@@ -218,8 +218,11 @@ def fairness_info(runs: list[RunData], rows: list[dict], context: dict) -> dict:
     for run, row in zip(runs, rows):
         cpus = (run.summary.get("machine") or {}).get("cpus")
         if row["ok"] and row["device"] == "cpu" and cpus and row["world_size"] * (row["threads_per_rank"] or 1) > cpus:
+            pinned = all(run.summary.get("pinned_cores") or [None])  # every rank pinned (common/train/placement.py)
             of_runs.append((row["label"], f"{row['world_size']} ranks x {row['threads_per_rank']} thread(s) on "
-                                          f"{cpus} CPUs: ranks share cores, so the speed measures oversubscription"))
+                                          f"{cpus} CPUs: ranks share cores"
+                                          f"{' (pinned one core each, round-robin)' if pinned else ''}, so the speed "
+                                          f"measures oversubscription"))
         if row["ok"] and row["device"] == "cpu" and cpus and polls_on_full_cores(
                 row["framework"], row["backend"], row["world_size"], row["threads_per_rank"] or 1, cpus,
                 local=not run.config.get("hostfile") and (run.config.get("nnodes") or 1) == 1):

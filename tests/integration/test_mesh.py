@@ -3,6 +3,7 @@ checkpoint written under one mesh resumes under another mesh and in the other fr
 under fsdp x tp: pieces on two axes). Unit tests (tests/unit/test_mesh.py, test_sharded_blocks.py) cover the mesh's
 layout and refusals and the pieces; the full 10-step matrix is run by hand (docs/strategies.md "Meshes")."""
 import json
+import os
 
 import numpy as np
 import pytest
@@ -79,6 +80,10 @@ def test_meshes_in_two_frameworks_train_one_ddp_ranks_run_across_a_checkpoint(un
     assert summary["comm_bytes_per_step"] == summary["comm_bytes_per_step_estimate"] > 0
     layout = "pp=2: [0,4] [1,5] [2,6] [3,7]; dp=2: [0,2] [1,3] [4,6] [5,7]; tp=2: [0,1] [2,3] [4,5] [6,7]"
     assert layout in (out / "log.txt").read_text()
+    # 8 MLX ranks on fewer cores: one core each, round-robin (common/train/placement.py); torch's: the kernel's
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    pinned = [[cores[r % len(cores)]] for r in range(8)] if 0 < len(cores) < 8 else [None] * 8
+    assert summary["pinned_cores"] == pinned
     # and torch's three axes resume MLX's for steps 11-12: the same layout, the same count of bytes
     dpcompare("run", *common, "--framework", "torch", "--mesh", "pp=2,dp=2,tp=2", "--nproc", 8, "--pp-microbatches", 2,
               "--steps", 12, "--resume", cache_dir=cache_dir, timeout=900)
@@ -86,4 +91,5 @@ def test_meshes_in_two_frameworks_train_one_ddp_ranks_run_across_a_checkpoint(un
     np.testing.assert_allclose(losses(out), losses(uninterrupted("mlx", "ddp", 1))[:12], rtol=0, atol=1e-5)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["framework"] == "torch" and summary["comm_bytes_per_step"] == summary["comm_bytes_per_step_estimate"] > 0
+    assert summary["pinned_cores"] == [None] * 8
     assert (out / "log.txt").read_text().count(layout) == 2
