@@ -12,9 +12,12 @@ the predicted peak with the frameworks' fitted factors (summary.json's memory_pr
 """
 from __future__ import annotations
 
+import math
+
 from common.costmodel.workload import Workload
+from common.model.weights import parameter_shapes
 from common.parallel import layout
-from common.parallel.layout import MASTER_BYTES, Layout
+from common.parallel.layout import MASTER_BYTES, Layout, largest_tensor_bytes
 
 # The predicted peak's framework terms, fitted (relative least squares) to the peak RSS of 21 runs on the
 # reference machine (AMD EPYC Zen 5, 2 cores, shared: docs/benchmarks.md "Memory per rank, predicted and
@@ -40,6 +43,20 @@ ACTIVATION_FACTOR = {"mlx": 0.8, "torch": 1.0}
 UPDATE_FACTOR = {"mlx": 1.0, "torch": 0.0}
 REDUCE_FACTOR = {"mlx": 0.7, "torch": 0.8}
 WORKSPACE_BYTES = {"mlx": 60e6, "torch": 70e6}
+# glibc serves a tensor under its mmap threshold (32 MB once the first steps have raised it: common/train/heap.py)
+# from its heap, and keeps the pages a freed tensor leaves; a larger tensor is a mapping of its own, given back when
+# freed. So torch's gradients under the threshold are written into the pages the backward's freed activations left,
+# and add nothing beyond them, while larger ones come on top: torch `base` (719 MB of parameters, 411 MB of them in
+# tensors under 32 MB) was predicted 8-11 % over at ddp x1 and x2 on the Zen 5 while every gradient was summed, the
+# 1B shape (671 MB of 4,943 under it) 6 % under. MLX's allocator keeps its own cache of freed buffers by size, which
+# the factors above were fitted with: 0, nothing taken off.
+HEAP_REUSED_BELOW_BYTES = {"mlx": 0, "torch": 32 * 2**20}
+# Copies of the largest trained tensor torch's AdamW holds at once in its update on a CPU (`torch.optim.adam`'s
+# single-tensor path, foreach being for accelerators: the square root, the bias-corrected denominator and a third),
+# measured as the resident pages one step adds: 3.00 tensors at 10 MB and at 1,049 MB (the Zen 5, torch 2.13;
+# benchmarks/bench_update_rss.py). Above the heap's threshold they are new mappings beside the whole state: the
+# "update" phase. MLX's update writes new parameters beside the old, UPDATE_FACTOR, in the summed phase.
+UPDATE_TEMPORARIES = {"mlx": 0, "torch": 3}
 
 
 def memory_bytes(lay: Layout, w: Workload, overhead_bytes: float = 0.0) -> dict:
@@ -56,9 +73,10 @@ def memory_bytes(lay: Layout, w: Workload, overhead_bytes: float = 0.0) -> dict:
 def predicted_peak(strategy: str, w: Workload, n: int, fixed_bytes: float, rank: int = 0,
                    checkpoint_format: str = "hf", mesh: str = "") -> dict:
     """A rank's peak RSS from the shapes and its measured fixed footprint alone (nothing calibrated on the
-    run's own peak): the larger of the step's (memory_bytes with the framework's factors, the fixed footprint
-    and the workspace) and the checkpoint's (the state, the fixed footprint, the workspace and what saving
-    holds; `peak_at` says which). The start-up is not counted: a sharded rank reads only its own part of the
+    run's own peak): the largest of the step's (memory_bytes with the framework's factors, the fixed footprint
+    and the workspace, less torch's reused pages), the update's after the backward (`after_backward`: the state,
+    the reduction's buffers and UPDATE_TEMPORARIES) and the checkpoint's (the state, the fixed footprint, the
+    workspace and what saving holds; `peak_at` says which: "step", "update" or "checkpoint"). The start-up is not counted: a sharded rank reads only its own part of the
     model (issue 25), less than it holds in a step. `mesh`: the axes of strategy "mesh" ("dp=2,tp=2")."""
     lay = layout(strategy, n, mesh)
     parts = memory_bytes(lay, w)
@@ -68,9 +86,25 @@ def predicted_peak(strategy: str, w: Workload, n: int, fixed_bytes: float, rank:
                  update=parts["params"] * UPDATE_FACTOR[framework],
                  reduce=parts["grads"] * REDUCE_FACTOR[framework] if lay.copies_gradients_for_reduce else 0.0)
     del parts["overhead"], parts["total"]
+    # torch's gradients under glibc's threshold, written into the freed activations' pages (HEAP_REUSED_BELOW_BYTES):
+    # counted once, so the step's sum takes those pages off (a part of its own, 0 or negative)
+    parts["reused_pages"] = -min(parts["activations"], parts["grads"] * small_tensor_share(w.spec, framework))
     step = sum(parts.values())
+    # after the backward: the state, the reduction's buffers and the update's copies (UPDATE_TEMPORARIES)
+    update = (step - parts["activations"] - parts["reused_pages"] - parts["gathered"]
+              + UPDATE_TEMPORARIES[framework] * largest_tensor_bytes(w.spec))
     parts["checkpoint"] = lay.checkpoint_bytes(w, rank, checkpoint_format)
     saving = (fixed_bytes + parts["workspace"] + parts["params"] + parts["grads"] + parts["optimizer"]
               + parts["checkpoint"])
-    return {**parts, "step": step, "saving": saving, "peak_at": "step" if step >= saving else "checkpoint",
-            "total": max(step, saving)}
+    phases = {"step": step, "update": update, "checkpoint": saving}
+    peak_at = max(phases, key=phases.__getitem__)  # the first of equals
+    return {**parts, "step": step, "after_backward": update, "saving": saving, "peak_at": peak_at,
+            "total": phases[peak_at]}
+
+
+def small_tensor_share(spec, framework: str) -> float:
+    """The share of the parameters in tensors under `framework`'s heap threshold (HEAP_REUSED_BELOW_BYTES): 0 for
+    MLX, whose own allocator the factors were fitted with."""
+    below = HEAP_REUSED_BELOW_BYTES.get(framework, 0)
+    sizes = [math.prod(s) for s in parameter_shapes(spec).values()]
+    return sum(n for n in sizes if n * MASTER_BYTES < below) / sum(sizes)

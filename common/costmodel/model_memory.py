@@ -39,7 +39,8 @@ from __future__ import annotations
 import math
 import os
 
-from common.costmodel.memory import ACTIVATION_FACTOR, REDUCE_FACTOR, UPDATE_FACTOR, WORKSPACE_BYTES
+from common.costmodel.memory import (ACTIVATION_FACTOR, HEAP_REUSED_BELOW_BYTES, REDUCE_FACTOR, UPDATE_FACTOR,
+                                     UPDATE_TEMPORARIES, WORKSPACE_BYTES)
 from common.costmodel.workload import Workload
 from common.model.lora import Adapters, FullModel, Trained
 from common.model.quantize import BLOCK_BYTES
@@ -62,20 +63,6 @@ GRADIENTS_KEPT = {"mlx": False, "torch": True}
 # warning): the probe's resident count on the Zen 5, 2.9-3.3 for `small` and `base` in both frameworks, 2.1 (torch)
 # and 4.1 (MLX) for the 1B shape under LoRA (docs/scaling.md); a warning errs towards warning, so the largest.
 HEAD_LOGITS_UNPROBED = 4.1
-# glibc serves a tensor under its mmap threshold (32 MB once the first steps have raised it: common/train/heap.py)
-# from its heap, and keeps the pages a freed tensor leaves; a larger tensor is a mapping of its own, given back when
-# freed. So torch's gradients under the threshold are written into the pages the backward's freed activations left,
-# and add nothing beyond them, while larger ones come on top: torch `base` (719 MB of parameters, 411 MB of them in
-# tensors under 32 MB) was predicted 8-11 % over at ddp x1 and x2 on the Zen 5 while every gradient was summed, the
-# 1B shape (671 MB of 4,943 under it) 6 % under. MLX's allocator keeps its own cache of freed buffers by size, which
-# memory.py's factors were fitted with: 0, nothing taken off.
-HEAP_REUSED_BELOW_BYTES = {"mlx": 0, "torch": 32 * 2**20}
-# Copies of the largest trained tensor torch's AdamW holds at once in its update on a CPU (`torch.optim.adam`'s
-# single-tensor path, foreach being for accelerators: the square root, the bias-corrected denominator and a third),
-# measured as the resident pages one step adds: 3.00 tensors at 10 MB and at 1,049 MB (the Zen 5, torch 2.13;
-# benchmarks/bench_update_rss.py). Above the heap's threshold they are new mappings beside the whole state: the
-# "update" phase. MLX's update writes new parameters beside the old, memory.py's UPDATE_FACTOR, in the summed phase.
-UPDATE_TEMPORARIES = {"mlx": 0, "torch": 3}
 PARTS = ("weights", "gradients", "optimizer", "activations", "gathered", "update", "reduce", "dequantize")
 
 

@@ -237,8 +237,11 @@ def test_the_predicted_peak_adds_the_fixed_footprint_to_what_the_rank_holds():
     torch_ddp, torch_fsdp = (predicted_peak(s, Workload(small, 128, 8), 2, fixed) for s in ("ddp", "fsdp"))
     mlx_ddp, mlx_fsdp = (predicted_peak(s, Workload(small, 128, 8, framework="mlx"), 2, fixed) for s in ("ddp", "fsdp"))
     for framework, p in (("torch", torch_ddp), ("torch", torch_fsdp), ("mlx", mlx_ddp), ("mlx", mlx_fsdp)):
-        step = sum(v for k, v in p.items() if k not in ("total", "step", "saving", "peak_at", "checkpoint"))
-        assert p["step"] == pytest.approx(step) and p["total"] == max(p["step"], p["saving"])
+        step = sum(v for k, v in p.items()
+                   if k not in ("total", "step", "after_backward", "saving", "peak_at", "checkpoint"))
+        assert p["step"] == pytest.approx(step) and p["total"] == max(p["step"], p["after_backward"], p["saving"])
+        # torch's gradients under 32 MB are written into the freed activations' pages: `small`'s block matrices
+        assert (p["reused_pages"] < 0) == (framework == "torch") and -p["reused_pages"] <= p["activations"]
         assert p["fixed"] == fixed and p["workspace"] == WORKSPACE_BYTES[framework]
         assert p["update"] == UPDATE_FACTOR[framework] * p["params"] and p["optimizer"] == 2 * p["params"]
     # both hold half the state; torch gathers two blocks at a time and, at the head's backward, its whole
