@@ -6,6 +6,8 @@ the predicted peak with the frameworks' fitted factors (summary.json's memory_pr
     activations one micro-batch's saved tensors (the strategy's activation_bytes)
     gathered    whole parameters held beside the shards at the peak (the strategy's gathered_bytes: fsdp)
     update      AdamW writes new parameters before the old ones are freed: one more copy of the rank's
+    reused_pages (predicted_peak, 0 or negative) torch's gradients under glibc's heap threshold, written into the
+                pages the freed activations left: counted once (HEAP_REUSED_BELOW_BYTES)
     overhead    the calibration run's peak (RSS on a CPU, the framework's allocator peak on a GPU) minus the
                 above at the calibration point: the runtime, libraries, buffers, and the error of the
                 activation count, taken as fixed.
