@@ -4,14 +4,13 @@
     python benchmarks/bench_update_rss.py [--mb 10,1049]
 
 Per size: two float32 parameters of that many MB with gradients, one step of torch_impl/adamw.py (the moments now
-exist), then the kernel's high-water mark is cleared (/proc/self/clear_refs) and a second step is timed by what it
-adds to the resident set. Each size runs in a process of its own, so the first size's freed heap is not the second's.
+exist), then a second step measured by what it holds resident at its peak beyond what was resident before it
+(common/metrics.py `held_at_peak_rss`: the kernel's high-water mark, each allocation mapped apart). Each size runs in a process of its own, so the first size's freed heap is not the second's.
 Linux only (VmHWM). On the AMD EPYC Zen 5 (torch 2.13): 3.00 copies at 10 MB and at 1,049 MB.
 """
 from __future__ import annotations
 
 import argparse
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,14 +18,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _status_kb(field: str) -> int:
-    return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
-
-
 def one(elements: int) -> float:
     """Copies of one parameter the second update adds to the resident pages."""
     import torch
 
+    from common.metrics import held_at_peak_rss
     from torch_impl.adamw import AdamW
 
     params = [torch.nn.Parameter(torch.randn(elements)) for _ in range(2)]
@@ -34,10 +30,10 @@ def one(elements: int) -> float:
         p.grad = torch.randn(elements)
     opt = AdamW([{"params": params}], 1e-3, (0.9, 0.95), 1e-8, 0.1)
     opt.step()
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM back to VmRSS
-    before = _status_kb("VmRSS")
-    opt.step()
-    return (_status_kb("VmHWM") - before) * 1024 / (elements * 4)
+    held = held_at_peak_rss(opt.step)
+    if held is None:
+        raise SystemExit("bench_update_rss.py: this system cannot say what a call holds (Linux and glibc only)")
+    return held / (elements * 4)
 
 
 def main() -> int:

@@ -55,7 +55,7 @@ WORKSPACE_BYTES = {"mlx": 60e6, "torch": 70e6}
 HEAP_REUSED_BELOW_BYTES = {"mlx": 0, "torch": 32 * 2**20}
 # Copies of the largest trained tensor torch's AdamW holds at once in its update on a CPU (`torch.optim.adam`'s
 # single-tensor path, foreach being for accelerators: the square root, the bias-corrected denominator and a third),
-# measured as the resident pages one step adds: 3.00 tensors at 10 MB and at 1,049 MB (the Zen 5, torch 2.13;
+# measured as the resident pages one step adds: 2.98-3.00 tensors at 10 MB and at 1,049 MB (the Zen 5, torch 2.13;
 # benchmarks/bench_update_rss.py). Above the heap's threshold they are new mappings beside the whole state: the
 # "update" phase. MLX's update writes new parameters beside the old, UPDATE_FACTOR, in the summed phase.
 UPDATE_TEMPORARIES = {"mlx": 0, "torch": 3}
@@ -78,8 +78,9 @@ def predicted_peak(strategy: str, w: Workload, n: int, fixed_bytes: float, rank:
     run's own peak): the largest of the step's (memory_bytes with the framework's factors, the fixed footprint
     and the workspace, less torch's reused pages), the update's after the backward (`after_backward`: the state,
     the reduction's buffers and UPDATE_TEMPORARIES) and the checkpoint's (the state, the fixed footprint, the
-    workspace and what saving holds; `peak_at` says which: "step", "update" or "checkpoint"). The start-up is not counted: a sharded rank reads only its own part of the
-    model (issue 25), less than it holds in a step. `mesh`: the axes of strategy "mesh" ("dp=2,tp=2")."""
+    workspace and what saving holds; `peak_at` says which: "step", "update" or "checkpoint"). The start-up is not
+    counted: a sharded rank reads only its own part of the model (issue 25), less than it holds in a step. `mesh`: the
+    axes of strategy "mesh" ("dp=2,tp=2")."""
     lay = layout(strategy, n, mesh)
     parts = memory_bytes(lay, w)
     framework = w.framework if w.framework in WORKSPACE_BYTES else "torch"
@@ -105,8 +106,13 @@ def predicted_peak(strategy: str, w: Workload, n: int, fixed_bytes: float, rank:
 
 
 def small_tensor_share(spec, framework: str) -> float:
-    """The share of the parameters in tensors under `framework`'s heap threshold (HEAP_REUSED_BELOW_BYTES): 0 for
-    MLX, whose own allocator the factors were fitted with."""
+    """The share of the parameters in tensors under `framework`'s heap threshold (small_tensor_elements)."""
+    shapes = parameter_shapes(spec)
+    return small_tensor_elements(shapes, framework) / sum(math.prod(s) for s in shapes.values())
+
+
+def small_tensor_elements(shapes: dict, framework: str) -> int:
+    """Elements of the float32 tensors of `shapes` under `framework`'s heap threshold (HEAP_REUSED_BELOW_BYTES), whose
+    gradients reuse the freed activations' pages: 0 for MLX, whose own allocator the factors were fitted with."""
     below = HEAP_REUSED_BELOW_BYTES.get(framework, 0)
-    sizes = [math.prod(s) for s in parameter_shapes(spec).values()]
-    return sum(n for n in sizes if n * MASTER_BYTES < below) / sum(sizes)
+    return sum(n for n in map(math.prod, shapes.values()) if n * MASTER_BYTES < below)

@@ -29,7 +29,8 @@ embedding, 67 MB block matrices) peaked at 24.08 GB on the Zen 5: the sum of eve
 "head", where the probe measured what the head holds (`w.head_held`): the step's start of the backward, where the
 head and its cross-entropy hold their logits-sized buffers (counted in the activations) and the vocabulary
 matrices' gradients (in the gradients) beside every block's activations and the state, and no other gradient
-(MLX's are the step's graph; torch's where the reduction does not keep them, GRADIENTS_KEPT); under fsdp also the reduction's copies of the head matrix's whole gradient (the layout's head_gathered_bytes). The sum
+(MLX's are the step's graph; torch's where the reduction does not keep them, GRADIENTS_KEPT); under fsdp also the
+reduction's copies of the head matrix's whole gradient (the layout's head_gathered_bytes). The sum
 misses the head where the vocabulary outweighs the model: MLX's cross-entropy holds 4-6 logits-sized buffers at its
 peak where the sum counts 2, and `small`'s (28M parameters, 206 MB logits at 1,024 tokens) peak RSS was predicted
 15-26 % short (docs/scaling.md).
@@ -39,8 +40,8 @@ from __future__ import annotations
 import math
 import os
 
-from common.costmodel.memory import (ACTIVATION_FACTOR, HEAP_REUSED_BELOW_BYTES, REDUCE_FACTOR, UPDATE_FACTOR,
-                                     UPDATE_TEMPORARIES, WORKSPACE_BYTES)
+from common.costmodel.memory import (ACTIVATION_FACTOR, REDUCE_FACTOR, UPDATE_FACTOR, UPDATE_TEMPORARIES,
+                                     WORKSPACE_BYTES, small_tensor_elements)
 from common.costmodel.workload import Workload
 from common.model.lora import Adapters, FullModel, Trained
 from common.model.quantize import BLOCK_BYTES
@@ -86,9 +87,7 @@ def peak_phase(lay: Layout, w: Workload, trained: Trained = FullModel(), storage
     trained_elements = trained.trained_parameters(spec) * (1.0 if lora else local_share)
     state = trained_elements * MASTER_BYTES
     shapes = trained.state_shapes(spec)
-    reused_below = HEAP_REUSED_BELOW_BYTES[fw]
-    small = sum(math.prod(s) for s in shapes.values() if math.prod(s) * MASTER_BYTES < reused_below)
-    small_gradients = small * MASTER_BYTES * (1.0 if lora else local_share)
+    small_gradients = small_tensor_elements(shapes, fw) * MASTER_BYTES * (1.0 if lora else local_share)
     logits = lay.logits_bytes(w)
     blocks_act = lay.activation_bytes(w) - 2 * logits  # every block's saved tensors
     if isinstance(trained, Adapters):  # the blocks below the lowest adapted one keep nothing for a backward that never runs
@@ -108,7 +107,7 @@ def peak_phase(lay: Layout, w: Workload, trained: Trained = FullModel(), storage
     overhead = FIXED_BYTES[fw] + WORKSPACE_BYTES[fw] if overhead_bytes is None else overhead_bytes
     overhead += JOB_FIXED_BYTES[fw] if lay.mesh.size > 1 else 0.0
     # the gradients under glibc's threshold are written into the pages the freed activations left
-    # (HEAP_REUSED_BELOW_BYTES): counted once, as gradients, and the activations' part is what is left of them
+    # (memory.py HEAP_REUSED_BELOW_BYTES): counted once, as gradients, and the activations' part is what is left
     phases = {"backward": {**parts, "activations": parts["activations"] - min(small_gradients, parts["activations"])}}
     # the update: the whole state, the reduction's buffers, and AdamW's temporaries of the largest trained tensor
     largest_trained = max((math.prod(s) for s in shapes.values()), default=0) * MASTER_BYTES
