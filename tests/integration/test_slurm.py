@@ -37,12 +37,13 @@ def cluster():
     if os.geteuid() != 0:
         pytest.skip("Slurm tests start slurmctld, slurmd and munged as root")
     state = Path(tempfile.mkdtemp(prefix="dpc-slurm-"))  # short: munged's socket path must fit a sun_path
-    started = subprocess.run([SCRIPTS / "start-cluster.sh", state], capture_output=True, text=True, timeout=60)
-    pids = {name: int((state / f"{name}.pid").read_text()) for name in DAEMONS if (state / f"{name}.pid").exists()}
-    try:
+    try:  # a start that runs out its time is stopped too: its daemons may be up
+        started = subprocess.run([SCRIPTS / "start-cluster.sh", state], capture_output=True, text=True, timeout=60)
         assert started.returncode == 0, started.stderr
         yield {**os.environ, "SLURM_CONF": str(state / "slurm.conf")}
     finally:
+        pids = {name: int(pid) for name in DAEMONS
+                if (pid := (state / f"{name}.pid").read_text().strip() if (state / f"{name}.pid").exists() else "")}
         stopped = subprocess.run([SCRIPTS / "stop-cluster.sh", state], capture_output=True, text=True, timeout=120)
         left = {name: pid for name, pid in pids.items() if alive(pid)}
         shutil.rmtree(state, ignore_errors=True)

@@ -34,13 +34,13 @@ munged --force --key-file="$dir/munge/munge.key" --socket="$dir/munge/munge.sock
 host=$(hostname -s)
 cpus=$(nproc)
 memory_mb=$(awk '/MemTotal/ {printf "%d", $2 / 1024 * 0.9}' /proc/meminfo)
-# Two free TCP ports, so that a system slurmctld (6817) or another test cluster does not collide.
-read -r ctld_port slurmd_port < <(python3 -c '
-import socket
-socks = [socket.socket() for _ in range(2)]
-for s in socks:
-    s.bind(("127.0.0.1", 0))
-print(*(s.getsockname()[1] for s in socks))')
+# Two free TCP ports, so that a system slurmctld (6817) or another test cluster does not collide: the project's
+# free_port_block, below the kernel's ephemeral range, so no outgoing connection takes one before slurmctld binds it
+# (a fresh-clone CI run lost its cluster so: "Error binding slurm stream socket: Address already in use").
+read -r ctld_port slurmd_port < <(PYTHONPATH="$(cd "$(dirname "$0")/../.." && pwd)" python3 -c '
+from compare.machine.environment import free_port_block
+base = free_port_block(2)
+print(base, base + 1)')
 
 cat > "$dir/slurm.conf" <<EOF
 # Written by tests/slurm/start-cluster.sh: a single-node test cluster, state under $dir.
