@@ -82,6 +82,24 @@ class CommCounter:
             return out
         return cast(F, call)
 
+    def each_call(self, fn: F) -> F:
+        """`fn`, compiled, counted at every call as if it ran uncompiled: the bytes its trace counted for the
+        inputs' shapes and dtypes, added again at each later call of the same (a compiled function traces once
+        per shapes, and issues the same collectives at every call). pp x tp's last stage runs its tp all-reduces
+        inside one compiled vjp per piece, and its forward_backward counts a micro-step's bytes piece by piece."""
+        traced: dict[tuple, int] = {}
+
+        def call(*args):
+            key = tuple((tuple(a.shape), a.dtype) if isinstance(a, mx.array) else None for a in args)
+            before = self.traced_bytes
+            out = fn(*args)
+            if key in traced:
+                self.traced_bytes += traced[key]
+            else:
+                traced[key] = self.traced_bytes - before
+            return out
+        return cast(F, call)
+
     def bytes_per_step(self, grad_accum: int) -> int | None:
         """Bytes given to all-reduce by one step's micro-steps and update, and those a strategy gives once per
         step outside them ("step": pp's tied gradient); scalars left out."""

@@ -221,10 +221,6 @@ class TensorParallelStages(Pipeline):
     1/tp of it per rank, is left out). The embedding, the final norm and the head are replicated over tp, as under
     tp, so the last stage's tp ranks all hold the loss: tp rank 0 reports it (the Trainer sums over the world)."""
 
-    # The last stage's fused vjp (1f1b) runs uncompiled, as every other stage's training functions do: tp's
-    # all_sums are then counted as they run, piece by piece (a compiled function counts its one trace: one piece).
-    _compiles_fused_vjp = False
-
     def __init__(self, cfg: RunConfig, world: World, comm: CommCounter):
         super().__init__(cfg, world.axes["pp"], comm)
         self.tp = TensorParallel(cfg, world.axes["tp"], comm)

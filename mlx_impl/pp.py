@@ -72,7 +72,6 @@ class Pipeline(StageBookkeeping):
     full_state_on_every_rank = True  # export_state sums the stages' parts on every rank
     communicates = False             # no gradient is averaged; activations move inside forward_backward
     loss_over = "world"              # the last stage holds the loss sum
-    _compiles_fused_vjp = True       # the last stage's loss and gradients at once (1f1b): compiled, as a micro-step
 
     def __init__(self, cfg: RunConfig, world: World, comm: CommCounter):
         self.group, self.comm, self.stream = world.group, comm, comm.stream
@@ -102,7 +101,10 @@ class Pipeline(StageBookkeeping):
         self.keys = [k for k, _ in tree_flatten(model.trainable_parameters())]
         # Compiled like the Trainer's micro-step: the parameters are inputs (set into the model while tracing,
         # put back after each call), so one trace serves every call of the same shapes.
-        self._compiled_vjp = mx.compile(self._stage_vjp) if self._compiles_fused_vjp else self._stage_vjp
+        # The last stage's loss and gradients at once (1f1b), compiled as a micro-step is. Under pp x tp its tp
+        # all-reduces run inside: counted at each call (each_call). Uncompiled there, pp=2,tp=2 of `tiny` took
+        # 0.160 s a step against 0.101 compiled (4 MPI ranks on 2 cores, Zen 5; docs/notes/2026-11-plan-model.md).
+        self._compiled_vjp = self.comm.each_call(mx.compile(self._stage_vjp))
         self._compiled_forward = mx.compile(self._stage_forward)
         load_local(model, source, self.local_index)
         return model

@@ -71,6 +71,10 @@ def test_meshes_in_two_frameworks_train_one_ddp_ranks_run_across_a_checkpoint(un
     np.testing.assert_allclose(losses(out), losses(uninterrupted("mlx", "ddp", 1))[:8], rtol=0, atol=1e-5)
     assert "mesh pp=2,tp=2, the ranks of each group: pp=2: [0,2] [1,3]; tp=2: [0,1] [2,3]" in \
         (out / "log.txt").read_text()
+    # the last stage's compiled vjp counts its tp all-reduces at every piece (mlx_impl/comm.py each_call): both
+    # stages hold one of tiny's 2 blocks, so every rank counts the same bytes, rank 0's as estimated
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["pipeline"]["comm_bytes_per_step"] == [summary["comm_bytes_per_step_estimate"]] * 4
     # three axes at 8 ranks: each dp replica a pipeline of tp-split stages
     dpcompare("run", *common, "--framework", "mlx", "--mesh", "pp=2,dp=2,tp=2", "--nproc", 8, "--pp-microbatches", 2,
               "--steps", 10, "--resume", cache_dir=cache_dir, timeout=900)

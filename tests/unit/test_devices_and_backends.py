@@ -49,6 +49,34 @@ def test_communication_stream_is_the_cpu_stream_when_asked_and_mlx_default_other
         RunConfig.from_dict({"device": "cuda", "communication_stream": "cpu"})
 
 
+def test_a_compiled_function_counts_its_collectives_at_every_call_not_only_at_its_trace():
+    """pp x tp's last stage compiles its vjp with tp's all-reduces inside (mlx_impl/pp.py): every piece's call
+    counts them, as an uncompiled call would; a new shape is a new trace, counted once more."""
+    import mlx.core as mx
+
+    from mlx_impl.comm import CommCounter
+
+    comm = CommCounter()
+
+    def doubling():  # a new function each time: mx.compile keeps one trace per function
+        def doubled(x):
+            comm.add(x)  # what tp's layers do as they trace an all-reduce
+            return x * 2
+        return doubled
+
+    plain = mx.compile(doubling())
+    for _ in range(3):
+        mx.eval(plain(mx.ones((4, 8))))
+    assert comm.traced_bytes == 4 * 8 * 4  # compiled alone: the trace's count only
+    comm.traced_bytes = 0
+    each = comm.each_call(mx.compile(doubling()))
+    for _ in range(3):
+        mx.eval(each(mx.ones((4, 8))))
+    assert comm.traced_bytes == 3 * 4 * 8 * 4
+    for _ in range(2):
+        mx.eval(each(mx.ones((2, 8))))
+    assert comm.traced_bytes == 3 * 4 * 8 * 4 + 2 * 2 * 8 * 4
+
 # ---- jaccl, nccl and the hostfile forms --------------------------------------------------------
 
 @pytest.mark.parametrize("backend", ["jaccl", "jaccl-ring"])

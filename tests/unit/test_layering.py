@@ -107,7 +107,7 @@ MEMBER_ONLY = [
      "torch's shards are DTensors"),
     (("fsdp.py:Sharding",), {"eval_losses"}, "torch frees the units FSDP2 keeps gathered after an eval's forward; "
      "MLX gathers inside its lazy graph and keeps nothing"),
-    (("comm.py:CommCounter",), {"add", "add_all", "attribute", "first_step"}, "MLX counts collectives as its "
+    (("comm.py:CommCounter",), {"add", "add_all", "attribute", "each_call", "first_step"}, "MLX counts collectives as its "
      "compiled functions are traced; torch counts a strategy's first step under what sees them"),
     (("microsteps.py:StepFunctions",), {"micro_step", "eval_step", "model", "wrapped"}, "what a strategy runs of the "
      "Trainer: MLX its compiled micro-step and eval, torch its model, bare and as the step runs it"),
