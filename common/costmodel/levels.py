@@ -80,7 +80,8 @@ def axis_link(links: Links, mesh: Mesh, axis: str) -> AxisLink:
                           else (outer, outer.bandwidth_Bps))
         gather_Bps = outer.gather_bandwidth_Bps / share if outer.gather_bandwidth_Bps else None
         outer = replace(base, name=f"{outer.name} shared by {share}", bandwidth_Bps=card_Bps / share,
-                        gather_bandwidth_Bps=gather_Bps)
+                        gather_bandwidth_Bps=gather_Bps,
+                        stream_Bps=outer.stream_Bps / share if outer.stream_Bps else None)
         if links.across_last:  # what the groups' collectives wait for: their slowest rank, call by call
             outer = replace(outer, last_rank=replace(
                 links.across_last, name=f"{outer.name}, its slowest rank",

@@ -55,6 +55,11 @@ class Link:
     # (docs/scaling.md, "Sitting 15"). A pipeline's sends are not: each pipeline waits on its own neighbour, and
     # over its many sends a step it is paced by their usual time (rank 0's), not by each one's slowest.
     last_rank: "Link | None" = None
+    # One TCP stream's rate on this path where the job measured it (an emulated link: compare/launch/linkprobe.py),
+    # shared like `bandwidth_Bps`: what a point-to-point send gets. The all-reduce's figure carries the backend's
+    # all-reduce overheads, which a send does not pay: MPI's across two machines of two ranks gave 4.1 MB/s per
+    # group where one TCP stream had 12.1 MB/s for both, and pp=2,tp=2's sends crossed at 6 (docs/scaling.md).
+    stream_Bps: float | None = None
 
     def __post_init__(self):
         if not (self.hop_latency_s >= 0 and self.bandwidth_Bps > 0 and math.isfinite(self.bandwidth_Bps)):
@@ -92,8 +97,8 @@ class Link:
         return (n - 1) * self.hop_latency_s + (n - 1) / n * nbytes / self.bandwidth_Bps
 
     def send_s(self, nbytes: float, n: int) -> float:
-        """One point-to-point message to a neighbour (pp): one hop."""
-        return self.hop_latency_s + nbytes / self.bandwidth_Bps
+        """One point-to-point message to a neighbour (pp): one hop, at a TCP stream's rate where it was measured."""
+        return self.hop_latency_s + nbytes / (self.stream_Bps or self.bandwidth_Bps)
 
 
 RING_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
@@ -129,7 +134,7 @@ def link_from_record(record: dict | None, framework: str = "", backend: str = ""
                                    f"the job's {ar.get('backend', backend)} all-reduce, measured at its start")
         if ag.get("latency_s") is not None and ag.get("bandwidth_Bps"):
             link = link.with_allgather(ag["latency_s"], ag["bandwidth_Bps"], ag.get("world_size") or 2)
-        return link
+        return replace(link, stream_Bps=record.get("tcp_bandwidth_Bps") or None)
     if record.get("tcp_bandwidth_Bps"):
         return Link(name, record.get("tcp_latency_s") or 0.0, record["tcp_bandwidth_Bps"],
                     "the path's TCP throughput and latency, measured")

@@ -142,6 +142,24 @@ def test_a_shared_axis_collectives_wait_for_the_slowest_rank_of_the_groups_and_a
     assert unmeasured.last_rank is None and grads.seconds(unmeasured, 2) == pytest.approx(4e-4 + 1e6 / 4e6)
 
 
+def test_a_pipelines_sends_cross_at_the_tcp_streams_rate_where_the_job_measured_one_shared_as_the_card_is():
+    """MPI's all-reduce across two machines of two gave 4.1 MB/s a group where one TCP stream had 12.1 MB/s for
+    both; MLX's pp=2,tp=2 sends crossed at about 6 (docs/scaling.md). A send pays no all-reduce overheads: it takes
+    the stream's rate, shared by the pipelines on a card; the collectives keep the all-reduce's figure."""
+    record = {"requested": "100mbit", "tcp_bandwidth_Bps": 12e6, "tcp_latency_s": 1e-5,
+              "allreduce": {"world_size": 4, "latency_s": 6e-4, "bandwidth_Bps": 8e6},
+              "group_size": 2, "inner": {"requested": "1gbit", "tcp_bandwidth_Bps": 1.2e8, "tcp_latency_s": 3e-5},
+              "allreduce_across": {"world_size": 2, "concurrent": 2, "latency_s": 4e-4, "bandwidth_Bps": 4e6}}
+    links = links_from_record(record)
+    pp = axis_link(links, Mesh.parse("pp=2,tp=2"), "pp")
+    assert (pp.level, pp.share) == ("outer", 2) and pp.link.bandwidth_Bps == pytest.approx(4e6)
+    assert pp.link.send_s(10**5, 2) == pytest.approx(4e-4 / 2 + 1e5 / 6e6)  # the stream's 12 MB/s, halved
+    alone = axis_link(links, Mesh.parse("pp=4"), "pp").link  # one pipeline: the whole stream at its slow hop
+    assert alone.stage_hops[1].send_s(10**5, 4) == pytest.approx(6e-4 / 6 + 1e5 / 12e6)
+    del record["tcp_bandwidth_Bps"]  # not measured (a real link, or an older run): the all-reduce's figure
+    assert axis_link(links_from_record(record), Mesh.parse("pp=2,tp=2"), "pp").link.send_s(10**5, 2) == \
+        pytest.approx(4e-4 / 2 + 1e5 / 4e6)
+
 def test_the_reports_link_line_gives_the_groups_crossing_at_once_beside_both_levels():
     from compare.report.render import link_line
 

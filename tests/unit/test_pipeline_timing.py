@@ -76,3 +76,12 @@ def test_rendezvous_sends_deadlock_in_torch_order_and_never_in_stage_ops_order()
     with pytest.raises(RuntimeError, match="deadlocked"):
         micro_step_s("1f1b", 2, 4, 1.0, 2.0, [0.0], batched=True, rendezvous=True)
     assert micro_step_s("1f1b", 2, 4, 1.0, 2.0, [0.0], rendezvous=True) == pytest.approx(5 * 3.0)
+
+
+def test_a_rendezvous_send_holds_its_sender_until_the_receive_is_posted_not_until_the_message_has_crossed():
+    """Open MPI holds a message past its eager limit until the receiver posts, then the sender goes on while the
+    rest crosses from the socket's buffer. 1f1b over 2 stages, 2 pieces, F 1 s, B 2 s, a message 3 s: stage 0
+    sends activation 1 at 7 s (stage 1 posts its receive after its first backward), goes on at once, and ends at
+    20 s, where held until the message had crossed (10 s) it ended at 21; buffered, 15."""
+    assert micro_step_s("1f1b", 2, 2, 1.0, 2.0, [3.0], rendezvous=True) == pytest.approx(20.0)
+    assert micro_step_s("1f1b", 2, 2, 1.0, 2.0, [3.0]) == pytest.approx(15.0)
