@@ -58,6 +58,9 @@ def main() -> None:
                         "loopback with --nproc 2, say, before one with --strategies '' over a two-level link)")
     parser.add_argument("--recompute", type=Path, metavar="KEPT", help="train nothing: the tables again from a "
                         "--keep directory of an earlier sitting (the same flags), with the model as it is now")
+    parser.add_argument("--keep-checkpoints", action="store_true",
+                        help="with --keep, keep each run's final checkpoint too (by default dropped once the run's "
+                        "summary is read: the tables are made again from summaries alone)")
     parser.add_argument("--profile-steps", type=int, default=3, help="breakdown rounds of every run (its N=1 "
                         "calibration needs them; at 200mbit a `small` fsdp step takes ~8 s)")
     parser.add_argument("--repeat", type=int, default=1, metavar="K",
@@ -175,6 +178,8 @@ def measure(a, steps: int, link: str, levels: list[str], out: Path, shape: list[
                      else None, "predicted_from": p.get("from"), "link_used": p.get("link"),
                      "measured_link": s.get("link"), "note": p.get("note"), "levels": p.get("levels"),
                      "n1_step_s": source.get("step_time_s"), "load_average_at_start": load})
+    if a.keep and not a.keep_checkpoints:
+        benchlib.drop_checkpoints(out)
     return rows
 
 

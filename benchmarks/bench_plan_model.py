@@ -48,6 +48,8 @@ def run(out: Path, framework: str, preset: str, nproc: int, strategy: str, args,
     summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
     if proc.returncode != 0 or summary.get("status") != "ok":
         raise RuntimeError(f"run failed: {summary.get('error') or proc.stderr[-2000:]}")
+    if not args.keep_checkpoints:  # --again predicts from the summaries; a kept 1B checkpoint is 5 GB
+        benchlib.drop_checkpoints(out)
     return summary
 
 
@@ -65,6 +67,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/bench/plan_model.json"))
     parser.add_argument("--keep", type=Path, default=None,
                         help="keep the runs and plans in this new folder (to predict again from the same runs)")
+    parser.add_argument("--keep-checkpoints", action="store_true",
+                        help="with --keep, keep each run's final checkpoint too (by default dropped after the run)")
     parser.add_argument("--again", type=Path, default=None, metavar="KEPT",
                         help="train nothing: predict again from the tiny runs kept in KEPT (--keep) and print the "
                              "predictions against KEPT's runs of the models (after a change to the cost model)")

@@ -112,6 +112,19 @@ def print_table(rows: list[dict], columns: list[tuple[str, str, str]], title: st
         print("  ".join(v.rjust(w) for v, w in zip(c, widths)))
 
 
+def drop_checkpoints(kept: Path) -> int:
+    """Remove the `checkpoints/` folder of every run kept under `kept` (a folder with its summary.json beside
+    it), and return the bytes freed. A kept sitting is read again from its summaries (`--recompute`, `--again`);
+    its final checkpoints are the run's own whole model, and filled this machine's disk once: 14 GB of one
+    bench_plan_model sitting with `base` and the 1B shape. `--keep-checkpoints` keeps them."""
+    freed = 0
+    for folder in sorted(Path(kept).rglob("checkpoints")):
+        if folder.is_dir() and (folder.parent / "summary.json").is_file():
+            freed += sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+            shutil.rmtree(folder)
+    return freed
+
+
 def write_result(path: Path, name: str, params: dict, rows: list[dict], **extra) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -47,3 +47,22 @@ def test_a_sitting_count_below_one_exits_2_in_one_line(tmp_path):
                            "--out", str(tmp_path / "plan.json")], capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].endswith("--repeat 0: needs 1 or more sittings")
     assert not (tmp_path / "plan.json").exists()
+
+
+def test_a_kept_sitting_drops_its_runs_checkpoints_and_keeps_their_summaries_and_anything_else(tmp_path):
+    """benchmarks/benchlib.py drop_checkpoints: --keep's sittings are read again from summaries alone, and one
+    bench_plan_model sitting's final checkpoints took 14 GB. Only a run's own `checkpoints/` goes."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from benchlib import drop_checkpoints
+
+    run = tmp_path / "kept" / "none" / "torch-n1"
+    kept_run(tmp_path / "kept" / "none", "torch-n1", 0.3, None)
+    (run / "checkpoints" / "step_000010").mkdir(parents=True)
+    (run / "checkpoints" / "step_000010" / "model.safetensors").write_bytes(b"\0" * 1000)
+    other = tmp_path / "kept" / "model-small" / "checkpoints"  # no summary.json beside it: not a run's
+    other.mkdir(parents=True)
+    (other / "config.json").write_text("{}")
+    assert drop_checkpoints(tmp_path / "kept") == 1000
+    assert not (run / "checkpoints").exists() and (run / "summary.json").is_file()
+    assert (other / "config.json").is_file()
+    assert drop_checkpoints(tmp_path / "kept") == 0
