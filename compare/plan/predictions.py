@@ -46,7 +46,10 @@ def add_predictions(run_dirs: list[Path], fit_dirs: list[Path] = ()) -> None:
             if strategy != "ddp":
                 record["note"] = f"{strategy} has no N=1 run: predicted from the ddp N=1 run"
             try:
-                record.update(predicted_record(source, s, strategy, fit_runs(s, {**fits, **runs})))
+                fitted = fit_runs(s, {**fits, **runs})
+                record.update(predicted_record(source, s, strategy, fitted))
+                notes = [record.get("fit_note"), unfitted_note(s, fitted)]
+                record["fit_note"] = "; ".join(n for n in notes if n) or None
             except Exception as err:  # noqa: BLE001 - a run the model cannot read must not cost the report
                 record["note"] = f"no prediction: {err}"
         s["prediction"] = record
@@ -72,6 +75,26 @@ def fit_runs(s: dict, candidates: dict[Path, dict]) -> list[tuple[str, dict, flo
         if axis in axes and axis not in out:
             out[axis] = (d.name, o, cores_shared_by(o), n1_beside(d, o))
     return list(out.values())
+
+
+# the one-axis strategy whose 2-rank run measures an axis's host work (fit_runs)
+AXIS_STRATEGY = {"dp": "ddp", "fsdp": "fsdp", "tp": "tp", "pp": "pp"}
+
+
+def unfitted_note(s: dict, fits: list[tuple]) -> str | None:
+    """One line where run `s` (N > 2) has an axis that none of `fits` measured: how the comparison would fit it.
+    Unfitted, pp=2,tp=2 on 2 shared cores read 21-49 % short on loopback (both frameworks, 2026-11-29), fitted
+    within 20 % by the median (docs/scaling.md)."""
+    n = s.get("world_size") or 1
+    if n <= 2:
+        return None
+    axes = layout(s.get("strategy", "ddp"), n, (s.get("config") or {}).get("mesh") or "").mesh.names
+    measured = {layout(o.get("strategy", "ddp"), 2).axis_name for _, o, *_ in fits}
+    missing = [AXIS_STRATEGY[a] for a in axes if a not in measured and a in AXIS_STRATEGY]
+    if not missing:
+        return None
+    return (f"not fitted: no 2-rank {' or '.join(missing)} run here to measure its host work on; a comparison with "
+            f"them (--strategies {','.join(missing)} --nproc 1,2,{n}) fits it (docs/scaling.md)")
 
 
 def predicted_record(source: Path, s: dict, strategy: str, fits: list[tuple] = ()) -> dict:

@@ -113,6 +113,22 @@ def test_compare_fits_an_n4_run_on_the_n2_run_of_its_axis_and_never_a_run_on_its
     assert read["torch-tp-n4"]["fitted_on"] == {"tp": "torch-tp-n2"}
     # the N=4 run paid PER_BYTE per byte moved, as its N=2 run did: fitted, the prediction is its step
     assert read["torch-tp-n4"]["step_error"] == pytest.approx(0.0, abs=1e-9)
+    assert read["torch-tp-n4"]["fit_note"] is None
+
+
+def test_an_n4_run_its_comparison_cannot_fit_says_which_2_rank_runs_would_fit_it(tmp_path):
+    """Without a 2-rank run of an axis's strategy the prediction is unfitted (pp=2,tp=2 on 2 shared cores: 21-49 %
+    short on loopback), and the record, hence the report, names the runs that would fit it."""
+    from compare.report.render import prediction_blocks
+
+    cal = calibrate(summary("torch", 1), TINY)
+    one = write_run(tmp_path / "torch-ddp-n1", summary("torch", 1), SPEC4)
+    four = write_run(tmp_path / "torch-tp-n4", measured_at(cal, "tp", 4, PER_BYTE), SPEC4)
+    add_predictions([one, four])
+    record = json.loads((four / "summary.json").read_text())["prediction"]
+    assert record["fitted_on"] == {} and "--strategies tp --nproc 1,2,4" in record["fit_note"]
+    report = repr(prediction_blocks([{"label": "torch tp x4", "prediction": record, "step_time_ms": 100.0}]))
+    assert "not fitted: no 2-rank tp run here" in report
 
 
 @pytest.mark.parametrize("framework, extra, says", [("mlx", {"extra_per_byte": PER_BYTE}, "2 ms per MB"),
