@@ -93,8 +93,10 @@ def unfitted_note(s: dict, fits: list[tuple]) -> str | None:
     missing = [AXIS_STRATEGY[a] for a in axes if a not in measured and a in AXIS_STRATEGY]
     if not missing:
         return None
-    return (f"not fitted: no 2-rank {' or '.join(missing)} run here to measure its host work on; a comparison with "
-            f"them (--strategies {','.join(missing)} --nproc 1,2,{n}) fits it (docs/scaling.md)")
+    how = ("`dpcompare plan --fit` takes them from a loopback comparison's 2-rank runs (two levels need 2 groups)"
+           if (s.get("link") or {}).get("group_size") else
+           f"a comparison with them (--strategies {','.join(missing)} --nproc 1,2,{n}) fits it")
+    return f"not fitted: no 2-rank {' or '.join(missing)} run here to measure its host work on; {how} (docs/scaling.md)"
 
 
 def predicted_record(source: Path, s: dict, strategy: str, fits: list[tuple] = ()) -> dict:

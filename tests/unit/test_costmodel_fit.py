@@ -118,7 +118,9 @@ def test_compare_fits_an_n4_run_on_the_n2_run_of_its_axis_and_never_a_run_on_its
 
 def test_an_n4_run_its_comparison_cannot_fit_says_which_2_rank_runs_would_fit_it(tmp_path):
     """Without a 2-rank run of an axis's strategy the prediction is unfitted (pp=2,tp=2 on 2 shared cores: 21-49 %
-    short on loopback), and the record, hence the report, names the runs that would fit it."""
+    short on loopback), and the record, hence the report, names the runs that would fit it; over two levels (no
+    2-rank run there), plan --fit."""
+    from compare.plan.predictions import unfitted_note
     from compare.report.render import prediction_blocks
 
     cal = calibrate(summary("torch", 1), TINY)
@@ -129,6 +131,8 @@ def test_an_n4_run_its_comparison_cannot_fit_says_which_2_rank_runs_would_fit_it
     assert record["fitted_on"] == {} and "--strategies tp --nproc 1,2,4" in record["fit_note"]
     report = repr(prediction_blocks([{"label": "torch tp x4", "prediction": record, "step_time_ms": 100.0}]))
     assert "not fitted: no 2-rank tp run here" in report
+    over_two_levels = measured_at(cal, "tp", 4, PER_BYTE) | {"link": {"requested": "100mbit", "group_size": 2}}
+    assert "dpcompare plan --fit" in unfitted_note(over_two_levels, [])
 
 
 @pytest.mark.parametrize("framework, extra, says", [("mlx", {"extra_per_byte": PER_BYTE}, "2 ms per MB"),
