@@ -17,6 +17,7 @@ from common.costmodel.predict import predict
 from common.costmodel.workload import workload_of
 from common.metrics import read_json, write_json
 from common.parallel import layout
+from common.parallel.mesh import STRATEGY_AXIS
 from compare.plan.runs import calibrate_run, cores_shared_by, n1_beside, run_spec
 
 
@@ -62,9 +63,7 @@ def fit_runs(s: dict, candidates: dict[Path, dict]) -> list[tuple[str, dict, flo
     the host work of the backend it ran on, and MLX's meshes run on MPI while its one-axis runs default to ring.
     On the lent 16-core machine ring's tp x2 took 0.75-0.91 of its N=1 step in three sittings, MPI's 0.67 in one;
     on the Zen 4 the two fits predicted MLX's meshes alike (docs/scaling.md, "Sitting 10")."""
-    n = s.get("world_size") or 1
-    mesh = (s.get("config") or {}).get("mesh") or ""
-    axes = set(layout(s.get("strategy", "ddp"), n, mesh).mesh.names) if n > 2 else set()
+    axes = set(axes_to_fit(s))
     out: dict[str, tuple[str, dict, float, Calibration | None]] = {}
     for d, o in sorted(candidates.items(), key=lambda kv: kv[1].get("backend") != s.get("backend")):
         if (o.get("status") != "ok" or o.get("world_size") != 2 or (o.get("config") or {}).get("mesh")
@@ -77,22 +76,22 @@ def fit_runs(s: dict, candidates: dict[Path, dict]) -> list[tuple[str, dict, flo
     return list(out.values())
 
 
-# the one-axis strategy whose 2-rank run measures an axis's host work (fit_runs)
-AXIS_STRATEGY = {"dp": "ddp", "fsdp": "fsdp", "tp": "tp", "pp": "pp"}
+def axes_to_fit(s: dict) -> list[str]:
+    """The mesh axes of run `s` that a 2-rank run of their strategy fits: every axis at N > 2, none below."""
+    n = s.get("world_size") or 1
+    return layout(s.get("strategy", "ddp"), n, (s.get("config") or {}).get("mesh") or "").mesh.names if n > 2 else []
 
 
 def unfitted_note(s: dict, fits: list[tuple]) -> str | None:
     """One line where run `s` (N > 2) has an axis that none of `fits` measured: how the comparison would fit it.
     Unfitted, pp=2,tp=2 on 2 shared cores read 21-49 % short on loopback (both frameworks, 2026-11-29), fitted
     within 20 % by the median (docs/scaling.md)."""
-    n = s.get("world_size") or 1
-    if n <= 2:
-        return None
-    axes = layout(s.get("strategy", "ddp"), n, (s.get("config") or {}).get("mesh") or "").mesh.names
     measured = {layout(o.get("strategy", "ddp"), 2).axis_name for _, o, *_ in fits}
-    missing = [AXIS_STRATEGY[a] for a in axes if a not in measured and a in AXIS_STRATEGY]
+    strategy_of = {axis: strategy for strategy, axis in STRATEGY_AXIS.items()}
+    missing = [strategy_of[a] for a in axes_to_fit(s) if a not in measured]
     if not missing:
         return None
+    n = s["world_size"]
     how = ("`dpcompare plan --fit` takes them from a loopback comparison's 2-rank runs (two levels need 2 groups)"
            if (s.get("link") or {}).get("group_size") else
            f"a comparison with them (--strategies {','.join(missing)} --nproc 1,2,{n}) fits it")
