@@ -33,7 +33,7 @@ CANDIDATES = {"exp": ("native", "fused"), "bf16_matmul": ("native", "fp32"),
               "cross_entropy": ("native", "shift", "tree", "tree_shift"),
               "attention": ("whole", "halves", "quarters")}
 UNITS = {"exp": "ns per element", "bf16_matmul": "ps per multiply-add", "cross_entropy": "ns per logit",
-         "attention": "ns per score"}
+         "attention": "ns per score", "blas": "ps per multiply-add"}  # blas: compare/machine/blas.py
 # Bump when a timed kernel changes (mlx_impl/fast_exp.py, the fp32 route, the attention core): the cached timings are
 # then stale, and when the native kernels are built otherwise (compare/machine/environment.py JIT_CACHE_GENERATION).
 # 4: the attention core's causal bias made once per length. 5: the strided kernels' unit-stride inner loop
@@ -162,13 +162,15 @@ class KernelCache:
         return entry if contended or not was_contended(entry.get("cpu_share")) else None
 
     def put(self, identity: Identity, kernel: str, shape: tuple[int, ...], timings: Mapping[str, float],
-            cpu_share: float | None = None) -> dict:
-        """Store the timings and their choice; `cpu_share`: the timing's CPU time over its wall time (was_contended)."""
+            cpu_share: float | None = None, extra: Mapping | None = None) -> dict:
+        """Store the timings and their choice; `cpu_share`: the timing's CPU time over its wall time (was_contended);
+        `extra`: what else the reader of the entry needs (the BLAS's GFLOP/s and rejected libraries). The machine's
+        load when it was timed is kept beside it, for whoever wonders why a choice looks wrong."""
         from common.metrics import read_json, write_json
 
         entry = {"choice": faster(timings), "timings": dict(timings), "unit": UNITS[kernel],
                  "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                 "cpu_share": None if cpu_share is None else round(cpu_share, 2)}
+                 "cpu_share": None if cpu_share is None else round(cpu_share, 2), **load_now(), **(extra or {})}
         entries = {k: v for k, v in (read_json(self.path, {}) or {}).items()
                    if _mlx_of(k) == identity.mlx}  # an MLX upgrade invalidates every older timing
         entries[self.key(identity, kernel, shape)] = entry
@@ -178,6 +180,17 @@ class KernelCache:
         except OSError:
             pass  # a read-only cache costs a measurement next time, nothing more
         return entry
+
+
+def load_now() -> dict:
+    """The machine's load as a timing ends: the 1-minute load average, the tasks running now (the timing's own
+    among them) and the CPUs; empty where /proc/loadavg is missing (macOS). Recorded, not judged: cpu_share is the
+    timing's own measure of what it lost (was_contended), where a load average lags a minute behind."""
+    try:
+        fields = Path("/proc/loadavg").read_text().split()
+        return {"load_1m": float(fields[0]), "running_tasks": int(fields[3].split("/")[0]), "cpus": os.cpu_count()}
+    except (OSError, ValueError, IndexError):
+        return {}
 
 
 MIN_CPU_SHARE = 0.8  # a timing whose process ran less of its wall time than this shared the CPU with other work

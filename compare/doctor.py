@@ -6,10 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common.config import RunConfig
+from common.config import RunConfig, default_cache_dir
 
 from .machine import environment as env
 from .machine.backends import MLX_PROBE, TORCH_PROBE, probe
+from .machine.blas import wheel_candidate
 from .machine.kernels import described
 
 
@@ -70,7 +71,9 @@ def doctor(measure_peak: bool = False) -> str:
             f"  gloo        {torch['backends']['gloo']}   nccl {torch['backends']['nccl']}   "
             f"mpi {torch['backends']['mpi']}",
         ]
-    lines += ["", f"system OpenBLAS  {openblas or 'not found (Debian: apt install libopenblas0-pthread)'}",
+    wheel = wheel_candidate(default_cache_dir()) if sys.platform.startswith("linux") else None
+    lines += ["", f"OpenBLAS wheel   {wheel.origin + ' (' + wheel.library + ')' if wheel else 'not installed'}",
+              f"system OpenBLAS  {openblas or 'not found (Debian: apt install libopenblas0-pthread)'}",
               "network          `dpcompare doctor --fabric [--hostfile FILE]` measures all-reduce latency and bandwidth"]
     if measure_peak:
         from .machine.peak import measured_peaks

@@ -53,7 +53,7 @@ RUN_FLAGS = [
     ("--dtype", str, "float32, or bfloat16: mixed precision, the same policy in both frameworks on every "
                      "device (docs/precision.md)"),
     ("--threads-per-rank", int, "CPU threads per rank, the same for both frameworks"),
-    ("--mlx-blas", str, "auto, system (preload OpenBLAS), bundled"),
+    ("--mlx-blas", str, "auto (the fastest that works here, measured), wheel (the OpenBLAS wheel), system (a system OpenBLAS), bundled (MLX's reference BLAS)"),
     ("--mlx-cpu-jit", str, "auto, native (MLX's fused CPU kernels built with -march=native), baseline"),
     ("--mlx-exp", str, "auto (on a Linux CPU the faster of the two, timed here at the run's shapes and cached), "
                        "native (MLX's exp), fused (range reduction and a polynomial that mx.compile vectorises)"),

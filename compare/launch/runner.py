@@ -32,6 +32,7 @@ from common.model.precision import describe as describe_precision
 from common.model.spec import ModelSpec
 
 from ..machine import environment as env
+from ..machine.blas import summary_fields as blas_fields
 from ..machine.backends import check_available
 from ..report import tracking
 from ..report.samples import SAMPLE_FILE
@@ -43,9 +44,8 @@ from .restarts import Restarts, wait_for_rescue
 from .watchdog import process_state, read_ranks, stop_job, watch, watched_ranks
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
-RUN_FILES = (PLAN_FILE, "metrics.jsonl", "summary.json", "log.txt", "ranks", "checkpoints",
-             RING_HOSTFILE, "tensorboard", "wandb", "trace", SAMPLE_FILE,
-             "restart_hosts.json")  # a hostfile job's restart onto the hosts that answered (launch/restarts.py)
+RUN_FILES = (PLAN_FILE, "metrics.jsonl", "summary.json", "log.txt", "ranks", "checkpoints", RING_HOSTFILE, "tensorboard",
+             "wandb", "trace", SAMPLE_FILE, "restart_hosts.json")  # the last: launch/restarts.py
 
 
 @dataclass
@@ -319,15 +319,13 @@ def summarize(cfg: RunConfig, run_dir: Path, argv: list[str], blas: str, wall_s:
     train_rows, eval_rows = read_metrics(run_dir / "metrics.jsonl")
     mine = watched_ranks(cfg) if cfg.nnodes > 1 else list(range(world))
     rank0 = ranks.get(0, ranks.get(mine[0], {}))
-    stats = throughput_stats(train_rows, cfg.timing_warmup_steps)
     summary = {
         "framework": cfg.framework, "world_size": world, "backend": cfg.resolved_backend if world > 1 else "none",
         "device": rank0.get("device", cfg.device), "status": "failed" if failure else "ok",
         # A node other than 0 has no metrics.jsonl: its own ranks' status files say how far it got.
         "steps": train_rows[-1]["step"] if train_rows else
                  min(ranks.get(r, {}).get("step", 0) for r in mine) if cfg.nnodes > 1 else 0,
-        **stats,
-        "warmup_steps": cfg.timing_warmup_steps,
+        **throughput_stats(train_rows, cfg.timing_warmup_steps), "warmup_steps": cfg.timing_warmup_steps,
         "compile_s": rank0.get("compile_s"), "time_to_first_step_s": rank0.get("time_to_first_step_s"),
         "breakdown": rank0.get("breakdown"),
         # N=1: the op classes' ms per step at the run's shapes (common/train/opprofile.py)
@@ -356,7 +354,8 @@ def summarize(cfg: RunConfig, run_dir: Path, argv: list[str], blas: str, wall_s:
         # Bytes given to all-reduce per step: counted in the step's collectives, and from the shapes.
         "comm_bytes_per_step": rank0.get("comm_bytes_per_step"),
         "comm_bytes_per_step_estimate": rank0.get("comm_bytes_per_step_estimate"),
-        "blas": blas, "threads_per_rank": cfg.threads_per_rank,  # and each rank's cores (common/train/placement.py)
+        "blas": blas, **blas_fields(cfg.framework, cfg.mlx_blas, str(cfg.cache_path)),  # the verdict reads these
+        "threads_per_rank": cfg.threads_per_rank,  # and each rank's cores (common/train/placement.py)
         "pinned_cores": [ranks.get(r, {}).get("cores") for r in range(world)],
         "dtype": cfg.dtype, "precision": describe_precision(cfg.dtype),
         "versions": env.versions(), "machine": env.machine(),

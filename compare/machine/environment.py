@@ -15,14 +15,6 @@ from pathlib import Path
 
 from common.errors import UserError
 
-OPENBLAS_CANDIDATES = (
-    "/usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0",
-    "/usr/lib/*-linux-gnu/libopenblas.so.0",
-    "/usr/lib64/libopenblas*.so.0",
-    "/opt/homebrew/opt/openblas/lib/libopenblas.dylib",
-)
-
-
 def version(package: str) -> str | None:
     try:
         return importlib.metadata.version(package)
@@ -36,32 +28,19 @@ def versions() -> dict:
 
 
 def system_openblas() -> str | None:
-    for pattern in OPENBLAS_CANDIDATES:
-        found = sorted(glob.glob(pattern))
-        if found:
-            return found[0]
-    return None
+    from .blas import system_candidate
+
+    found = system_candidate()
+    return found.library if found else None
 
 
 def mlx_blas(choice: str) -> tuple[str, dict]:
-    """(description, extra env) for MLX ranks. On Linux the mlx CPU wheel links a slow reference BLAS;
-    preloading a system OpenBLAS makes its matmuls 20-30x faster with identical results, once its kernels
-    suit the CPU (compare/machine/openblas.py)."""
-    if sys.platform == "darwin":
-        return "accelerate (macOS)", {}
-    if choice == "bundled":
-        return "bundled (mlx wheel's reference BLAS)", {}
-    library = system_openblas()
-    if library is None:
-        if choice == "system":
-            raise UserError("--mlx-blas system: no system OpenBLAS found (Debian: apt install "
-                            "libopenblas0-pthread); use --mlx-blas bundled")
-        return "bundled (mlx wheel's reference BLAS; no system OpenBLAS found)", {}
-    preload = " ".join(filter(None, [library, os.environ.get("LD_PRELOAD", "")]))
-    from .openblas import kernels_for
+    """(description, extra env) for MLX ranks: the BLAS --mlx-blas `choice` gives them (compare/machine/blas.py: on
+    Linux an OpenBLAS preloaded in place of the mlx wheel's reference BLAS, chosen by measurement under auto)."""
+    from .blas import choose
 
-    core, core_env = kernels_for(library)  # a generic core where OpenBLAS misreads the CPU: OPENBLAS_CORETYPE
-    return f"openblas ({library}, preloaded; {core})", {"LD_PRELOAD": preload, **core_env}
+    chosen = choose(choice)
+    return chosen.description, dict(chosen.env)
 
 
 # A new kernel cache where an old one may hold kernels built otherwise: until stop 46 a local MPI job's ranks built
