@@ -33,7 +33,7 @@ matrices' gradients (in the gradients) beside every block's activations and the 
 reduction's copies of the head matrix's whole gradient (the layout's head_gathered_bytes). The sum
 misses the head where the vocabulary outweighs the model: MLX's cross-entropy holds 4-6 logits-sized buffers at its
 peak where the sum counts 2, and `small`'s (28M parameters, 206 MB logits at 1,024 tokens) peak RSS was predicted
-15-26 % short (docs/scaling.md).
+15-26 % short (docs/plan-model.md).
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ DEQUANTIZE_COPIES = {"mlx": 3, "torch": 3}
 GRADIENTS_KEPT = {"mlx": False, "torch": True}
 # What the head holds at its peak, in float32 logits of the micro-batch, where no probe measured it (`dpcompare run`'s
 # warning): the probe's resident count on the Zen 5, 2.9-3.3 for `small` and `base` in both frameworks, 2.1 (torch)
-# and 4.1 (MLX) for the 1B shape under LoRA (docs/scaling.md); a warning errs towards warning, so the largest.
+# and 4.1 (MLX) for the 1B shape under LoRA (docs/plan-model.md); a warning errs towards warning, so the largest.
 HEAD_LOGITS_UNPROBED = 4.1
 PARTS = ("weights", "gradients", "optimizer", "activations", "gathered", "update", "reduce", "dequantize")
 

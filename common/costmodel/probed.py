@@ -20,7 +20,7 @@ on the run's own model gives the run's forward + backward and update as the prob
 measured beyond that is a fixed cost per step (the step's own host work: the loss, the gradient scaling, the
 data), added as is; where the run measured less (the whole step compiled into one call where the probe makes
 one a piece), the difference is taken off, never below the ratio measured / probed of the new model's figures. `other` (host work per step), the link fits and the host work per byte
-stay the run's. docs/scaling.md ("A model you have not trained") says the same with the measured accuracy.
+stay the run's. docs/plan-model.md says the same with the measured accuracy.
 """
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ PROBE_TIMEOUT_S = 900
 def add_model_flags(plan) -> None:
     """`plan`'s flags for a model the run did not train (compare/cli.py calls this on the plan parser)."""
     plan.add_argument("--model", metavar="M", help="predict this model instead of the run's: an HF Llama folder (only "
-                      "its config.json is read), a config.json, or a preset name (docs/scaling.md)")
+                      "its config.json is read), a config.json, or a preset name (docs/plan-model.md)")
     plan.add_argument("--frameworks", help="with --model: the frameworks to predict, each needing a --from run of its "
                                            "own (default: those of the --from runs)")
     plan.add_argument("--seq-len", type=int, help="with --model: tokens per sequence (default: the run's)")

@@ -154,7 +154,7 @@ def model_plan(args, from_runs: list[str], world_sizes: list[int], strategies: l
                       "within the memory prediction's error: it may not")
     for note in notes:
         print(f"note: {note}")
-    print(f"\nplan: {out / 'plan.json'}; how the model is probed and what it cannot know: docs/scaling.md")
+    print(f"\nplan: {out / 'plan.json'}; how the model is probed and what it cannot know: docs/plan-model.md")
     return 0
 
 

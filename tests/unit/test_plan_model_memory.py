@@ -1,5 +1,5 @@
 """The memory `dpcompare plan --model` predicts by phase (issue 56): fsdp's head and the op profile of a one-rank run,
-each as the runs on the Zen 5 and the Intel VM measured it (docs/scaling.md)."""
+each as the runs on the Zen 5 and the Intel VM measured it (docs/plan-model.md)."""
 import math
 
 import pytest
