@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import html
+from collections.abc import Sequence
 from pathlib import Path
 
 
@@ -41,11 +42,13 @@ def to_markdown(blocks: list[tuple]) -> str:
     return "\n\n".join(out) + "\n"
 
 
-def markdown_table(headers: tuple, rows: list[tuple]) -> str:
+def markdown_table(headers: tuple, rows: list[tuple], lead: Sequence[str] = ()) -> str:
+    """A table, after the `lead` lines that must be read before it (the speed pairs that measure the machine)."""
     cell = lambda x: str(x).replace("|", "\\|").replace("\n", " ")  # noqa: E731
     lines = [" | ".join(cell(c) for c in headers), " | ".join("---" for _ in headers)]
     lines += [" | ".join(cell(c) for c in row) for row in rows]
-    return "\n".join(f"| {line} |" for line in lines)
+    table = "\n".join(f"| {line} |" for line in lines)
+    return "".join("- **{}:**{}\n".format(*line.split(":", 1)) for line in lead) + ("\n" if lead else "") + table
 
 
 CSS = """
@@ -132,10 +135,11 @@ def to_html(blocks: list[tuple], out_dir: Path) -> str:
             + "\n".join(body) + f"\n<script>{IMAGE_CHECK}</script>\n</body></html>\n")
 
 
-def html_table(headers: tuple, rows: list[tuple]) -> str:
+def html_table(headers: tuple, rows: list[tuple], lead: Sequence[str] = ()) -> str:
     head = "".join(f"<th>{html.escape(str(h))}</th>" for h in headers)
     body = "".join("<tr>" + "".join(html_cell(c) for c in row) + "</tr>" for row in rows)
-    return f'<div class="scroll"><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>'
+    first = "".join('<p class="warn"><b>{}:</b>{}</p>'.format(*map(html.escape, line.split(":", 1))) for line in lead)
+    return first + f'<div class="scroll"><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>'
 
 
 VERDICT_WORDS = ("ok", "failed", "pass", "fail", "differs", "skipped", "not comparable", "no data", "incomplete")

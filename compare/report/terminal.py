@@ -45,7 +45,7 @@ def terminal_verdict(summary: dict, verbose: bool = False) -> list[str]:
     speed = summary.get("speed") or []
     shown = speed if verbose else asked_speed(speed)
     if shown:
-        lines += [""] + text_table(*speed_cells(shown))
+        lines += [""] + [f"! {line}" for line in verdicts.get("speed_environment") or []] + text_table(*speed_cells(shown))
     more = [t for t in (scaling_cells(summary.get("scaling") or {}), memory_cells(summary.get("memory") or []))
             if t]
     notes = verdicts.get("notes", verdicts.get("lines", []))  # "notes" since issue 59; older summaries: "lines"

@@ -82,15 +82,20 @@ SPEED_HEADERS = ("speed", "runs", "faster", "speedup", "tokens/s median", "p10�
 def speed_cells(speed: list[dict]) -> tuple[tuple, list[tuple]]:
     """The speed ratios (findings.speed_table) as a table of their own: one row per pair of runs, its
     figures in the order faster vs slower; at one rank the op class that accounts for most of the gap, with
-    both runs' cost (common/train/opclasses.py)."""
+    both runs' cost (common/train/opclasses.py). A pair that measures the machine (environment_bound.py) names
+    no faster framework: "environment-bound", its figures and ratio in the order of its runs, a over b."""
     rows = []
     for s in speed:
+        bound = bool(s.get("environment_bound"))
+        # Without a faster framework named, "faster vs slower" could not be read: such a row keeps the runs' order.
+        order = (lambda x, y: (y, x)) if bound and s["a"] != s["faster_label"] else (lambda x, y: (x, y))
         d = s.get("phase")
-        phase = "–" if not d else (f"{d['phase']}: {d['fast_ms']:,.1f} vs {d['slow_ms']:,.1f} ms/step"
+        phase = "–" if not d else ("{}: {:,.1f} vs {:,.1f} ms/step".format(d["phase"], *order(d["fast_ms"], d["slow_ms"]))
                                    + {None: "", True: ", spreads apart", False: ", within spread"}[d["spreads_apart"]])
         rows.append((SPEED_NAMES.get(s.get("kind", "framework"), s.get("kind")), f"{s['a']} vs {s['b']}",
-                     s["faster"], f"{s['speedup']:.2f}x",
-                     f"{s['faster_tokens_per_s']:,.0f} vs {s['slower_tokens_per_s']:,.0f}",
+                     "environment-bound" if bound else s["faster"],
+                     f"{s['ratio_a_over_b'] if bound else s['speedup']:.2f}x",
+                     "{:,.0f} vs {:,.0f}".format(*order(s["faster_tokens_per_s"], s["slower_tokens_per_s"])),
                      "overlap: noise" if s["within_noise"] else "apart", phase, s.get("op_class_gap") or "–"))
     return SPEED_HEADERS, rows
 
@@ -138,13 +143,15 @@ def memory_cell(entry: dict | None) -> str:
     return f"{entry['state_mb']:,.1f} vs {entry['ddp_state_mb']:,.1f} ({entry['ratio']:.2f}x)"
 
 
-def verdict_tables(summary: dict, every_ratio: bool = True) -> list[tuple[tuple, list[tuple]]]:
+def verdict_tables(summary: dict, every_ratio: bool = True) -> list[tuple]:
     """The verdict's tables, (headers, rows) each: the judged pairs, the speed ratios (every one, or only
-    those asked_speed keeps), then scaling and memory by run group."""
+    those asked_speed keeps) led by the lines that say which of them measure the machine (headers, rows,
+    lines), then scaling and memory by run group."""
     v = summary["verdicts"]
     speed = summary.get("speed") or []
-    tables = [table_cells(v["pairs"])] if v.get("pairs") else []
-    tables += [speed_cells(speed if every_ratio else asked_speed(speed))] if speed else []
+    tables: list[tuple] = [table_cells(v["pairs"])] if v.get("pairs") else []
+    tables += [(*speed_cells(speed if every_ratio else asked_speed(speed)), v.get("speed_environment") or [])] \
+        if speed else []
     return tables + [t for t in (scaling_cells(summary.get("scaling") or {}),
                                  memory_cells(summary.get("memory") or [])) if t]
 

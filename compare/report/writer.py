@@ -23,6 +23,7 @@ from common.errors import UserError
 from common.metrics import write_json
 
 from .diagnoses import read_diagnoses
+from .environment_bound import environment_lines
 from .findings import (environment_info, fairness_info, memory_table, run_row, scaling_table, speed_table,
                        verdicts)
 from .markup import to_html, to_markdown
@@ -60,9 +61,12 @@ def write_report(run_dirs: list[Path], out_dir: Path, tol: Tolerances, context: 
     speed = speed_table(rows)
     memory = memory_table(rows)
     fairness = fairness_info(runs, rows, context)
+    verdict = verdicts(parity, speed, scaling, memory, rows, fairness, context.get("baseline"))
+    bound = environment_lines(speed, runs, fairness)  # marks the speed pairs that measure the machine
+    verdict.update(speed_environment=bound, lines=bound + verdict["lines"])
     summary = {
         "created": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "verdicts": verdicts(parity, speed, scaling, memory, rows, fairness, context.get("baseline")),
+        "verdicts": verdict,
         "runs": rows,
         "parity": parity,
         "speed": speed,

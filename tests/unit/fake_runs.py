@@ -26,9 +26,9 @@ def reference_losses(steps: int = STEPS) -> list[float]:
 def make_run(root: Path, framework: str, nproc: int, losses: list[float] | None = None, *,
              evals: dict[int, float] | None = None, status: str = "ok", config: dict | None = None,
              tokens_per_s: float = 10_000.0, name: str | None = None, write_summary: bool = True,
-             op_profile: dict | None = None) -> Path:
+             op_profile: dict | None = None, summary_extra: dict | None = None) -> Path:
     """A run directory as compare/launch/runner.py leaves it, with the given loss curve (and `op_profile`, a
-    record as `op_profile_of` makes one)."""
+    record as `op_profile_of` makes one; `summary_extra`, fields that replace or join summary.json's)."""
     losses = reference_losses() if losses is None else losses
     cfg = RunConfig().to_dict()
     cfg.update(framework=framework, nproc=nproc, steps=len(losses), eval_every=20,
@@ -72,6 +72,7 @@ def make_run(root: Path, framework: str, nproc: int, losses: list[float] | None 
         }
         if op_profile is not None:
             summary["op_profile"] = op_profile
+        summary.update(summary_extra or {})
         if status != "ok":
             summary.update(error="rank 1 died at step 7 without reporting an error", failed_rank=1)
         write_json(run_dir / "summary.json", summary)
