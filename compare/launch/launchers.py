@@ -177,7 +177,7 @@ def rank_environment(cfg: RunConfig, spec: ModelSpec | None = None) -> tuple[dic
         extra["MTL_CAPTURE_ENABLED"] = "1"
     blas = "framework default"
     if cfg.framework == "mlx":
-        blas, blas_env = env.mlx_blas(cfg.mlx_blas)
+        blas, blas_env = env.mlx_blas(cfg.mlx_blas, cfg.cache_path)
         extra.update(blas_env)
         if not cfg.hostfile:  # the wrapper compiler and kernel cache exist on this host only
             jit, jit_env = env.mlx_cpu_jit(cfg.mlx_cpu_jit, cfg.cache_path)

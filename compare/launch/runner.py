@@ -13,6 +13,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -22,25 +23,22 @@ from common.train import rescue, supervisor
 from common.train.faults import ATTEMPT_ENV
 from common.config import RunConfig
 from common.errors import UserError
-from common.data.sequences import truncated_records
-from common.metrics import read_json, read_metrics, throughput_stats, write_json
+from common.metrics import write_json
 from common.parallel import describe_mesh
-from common.parallel.pipeline import split_idle
-from common.costmodel.probe import across_with_last_rank
 from common.runplan import PLAN_FILE, RunPlan
-from common.model.precision import describe as describe_precision
 from common.model.spec import ModelSpec
 
 from ..machine import environment as env
-from ..machine.blas import summary_fields as blas_fields
+from ..machine.kernels import cold_start_line
 from ..machine.backends import check_available
 from ..report import tracking
 from ..report.samples import SAMPLE_FILE
 from .hosts import RING_HOSTFILE, check_hostfile, ring_hosts, with_hostfile_backend
-from .launchers import build_command, device_note
+from .launchers import build_command
 from .netns import EmulatedLink, check_can_emulate, loopback_record
 from ..report.restarts import restart_line
 from .restarts import Restarts, wait_for_rescue
+from .summary import summarize
 from .watchdog import process_state, read_ranks, stop_job, watch, watched_ranks
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -159,6 +157,8 @@ def launch(cfg: RunConfig, inputs: Inputs, run_dir: Path) -> dict:
     tracking.check_installed(cfg.report_to)
     if cfg.link and cfg.world_size > 1:
         check_can_emulate(cfg.link)
+    if not cfg.quiet and (cold := cold_start_line(cfg)):  # before the kernel timings and the progress bar
+        print(f"dpcompare: note: {cold}", file=sys.stderr, flush=True)
     build_command(cfg, run_dir, spec=inputs.spec)  # refuses a job it cannot start before anything is written
     check_run_dir(run_dir, cfg.resume, cfg.overwrite, clear=True)
     try:
@@ -310,90 +310,3 @@ def stop_interrupted(proc: subprocess.Popen | None, run_dir: Path, cfg: RunConfi
     kept = f"last checkpoint {latest.name} (continue with --resume)" if latest else "no checkpoint yet"
     return {"status": "interrupted", "signal": name, "failed_rank": None,
             "error": f"{cfg.framework} x{cfg.nproc * cfg.nnodes} interrupted by {name} after step {step}; {kept}"}
-
-
-def summarize(cfg: RunConfig, run_dir: Path, argv: list[str], blas: str, wall_s: float,
-              failure: dict | None, link: dict | None = None) -> dict:
-    world = cfg.nproc * cfg.nnodes
-    ranks = read_ranks(run_dir, world)
-    train_rows, eval_rows = read_metrics(run_dir / "metrics.jsonl")
-    mine = watched_ranks(cfg) if cfg.nnodes > 1 else list(range(world))
-    rank0 = ranks.get(0, ranks.get(mine[0], {}))
-    summary = {
-        "framework": cfg.framework, "world_size": world, "backend": cfg.resolved_backend if world > 1 else "none",
-        "device": rank0.get("device", cfg.device), "status": "failed" if failure else "ok",
-        # A node other than 0 has no metrics.jsonl: its own ranks' status files say how far it got.
-        "steps": train_rows[-1]["step"] if train_rows else
-                 min(ranks.get(r, {}).get("step", 0) for r in mine) if cfg.nnodes > 1 else 0,
-        **throughput_stats(train_rows, cfg.timing_warmup_steps), "warmup_steps": cfg.timing_warmup_steps,
-        "compile_s": rank0.get("compile_s"), "time_to_first_step_s": rank0.get("time_to_first_step_s"),
-        "breakdown": rank0.get("breakdown"),
-        # N=1: the op classes' ms per step at the run's shapes (common/train/opprofile.py)
-        "op_profile": rank0.get("op_profile"),
-        # --trace: every rank's files, relative to the run dir (common/train/trace.py)
-        "trace": sorted(f for r in mine for f in ranks.get(r, {}).get("trace") or []),
-        "wall_s": wall_s,
-        "peak_mem_bytes": [ranks.get(r, {}).get("peak_mem_bytes") for r in range(world)],
-        "peak_rss_bytes": [ranks.get(r, {}).get("peak_rss_bytes") for r in range(world)],
-        # Start-up and training alone, before the first checkpoint gathers the state to save it.
-        "peak_rss_before_save_bytes": [ranks.get(r, {}).get("peak_rss_before_save_bytes") for r in range(world)],
-        # Bytes of the starting weights each rank read (common/checkpoint/tensorsource.py): its part, not the model.
-        "weights_bytes_read": [ranks.get(r, {}).get("weights_bytes_read") for r in range(world)],
-        # and of AdamW's two moments, when it resumed from a checkpoint (None otherwise)
-        "moments_bytes_read": [ranks.get(r, {}).get("moments_bytes_read") for r in range(world)],
-        # RSS at each rank's start, before the model is built: the framework's fixed footprint (common/train/loop.py)
-        "fixed_rss_bytes": [ranks.get(r, {}).get("fixed_rss_bytes") for r in range(world)],
-        # What each rank holds of the training state (Trainer.state_bytes), and how FSDP reduce-scattered.
-        "strategy": cfg.strategy, "reduce_scatter": rank0.get("reduce_scatter"),
-        # What trains (common/model/lora.py: None = every parameter; else LoRA's rank, alpha, scale, targets, layers)
-        # and how the step's loss is normalized (common/train/normalization.py).
-        "adapters": cfg.trained.describe(), "loss_normalization": cfg.loss_normalization,
-        "base_quantization": cfg.base_storage.describe(),  # None: a float32 base (common/model/quantize.py)
-        "state_bytes": {part: [ranks.get(r, {}).get("state_bytes", {}).get(part) for r in range(world)]
-                        for part in ("params", "grads", "optimizer")},
-        # Bytes given to all-reduce per step: counted in the step's collectives, and from the shapes.
-        "comm_bytes_per_step": rank0.get("comm_bytes_per_step"),
-        "comm_bytes_per_step_estimate": rank0.get("comm_bytes_per_step_estimate"),
-        "blas": blas, **blas_fields(cfg.framework, cfg.mlx_blas, str(cfg.cache_path)),  # the verdict reads these
-        "threads_per_rank": cfg.threads_per_rank,  # and each rank's cores (common/train/placement.py)
-        "pinned_cores": [ranks.get(r, {}).get("cores") for r in range(world)],
-        "dtype": cfg.dtype, "precision": describe_precision(cfg.dtype),
-        "versions": env.versions(), "machine": env.machine(),
-        "final_loss": train_rows[-1]["loss"] if train_rows else rank0.get("loss") if cfg.nnodes > 1 else None,
-        "final_eval_loss": eval_rows[-1]["eval_loss"] if eval_rows else None,
-        "tokens_per_step": train_rows[-1]["tokens"] if train_rows else None,
-        "truncated_records": truncated_records(read_json(run_dir / PLAN_FILE, {}).get("token_cache"), cfg.seq_len,
-                                               cfg.sequence),  # padded or instruction samples cut to seq_len + 1
-        "command": shlex.join(argv), "config": cfg.to_dict(),
-    }
-    if cfg.init_from:  # the pretrained checkpoint the run started from, and which weights those were
-        from common.model.weights import weights_digest
-
-        summary["init_from"] = {"path": str(Path(cfg.init_from).resolve()),
-                                "weights_sha256": weights_digest(Path(cfg.init_from), cfg.cache_path)}
-    if link is not None:  # the path the ranks talked over, and their own all-reduce on it (common/costmodel/probe.py)
-        summary["link"] = {**link, "allreduce": rank0.get("allreduce")}
-        if "inner" in link:  # two levels: the ranks' all-reduce inside their groups (None where they cannot split)
-            summary["link"]["inner"] = {**link["inner"], "allreduce": rank0.get("allreduce_inner")}
-            # and across: one rank per machine in each group, every group at once (None where they cannot split)
-            summary["link"]["allreduce_across"] = across_with_last_rank(
-                [ranks.get(r, {}).get("allreduce_across") for r in range(world)])
-        if rank0.get("allgather"):  # fsdp's own all-gather (common/parallel/fsdp.py measures_all_gather)
-            summary["link"]["allgather"] = rank0["allgather"]
-    if "pp_bubble_analytic" in rank0:  # pp (common/parallel/pipeline.py): each stage's idle fraction and what it held
-        summary["pipeline"] = {
-            "schedule": rank0.get("pp_schedule"), "microbatches": rank0.get("pp_microbatches"),
-            "bubble": [ranks.get(r, {}).get("pp_bubble") for r in range(world)],
-            "idle": split_idle([ranks.get(r, {}).get("pp_bubble") for r in range(world)]),
-            "bubble_analytic": rank0.get("pp_bubble_analytic"),
-            "layers": [ranks.get(r, {}).get("pp_layers") for r in range(world)],
-            # the embedding group: the stages holding a tied matrix (common/parallel/embedding_group.py), [] untied
-            "tied_embedding_stages": rank0.get("pp_tied_embedding_stages", []),
-            "comm_bytes_per_step": [ranks.get(r, {}).get("comm_bytes_per_step") for r in range(world)]}
-    if device_note(cfg):
-        summary["device_note"] = device_note(cfg)
-    if cfg.nnodes > 1:
-        summary.update(nnodes=cfg.nnodes, node_rank=cfg.node_rank, node_ranks=mine)
-    if failure:
-        summary.update(failure)
-    return summary

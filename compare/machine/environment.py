@@ -34,12 +34,13 @@ def system_openblas() -> str | None:
     return found.library if found else None
 
 
-def mlx_blas(choice: str) -> tuple[str, dict]:
+def mlx_blas(choice: str, cache_dir: Path | None = None) -> tuple[str, dict]:
     """(description, extra env) for MLX ranks: the BLAS --mlx-blas `choice` gives them (compare/machine/blas.py: on
-    Linux an OpenBLAS preloaded in place of the mlx wheel's reference BLAS, chosen by measurement under auto)."""
+    Linux an OpenBLAS preloaded in place of the mlx wheel's reference BLAS, chosen by measurement under auto);
+    `cache_dir`: the run's cache folder, where its links and timings are kept (default_cache_dir where None)."""
     from .blas import choose
 
-    chosen = choose(choice)
+    chosen = choose(choice, cache_dir)
     return chosen.description, dict(chosen.env)
 
 

@@ -69,7 +69,7 @@ def _entry(cfg: RunConfig, kernel: str, spec: ModelSpec | None) -> dict | None:
 
 def timing_environment(cpu_jit: str, cache_dir: str, blas: str, threads: int) -> dict:
     """What the timing child adds to this environment: the ranks' threads, BLAS and kernel build, and the cache."""
-    extra = {**env.thread_env(threads), **env.mlx_blas(blas)[1], **env.mlx_cpu_jit(cpu_jit, Path(cache_dir))[1]}
+    extra = {**env.thread_env(threads), **env.mlx_blas(blas, Path(cache_dir))[1], **env.mlx_cpu_jit(cpu_jit, Path(cache_dir))[1]}
     extra["DPCOMPARE_CACHE"] = cache_dir  # the child's cache folder (common/config.py default_cache_dir)
     return extra
 
@@ -103,3 +103,29 @@ def kernels_line(cfg: RunConfig, spec: ModelSpec | None = None) -> str:
     kernels = [k for k in CANDIDATES if (k != "bf16_matmul" or cfg.dtype == "bfloat16")
                and (k != "attention" or cfg.dtype == "float32")]
     return "; ".join(f"{LABELS[k]}: {described(cfg, k, spec)}" for k in kernels)
+
+
+# A cold start measured on a fresh clone (docs/install.md): the demo's first MLX run built its fused CPU kernels for
+# about this long before its first step, where a warm cache takes under a second.
+COLD_BUILD_S = 60
+
+
+def cold_start_line(cfg: RunConfig) -> str | None:
+    """One line before an MLX run whose CPU kernels are not built yet on this machine (MLX keeps what mx.compile
+    builds in $TMPDIR/mlx/VERSION/cpu: the native build's TMPDIR is its own cache, environment.py mlx_cpu_jit), so
+    that the minute of g++ before the first step is not a silent one; None where the cache holds kernels already,
+    or the ranks build elsewhere (a hostfile, a GPU, macOS)."""
+    import os
+    import tempfile
+
+    from common.kernels import mlx_version
+
+    if cfg.framework != "mlx" or cfg.hostfile or mlx_device(cfg) != "cpu" or not sys.platform.startswith("linux"):
+        return None
+    root = env.mlx_cpu_jit(cfg.mlx_cpu_jit, cfg.cache_path)[1].get("TMPDIR") or os.environ.get("TMPDIR") \
+        or tempfile.gettempdir()
+    folder = Path(root) / "mlx" / mlx_version() / "cpu"
+    if any(folder.glob("lib*.so")):
+        return None
+    return (f"first MLX run with this kernel cache: MLX builds its CPU kernels with g++ before the first step "
+            f"(about {COLD_BUILD_S} s on 2 cores, once; kept in {folder})")

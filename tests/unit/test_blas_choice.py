@@ -17,9 +17,9 @@ linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ML
 
 @pytest.fixture(autouse=True)
 def fresh_choices():
-    blas.choose.cache_clear()
+    blas._choose.cache_clear()
     yield
-    blas.choose.cache_clear()
+    blas._choose.cache_clear()
 
 
 def fake_candidates(monkeypatch, gflops: dict, errors: dict | None = None) -> list[str]:
@@ -69,7 +69,7 @@ def test_the_choice_is_cached_and_timed_again_when_it_was_timed_under_load(monke
     probed = fake_candidates(monkeypatch, {"system": 80.0, "wheel": 95.0, "bundled": 5.0})
     blas.choose("auto", str(tmp_path))
     assert sorted(probed) == ["bundled", "system", "wheel"]
-    blas.choose.cache_clear()
+    blas._choose.cache_clear()
     blas.choose("auto", str(tmp_path))
     assert len(probed) == 3  # read from kernel-choice.json
     cache = KernelCache(tmp_path)
@@ -78,7 +78,7 @@ def test_the_choice_is_cached_and_timed_again_when_it_was_timed_under_load(monke
     assert {"load_1m", "running_tasks", "cpus", "cpu_share"} <= set(entry) or not Path("/proc/loadavg").exists()
     entry["cpu_share"] = 0.5  # as a timing beside a busy loop on each core reads
     cache.path.write_text(__import__("json").dumps({key: entry}))
-    blas.choose.cache_clear()
+    blas._choose.cache_clear()
     blas.choose("auto", str(tmp_path))
     assert len(probed) == 6
 
@@ -119,3 +119,13 @@ def test_the_wheel_loads_without_a_system_fortran_runtime_and_computes_right(tmp
     result = blas.probe(candidate, {})
     assert "error" not in result, result
     assert result["relative_error"] < 1e-5 and result["core"]
+
+
+@pytest.mark.parametrize(("timings", "share", "again"), [
+    ({"wheel": 21.0, "bundled": 400.0}, 0.5, False),   # 19x: no load flips that
+    ({"wheel": 21.0, "system": 25.0}, 0.5, True),      # 1.2x under a half share: timed again
+    ({"wheel": 21.0, "system": 25.0}, 0.95, False),    # alone on its core: kept
+    ({"wheel": 21.0, "system": 25.0}, None, False),    # an entry from before the share was recorded
+])
+def test_a_choice_timed_under_load_is_timed_again_only_where_the_load_could_have_made_it(timings, share, again):
+    assert blas.load_explains({"timings": timings, "cpu_share": share}) is again

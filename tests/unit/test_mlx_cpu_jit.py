@@ -79,3 +79,22 @@ def test_a_precompiled_header_that_cannot_be_built_leaves_the_kernels_building_a
     description, extra = env.mlx_cpu_jit("native", tmp_path)
     wrapper = os.path.join(extra["PATH"].split(os.pathsep)[0], "g++")
     assert description == "native (-march=native, strided loops vectorised)" and " -I " not in open(wrapper).read()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MLX builds CPU kernels with g++ on Linux only")
+def test_a_run_on_a_cold_kernel_cache_says_so_in_one_line_and_a_warm_one_does_not(tmp_path):
+    from common.config import RunConfig
+    from common.kernels import mlx_version
+    from compare.machine.kernels import cold_start_line
+
+    cfg = RunConfig(framework="mlx", cache_dir=str(tmp_path), mlx_cpu_jit="native")
+    line = cold_start_line(cfg)
+    assert line and "builds its CPU kernels" in line and "\n" not in line
+    root = env.mlx_cpu_jit("native", tmp_path)[1].get("TMPDIR") or os.environ.get("TMPDIR", "/tmp")
+    if not str(root).startswith(str(tmp_path)):
+        pytest.skip("no g++: the kernels are built in the shared TMPDIR")
+    folder = tmp_path.joinpath(root, "mlx", mlx_version(), "cpu")
+    folder.mkdir(parents=True)
+    (folder / "libkernel.so").write_bytes(b"")
+    assert cold_start_line(cfg) is None
+    assert cold_start_line(RunConfig(framework="torch", cache_dir=str(tmp_path))) is None
