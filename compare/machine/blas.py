@@ -169,10 +169,6 @@ def probe(candidate: Candidate, extra_env: dict) -> dict:
     return result
 
 
-def _ps_per_mac(result: dict) -> float:
-    return 2e3 / result["gflops"]  # the cache's unit: ps per multiply-add (smaller wins)
-
-
 def choose(choice: str, cache_dir: str | Path | None = None) -> BlasChoice:
     """MLX's BLAS for `choice` (--mlx-blas): auto, wheel, system or bundled, with `cache_dir` the run's cache
     (default_cache_dir where None). A named library that does not work here is a UserError; `auto` never picks
@@ -203,36 +199,49 @@ def _choose(choice: str, cache_dir: str) -> BlasChoice:
 
 
 def _auto(candidates: list[Candidate], cache_root: Path) -> BlasChoice:
-    bundled = bundled_candidate()
-    cores = {c.name: kernels_for(c.library) for c in candidates}
+    # Keyed by the libraries (path and size) and the user's own OPENBLAS_CORETYPE: a hit starts no child at all.
     identity = Identity(cpu_signature(), mlx_version(), "blas-" + _digest(json.dumps(
-        [[c.name, c.library, _size(c.library), cores[c.name][1]] for c in candidates])))
+        [[c.name, c.library, _size(c.library)] for c in candidates] + [os.environ.get("OPENBLAS_CORETYPE", "")])))
     cache, shape = KernelCache(cache_root), (1,)
     entry = cache.get(identity, "blas", shape, contended=True)
-    # An entry timed beside other work is kept where its margin is more than such load can flip (load_explains):
-    # under CI's load it would otherwise be timed again at every launch.
-    if entry is None or load_explains(entry):
-        results = {c.name: probe(c, cores[c.name][1]) for c in candidates}
-        if bundled is not None:
-            results["bundled"] = probe(bundled, {})
-        timed = {name: r for name, r in results.items() if "error" not in r}
-        timings = {name: _ps_per_mac(r) for name, r in timed.items()} or {"bundled": float("inf")}
-        share = min((r.get("cpu_share") or 1.0 for r in timed.values()), default=None)
-        entry = cache.put(identity, "blas", shape, timings, share, extra={
-            "gflops": {name: round(r["gflops"], 1) for name, r in timed.items()},
-            "rejected": {name: r["error"] for name, r in results.items() if "error" in r}})
+    # An entry timed beside other work is kept where its margin is more than such load can flip (load_explains),
+    # else timed again at most MAX_TRIES times in all: under CI's load it would otherwise be timed at every launch.
+    if entry is None or (load_explains(entry) and entry.get("tries", 1) < MAX_TRIES):
+        entry = _timed(candidates, cache, identity, entry or {})
     by_name = {c.name: c for c in candidates}
+    cores = entry.get("cores", {})
     gflops, rejected = entry.get("gflops", {}), entry.get("rejected", {})
     measured = ", ".join(f"{name} {value:.1f}" for name, value in sorted(gflops.items(), key=lambda kv: -kv[1]))
     why = f"measured sgemm 512x2048x512, 1 thread: {measured} GFLOP/s" if measured else "nothing measured"
     why += "".join(f"; {name} rejected: {error}" for name, error in rejected.items())
     if entry["choice"] in by_name:
         chosen = by_name[entry["choice"]]
-        core, core_env = cores[chosen.name]
-        return _preloaded(chosen, core, core_env, "auto", gflops, why)
+        core, core_env = cores.get(chosen.name) or kernels_for(chosen.library)
+        return _preloaded(chosen, core, dict(core_env), "auto", gflops, why)
     fix = FIX_APT if "wheel" in by_name or platform.machine() not in ("x86_64", "AMD64") else FIX_PIP
     none = "no OpenBLAS works here" if candidates else "no OpenBLAS found"
     return BlasChoice(f"bundled (mlx wheel's reference BLAS; {none}; {why}; fix: {fix})", fix=fix, gflops=gflops)
+
+
+MAX_TRIES = 3  # timings of one set of libraries under load; load only slows a timing, so each keeps its best
+
+
+def _timed(candidates: list[Candidate], cache: KernelCache, identity: Identity, before: dict) -> dict:
+    """Probe every candidate and MLX's own BLAS, and store the entry: each library's best GFLOP/s over this timing
+    and the ones `before` (a load can slow a timing, never speed it up), its core, and the rejected ones."""
+    cores = {c.name: kernels_for(c.library) for c in candidates}
+    results = {c.name: probe(c, cores[c.name][1]) for c in candidates}
+    bundled = bundled_candidate()
+    if bundled is not None:
+        results["bundled"] = probe(bundled, {})
+    gflops = {name: max(r["gflops"], before.get("gflops", {}).get(name, 0.0))
+              for name, r in results.items() if "error" not in r}
+    timings = {name: 2e3 / value for name, value in gflops.items()} or {"bundled": float("inf")}
+    share = min((r.get("cpu_share") or 1.0 for r in results.values() if "error" not in r), default=None)
+    return cache.put(identity, "blas", (1,), timings, share, extra={
+        "gflops": {name: round(value, 1) for name, value in gflops.items()},
+        "rejected": {name: r["error"] for name, r in results.items() if "error" in r},
+        "cores": {name: list(core) for name, core in cores.items()}, "tries": before.get("tries", 0) + 1})
 
 
 def load_explains(entry: dict) -> bool:
