@@ -85,3 +85,7 @@ def test_the_wheel_in_a_fresh_venv_compares_from_a_scratch_directory_with_a_rela
     assert {r["label"] for r in summary["runs"]} == {"mlx x2", "torch x2"}
     for run in ("mlx-n2", "torch-n2"):  # the greedy continuation: a child of the wheel too
         assert json.loads((scratch / "rel" / run / "sample.json").read_text()).get("text"), run
+    # The wheel brings MLX an OpenBLAS as the checkout does (compare/machine/blas.py), where the registry has one.
+    mlx_run = json.loads((scratch / "rel" / "mlx-n2" / "summary.json").read_text())
+    if sys.platform.startswith("linux") and os.uname().machine == "x86_64":
+        assert mlx_run["blas_kind"] == "openblas" and mlx_run["blas_chosen"] == "auto", mlx_run["blas"]
