@@ -148,3 +148,22 @@ def test_the_wheel_loads_without_a_system_fortran_runtime_and_computes_right(tmp
 ])
 def test_a_choice_timed_under_load_is_timed_again_only_where_the_load_could_have_made_it(timings, share, again):
     assert blas.load_explains({"timings": timings, "cpu_share": share}) is again
+
+
+@linux_only
+def test_a_library_that_dies_of_an_illegal_instruction_is_rejected_before_any_rank_starts(tmp_path):
+    """A stand-in for an OpenBLAS built for another CPU (cmeel-openblas's SKYLAKEX build on an AVX2 machine): a
+    library whose first code run is an illegal instruction (ud2, SIGILL), built here with the C compiler."""
+    import shutil
+    import subprocess
+
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        pytest.skip("no C compiler to build the stand-in library")
+    source = tmp_path / "boom.c"
+    source.write_text("__attribute__((constructor)) static void boom(void) { __builtin_trap(); }\n"
+                      "void cblas_sgemm(void) {}\n")
+    library = tmp_path / "libopenblas.so.0"
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(library), str(source)], check=True, capture_output=True)
+    result = blas.probe(blas.Candidate("wheel", str(library), "stand-in"), {})
+    assert result == {"error": "killed by SIGILL (built for another CPU)"}
