@@ -46,18 +46,25 @@ def test_the_vms_fallback_emulated_here_would_get_skylakex(monkeypatch):
     assert description == "core SkylakeX (OPENBLAS_CORETYPE=SKYLAKEX: OpenBLAS's own detection chose Prescott)"
 
 
-def test_a_users_coretype_wins_and_every_run_names_its_core(monkeypatch):
+def test_a_users_coretype_wins_and_every_run_names_its_core(monkeypatch, tmp_path):
+    """Whichever OpenBLAS `auto` preloads (the wheel or the system's: compare/machine/blas.py), its core is named;
+    a cache folder of the test's own, so the cores come from this test's stand-in, not an earlier timing."""
+    from compare.machine import blas
+
     library = env.system_openblas()
     if library is None:
         pytest.skip("no system OpenBLAS")
     monkeypatch.setattr(openblas, "core_of", lambda lib, core: {None: "Prescott", "HASWELL": "Haswell"}[core])
     monkeypatch.setenv("OPENBLAS_CORETYPE", "HASWELL")
-    description, extra = env.mlx_blas("auto")
+    blas._choose.cache_clear()
+    description, extra = env.mlx_blas("auto", tmp_path)
     assert "core Haswell (OPENBLAS_CORETYPE=HASWELL, yours)" in description
     assert "OPENBLAS_CORETYPE" not in extra  # the rank inherits the user's own
     monkeypatch.delenv("OPENBLAS_CORETYPE")
     monkeypatch.setattr(openblas, "core_of", lambda lib, core: "Cooperlake")
-    assert env.mlx_blas("auto")[0].endswith("; core Cooperlake)")
+    blas._choose.cache_clear()
+    assert "; core Cooperlake; measured sgemm" in env.mlx_blas("auto", tmp_path)[0]
+    blas._choose.cache_clear()
 
 
 def test_doctors_matmul_peak_runs_the_kernels_the_runs_get(monkeypatch, tmp_path):
