@@ -4,6 +4,7 @@ anything: the timings are handed in."""
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -90,6 +91,12 @@ def test_a_choice_timed_while_the_cpu_was_shared_is_timed_again_by_the_next_laun
     assert cache.get(who, "attention", shape, contended=True) == stored  # its own ranks take it, as it chose
     cache.put(who, "attention", shape, {"whole": 6.6, "halves": 6.9, "quarters": 9.5}, cpu_share=0.99)
     assert cache.get(who, "attention", shape)["choice"] == "whole"       # timed alone: kept from now on
+    # the machine's load beside each choice, for whoever wonders why one looks wrong (issue 72)
+    if Path("/proc/loadavg").exists():
+        kept = cache.get(who, "attention", shape)
+        assert kept["load_1m"] >= 0 and kept["running_tasks"] >= 1 and kept["cpus"] >= 1
+    # another CPU kind is another key: its first run times the kernel again
+    assert cache.get(Identity("cpu1", "0.32.4", "native-r3"), "attention", shape) is None
 
 
 def test_the_launcher_reads_the_cache_without_starting_a_measurement(tmp_path, monkeypatch):
