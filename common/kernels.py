@@ -153,13 +153,15 @@ class KernelCache:
     def get(self, identity: Identity, kernel: str, shape: tuple[int, ...], contended: bool = False) -> dict | None:
         """The entry, or None: none stored, or one timed while other work took the CPU from the timing (`contended`),
         which only the ranks of the run that timed it take (contended=True), so that they agree with their
-        launcher; the next launch times it again."""
+        launcher; the next launch times it again, up to MAX_TRIES timings in all (`put` keeps each candidate's
+        best), after which it is kept: under a load that never ends (a CI run's), every launch timed it again."""
         from common.metrics import read_json
 
         entry = (read_json(self.path, {}) or {}).get(self.key(identity, kernel, shape))
         if not (isinstance(entry, dict) and "choice" in entry and "timings" in entry):
             return None
-        return entry if contended or not was_contended(entry.get("cpu_share")) else None
+        settled = not was_contended(entry.get("cpu_share")) or entry.get("tries", 1) >= MAX_TRIES
+        return entry if contended or settled else None
 
     def put(self, identity: Identity, kernel: str, shape: tuple[int, ...], timings: Mapping[str, float],
             cpu_share: float | None = None, extra: Mapping | None = None) -> dict:
@@ -168,12 +170,20 @@ class KernelCache:
         load when it was timed is kept beside it, for whoever wonders why a choice looks wrong."""
         from common.metrics import read_json, write_json
 
-        entry = {"choice": faster(timings), "timings": dict(timings), "unit": UNITS[kernel],
-                 "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                 "cpu_share": None if cpu_share is None else round(cpu_share, 2), **load_now(), **(extra or {})}
         entries = {k: v for k, v in (read_json(self.path, {}) or {}).items()
                    if _mlx_of(k) == identity.mlx}  # an MLX upgrade invalidates every older timing
-        entries[self.key(identity, kernel, shape)] = entry
+        key = self.key(identity, kernel, shape)
+        before = entries.get(key) if isinstance(entries.get(key), dict) else {}
+        if before and was_contended(before.get("cpu_share")) and set(before.get("timings", {})) == set(timings):
+            # timed again after a timing under load: load only slows a candidate, so each keeps its best time
+            timings = {name: min(t, before["timings"][name]) for name, t in timings.items()}
+            shares = [x for x in (before.get("cpu_share"), cpu_share) if x is not None]
+            cpu_share = max(shares) if shares else None
+        tries = (before.get("tries", 1) + 1) if before else 1
+        entry = {"choice": faster(timings), "timings": dict(timings), "unit": UNITS[kernel],
+                 "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "tries": tries,
+                 "cpu_share": None if cpu_share is None else round(cpu_share, 2), **load_now(), **(extra or {})}
+        entries[key] = entry
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             write_json(self.path, entries)  # atomic: concurrent ranks never read half a file
@@ -193,6 +203,7 @@ def load_now() -> dict:
         return {}
 
 
+MAX_TRIES = 3  # timings of one kernel and shape under load before the best of them is kept (KernelCache.get)
 MIN_CPU_SHARE = 0.8  # a timing whose process ran less of its wall time than this shared the CPU with other work
 
 

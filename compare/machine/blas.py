@@ -32,7 +32,7 @@ from pathlib import Path
 
 from common.config import default_cache_dir
 from common.errors import UserError
-from common.kernels import Identity, KernelCache, cpu_signature, mlx_version, was_contended
+from common.kernels import MAX_TRIES, Identity, KernelCache, cpu_signature, mlx_version, was_contended
 
 from .openblas import kernels_for
 
@@ -223,7 +223,6 @@ def _auto(candidates: list[Candidate], cache_root: Path) -> BlasChoice:
     return BlasChoice(f"bundled (mlx wheel's reference BLAS; {none}; {why}; fix: {fix})", fix=fix, gflops=gflops)
 
 
-MAX_TRIES = 3  # timings of one set of libraries under load; load only slows a timing, so each keeps its best
 
 
 def _timed(candidates: list[Candidate], cache: KernelCache, identity: Identity, before: dict) -> dict:
@@ -241,7 +240,7 @@ def _timed(candidates: list[Candidate], cache: KernelCache, identity: Identity, 
     return cache.put(identity, "blas", (1,), timings, share, extra={
         "gflops": {name: round(value, 1) for name, value in gflops.items()},
         "rejected": {name: r["error"] for name, r in results.items() if "error" in r},
-        "cores": {name: list(core) for name, core in cores.items()}, "tries": before.get("tries", 0) + 1})
+        "cores": {name: list(core) for name, core in cores.items()}})
 
 
 def load_explains(entry: dict) -> bool:
