@@ -223,8 +223,6 @@ def _auto(candidates: list[Candidate], cache_root: Path) -> BlasChoice:
     return BlasChoice(f"bundled (mlx wheel's reference BLAS; {none}; {why}; fix: {fix})", fix=fix, gflops=gflops)
 
 
-
-
 def _timed(candidates: list[Candidate], cache: KernelCache, identity: Identity, before: dict) -> dict:
     """Probe every candidate and MLX's own BLAS, and store the entry: each library's best GFLOP/s over this timing
     and the ones `before` (a load can slow a timing, never speed it up), its core, and the rejected ones."""
