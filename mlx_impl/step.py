@@ -112,6 +112,7 @@ class Trainer:
         # What trains (common/model/lora.py): every parameter, or LoRA's adapters with the rest frozen (lora.py).
         attach(self.model, cfg.trained, spec)
         self.state_shapes = cfg.trained.state_shapes(spec)  # the state a checkpoint holds, under HF names
+        self.trained = cfg.trained  # what the op classes differentiate (opclasses.py)
         strategy.wrap(self.model, as_source(weights))
         self.optimizer = optim.AdamW(learning_rate=cfg.lr, betas=[cfg.beta1, cfg.beta2], eps=cfg.adam_eps,
                                      weight_decay=cfg.weight_decay, bias_correction=True)

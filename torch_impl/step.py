@@ -120,6 +120,7 @@ class Trainer:
             # What trains (common/model/lora.py): every parameter, or LoRA's adapters with the rest frozen (lora.py).
             attach(self.model, cfg.trained, spec)
         self.state_shapes = cfg.trained.state_shapes(spec)  # the state a checkpoint holds, under HF names
+        self.trained = cfg.trained  # what the op classes differentiate (opclasses.py)
         self.grad_accum, self.grad_clip = cfg.grad_accum, cfg.grad_clip
         # The StepFunctions (microsteps.py) the strategies run: the bare model and what the step runs.
         self.wrapped: nn.Module = self.strategy.wrap(self.model, as_source(weights))

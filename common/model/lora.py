@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from common.errors import UserError
+from common.model.flops import matmul_parameters
 from common.model.spec import ModelSpec
 from common.model.weights import parameter_shapes
 
@@ -39,6 +40,14 @@ class FullModel:
 
     def modules(self, spec: ModelSpec) -> list[str]:
         return []
+
+    def blocks(self, spec: ModelSpec) -> range:
+        """The blocks a step's backward runs through: every one."""
+        return range(spec.n_layers)
+
+    def matmul_flops_per_token(self, spec: ModelSpec) -> float:
+        """6 N (common/model/flops.py): every matrix forward, its input's gradient and its own."""
+        return 6.0 * matmul_parameters(spec)
 
     def state_shapes(self, spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         return parameter_shapes(spec)
@@ -70,6 +79,7 @@ class Adapters:
         return self.alpha / self.rank
 
     def blocks(self, spec: ModelSpec) -> range:
+        """The adapted blocks, the last ones: also those a step's backward runs through (nothing below trains)."""
         first = 0 if not self.layers else spec.n_layers - min(self.layers, spec.n_layers)
         return range(first, spec.n_layers)
 
@@ -101,6 +111,15 @@ class Adapters:
 
     def trained_parameters(self, spec: ModelSpec) -> int:
         return sum(math.prod(s) for s in self.state_shapes(spec).values())
+
+    def matmul_flops_per_token(self, spec: ModelSpec) -> float:
+        """The frozen base forward (2 N), its input gradients from the lowest adapted block up, the output head's
+        included (no weight gradient of the base), and the adapters' two products forward and backward, their
+        input gradients and their own (6 per adapter parameter)."""
+        back = len(self.blocks(spec))
+        head = spec.vocab_size * spec.dim
+        per_block = (matmul_parameters(spec) - head) / spec.n_layers
+        return 2.0 * matmul_parameters(spec) + 2.0 * (back * per_block + head) + 6.0 * self.trained_parameters(spec)
 
     def describe(self) -> dict:
         """summary.json's `adapters` and the checkpoints' fingerprint of them."""

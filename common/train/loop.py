@@ -332,7 +332,8 @@ def finish_run(run: Run, world_size: int) -> None:
         try:
             record = op_profile(trainer, run.step_inputs(cfg.steps), run.spec, cfg.micro_batch_size, cfg.seq_len,
                                 cfg.grad_accum, cfg.dtype,
-                                progress=lambda k: status.update(force=True, status="profiling", op_profile_rep=k))
+                                progress=lambda k: status.update(force=True, status="profiling", op_profile_rep=k),
+                                trained=cfg.trained)
         except Exception as err:  # noqa: BLE001 - the run is done: a profile that cannot run says why, and no more
             record = {"error": f"{type(err).__name__}: {err}"}
         status.update(force=True, op_profile=record)

@@ -4,8 +4,9 @@ the timing loop common/train/opprofile.py, the table compare/report/opclass_tabl
 
 A class holds the forward and the backward of its ops over one optimizer step (every micro-batch), as the
 training step runs them:
-    matmul        the projections (q, k, v, o), the MLP (gate, up, down) and the output head: x W^T forward,
-                  the input's and the weight's gradients backward
+    matmul        the projections (q, k, v, o), the MLP (gate, up, down) and the output head as the trained
+                  model has them: x W^T forward (LoRA: plus its adapters' products), the input's and the trained
+                  parameters' gradients backward (a frozen base's weights get none)
     attention     the attention core: q k^T, the causal mask, the softmax over keys and its product with v, and
                   their gradients (torch's scaled_dot_product_attention is one fused kernel, so the softmax
                   inside attention stays here in both frameworks), with v's split into heads and the output's
@@ -14,8 +15,9 @@ training step runs them:
                   logit, the masked sum, and the gradient of the logits (softmax minus one-hot)
     norms/activations/RoPE  the RMSNorms, the SiLU gate (x / (1 + exp(-x)) times up) and the rotary embedding of
                   q and k (from their split into heads, as the model reads them), forward and backward
-    optimizer     the gradient norm, the clip and the AdamW update of every parameter
-An exp of MLX's own, or any other change to exp, shows in softmax/cross-entropy, norms/activations/RoPE (SiLU)
+    optimizer     the gradient norm, the clip and the AdamW update of every trained parameter
+Under LoRA with adapters on the last blocks only (--lora-layers), the blocks below run forward alone, as in the
+step. An exp of MLX's own, or any other change to exp, shows in softmax/cross-entropy, norms/activations/RoPE (SiLU)
 and attention (its softmax), since their workloads call the model's own functions.
 
 Outside the classes: the embedding lookup and its gradient (a scatter into the vocabulary x dim table), the
@@ -29,9 +31,8 @@ can beat the memory bound (tiny's do); it is a floor for shapes that do not.
 """
 from __future__ import annotations
 
-from common.model.flops import matmul_parameters
+from common.model.lora import FullModel, Trained
 from common.model.spec import ModelSpec
-from common.model.weights import parameter_shapes
 
 OP_CLASSES = ("matmul", "attention", "softmax/cross-entropy", "norms/activations/RoPE", "optimizer")
 # What bounds each class below: "flops" at the matmul peak, "bytes" at memory bandwidth.
@@ -42,35 +43,34 @@ OUTSIDE = ("embedding lookup and its gradient, residual adds, casts between the 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
-def class_work(spec: ModelSpec, micro_batch: int, seq_len: int, grad_accum: int, dtype: str) -> dict[str, dict]:
-    """{class: {"flops": FLOPs per step, "bytes": bytes it must move per step}} at a step's shapes.
+def class_work(spec: ModelSpec, micro_batch: int, seq_len: int, grad_accum: int, dtype: str,
+               trained: Trained = FullModel()) -> dict[str, dict]:
+    """{class: {"flops": FLOPs per step, "bytes": bytes it must move per step}} at a step's shapes, for what the
+    step trains (`trained`, common/model/lora.py: every parameter, or LoRA's adapters).
 
-    matmul: 6 N per token (forward 2, backward 4; common/model/flops.py). attention: 6 L T d per token, the
-    causal half of flops.py's 12 L T d (a kernel that skips masked blocks does no more). The rest are the bytes
-    read and written once: the float32 logits read and their gradient written (cross-entropy); per layer two
-    norms (x, y forward; x, dy, dx backward), RoPE of q and k (x, y; dy, dx), the SiLU gate (gate, up, y;
-    gate, up, dy, d gate, d up), in the compute dtype; AdamW reads the weight, the gradient twice (the norm,
-    then the update) and both moments, and writes the weight and both moments, all float32."""
+    matmul: the trained object's count (6 N per token under full training, common/model/flops.py; under LoRA the
+    frozen base gets no weight gradient). attention: 6 L T d per token, the causal half of flops.py's 12 L T d (a
+    kernel that skips masked blocks does no more): 2 forward, 4 backward in each block the backward runs through
+    (LoRA's lowest adapted one and up). The rest are the bytes read and written once: the float32 logits read
+    and their gradient written (cross-entropy); per layer two norms (x, y forward; x, dy, dx backward), RoPE of q
+    and k (x, y; dy, dx), the SiLU gate (gate, up, y; gate, up, dy, d gate, d up), in the compute dtype; AdamW
+    reads each trained parameter, its gradient twice (the norm, then the update) and both moments, and writes
+    the parameter and both moments, all float32."""
     tokens = micro_batch * seq_len * grad_accum
     size = DTYPE_BYTES.get(dtype, 4)
     d, f, L = spec.dim, spec.ffn_dim, spec.n_layers
+    back = len(trained.blocks(spec))
     qk = (spec.n_heads + spec.n_kv_heads) * spec.head_dim
-    per_layer = 2 * 5 * d + 4 * qk + 8 * f
-    params = sum(_count(shape) for shape in parameter_shapes(spec).values())
+    forward, backward = 2 * 2 * d + 2 * qk + 3 * f, 2 * 3 * d + 2 * qk + 5 * f  # per layer
     return {
-        "matmul": {"flops": 6.0 * matmul_parameters(spec) * tokens, "bytes": None},
-        "attention": {"flops": 6.0 * L * seq_len * spec.n_heads * spec.head_dim * tokens, "bytes": None},
+        "matmul": {"flops": trained.matmul_flops_per_token(spec) * tokens, "bytes": None},
+        "attention": {"flops": (2.0 * L + 4.0 * back) * seq_len * spec.n_heads * spec.head_dim * tokens,
+                      "bytes": None},
         "softmax/cross-entropy": {"flops": None, "bytes": 2.0 * 4 * spec.vocab_size * tokens},
-        "norms/activations/RoPE": {"flops": None, "bytes": float(size * tokens * (L * per_layer + 5 * d))},
-        "optimizer": {"flops": None, "bytes": 8.0 * 4 * params},
+        "norms/activations/RoPE": {"flops": None,
+                                   "bytes": float(size * tokens * (L * forward + back * backward + 5 * d))},
+        "optimizer": {"flops": None, "bytes": 8.0 * 4 * trained.trained_parameters(spec)},
     }
-
-
-def _count(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def lower_bound_s(work: dict, peak_flops: float | None, bandwidth_Bps: float | None) -> float | None:

@@ -18,6 +18,7 @@ from typing import Callable
 
 import numpy as np
 
+from common.model.lora import FullModel, Trained
 from common.train.opclasses import OP_CLASSES, OUTSIDE, class_work
 
 TOLERANCE = 0.15     # the classes must add up to the reference step within this share, or the record says so
@@ -30,9 +31,11 @@ Workloads = dict[str, list[tuple[Callable[[], None], int]]]
 
 
 def profile(trainer, step_args, spec, micro_batch: int, seq_len: int, grad_accum: int, dtype: str,
-            progress: Callable[[int], None] = lambda k: None, budget_s: float = BUDGET_S) -> dict:
+            progress: Callable[[int], None] = lambda k: None, budget_s: float = BUDGET_S,
+            trained: Trained = FullModel()) -> dict:
     """`step_args` = (batches, lr, global_tokens) of one training step; its first batch sets the workloads'
-    shapes. -> the op-class record of summary.json's `op_profile` (see `summarize`)."""
+    shapes; `trained` what the step trains (common/model/lora.py), for the classes' work. -> the op-class record
+    of summary.json's `op_profile` (see `summarize`)."""
     start = time.perf_counter()
     batches, lr, global_tokens = step_args
     workloads: Workloads = trainer.op_workloads(batches[0], grad_accum)
@@ -55,7 +58,7 @@ def profile(trainer, step_args, spec, micro_batch: int, seq_len: int, grad_accum
             row[name] = sum(times * _timed(fn) for fn, times in parts)
         reps.append(row)
         progress(k)
-    work = class_work(spec, micro_batch, seq_len, grad_accum, dtype)
+    work = class_work(spec, micro_batch, seq_len, grad_accum, dtype, trained)
     bandwidth = memory_bandwidth_Bps()
     return {**summarize(reps, work), "memory_bandwidth_Bps": bandwidth,
             "shapes": {"micro_batch": micro_batch, "seq_len": seq_len, "grad_accum": grad_accum, "dtype": dtype},

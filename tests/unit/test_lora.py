@@ -10,7 +10,7 @@ from mlx.utils import tree_flatten
 
 from common.config import RunConfig
 from common.errors import UserError
-from common.model.lora import Adapters, FullModel
+from common.model.lora import TARGET_PATHS, Adapters, FullModel
 from common.model.spec import preset
 from common.model.weights import init_weights, parameter_shapes
 from common.train.protocols import World
@@ -134,3 +134,79 @@ def test_the_initial_adapters_are_written_once_beside_the_seed_for_both_framewor
     assert initial_adapters_file(adapters, SPEC, 7, tmp_path) == path and path.stat().st_mtime_ns == mtime
     assert initial_adapters_file(adapters, SPEC, 8, tmp_path) != path  # another seed, another file
     assert initial_adapters_file(FullModel(), SPEC, 7, tmp_path) is None  # the seed checkpoint holds every value
+
+
+def differentiated_shapes(framework, monkeypatch) -> list:
+    """The shapes of what each op-class workload asks its framework to differentiate, recorded as they run."""
+    seen: list = []
+    if framework == "mlx":
+        vjp = mx.vjp
+
+        def recording(fun, primals, cotangents):
+            seen.append([tuple(p.shape) for p in primals])
+            return vjp(fun, primals, cotangents)
+        monkeypatch.setattr(mx, "vjp", recording)
+    else:
+        import torch
+
+        grad = torch.autograd.grad
+
+        def recording_grad(outputs, inputs, *args, **kwargs):
+            seen.append([tuple(t.shape) for t in inputs])
+            return grad(outputs, inputs, *args, **kwargs)
+        monkeypatch.setattr(torch.autograd, "grad", recording_grad)
+    return seen
+
+
+@pytest.mark.parametrize("framework", ["mlx", "torch"])
+@pytest.mark.parametrize("bits", [0, 4])
+def test_the_op_classes_of_a_lora_step_differentiate_the_adapters_never_the_frozen_base(framework, bits, monkeypatch):
+    """The op-class profile (mlx_impl/opclasses.py, torch_impl/opclasses.py) times what a LoRA step runs: the
+    adapted projections differentiated for their inputs and adapters (the frozen base, float32 or 4-bit, gets no
+    weight gradient), the blocks below the adapted ones forward alone, and the update of the adapters only."""
+    from common.model.quantize import quantize_tensors
+
+    spec = SPEC.__class__(**{**SPEC.to_dict(), "vocab_size": 512, "ffn_dim": 192})
+    cfg = RunConfig(framework=framework, preset="tiny", lora_rank=4, lora_targets="q_proj,v_proj,down_proj",
+                    lora_layers=1, quantize_base=bits, model={"vocab_size": 512, "ffn_dim": 192})
+    cfg.validate()
+    base = init_weights(spec, 0)
+    weights = {**(quantize_tensors(cfg.base_storage, spec, base) if bits else base), **cfg.trained.initial_values(spec, 0)}
+    trainer = {"mlx": MlxTrainer, "torch": TorchTrainer}[framework](cfg, spec, weights, World())
+    tokens = np.random.default_rng(0).integers(0, 512, size=(2, 17)).astype(np.int32)
+    workloads = trainer.op_workloads((tokens[:, :-1], tokens[:, 1:], np.ones((2, 16), dtype=np.float32)), 3)
+    # one block of two adapted: its layer workloads 3 times a step (a micro-batch each), the block below's forward
+    for name in ("matmul", "attention", "norms/activations/RoPE"):
+        assert [times for _, times in workloads[name]][:2] == [3, 3], name
+    seen = differentiated_shapes(framework, monkeypatch)
+    for parts in workloads.values():
+        for run, _ in parts:
+            run()
+    # every tensor differentiated is an activation (3-D or more) or an adapter: once per workload with a backward
+    assert len(seen) == 6  # the layer's matmuls, the head, attention, the loss, the layer's and the final norms
+    parameters = sorted(shape for shapes in seen for shape in shapes if len(shape) <= 2)
+    adapters = {k: v for k, v in cfg.trained.state_shapes(spec).items() if k.startswith("model.layers.1.")}
+    assert parameters == sorted(adapters.values())
+    if framework == "torch":  # the update gave only the adapters gradients
+        assert all(p.grad is None for p in trainer.model.parameters() if not p.requires_grad)
+
+
+@pytest.mark.parametrize("framework", ["mlx", "torch"])
+def test_under_full_training_the_op_classes_differentiate_every_weight_they_use(framework, monkeypatch):
+    cfg = RunConfig(framework=framework, preset="tiny")
+    cfg.validate()
+    trainer = {"mlx": MlxTrainer, "torch": TorchTrainer}[framework](cfg, SPEC, init_weights(SPEC, 0), World())
+    tokens = np.random.default_rng(0).integers(0, SPEC.vocab_size, size=(2, 17)).astype(np.int32)
+    workloads = trainer.op_workloads((tokens[:, :-1], tokens[:, 1:], np.ones((2, 16), dtype=np.float32)), 1)
+    assert {name: [times for _, times in parts] for name, parts in workloads.items()} == {
+        "matmul": [2, 1], "attention": [2], "softmax/cross-entropy": [1], "norms/activations/RoPE": [2, 1],
+        "optimizer": [1]}
+    seen = differentiated_shapes(framework, monkeypatch)
+    for parts in workloads.values():
+        for run, _ in parts:
+            run()
+    shapes = parameter_shapes(SPEC)
+    block = [shapes[f"model.layers.0.{m}.weight"] for m in TARGET_PATHS.values()]
+    norms = [shapes["model.layers.0.input_layernorm.weight"]] * 2 + [shapes["model.norm.weight"]]
+    assert sorted(s for shapes_ in seen for s in shapes_ if len(s) <= 2) == \
+        sorted(block + [shapes["lm_head.weight"]] + norms)

@@ -9,7 +9,8 @@ import time
 import pytest
 
 from common.config import RunConfig
-from common.model.flops import attention_flops_per_token, flops_per_token
+from common.model.flops import attention_flops_per_token, flops_per_token, matmul_parameters
+from common.model.lora import Adapters
 from common.model.spec import preset
 from common.train.opclasses import (OP_CLASSES, class_work, difference_sentence, largest_difference, lower_bound_s,
                                     ms)
@@ -41,6 +42,27 @@ def test_matmul_and_attention_work_is_the_mfu_count_with_the_causal_half_of_atte
     half = class_work(spec, 4, 256, 2, "bfloat16")["norms/activations/RoPE"]["bytes"]
     assert half == work["norms/activations/RoPE"]["bytes"] / 2  # activations move in the compute dtype
     assert work["optimizer"]["bytes"] == class_work(spec, 1, 8, 1, "float32")["optimizer"]["bytes"]  # per parameter
+
+
+def test_under_lora_the_bounds_count_no_weight_gradient_of_the_frozen_base_and_update_the_adapters_alone():
+    spec = preset("small")
+    full = class_work(spec, 4, 256, 2, "float32")
+    lora = Adapters(rank=8, alpha=16.0, targets=("q_proj", "v_proj"))
+    work = class_work(spec, 4, 256, 2, "float32", lora)
+    tokens, n, adapters = 4 * 256 * 2, matmul_parameters(spec), lora.trained_parameters(spec)
+    # the base forward and its input's gradient (2 N each), the adapters' two products forward and backward (6)
+    assert work["matmul"]["flops"] == pytest.approx((4 * n + 6 * adapters) * tokens)
+    assert work["matmul"]["flops"] < full["matmul"]["flops"] == pytest.approx(6 * n * tokens)
+    assert work["optimizer"]["bytes"] == 32 * adapters  # AdamW over the adapters: 8 float32 passes each
+    for name in ("attention", "softmax/cross-entropy", "norms/activations/RoPE"):  # every block runs a backward
+        assert work[name] == full[name], name
+    # adapters on the last of 4 blocks: the 3 below run forward alone, their input gradients never computed
+    top = class_work(spec, 4, 256, 2, "float32", Adapters(8, 16.0, ("q_proj", "v_proj"), layers=1))
+    head = spec.vocab_size * spec.dim
+    per_block = (n - head) / spec.n_layers
+    assert top["matmul"]["flops"] == pytest.approx((2 * n + 2 * (per_block + head) + 6 * (adapters / 4)) * tokens)
+    assert top["attention"]["flops"] == pytest.approx(full["attention"]["flops"] * (2 * 4 + 4 * 1) / (6 * 4))
+    assert work["norms/activations/RoPE"]["bytes"] > top["norms/activations/RoPE"]["bytes"]
 
 
 def test_lower_bounds_use_the_peak_for_flops_and_the_bandwidth_for_bytes():
