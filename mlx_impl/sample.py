@@ -1,7 +1,7 @@
-"""Greedy continuation for the report: `python -m mlx_impl.sample WEIGHTS_DIR OUT_JSON IDS MAX_NEW_TOKENS`.
+"""Greedy continuation for the report: `python -m mlx_impl.sample RUN_DIR CHECKPOINT_DIR OUT_JSON IDS MAX_NEW_TOKENS`.
 
-The loop is common/train/generate.py's; this file gives it the model and one greedy token. compare/launch/sample.py
-runs it after training and writes the run's sample.json.
+The loop and the weights are common/train/generate.py's; this file gives it the run's model and one greedy token.
+compare/launch/sample.py runs it after training and writes the run's sample.json.
 """
 from __future__ import annotations
 
@@ -10,9 +10,26 @@ from typing import cast
 
 import mlx.core as mx
 
+from common.checkpoint.tensorsource import TensorSource
+from common.runplan import RunPlan
 from common.train.generate import sample_main
 
-from .model import from_pretrained
+from .load import load_local
+from .lora import attach
+from .model import Llama
+from .quantized import quantize_base
+
+
+def load(plan: RunPlan, weights: TensorSource) -> Llama:
+    """The run's model as its ranks build it (step.py: the base's storage, then LoRA's adapters where it trains
+    them), in float32, every tensor whole from `weights`."""
+    cfg, spec = plan.config, plan.spec
+    model = Llama(spec)
+    quantize_base(model, cfg.base_storage, spec)
+    attach(model, cfg.trained, spec)
+    load_local(model, weights, lambda name, shape: ())
+    model.eval()
+    return model
 
 
 def next_token(model, window: list[int]) -> int:
@@ -21,7 +38,7 @@ def next_token(model, window: list[int]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return sample_main(argv, from_pretrained, next_token)
+    return sample_main(argv, load, next_token)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
-"""Greedy continuation for the report: `python -m torch_impl.sample WEIGHTS_DIR OUT_JSON IDS MAX_NEW_TOKENS`.
+"""Greedy continuation for the report: `python -m torch_impl.sample RUN_DIR CHECKPOINT_DIR OUT_JSON IDS MAX_NEW_TOKENS`.
 
-The loop is common/train/generate.py's; this file gives it the model and one greedy token. compare/launch/sample.py
-runs it after training and writes the run's sample.json.
+The loop and the weights are common/train/generate.py's; this file gives it the run's model and one greedy token.
+compare/launch/sample.py runs it after training and writes the run's sample.json.
 """
 from __future__ import annotations
 
@@ -9,9 +9,27 @@ import sys
 
 import torch
 
+from common.checkpoint.tensorsource import TensorSource
+from common.runplan import RunPlan
 from common.train.generate import sample_main
 
-from .model import from_pretrained
+from .load import load_local
+from .lora import attach
+from .model import Llama
+from .quantized import quantize_base
+
+
+def load(plan: RunPlan, weights: TensorSource) -> Llama:
+    """The run's model as its ranks build it (step.py: the base's storage, then LoRA's adapters where it trains
+    them), in float32, every tensor whole from `weights`."""
+    cfg, spec = plan.config, plan.spec
+    with torch.device("meta"):
+        model = Llama(spec)
+        quantize_base(model, cfg.base_storage, spec)
+        attach(model, cfg.trained, spec)
+    load_local(model, torch.device("cpu"), weights, lambda name, shape: ())
+    model.eval()
+    return model
 
 
 @torch.no_grad()
@@ -21,7 +39,7 @@ def next_token(model, window: list[int]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return sample_main(argv, from_pretrained, next_token)
+    return sample_main(argv, load, next_token)
 
 
 if __name__ == "__main__":

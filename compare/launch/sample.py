@@ -2,9 +2,10 @@
 
 `dpcompare compare` calls write_samples once its runs have trained; the report only reads the files
 (compare/report/samples.py). The run's own framework generates (`python -m {mlx,torch}_impl.sample`, one
-process), from the run's latest checkpoint, and the run's tokenizer encodes the prompt and decodes the
-answer. Greedy decoding from weights that agree in fp32 gives the same tokens in both frameworks, so
-different texts point at different weights (or, rarely, at a near-tie between the two most likely tokens).
+process), from the run's latest checkpoint (a LoRA run's: its adapters over the frozen base it trained on,
+common/train/generate.py), and the run's tokenizer encodes the prompt and decodes the answer. Greedy decoding
+from weights that agree in fp32 gives the same tokens in both frameworks, so different texts point at different
+weights (or, rarely, at a near-tie between the two most likely tokens).
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def continuation(run_dir: Path, prompt: str = PROMPT, max_new_tokens: int = MAX_
     child_env = env.child_env(extra)
     with tempfile.TemporaryDirectory(prefix="dpcompare-sample-") as tmp:
         out = Path(tmp) / "sample.json"
-        proc = subprocess.run([sys.executable, "-m", f"{framework}_impl.sample", str(ckpt), str(out),
+        proc = subprocess.run([sys.executable, "-m", f"{framework}_impl.sample", str(run_dir), str(ckpt), str(out),
                                ",".join(map(str, ids)), str(max_new_tokens)],
                               capture_output=True, text=True, env=child_env, cwd=PROJECT_ROOT, timeout=TIMEOUT_S)
         if proc.returncode != 0 or not out.exists():

@@ -59,8 +59,10 @@ def test_lora_on_masked_chat_records_agrees_across_frameworks_and_ranks_and_expo
     flags = (*FAST, "--dataset", data, "--tokenizer", tokenizer, "--mask-prompt", *LORA, "--steps", STEPS,
              "--seq-len", 64, "--lr", "1e-2", "--profile-steps", 0, "--no-op-profile", "--eval-every", STEPS)
     out = tmp_path / "cmp"
-    dpcompare("compare", *flags, "--no-samples", "--frameworks", "mlx,torch", "--nproc", "1,2", "--out", out,
-              cache_dir=cache_dir, timeout=600)
+    # with what a new user's compare writes: the breakdown (the predictions), the op classes and the samples
+    dpcompare("compare", *flags, "--profile-steps", 2, "--op-profile", "--frameworks", "mlx,torch", "--nproc", "1,2",
+              "--out", out, cache_dir=cache_dir, timeout=600)
+    check_the_report_is_whole(out)
     pairs = {tuple(p["pair"].split(" vs ")): p for p in summary(out)["verdicts"]["pairs"]}
     for n in (1, 2):  # the issue's bound: 1e-4 per step
         assert pairs[(f"mlx x{n}", f"torch x{n}")]["verdict"] == "pass", pairs
@@ -95,6 +97,21 @@ def test_lora_on_masked_chat_records_agrees_across_frameworks_and_ranks_and_expo
     assert "--loss-normalization per-rank makes it (not a bug)" in proc.stdout
 
     check_exports(out / "mlx-n2", tmp_path, cache_dir)
+
+
+def check_the_report_is_whole(out):
+    """A LoRA compare's report as a new user opens it: nothing in it failed, both frameworks' op-class columns, a
+    continuation from every run (its adapters over the frozen base: check_exports holds its tokens to the fused
+    folder's), and each N=2 run's predicted step."""
+    html, md = (out / "report.html").read_text(), (out / "report.md").read_text()
+    assert "failed" not in html and "failed" not in md
+    assert "| op class | lower bound ms | mlx x1 ms | torch x1 ms |" in md
+    for framework in ("mlx", "torch"):
+        assert summary(out / f"{framework}-n1")["op_profile"]["classes"]["matmul"]["s"] > 0
+        assert summary(out / f"{framework}-n2")["prediction"]["step_s"] > 0
+    samples = summary(out)["samples"]["by_run"]
+    assert sorted(samples) == ["mlx x1", "mlx x2", "torch x1", "torch x2"] and "## Greedy continuations" in md
+    assert all(s.get("text") and s["tokens"] == samples["mlx x1"]["tokens"] for s in samples.values()), samples
 
 
 def check_the_prompts_are_masked(run_dir):
@@ -163,6 +180,25 @@ def check_exports(run_dir, tmp_path, cache_dir):
     assert trained > 0  # the adapters moved from their zero start, so the checks below see them
     for kind, logits in got.items():
         assert np.abs(logits - expected).max() <= 1e-5, (kind, float(np.abs(logits - expected).max()))
+    check_the_sample_is_the_trained_models(run_dir, plan, fused)
+
+
+def check_the_sample_is_the_trained_models(run_dir, plan, fused):
+    """The run's greedy continuation (sample.json) is the fused folder's: the adapters over the base they trained on."""
+    import torch
+    from tokenizers import Tokenizer
+
+    from common.train.generate import generate
+
+    sample = json.loads((run_dir / "sample.json").read_text())
+    assert "tokens" in sample, sample  # not {"error": ...}
+    tokenizer_file, meta = plan.tokenizer_file()
+    prompt = Tokenizer.from_file(str(tokenizer_file)).encode(sample["prompt"], add_special_tokens=False).ids
+    prompt = ([int(meta["bos_id"])] if meta.get("bos_id") is not None else []) + prompt
+    with torch.no_grad():
+        greedy = generate(fused, lambda model, window: int(model(torch.tensor([window])).logits[0, -1].argmax()),
+                          prompt, len(sample["tokens"]), plan.spec.max_seq_len)
+    assert greedy == sample["tokens"], (greedy, sample)
 
 
 def test_qlora_on_a_folder_mlx_lm_quantized_agrees_across_frameworks_and_exports_to_both_libraries(cache_dir,
@@ -198,7 +234,7 @@ def test_qlora_on_a_folder_mlx_lm_quantized_agrees_across_frameworks_and_exports
              "--seq-len", 64, "--global-batch-size", 8, "--warmup-steps", 2, "--lr", "1e-2", "--quiet",
              "--profile-steps", 0, "--no-op-profile", "--no-link-probe", "--eval-every", 0)
     out = tmp_path / "qlora"
-    dpcompare("compare", *flags, "--steps", 8, "--no-samples", "--frameworks", "mlx,torch", "--nproc", 1,
+    dpcompare("compare", *flags, "--steps", 8, "--frameworks", "mlx,torch", "--nproc", 1,
               "--out", out, cache_dir=cache_dir, timeout=600)
     np.testing.assert_allclose(losses(out / "mlx-n1"), losses(out / "torch-n1"), rtol=0, atol=1e-4)
     fp32_bytes = FullPrecision().base_bytes(spec)
