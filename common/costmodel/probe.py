@@ -135,6 +135,21 @@ def fit(results: list[dict]) -> dict:
     return {"latency_s": latency, "bandwidth_Bps": bandwidth, "large_bytes": large}
 
 
+def fastest_fit(records: list[dict]) -> dict | None:
+    """fit() over each size's fastest call in any of `records` (probe_allreduce's, with their `times_s`): what the
+    path gives when no rank waits on the scheduler. On two shared cores a waiting rank's call of 4 KB took 0.1-0.3
+    ms or a 4 ms tick, so a run's median latency read 0.3 ms or 3.7 ms from one run to the next (docs/plan-model.md);
+    load and ticks only ever slow a call. None where no record holds two sizes' calls."""
+    fastest: dict[int, float] = {}
+    for record in records:
+        for size, calls in ((record or {}).get("times_s") or {}).items():
+            if calls:
+                fastest[int(size)] = min(fastest.get(int(size), math.inf), min(calls))
+    if len(fastest) < 2:
+        return None
+    return fit([{"size_bytes": size, "times_s": [t]} for size, t in fastest.items()])
+
+
 def probe_allreduce(c: Collectives, backend: str, op: str = "all_reduce") -> dict:
     """This job's own float32 all-reduce (or op="all_gather": its all-gather, S the gathered size):
     time(S) ~= latency_s + S / bandwidth_Bps at this world size."""

@@ -2,20 +2,20 @@
 --group-size ranks, a slow one between machines: common/costmodel/levels.py). Each level comes from a `doctor
 --fabric --out` file (--fabric, --fabric-inner), from the wire by hand (--link-gbps and --latency-us, and their
 -inner twins), or else from the run's own `link` record (summary.json: a two-level run records both levels), or,
-for a run of one rank (which measured no link), the backend's loopback figures with the all-gather a `--fit` run of
-the same framework and backend measured at its start on this machine (fit_loopback).
+for a run of one rank (which measured no link), this machine's loopback as the `--fit` runs of the same framework and
+backend measured it at their start (fit_loopback), else the backend's loopback figures (docs/benchmarks.md).
 The `doctor --fabric --out` file is written here too (write_fabric), beside the code that reads it.
 """
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import replace
 from pathlib import Path
 
 from common.costmodel.levels import Links, TwoLevelLink, links_from_record
 from common.config import MLX_SPLIT_BACKENDS, default_backend
 from common.costmodel.links import Link, loopback_link
+from common.costmodel.probe import fastest_fit
 from common.errors import UserError
 from common.metrics import read_json, write_json
 
@@ -113,8 +113,8 @@ def choose_links(args, summary: dict, backend: str, fits: tuple = ()) -> tuple[L
 
 def choose_link(args, summary: dict, backend: str, fits: tuple = ()) -> tuple[Links, str]:
     """(link, how it was chosen) from the flags (a --fabric file's entry of `backend`), else from the run (two
-    levels where it ran over two), else that backend's loopback figures, with the all-gather a fit run measured
-    where one did (fit_loopback: `fits` holds (its folder, its summary.json))."""
+    levels where it ran over two), else this machine's loopback as the fit runs measured it (fit_loopback: `fits`
+    holds (its folder, its summary.json)), else that backend's assumed loopback figures."""
     framework = summary.get("framework", "")
     given = given_link(args.fabric, args.link_gbps, args.latency_us, framework, backend)
     if given is not None:
@@ -129,30 +129,39 @@ def choose_link(args, summary: dict, backend: str, fits: tuple = ()) -> tuple[Li
 
 
 def fit_loopback(fits, framework: str, backend: str) -> tuple[Link, str] | None:
-    """The backend's loopback figures with this machine's all-gather, as a --fit run of `framework` on `backend`
-    measured it at its start (an fsdp run's unshaped `link` record), for a calibration run of one rank, which
-    measured none: (link, how), or None where no fit run measured an all-gather.
+    """This machine's loopback as the --fit runs of `framework` on `backend` measured it at their start (their
+    unshaped `link` records), for a calibration run of one rank, which measured none: (link, how), or None where no
+    fit run of them recorded its calls. Each collective from its sizes' fastest calls over every such run
+    (common/costmodel/probe.py fastest_fit); an all-gather no fsdp run measured is priced from the all-reduce.
 
-    The all-gather only. The assumed figures price it as half a ring all-reduce, and gloo's all_gather is CPU-bound:
-    a tiny fsdp run measured it at 0.71-0.84 GB/s on the Zen 5, where half the assumed all-reduce is 3.7, and
-    torch's fsdp rows of `small` and `base` came out 19-21 % short (issue 56). The fit runs' all-reduce is not taken:
-    ten 4 KB calls on two shared cores split between 0.1-0.3 ms and 4 ms (a rank waiting a scheduler tick for its
-    peer), so their median latency came out 0.3 or 3.7 ms from one run to the next, and their 32 MB bandwidth
-    0.58-0.87 GB/s for MLX's ring; over them MLX's `small` fsdp x2 was predicted 13-17 % long
-    (docs/notes/2026-11-plan-model.md)."""
+    The assumed figures (docs/benchmarks.md's loopback, another machine's) price the all-gather as half a ring
+    all-reduce, and gloo's all_gather is CPU-bound: a tiny fsdp run measured it at 0.71-0.84 GB/s on the Zen 5, where
+    half the assumed all-reduce is 3.7, and torch's fsdp rows of `small` and `base` came out 19-21 % short (issue 56).
+    Their all-reduce is another machine's too: on the AMD EPYC Zen 3 the fit runs' 32 MiB all-reduces took 56-90 ms
+    over MLX's ring (0.86 GB/s assumed: 39 ms) and 27-48 ms over gloo (18 ms assumed), and `small`'s ddp and fsdp
+    rows at N=2 came out 9-19 % short over the assumed figures (issue 72). The runs' own fitted figures are not
+    taken: their median 4 KB call is a scheduler tick or not (0.3 or 3.7 ms from one run to the next on the Zen 5),
+    and over them MLX's `small` fsdp x2 was predicted 13-17 % long (docs/notes/2026-11-plan-model.md); their fastest
+    calls are what the path gives."""
+    reduces, gathers, sources = [], [], []
     for source, s in fits:
         record = s.get("link") or {}
-        gather = record.get("allgather") or {}
         if (s.get("framework"), s.get("backend")) != (framework, backend) or record.get("requested") \
                 or record.get("emulated") or record.get("inner"):
             continue  # another framework's, another backend's, or a shaped link: not this machine's loopback
-        if gather.get("latency_s") is not None and gather.get("bandwidth_Bps"):
-            assumed = loopback_link(backend)
-            link = assumed.with_allgather(gather["latency_s"], gather["bandwidth_Bps"], gather.get("world_size") or 2)
-            return (replace(link, name=f"loopback ({backend}, assumed; its all-gather measured)",
-                            source=f"{assumed.source}; the all-gather {source}'s, measured at its start"),
-                    "the calibration ran on one rank; pass --fabric or --link-gbps for another link")
-    return None
+        reduces.append(record.get("allreduce") or {})
+        gathers.append(record.get("allgather") or {})
+        sources.append(str(source))
+    reduce, gather = fastest_fit(reduces), fastest_fit(gathers)
+    if reduce is None or not reduce.get("bandwidth_Bps"):
+        return None
+    ranks = next((r.get("world_size") for r in reduces if r.get("world_size")), 2)
+    link = Link.from_allreduce(f"loopback ({backend}, measured by the fit runs)", reduce["latency_s"],
+                               reduce["bandwidth_Bps"], ranks,
+                               f"the fastest calls of {', '.join(sources)}'s all-reduce, measured at their start")
+    if gather is not None and gather.get("bandwidth_Bps"):
+        link = link.with_allgather(gather["latency_s"], gather["bandwidth_Bps"], ranks)
+    return link, "the calibration ran on one rank; pass --fabric or --link-gbps for another link"
 
 
 def describe_links(links: Links, how: str) -> str:

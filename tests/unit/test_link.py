@@ -72,18 +72,22 @@ def test_a_killed_dpcompares_namespaces_are_swept_and_nobody_elses():
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
-def _loopback_record(gather_Bps=None, requested=None):
+def _loopback_record(gather_Bps=None, requested=None, calls=None):
+    """A fit run's link record; `calls`: its all-reduce's calls per size, as probe_allreduce records them."""
     record = {"requested": requested, "emulated": bool(requested),
-              "allreduce": {"backend": "gloo", "world_size": 2, "latency_s": 3e-4, "bandwidth_Bps": 1.5e9}}
+              "allreduce": {"backend": "gloo", "world_size": 2, "latency_s": 3e-4, "bandwidth_Bps": 1.5e9,
+                            "times_s": calls or {"4096": [4e-3, 3e-4, 4e-3], "33554432": [0.05, 0.04, 0.06]}}}
     if gather_Bps:
-        record["allgather"] = {"backend": "gloo", "world_size": 2, "latency_s": 2e-4, "bandwidth_Bps": gather_Bps}
+        record["allgather"] = {"backend": "gloo", "world_size": 2, "latency_s": 2e-4, "bandwidth_Bps": gather_Bps,
+                               "times_s": {"4096": [2e-4], "33554432": [2e-4 + 33554432 / gather_Bps]}}
     return record
 
 
-def test_a_one_rank_calibration_prices_its_all_gathers_as_its_fit_runs_measured_them():
-    """A run of one rank measured no link: plan takes the backend's loopback figures, with this machine's all-gather
-    from a --fit run of the same framework and backend (an fsdp run's); never a shaped link's or another
-    framework's, and never the fit's all-reduce (its 4 KB latency swings with the scheduler on shared cores)."""
+def test_a_one_rank_calibration_prices_its_collectives_at_the_fastest_calls_its_fit_runs_measured():
+    """A run of one rank measured no link: plan takes this machine's loopback as the --fit runs of the same framework
+    and backend measured it at their start, each size at its fastest call over all of them (a waiting rank's call
+    is a scheduler tick or not: the median latency swings), the all-gather an fsdp fit's; never a shaped link's or
+    another framework's; the backend's assumed figures where no fit recorded its calls."""
     from types import SimpleNamespace
 
     from common.costmodel.links import loopback_link
@@ -93,15 +97,23 @@ def test_a_one_rank_calibration_prices_its_all_gathers_as_its_fit_runs_measured_
     n1 = {"framework": "torch", "world_size": 1}
     fit = lambda record, framework="torch", backend="gloo": {"framework": framework, "backend": backend,  # noqa: E731
                                                              "link": record}
-    ddp, fsdp = fit(_loopback_record()), fit(_loopback_record(gather_Bps=0.7e9))
+    ddp = fit(_loopback_record(calls={"4096": [4e-3, 4e-3], "33554432": [0.05, 0.03, 0.06]}))
+    fsdp = fit(_loopback_record(gather_Bps=0.7e9, calls={"4096": [2e-4, 4e-3], "33554432": [0.05]}))
     link, how = choose_link(args, n1, "gloo", (("ddp-2", ddp), ("fsdp-2", fsdp)))
-    assumed = loopback_link("gloo")
-    assert "all-gather measured" in link.name and "fsdp-2" in link.source and "one rank" in how
+    assert "measured by the fit runs" in link.name and "ddp-2, fsdp-2" in link.source and "one rank" in how
+    # the fastest 4 KB call (fsdp-2's) and the fastest 32 MiB one (ddp-2's), whatever their medians
+    per_byte = (0.03 - 2e-4) / 33554432
+    assert link.all_reduce_s(4096, 2) == pytest.approx(2e-4 + 4096 * per_byte)
+    assert link.all_reduce_s(33554432, 2) == pytest.approx(0.03)
     assert link.all_gather_s(64e6, 2) == pytest.approx(2e-4 + 64e6 / 0.7e9)  # the measured gather, not half a ring
-    assert link.all_reduce_s(64e6, 2) == assumed.all_reduce_s(64e6, 2)  # the all-reduce as assumed
-    assert choose_link(args, n1, "gloo", (("ddp-2", ddp),))[0] == assumed  # no all-gather measured: as before
+    alone = choose_link(args, n1, "gloo", (("ddp-2", ddp),))[0]  # no all-gather measured: priced from the all-reduce
+    assert alone.all_gather_s(64e6, 2) == pytest.approx(alone.reduce_scatter_s(64e6, 2))
+    assumed = loopback_link("gloo")
     refused = (("shaped", fit(_loopback_record(0.7e9, requested="1gbit"))), ("mlx", fit(_loopback_record(0.7e9), "mlx")),
                ("mpi", fit(_loopback_record(0.7e9), backend="mpi")))
     assert choose_link(args, n1, "gloo", refused)[0] == assumed
+    older = fit({"requested": None, "allreduce": {"backend": "gloo", "world_size": 2, "latency_s": 3e-4,
+                                                  "bandwidth_Bps": 1.5e9}})  # a record without its calls
+    assert choose_link(args, n1, "gloo", (("old", older),))[0] == assumed
     # the run's own record and a link given by hand come first
     assert choose_link(args, {**n1, "link": _loopback_record()}, "gloo", (("fsdp-2", fsdp),))[1] == "the run's link record"
