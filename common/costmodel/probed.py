@@ -11,7 +11,8 @@ optimizer seconds for one rank doing the whole global batch, as a Calibration ho
     forward   = rows_scale x (L x block_forward + head_forward x V / vocab_rows)
     fwd + bwd = rows_scale x (K x block_step + (L - K) x block_forward + head_step x V / vocab_rows)
     optimizer = optimizer_s / optimizer_elements x trained parameters
-    fixed     = grad_accum x (the same sums of each call's part: every timing is made at rows and 2 x rows)
+    fixed     = grad_accum x (the same sums of each call's part: every timing is made at rows and 2 x rows, twice
+                             each, alternately: split_of_runs)
 
 rows_scale = global batch / rows (time taken as linear in the rows at a fixed sequence length); K the blocks with
 something to train at or below them (every block, or under LoRA on the last k blocks, k: the blocks below need
@@ -166,6 +167,34 @@ class Phases:
 
 
 PER_CALL = ("block_forward_s", "block_step_s", "head_forward_s", "head_step_s")
+
+
+def fastest_of(runs: list[dict]) -> dict:
+    """The first of several probe runs of one request, each timing (PER_CALL's and the update's) the fastest any of
+    them measured; the resident peaks stay the first run's."""
+    timings = [key for key in (*PER_CALL, "optimizer_s") if all(key in r for r in runs)]
+    return {**runs[0], **{key: min(r[key] for r in runs) for key in timings}}
+
+
+def split_of_runs(rows_runs: list[dict], twice_runs: list[dict], rows: int, logits_per_row: int = 0) -> dict:
+    """split_per_call over several runs at `rows` and at twice them: each timing's per-call share from the fastest
+    runs of each size, its level at `rows` their mean (a step meets the machine as it typically runs, not at its
+    fastest: taken as the level, the fastest runs put MLX's `small` x1 up to 3 % shorter still).
+
+    split_per_call reads the difference of two runs, so a slow spell of the machine in one became a per-call cost that
+    every rank pays whatever N splits: on the AMD EPYC Zen 3 (2026-12-07, quiet) `small`'s head forward timed 0.63 s
+    at 8 rows in one run against 0.45-0.47 in others, and the split charged 0.36 s of it to each call; five plans of
+    the same kept runs, one run of each size each, put a rank's per-call part between 0.005 and 0.43 s a step, and
+    one read MLX's ddp x2 +51 % (issue 72). A slow spell only ever slows a timing: the fastest runs split cleanly."""
+    fast = split_per_call(fastest_of(rows_runs), fastest_of(twice_runs), rows, logits_per_row)
+    out = dict(fast)
+    for key in (*PER_CALL, "optimizer_s"):
+        fastest = min(r[key] for r in rows_runs)
+        level = sum(r[key] for r in rows_runs) / len(rows_runs) / fastest if fastest > 0 else 1.0
+        out[key] = fast[key] * level
+        if key in PER_CALL:
+            out[key[:-2] + "_fixed_s"] = fast[key[:-2] + "_fixed_s"] * level
+    return out
 
 
 def split_per_call(once: dict, twice: dict, rows: int, logits_per_row: int = 0) -> dict:

@@ -17,7 +17,7 @@ from common.costmodel.calibrate import calibrate
 from common.costmodel.fit import carried_to, fit_host_costs
 from common.costmodel.model_memory import (machine_memory_bytes, model_memory, op_profile_bytes, overhead_from_run,
                                           peak_phase)
-from common.costmodel.probed import calibration_for, head_held, phases, request_for, split_per_call, transfer
+from common.costmodel.probed import calibration_for, head_held, phases, request_for, split_of_runs, transfer
 from common.errors import UserError
 from common.metrics import write_json
 from common.model.lora import Adapters, FullModel, trained_parameters_of
@@ -159,10 +159,11 @@ def model_plan(args, from_runs: list[str], world_sizes: list[int], strategies: l
 
 
 def probe(fw: str, req, environment: dict) -> dict:
-    """The probe's figures at its rows and at twice them, each call's part apart from the rows' (split_per_call)."""
-    once = run_probe(fw, req, environment)
-    return split_per_call(once, run_probe(fw, replace(req, rows=2 * req.rows), environment), req.rows,
-                          req.seq_len * req.vocab_rows)
+    """The probe's figures at its rows and at twice them, each call's part apart from the rows' (split_per_call): each
+    size run twice, alternately (rows, twice the rows, rows, twice), split as the faster runs split (split_of_runs)."""
+    doubled = replace(req, rows=2 * req.rows)
+    runs = [run_probe(fw, r, environment) for r in (req, doubled, req, doubled)]
+    return split_of_runs(runs[0::2], runs[1::2], req.rows, req.seq_len * req.vocab_rows)
 
 
 def describe_model(name: str, spec, trained, storage, w) -> str:

@@ -2,6 +2,7 @@
 trained, the fit column and the cheapest change, and the one-line refusals. The probe itself is a subprocess of a
 framework (tests/integration/test_plan_model.py runs it); here a fake stands in, its figures linear in the FLOPs."""
 import json
+from dataclasses import replace
 
 import pytest
 from costmodel_fixtures import summary, write_run
@@ -99,6 +100,32 @@ def test_what_the_run_measured_beyond_or_below_its_probe_is_added_to_the_model_n
     assert faster.apply(big).compute_s == pytest.approx(399 * measured)
     assert faster.apply(Phases(measured, measured, 0.0)).compute_s == pytest.approx(measured)  # its own model
     assert faster.apply(Phases(0.5 * measured, 0.5 * measured, 0.0)).compute_s == pytest.approx(0.5 * measured)
+
+
+def test_each_size_is_probed_twice_alternately_and_a_slow_spell_in_one_run_is_not_taken_for_a_per_call_cost(monkeypatch):
+    """The split reads the difference of the rows' and twice the rows' runs: a slow spell in one run (its timings
+    1.4x) would be a per-call cost every rank pays whatever N. Each size runs twice, rows and twice the rows
+    alternately; the per-call share is the faster runs', the level at the rows the two runs' mean."""
+    import compare.plan.model_plan as model_plan
+    from common.costmodel.probed import split_per_call
+
+    w = Workload(PRESETS["small"], 128, 8, framework="torch")
+    req = request_for(w, FullModel(), (0, 64))
+    calls = []
+
+    def probe_with_a_slow_spell(framework, r, environment):
+        figures = fake_probe(framework, r, environment)
+        calls.append(r.rows)
+        slow = 1.4 if len(calls) == 1 else 1.0  # the first run, at the rows, in a slow spell
+        return {k: v * slow if k.endswith("_s") else v for k, v in figures.items()}
+    monkeypatch.setattr(model_plan, "run_probe", probe_with_a_slow_spell)
+    figures = model_plan.probe("torch", req, {})
+    assert calls == [req.rows, 2 * req.rows, req.rows, 2 * req.rows]
+    clean = split_per_call(fake_probe("torch", req, {}), fake_probe("torch", replace(req, rows=2 * req.rows), {}),
+                           req.rows, req.seq_len * req.vocab_rows)
+    timings = ("block_forward_s", "block_step_s", "head_forward_s", "head_step_s", "optimizer_s")
+    assert {k: figures[k] for k in timings} == pytest.approx({k: 1.2 * clean[k] for k in timings})  # (1.4 + 1) / 2
+    assert all(figures[k[:-2] + "_fixed_s"] == pytest.approx(0.0) for k in timings[:4])  # no per-call part made up
 
 
 def test_lora_on_a_quantized_base_holds_the_packed_base_and_trains_only_the_adapters():
