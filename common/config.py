@@ -20,39 +20,20 @@ import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
-from common.config_sources import coerce, folder_spec, has_tokenizer, read_toml
+from common.config_checks import (BACKENDS, CHECKPOINT_FORMATS, COMMUNICATION_STREAMS, DEVICES,  # noqa: F401
+                                  DTYPES, FRAMEWORKS, HOSTFILE_ONLY_BACKENDS, LAUNCHERS, MLX_BF16_MATMUL, MLX_BLAS,
+                                  MLX_CPU_JIT, MLX_EXP, MLX_SPLIT_BACKENDS, SEQUENCE_MODES, TRACKERS, validate)
+from common.config_sources import coerce, folder_spec, has_tokenizer, read_toml  # noqa: F401 (read_toml: tests)
 from common.errors import UserError
 from common.data.sampler import check_divisible
-from common.data.sequences import MASK_PROMPT_NEEDS_RECORDS
-from common.model.lora import Adapters, Trained, trained_parameters_of
+from common.model.lora import Trained, trained_parameters_of
 from common.model.quantize import BaseStorage, base_storage_of, folder_quantization
 from common.model.spec import ModelSpec, preset
-from common.parallel.pipeline import SCHEDULES as PP_SCHEDULES
+from common.recipes import with_recipe
 from common.parallel.pipeline import default_pieces
-from common.parallel import STRATEGIES, Layout, layout, mesh_fields
-from common.placement import check_placement
+from common.parallel import Layout, layout, mesh_fields
 
-FRAMEWORKS = ("mlx", "torch")
-# jaccl and jaccl-ring: RDMA over Thunderbolt 5 between Macs (a mesh, or a ring of neighbours), through
-# mlx.launch --hostfile only.
-BACKENDS = {"mlx": ("auto", "ring", "mpi", "nccl", "jaccl", "jaccl-ring"), "torch": ("auto", "gloo", "nccl")}
-HOSTFILE_ONLY_BACKENDS = ("jaccl", "jaccl-ring")
-# MLX backends whose group splits into sub-groups (`Group.split`), which a mesh needs: mlx 0.32.4's ring refuses
-# ("[ring] Group split not supported"), jaccl is untried (docs/strategies.md "Meshes").
-MLX_SPLIT_BACKENDS = ("mpi", "nccl")
-COMMUNICATION_STREAMS = ("auto", "cpu", "default")  # mlx_impl/comm.py
-SEQUENCE_MODES = ("packing", "padding")
-DEVICES = ("auto", "cpu", "cuda", "mps", "gpu")
-MLX_BLAS = ("auto", "wheel", "system", "bundled")  # compare/machine/blas.py
-MLX_CPU_JIT = ("auto", "native", "baseline")
-MLX_EXP = ("auto", "native", "fused")  # mlx_impl/fast_exp.py
-MLX_BF16_MATMUL = ("auto", "native", "fp32")  # mlx_impl/kernels.py matmul
-DTYPES = ("float32", "bfloat16")
-CHECKPOINT_FORMATS = ("hf", "sharded")  # common/checkpoint/store.py, common/checkpoint/sharded.py
-TRACKERS = ("tensorboard", "wandb", "trackio")  # --report-to (compare/report/tracking.py)
-LAUNCHERS = ("auto", "local", "slurm")  # auto: srun inside a Slurm allocation (compare/launch/slurm.py)
-
-
+# The allowed values of the choice fields, and the checks: common/config_checks.py (re-exported here).
 def default_cache_dir() -> Path:
     """Token caches, tokenizers and seed checkpoints, shared by every run of this user."""
     if os.environ.get("DPCOMPARE_CACHE"):
@@ -87,11 +68,16 @@ class RunConfig:
     builtin_corpus_bytes: int = 3_000_000
     val_fraction: float = 0.01
     sequence: str = "packing"
+    # A recipe (common/recipes.py): a tool's whole set of the choices below; each field given overrides it.
+    recipe: str = "dpcompare"
     loss_normalization: str = "global-tokens"  # or per-rank (mlx-lm's): common/train/normalization.py
+    mask_convention: str = "exact"   # or mlx-lm (one padding target more a row): common/data/conventions.py
+    padding_rule: str = "seq-len"    # or longest, mlx-lm (1 + 32 ceil(max / 32)): common/data/conventions.py
     # LoRA (common/model/lora.py): adapters of this rank on lora_targets ("q_proj,v_proj"; "" = those two) of the
     # last lora_layers blocks (0 = all), scale lora_alpha / rank (alpha 0 = 2 x rank); rank 0 trains every parameter.
     lora_rank: int = 0
     lora_alpha: float = 0.0
+    lora_scale_convention: str = "alpha-over-rank"  # or direct: lora_alpha is the scale itself (mlx-lm's)
     lora_targets: str = ""
     lora_layers: int = 0
     # QLoRA (common/model/quantize.py): the frozen base in quantize_base bits (0: float32), quantize_group_size
@@ -103,7 +89,10 @@ class RunConfig:
     # Batch: the global batch is split over world_size ranks x grad_accum micro-steps.
     global_batch_size: int = 8
     grad_accum: int = 1
-    # Optimizer and schedule.
+    # Optimizer and schedule (common/train/optimizer.py, common/train/lr_schedule.py).
+    optimizer: str = "adamw"         # or adam (weight decay none)
+    bias_correction: bool = True     # Adam's moments divided by 1 - beta^t (torch always; MLX's default is off)
+    lr_schedule: str = "cosine"      # warmup then cosine to min_lr_ratio; linear (transformers'), constant
     lr: float = 3e-4
     beta1: float = 0.9
     beta2: float = 0.95
@@ -195,6 +184,7 @@ class RunConfig:
     @classmethod
     def from_dict(cls, values: dict) -> "RunConfig":
         known = {f.name: f for f in fields(cls)}
+        values = with_recipe(values)  # the recipe's choices under the values given (common/recipes.py)
         for key in values:
             if key not in known:
                 raise UserError(f"unknown config field {key!r}; allowed: {', '.join(sorted(known))}")
@@ -275,7 +265,8 @@ class RunConfig:
     @property
     def trained(self) -> Trained:
         """Which parameters train (common/model/lora.py): the whole model, or adapters beside a frozen base."""
-        return trained_parameters_of(self.lora_rank, self.lora_alpha, self.lora_targets, self.lora_layers)
+        return trained_parameters_of(self.lora_rank, self.lora_alpha, self.lora_targets, self.lora_layers,
+                                     self.lora_scale_convention)
 
     @property
     def base_storage(self) -> BaseStorage:
@@ -302,97 +293,6 @@ class RunConfig:
     def cache_path(self) -> Path:
         return Path(self.cache_dir) if self.cache_dir else default_cache_dir()
 
-    # ---- validation ---------------------------------------------------------------------------
+    # ---- validation: common/config_checks.py ----------------------------------------------------
     def validate(self) -> None:
-        _choice("framework", self.framework, FRAMEWORKS)
-        _choice("backend", self.backend, BACKENDS[self.framework],
-                f" for framework {self.framework}")
-        _choice("sequence", self.sequence, SEQUENCE_MODES)
-        _choice("loss_normalization", self.loss_normalization, ("global-tokens", "per-rank"))
-        _choice("device", self.device, DEVICES)
-        _choice("mlx_blas", self.mlx_blas, MLX_BLAS)
-        _choice("mlx_cpu_jit", self.mlx_cpu_jit, MLX_CPU_JIT)
-        _choice("mlx_exp", self.mlx_exp, MLX_EXP)
-        _choice("mlx_bf16_matmul", self.mlx_bf16_matmul, MLX_BF16_MATMUL)
-        _choice("dtype", self.dtype, DTYPES)
-        _choice("strategy", self.strategy, (*STRATEGIES, "mesh"))
-        _choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
-        _choice("checkpoint_format", self.checkpoint_format, CHECKPOINT_FORMATS)
-        _choice("communication_stream", self.communication_stream, COMMUNICATION_STREAMS)
-        _choice("launcher", self.launcher, LAUNCHERS)
-        for tracker in filter(None, (t.strip() for t in self.report_to.split(","))):
-            _choice("report_to", tracker, ("none",) + TRACKERS)
-        for name in ("seq_len", "global_batch_size", "grad_accum", "steps", "nproc", "threads_per_rank",
-                     "builtin_vocab_size", "builtin_corpus_bytes", "eval_batches", "nnodes"):
-            _positive(name, getattr(self, name))
-        for name in ("warmup_steps", "lr_decay_steps", "eval_every", "checkpoint_every", "timing_warmup_steps", "seed",
-                     "profile_steps"):
-            if getattr(self, name) < 0:
-                raise UserError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("lr", "adam_eps", "all_reduce_size_mb", "bucket_cap_mb", "collective_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise UserError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("weight_decay", "grad_clip", "lora_rank", "lora_alpha", "lora_layers", "pp_microbatches"):
-            if getattr(self, name) < 0:
-                raise UserError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("beta1", "beta2", "min_lr_ratio"):
-            if not 0 <= getattr(self, name) < 1 + (name == "min_lr_ratio"):
-                raise UserError(f"{name} must be in [0, 1), got {getattr(self, name)}")
-        check_placement(self)  # where the ranks run: nodes, hostfiles, links, launcher, restarts
-        if not 0 <= self.node_rank < self.nnodes:
-            raise UserError(f"node_rank {self.node_rank} must be in [0, nnodes={self.nnodes})")
-        if not 0 <= self.val_fraction < 1:
-            raise UserError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
-        if self.mask_prompt and (self.dataset == "builtin" or self.streaming
-                                 or Path(self.dataset).suffix.lower() in (".txt", ".parquet")):
-            raise UserError(MASK_PROMPT_NEEDS_RECORDS)  # a .jsonl's records are known once read (prepare_inputs)
-        if self.resolved_backend in HOSTFILE_ONLY_BACKENDS and self.world_size > 1 and not self.hostfile:
-            raise UserError(f"--backend {self.resolved_backend} runs between Macs through mlx.launch: it needs "
-                            "--hostfile FILE (mlx.distributed_config --backend "
-                            f"{self.resolved_backend} --output-hostfile FILE writes one)")
-        if self.resolved_backend == "nccl" and self.communication_stream == "cpu":
-            raise UserError("communication_stream cpu does not work with the nccl backend (NCCL reduces GPU "
-                            "memory on the GPU stream); use auto")
-        self.micro_batch_size  # raises when the global batch does not split
-        if self.mesh and self.framework == "mlx" and self.resolved_backend not in MLX_SPLIT_BACKENDS:
-            raise UserError(f"--mesh {self.mesh} needs a communicator per axis, and MLX's {self.resolved_backend} "
-                            "backend cannot split its group (mlx 0.32.4 splits on mpi and nccl only): "
-                            "use --backend mpi (docs/strategies.md)")
-        strategy = self.layout
-        strategy.check_batch(self.global_batch_size, self.grad_accum, self.pp_pieces)
-        stages = strategy.mesh.axis("pp") if strategy.mesh.has("pp") else 1
-        if self.framework == "torch" and 1 < stages and self.pp_pieces < stages:
-            # torch.distributed.pipelining's schedules refuse it at the first step, on one rank, mid-job.
-            raise UserError(f"--pp-microbatches {self.pp_pieces} is fewer than the {stages} pipeline stages; "
-                            f"torch's pipeline schedules need at least one micro-batch per stage (--pp-microbatches "
-                            f"{stages} or more)")
-        # preset, [model] fields and seq_len checked now; and whether the strategy can split that model (the one
-        # place this is checked: every RunConfig is validated when it is made, before anything is prepared)
-        strategy.check(self.model_spec(vocab_size=None))
-        trained = self.trained
-        if isinstance(trained, Adapters):
-            if not strategy.trains_adapters:
-                raise UserError(f"--lora-rank trains under ddp only for now; --strategy {self.strategy} keeps every "
-                                "parameter's gradient and optimizer state (docs/strategies.md)")
-            if self.checkpoint_format != "hf":
-                raise UserError("--checkpoint-format sharded does not hold LoRA adapters yet; use hf (the "
-                                "adapters are small: rank 0 writes them whole)")
-            trained.check(self.model_spec(vocab_size=None))
-        storage = self.base_storage
-        if storage.bits < 32 and not isinstance(trained, Adapters):
-            raise UserError("a quantized base is frozen: --quantize-base (or a quantized --init-from folder) needs "
-                            "--lora-rank R, as QLoRA trains adapters beside it")
-        flags = base_storage_of(self.quantize_base, self.quantize_group_size)
-        if self.quantize_base and self.init_from and storage != flags:
-            raise UserError(f"--init-from {self.init_from} is already quantized ({storage.describe()}); drop "
-                            "--quantize-base or pass those values")
-
-
-def _choice(name: str, value, allowed, where: str = "") -> None:
-    if value not in allowed:
-        raise UserError(f"unknown {name} {value!r}{where}; allowed: {', '.join(allowed)}")
-
-
-def _positive(name: str, value) -> None:
-    if value <= 0:
-        raise UserError(f"{name} must be positive, got {value}")
+        validate(self)

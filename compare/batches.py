@@ -39,7 +39,8 @@ def write_batches(run_dir: Path, steps_text: str, out: Path) -> int:
     cfg = plan.config
     steps = parse_steps(steps_text, cfg.steps)
     view = SequenceView(TokenCache.open(plan.token_cache).split("train"), cfg.seq_len, cfg.sequence,
-                        mask_prompt=cfg.mask_prompt)
+                        mask_prompt=cfg.mask_prompt, mask_convention=cfg.mask_convention,
+                        padding_rule="seq-len")  # every step's rows to --seq-len: one array for all steps
     sampler = GlobalSampler(view.num_samples, cfg.global_batch_size, cfg.seed)
     indices = [sampler.global_batch_indices(step) for step in steps]
     batches = [view.batch(i) for i in indices]

@@ -33,6 +33,24 @@ RUN_FLAGS = [
     ("--sequence", str, "packing (default) or padding"),
     ("--loss-normalization", str, "global-tokens (default: the summed token losses over the global count, what "
                                   "one rank computes) or per-rank (each rank's own mean, then averaged: mlx-lm's)"),
+    ("--recipe", str, "a tool's whole set of training choices: dpcompare (default), mlx-lm, peft, trl; each flag "
+                      "below overrides it (docs/recipes.md)"),
+    ("--mask-convention", str, "padded rows: exact (default: the real targets) or mlx-lm (one padding target more "
+                               "a row, as mlx-lm's default_loss)"),
+    ("--padding-rule", str, "padded rows' width: seq-len (default), longest (the micro-batch's longest row: "
+                            "transformers, trl) or mlx-lm (1 + 32 ceil(max / 32))"),
+    ("--optimizer", str, "adamw (default) or adam (no weight decay: mlx-lm's)"),
+    ("--bias-correction", "switch", "Adam's moments divided by 1 - beta^t (default, torch's; --no-bias-correction: "
+                                    "MLX's and mlx-lm's default)"),
+    ("--lr-schedule", str, "cosine (default: warmup, cosine to --set min_lr_ratio), linear (transformers': warmup, "
+                           "then to 0) or constant (mlx-lm's)"),
+    ("--grad-clip", float, "clip the global gradient norm to this (0: off, mlx-lm's)"),
+    ("--weight-decay", float, "AdamW's decoupled weight decay"),
+    ("--beta1", float, "Adam's beta1"),
+    ("--beta2", float, "Adam's beta2"),
+    ("--adam-eps", float, "Adam's eps"),
+    ("--lora-scale-convention", str, "how --lora-alpha is read: alpha-over-rank (default, peft's: scale = alpha / "
+                                     "rank) or direct (mlx-lm's: --lora-alpha is the scale)"),
     ("--lora-rank", int, "train LoRA adapters of this rank beside a frozen base (0, the default: every parameter "
                          "trains); ddp only for now (docs/strategies.md)"),
     ("--lora-alpha", float, "LoRA scale = alpha / rank, as peft's (default: 2 x rank)"),

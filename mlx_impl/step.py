@@ -28,7 +28,6 @@ from typing import Mapping, Protocol, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
@@ -52,6 +51,7 @@ from .microsteps import Grads, Losses, StepFunctions
 from .model import (Llama, cross_entropy, load_weights, set_attention, set_bf16_matmul,  # noqa: F401
                     set_cross_entropy, set_exp, token_loss_sum, weights_of)  # (benchmarks, tests)
 from .opclasses import Workloads, workloads
+from .optimizer import make_optimizer
 from .pp import Pipeline
 from .rank_state import state_bytes
 from .tp import TensorParallel
@@ -114,8 +114,7 @@ class Trainer:
         self.state_shapes = cfg.trained.state_shapes(spec)  # the state a checkpoint holds, under HF names
         self.trained = cfg.trained  # what the op classes differentiate (opclasses.py)
         strategy.wrap(self.model, as_source(weights))
-        self.optimizer = optim.AdamW(learning_rate=cfg.lr, betas=[cfg.beta1, cfg.beta2], eps=cfg.adam_eps,
-                                     weight_decay=cfg.weight_decay, bias_correction=True)
+        self.optimizer = make_optimizer(cfg)  # Adam or AdamW, bias-corrected or not (optimizer.py)
         self.optimizer.init(self.model.trainable_parameters())
         mx.eval(self.model.parameters(), self.optimizer.state)
         self.grad_accum = cfg.grad_accum

@@ -32,7 +32,6 @@ from common.model.spec import ModelSpec
 from common.train.normalization import local_tokens, normalization
 from common.train.protocols import Batch, Phase, StateStream, Strategy, StrategyClass, World, no_phase
 
-from .adamw import AdamW
 from .comm import CommCounter, communication_stream
 from .ddp import Replicated
 from .grads import clip_by_norm
@@ -42,6 +41,7 @@ from .quantized import quantize_base
 from .microsteps import Grads, StepFunctions, wait_for
 from .model import Llama, cross_entropy, load_weights, token_loss_sum  # noqa: F401 (diagnose, tests)
 from .opclasses import Workloads, workloads
+from .optimizer import make_optimizer
 from .rank_state import state_bytes
 from .trace import Tracer
 
@@ -126,8 +126,8 @@ class Trainer:
         self.wrapped: nn.Module = self.strategy.wrap(self.model, as_source(weights))
         if cfg.torch_compile:
             self.wrapped = cast(nn.Module, torch.compile(self.wrapped))  # an OptimizedModule
-        self.optimizer = AdamW(_param_groups(self.model), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                               eps=cfg.adam_eps, weight_decay=cfg.weight_decay)  # torch's update (adamw.py)
+        # Adam or AdamW, bias-corrected or not (optimizer.py; torch's update, adamw.py)
+        self.optimizer = make_optimizer(cfg, _param_groups(self.model))
         self.names = {p: n for n, p in self.model.named_parameters() if p.requires_grad}  # what trains
 
     def train_step(self, batches: Sequence[Batch], lr: float, global_tokens: int, sync: bool = True,

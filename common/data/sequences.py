@@ -22,13 +22,15 @@ from pathlib import Path
 import numpy as np
 
 from common.errors import UserError
+from common.data.conventions import MASK_CONVENTIONS, PADDING_RULES
 from common.data.tokencache import TokenCache, TokenSplit
 
 MODES = ("packing", "padding")
 
 
 class SequenceView:
-    def __init__(self, split: TokenSplit, seq_len: int, mode: str = "packing", mask_prompt: bool = False):
+    def __init__(self, split: TokenSplit, seq_len: int, mode: str = "packing", mask_prompt: bool = False,
+                 mask_convention: str = "exact", padding_rule: str = "seq-len"):
         if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len <= 0:
             raise UserError(f"sequence length must be a positive integer, got {seq_len!r}")
         if mode not in MODES:
@@ -38,6 +40,8 @@ class SequenceView:
         if split.prompt_mask is not None:  # a record is a sample
             mode = "padding"
         self.split, self.seq_len, self.mode, self.mask_prompt = split, int(seq_len), mode, bool(mask_prompt)
+        # a padded row's targets and the micro-batch's width (common/data/conventions.py; recipe choices)
+        self.convention, self.padding = MASK_CONVENTIONS[mask_convention], PADDING_RULES[padding_rule]
 
     @property
     def truncated_records(self) -> int | None:
@@ -72,6 +76,13 @@ class SequenceView:
             if self.mask_prompt:
                 for row, prompt in enumerate(self._prompt_targets(starts, lengths)):
                     mask[row, :len(prompt)][prompt] = 0.0
+            extra = np.nonzero(self.convention.extra_targets(lengths, self.seq_len))[0]
+            mask[extra, lengths[extra] - 1] = 1.0  # the target after the record's last token (mlx-lm's)
+            rows[extra, lengths[extra]] = self.convention.extra_token(self.split.pad_id)
+            needed = int(np.max(lengths - 1 + np.isin(np.arange(len(lengths)), extra), initial=0))
+            columns = self.padding.columns(lengths, needed, self.seq_len)
+            return (np.ascontiguousarray(rows[:, :columns]), np.ascontiguousarray(rows[:, 1:columns + 1]),
+                    np.ascontiguousarray(mask[:, :columns]))
         return np.ascontiguousarray(rows[:, :-1]), np.ascontiguousarray(rows[:, 1:]), mask
 
     def real_target_count(self, indices) -> int:
@@ -81,10 +92,11 @@ class SequenceView:
         if self.mode == "packing":
             return len(indices) * self.seq_len
         starts, lengths = self._document_windows(indices)
+        extra = int(np.count_nonzero(self.convention.extra_targets(lengths, self.seq_len)))
         if self.mask_prompt:
-            return int(sum(len(prompt) - int(np.count_nonzero(prompt))
-                           for prompt in self._prompt_targets(starts, lengths)))
-        return int(np.sum(lengths - 1))
+            return extra + int(sum(len(prompt) - int(np.count_nonzero(prompt))
+                                   for prompt in self._prompt_targets(starts, lengths)))
+        return extra + int(np.sum(lengths - 1))
 
     def _prompt_targets(self, starts: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
         """Per sample, whether each of its length - 1 targets (tokens 1..length-1 of its window) is prompt."""

@@ -163,8 +163,19 @@ def initial_adapters_file(trained: Trained, spec: ModelSpec, seed: int, cache_di
     return path
 
 
-def trained_parameters_of(lora_rank: int, lora_alpha: float, lora_targets: str, lora_layers: int) -> Trained:
+# How `--lora-alpha` is read (`--lora-scale-convention`), as the alpha each Adapters holds: peft's alpha / rank, or
+# mlx-lm's scale used directly (its lora_parameters.scale: y + scale * x A B), which is alpha = scale x rank. Either
+# way a value of 0 means a scale of 2. The adapters themselves (and so both Trainers and the exports) see one alpha.
+SCALE_CONVENTIONS = {"alpha-over-rank": lambda value, rank: value or 2.0 * rank,
+                     "direct": lambda value, rank: (value or 2.0) * rank}
+
+
+def trained_parameters_of(lora_rank: int, lora_alpha: float, lora_targets: str, lora_layers: int,
+                          scale_convention: str = "alpha-over-rank") -> Trained:
     """The RunConfig's choice as its object (RunConfig.trained): FullModel at rank 0."""
+    if scale_convention not in SCALE_CONVENTIONS:
+        raise UserError(f"unknown lora_scale_convention {scale_convention!r}; allowed: "
+                        f"{', '.join(SCALE_CONVENTIONS)}")
     if not lora_rank:
         given = [flag for flag, value in (("--lora-targets", lora_targets), ("--lora-alpha", lora_alpha),
                                           ("--lora-layers", lora_layers)) if value]
@@ -178,5 +189,5 @@ def trained_parameters_of(lora_rank: int, lora_alpha: float, lora_targets: str, 
         raise UserError(f"--lora-targets: unknown module {unknown[0]!r}; allowed: {', '.join(TARGET_PATHS)}")
     if not targets:
         raise UserError("--lora-targets names no module")
-    return Adapters(rank=lora_rank, alpha=lora_alpha or 2.0 * lora_rank, targets=tuple(dict.fromkeys(targets)),
+    return Adapters(rank=lora_rank, alpha=SCALE_CONVENTIONS[scale_convention](lora_alpha, lora_rank), targets=tuple(dict.fromkeys(targets)),
                     layers=lora_layers)

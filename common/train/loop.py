@@ -161,7 +161,8 @@ def setup_run(run_dir: Path, world: World, trainer_cls: TrainerClass) -> Run:
     # model exists (the memory table of the report, common/costmodel/memory.py's predicted peak).
     status.update(force=True, fixed_rss_bytes=rss_bytes(), cores=pinned_cores())
     cache = TokenCache.open(plan.token_cache)
-    train_view = SequenceView(cache.split("train"), cfg.seq_len, cfg.sequence, mask_prompt=cfg.mask_prompt)
+    train_view = SequenceView(cache.split("train"), cfg.seq_len, cfg.sequence, mask_prompt=cfg.mask_prompt,
+                          mask_convention=cfg.mask_convention, padding_rule=cfg.padding_rule)
     sampler = GlobalSampler(train_view.num_samples, cfg.global_batch_size, cfg.seed)
     fingerprints = resume_fingerprints(cfg, cache.meta, str(plan.token_cache))
     if frozen_base(cfg, spec):  # a checkpoint of adapters resumes only over the base they were trained on
@@ -170,7 +171,8 @@ def setup_run(run_dir: Path, world: World, trainer_cls: TrainerClass) -> Run:
 
     valid_view = None
     if "valid" in cache.meta.get("splits", {}) and cache.meta["splits"]["valid"]["num_documents"] > 0:
-        valid_view = SequenceView(cache.split("valid"), cfg.seq_len, cfg.sequence, mask_prompt=cfg.mask_prompt)
+        valid_view = SequenceView(cache.split("valid"), cfg.seq_len, cfg.sequence, mask_prompt=cfg.mask_prompt,
+                          mask_convention=cfg.mask_convention, padding_rule=cfg.padding_rule)
 
     metrics_path = run_dir / "metrics.jsonl"
     if rank == 0:

@@ -90,7 +90,8 @@ class DiagnosisPlan:
         else:
             _, weights = load_pretrained(self.weights)
         view = SequenceView(TokenCache.open(self.token_cache).split("train"), cfg.seq_len, cfg.sequence,
-                            mask_prompt=cfg.mask_prompt)
+                            mask_prompt=cfg.mask_prompt, mask_convention=cfg.mask_convention,
+                            padding_rule=cfg.padding_rule)
         indices = GlobalSampler(view.num_samples, cfg.global_batch_size, cfg.seed).global_batch_indices(step)
         return DiagnosisInputs(cfg, self.spec, weights, optimizer, view.batch(indices),
                                view.real_target_count(indices), lr_for(cfg, step), step)

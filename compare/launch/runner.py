@@ -69,7 +69,8 @@ def prepare_inputs(cfg: RunConfig) -> Inputs:
                            builtin_vocab_size=cfg.builtin_vocab_size, builtin_bytes=cfg.builtin_corpus_bytes,
                            progress=not cfg.quiet)
     spec = cfg.model_spec(vocab_size=int(cache.meta["vocab_size"]))
-    view = SequenceView(cache.split("train"), cfg.seq_len, cfg.sequence, mask_prompt=cfg.mask_prompt)
+    view = SequenceView(cache.split("train"), cfg.seq_len, cfg.sequence, mask_prompt=cfg.mask_prompt,
+                        mask_convention=cfg.mask_convention, padding_rule=cfg.padding_rule)
     GlobalSampler(view.num_samples, cfg.global_batch_size, cfg.seed)  # fails early when data is too small
     seed_dir = Path(cfg.init_from) if cfg.init_from else seed_checkpoint(spec, cfg.seed, cfg.cache_path)
     seed_dir = base_folder(seed_dir, spec, cfg)
