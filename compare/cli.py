@@ -111,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--no-samples", action="store_true",
                          help="skip the report's greedy continuations (one process per run after training)")
     compare.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
+    compare.add_argument("--recipes", help="A,B: run recipes A and B and the chain between them, one choice changed "
+                                           "per link, and explain the gap choice by choice (docs/recipes.md)")
     add_tolerance_flags(compare)
     add_baseline_flags(compare)
     add_run_flags(compare)

@@ -51,6 +51,8 @@ def parse_list(text: str, name: str, kind=str, allowed=None) -> list:
 
 
 def run_matrix(args) -> int:
+    if getattr(args, "recipes", None):
+        return run_chain(args)  # --recipes A,B: A, B and the links between them, then the contributions table
     frameworks = parse_list(args.frameworks, "frameworks", allowed=FRAMEWORKS)
     world_sizes = parse_list(args.nproc, "nproc", kind=int)
     toml = read_toml(args.config) if getattr(args, "config", None) else {}
@@ -96,6 +98,39 @@ def run_matrix(args) -> int:
     add_predictions(run_dirs)
     add_memory_predictions(run_dirs)  # and every run's peak memory per rank from the shapes
     return finish(run_dirs, out, args, {"command": command}, failed)
+
+
+def run_chain(args) -> int:
+    """`--recipes A,B` (compare/chain.py): every link of the chain from recipe A to B, in each framework and world
+    size named, at one strategy and dtype; then A's report in --out with the contributions table, B's beside it."""
+    from .chain import chain_links, describe, link_dirname, link_label, out_of, parse_recipes
+    from .report.contributions import contributions
+
+    names = parse_recipes(args.recipes, args)
+    if args.strategies or args.dtypes or getattr(args, "mesh", None) or submit_options(args):
+        raise UserError("--recipes runs one strategy and dtype here (--strategy, --dtype), without --mesh or "
+                        "--submit")
+    frameworks = parse_list(args.frameworks, "frameworks", allowed=FRAMEWORKS)
+    world_sizes = parse_list(args.nproc, "nproc", kind=int)
+    links, chain = chain_links(args, names, framework=frameworks[0], nproc=max(world_sizes), mesh="")
+    out = out_of(chain[0], args)
+    check_run_dir_for_compare(out, chain[0].overwrite)
+    configs, series, ends = {}, {}, []
+    for k, link_cfg in enumerate(chain):
+        cells, _ = expand_matrix(link_cfg, frameworks, [link_cfg.strategy], [link_cfg.dtype], world_sizes,
+                                 out / "links" / link_dirname(k, links, names))
+        ends.append([run_dir for _, run_dir in cells])
+        for (label, run_dir), cfg in cells.items():
+            configs[(f"{label} [{link_label(k, links, names)}]", run_dir)] = cfg
+            series.setdefault(label, []).append(run_dir)
+    print(f"dpcompare: {describe(links, names)}", file=sys.stderr)
+    inputs = prepare_inputs(chain[0])
+    out.mkdir(parents=True, exist_ok=True)
+    _, failed = run_here(configs, inputs, out, args)
+    table = contributions(names, links, series)
+    command = "dpcompare " + shlex.join(sys.argv[1:]) if sys.argv else ""
+    finish(ends[-1], ends[-1][0].parent, args, {"command": command}, [], quiet=True)  # B's own report
+    return finish(ends[0], out, args, {"command": command, "contributions": table}, failed)
 
 
 def run_here(configs: dict, inputs, out: Path, args) -> tuple[list[Path], list[tuple[str, str]]]:
@@ -233,12 +268,16 @@ def write_samples(run_dirs: list[Path], args=None) -> None:
     sample_runs([d for d in run_dirs if load_run(Path(d)).ok])
 
 
-def finish(run_dirs: list[Path], out: Path, args, context: dict, failed: list) -> int:
-    """Baselines (--against, --save-baseline), the report, its terminal table, and the exit code."""
+def finish(run_dirs: list[Path], out: Path, args, context: dict, failed: list, quiet: bool = False) -> int:
+    """Baselines (--against, --save-baseline), the report, its terminal table, and the exit code; quiet: the
+    report alone (a chain's recipe B, compare --recipes)."""
     from .report.baseline import apply_baseline_flags, baseline_failed
     from .report.writer import terminal_table, write_report
 
     tol = tolerances_from_args(args)
+    if quiet:
+        write_report(run_dirs, out, tol, context)
+        return 0
     baseline = apply_baseline_flags(args, run_dirs, tol)
     summary = write_report(run_dirs, out, tol, {**context, "baseline": baseline})
     print(terminal_table(summary, verbose=getattr(args, "verbose", False)))

@@ -7,6 +7,7 @@ from __future__ import annotations
 from common.costmodel.links import hop_bandwidth_Bps
 
 from .adapters import adapter_blocks
+from .contributions import contribution_blocks
 from .findings import BREAKDOWN_PHASES, MB
 from .opclass_table import opclass_blocks
 from .parity import all_pairs
@@ -45,6 +46,7 @@ def report_blocks(s: dict) -> list[tuple]:
                               f"{c['weights_sha256'][:16]}...)." for c in s.get("init_from") or [])),
               ("verdict", v["parity"], v["headline"], verdict_tables(s), v.get("failures", []), v.get("notes", v["lines"]),
                v["warnings"])]
+    blocks += contribution_blocks(s)  # compare --recipes A,B
     blocks += [("h2", "Runs"), ("table", RUN_HEADERS, [run_cells(r) for r in s["runs"]])]
     blocks += parity_blocks(s["parity"])
     blocks += restart_blocks(s["runs"])

@@ -8,6 +8,7 @@ scaling efficiency and state per rank stand in its line of the run table.
 """
 from __future__ import annotations
 
+from .contributions import terminal_lines as contribution_lines
 from .render import fmt, pct
 from .verdict_table import asked_speed, memory_cells, scaling_cells, speed_cells, table_cells, text_table
 
@@ -23,7 +24,7 @@ def terminal_table(summary: dict, verbose: bool = False) -> str:
                      fmt(r.get("tokens_per_s"), ",.0f"), pct(r.get("scaling_efficiency"), ".0f"),
                      fmt(max(rss) if rss else None, ",.0f"), state_cell(r), r.get("parity", "-")))
     lines = text_table(RUN_HEADERS, body, right=frozenset({1, 3, 4, 5, 6, 7}))
-    return "\n".join(lines + [""] + terminal_verdict(summary, verbose))
+    return "\n".join(lines + contribution_lines(summary) + [""] + terminal_verdict(summary, verbose))
 
 
 def state_cell(row: dict) -> str:

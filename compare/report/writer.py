@@ -22,6 +22,7 @@ from pathlib import Path
 from common.errors import UserError
 from common.metrics import write_json
 
+from .contributions import largest_line
 from .diagnoses import read_diagnoses
 from .environment_bound import environment_lines
 from .findings import (environment_info, fairness_info, memory_table, run_row, scaling_table, speed_table,
@@ -64,6 +65,9 @@ def write_report(run_dirs: list[Path], out_dir: Path, tol: Tolerances, context: 
     verdict = verdicts(parity, speed, scaling, memory, rows, fairness, context.get("baseline"))
     bound = environment_lines(speed, runs, fairness)  # marks the speed pairs that measure the machine
     verdict.update(speed_environment=bound, lines=bound + verdict["lines"])
+    chain = context.get("contributions")  # compare --recipes A,B: the gap choice by choice (contributions.py)
+    if chain and (top := largest_line(chain)):
+        verdict.update(notes=[top] + verdict["notes"], lines=[top] + verdict["lines"])
     summary = {
         "created": time.strftime("%Y-%m-%d %H:%M:%S"),
         "verdicts": verdict,
@@ -79,6 +83,7 @@ def write_report(run_dirs: list[Path], out_dir: Path, tol: Tolerances, context: 
         # The pretrained checkpoints the runs started from (--init-from): folder and weights hash, once each.
         "init_from": list({json.dumps(r.summary["init_from"], sort_keys=True): r.summary["init_from"]
                            for r in runs if r.summary.get("init_from")}.values()),
+        "contributions": chain,
         "fairness": fairness,
         "environment": environment_info(runs, rows, peaks),
         "commands": {"compare": context.get("command"),
