@@ -12,7 +12,7 @@ import pytest
 
 from common.config import RunConfig
 from common.errors import UserError
-from common.recipes import CHOICES, DPCOMPARE, MLX_LM, PEFT, RECIPES, TRL
+from common.recipes import CHOICES, DPCOMPARE, PEFT, RECIPES, TRL
 from common.train.lr_schedule import lr_for
 from compare.report.contributions import contributions, largest_line
 from unit.fake_runs import make_run
