@@ -45,7 +45,6 @@ def validate(self) -> None:
             f" for framework {self.framework}")
     _choice("sequence", self.sequence, SEQUENCE_MODES)
     _choice("loss_normalization", self.loss_normalization, ("global-tokens", "per-rank"))
-    check_recipe_choices(self)
     _choice("device", self.device, DEVICES)
     _choice("mlx_blas", self.mlx_blas, MLX_BLAS)
     _choice("mlx_cpu_jit", self.mlx_cpu_jit, MLX_CPU_JIT)
@@ -97,6 +96,7 @@ def validate(self) -> None:
                         "use --backend mpi (docs/strategies.md)")
     strategy = self.layout
     strategy.check_batch(self.global_batch_size, self.grad_accum, self.pp_pieces)
+    check_recipe_choices(self)  # the recipe's choices, and those a strategy cannot take
     stages = strategy.mesh.axis("pp") if strategy.mesh.has("pp") else 1
     if self.framework == "torch" and 1 < stages and self.pp_pieces < stages:
         # torch.distributed.pipelining's schedules refuse it at the first step, on one rank, mid-job.
@@ -150,6 +150,6 @@ def check_recipe_choices(cfg) -> None:
         raise UserError(f"--optimizer adam takes no weight decay here (mlx-lm's Adam has none; torch's would add "
                         f"it to the gradient); use --optimizer adamw for --weight-decay {cfg.weight_decay}, or "
                         "--weight-decay 0")
-    if cfg.padding_rule != "seq-len" and (cfg.strategy == "pp" or "pp=" in cfg.mesh):
+    if cfg.padding_rule != "seq-len" and cfg.layout.mesh.has("pp"):
         raise UserError(f"--padding-rule {cfg.padding_rule} changes the batch's width from step to step, and a "
                         "pipeline's stages exchange activations of one shape; use --padding-rule seq-len with pp")
