@@ -1,0 +1,70 @@
+"""Recipes end to end (common/recipes.py, docs/recipes.md): mlx-lm's recipe run in both frameworks at 1 and 2 ranks,
+judged like any pair (MLX vs torch within 1e-4; N=2 vs N=1 "differs", its per-rank normalization); and
+`compare --recipes mlx-lm,trl`'s chain, whose contributions table has a row per differing choice summing to the
+whole gap. At `tiny`, 6 steps, on prompt/completion records with --mask-prompt. (The choices' arithmetic in-process:
+tests/unit/test_recipe_choices.py; the recipes' values and the table's sum: tests/unit/test_recipes.py.)"""
+import json
+
+import numpy as np
+import pytest
+
+from helpers import FAST, dpcompare, losses, summary
+
+pytestmark = pytest.mark.slow
+
+STEPS = 6
+
+
+def pairs(tmp_path):
+    """Records of unequal lengths, so ranks hold unequal counts of targets and rows unequal padding."""
+    rng = np.random.default_rng(0)
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"Q: {a}+{b}?" + " x" * int(rng.integers(0, 8)),
+                                        "completion": f" {a + b}" + " y" * int(rng.integers(0, 12))}) + "\n"
+                            for a, b in rng.integers(0, 10, size=(120, 2))))
+    return path
+
+
+def flags(tmp_path):
+    return (*FAST, "--dataset", pairs(tmp_path), "--mask-prompt", "--steps", STEPS, "--profile-steps", 0,
+            "--no-samples", "--no-link-probe")
+
+
+def test_mlx_lm_s_recipe_runs_alike_in_both_frameworks_and_its_n_vs_1_differs_by_its_normalization(cache_dir,
+                                                                                                    tmp_path):
+    out = tmp_path / "mlx-lm"
+    dpcompare("compare", *flags(tmp_path), "--recipe", "mlx-lm", "--frameworks", "mlx,torch", "--nproc", "1,2",
+              "--out", out, cache_dir=cache_dir, timeout=600)
+    judged = {tuple(p["pair"].split(" vs ")): p["verdict"] for p in summary(out)["verdicts"]["pairs"]}
+    for n in (1, 2):
+        assert judged[(f"mlx x{n}", f"torch x{n}")] == "pass", judged
+        np.testing.assert_allclose(losses(out / f"mlx-n{n}"), losses(out / f"torch-n{n}"), rtol=0, atol=1e-4)
+    for framework in ("mlx", "torch"):
+        assert judged[(f"{framework} x2", f"{framework} x1")] == "differs", judged
+    config = summary(out / "torch-n2")["config"]
+    assert (config["recipe"], config["bias_correction"], config["mask_convention"], config["padding_rule"],
+            config["loss_normalization"], config["lr_schedule"]) == ("mlx-lm", False, "mlx-lm", "mlx-lm",
+                                                                      "per-rank", "constant")
+
+
+def test_the_chain_from_mlx_lm_to_trl_explains_the_gap_choice_by_choice(cache_dir, tmp_path):
+    """Four choices left to differ (the flags fix the others on both sides), in torch at one rank: five runs."""
+    out = tmp_path / "chain"
+    fixed = ("--padding-rule", "seq-len", "--lora-targets", "q_proj,v_proj", "--lora-layers", 0, "--optimizer",
+             "adamw", "--lr-schedule", "constant", "--grad-clip", 0, "--loss-normalization", "global-tokens",
+             "--lora-scale-convention", "direct")
+    proc = dpcompare("compare", *flags(tmp_path), "--recipes", "mlx-lm,trl", *fixed, "--frameworks", "torch",
+                     "--nproc", 1, "--out", out, cache_dir=cache_dir, timeout=600)
+    table = summary(out)["contributions"]
+    assert table["recipes"] == ["mlx-lm", "trl"]
+    assert table["order"] == ["mask_convention", "lora_alpha", "bias_correction", "lr"]
+    (t,) = table["tables"]
+    assert len(t["rows"]) == 4 and t["steps"] == {"last": STEPS, "middle": STEPS // 2}
+    a, b = losses(out / "links" / "00-mlx-lm" / "torch-n1"), losses(out / "links" / "04-lr-trl" / "torch-n1")
+    for key, step in (("loss_last", STEPS), ("loss_middle", STEPS // 2)):
+        assert abs(sum(r[key] for r in t["rows"]) - (b[step - 1] - a[step - 1])) <= 1e-6
+        assert all(abs(r[key]) > 1e-7 for r in t["rows"]), t["rows"]  # each of the four moves the loss
+    largest = max(t["rows"], key=lambda r: abs(r["loss_last"]))["choice"]
+    assert f"the largest contributor is {largest}" in proc.stdout
+    assert "rows sum to the whole gap" in (out / "report.md").read_text()
+    assert (out / "links" / "04-lr-trl" / "report.md").is_file()  # B's own report
