@@ -19,7 +19,16 @@ def link_figures(run_dir: Path) -> dict:
     run = load_run(run_dir)
     rss = [b for b in run.summary.get("peak_rss_bytes") or [] if b is not None]
     return {"losses": run.losses(), "tokens_per_s": run.summary.get("tokens_per_s"),
+            "spread": (run.summary.get("tokens_per_s_p10"), run.summary.get("tokens_per_s_p90")),
             "peak_rss_mb": max(rss) / 2**20 if rss else None, "ok": run.ok and run.summary.get("status") == "ok"}
+
+
+def within_spread(before: dict, after: dict) -> bool:
+    """A tokens/s change is noise where either run's median lies inside the other's p10-p90 (as the speed table
+    reads "overlap: noise"): a short run's few timed steps spread wider than most choices move them."""
+    def inside(value, spread):
+        return None not in (value, *spread) and spread[0] <= value <= spread[1]
+    return inside(after["tokens_per_s"], before["spread"]) or inside(before["tokens_per_s"], after["spread"])
 
 
 def contributions(recipes: tuple[str, str], links: list[dict], series: dict[str, list[Path]]) -> dict:
@@ -39,6 +48,7 @@ def contributions(recipes: tuple[str, str], links: list[dict], series: dict[str,
                          "loss_last": after["losses"][last] - before["losses"][last],
                          "loss_middle": after["losses"][middle] - before["losses"][middle],
                          "tokens_per_s": _delta(after["tokens_per_s"], before["tokens_per_s"]),
+                         "tokens_per_s_noise": within_spread(before, after),
                          "peak_rss_mb": _delta(after["peak_rss_mb"], before["peak_rss_mb"])})
         first, end = figures[0], figures[-1]
         gap = {"loss_last": end["losses"][last] - first["losses"][last],
@@ -77,7 +87,8 @@ HEADERS = ("choice", "from", "to", "Δloss last", "Δloss middle", "Δtokens/s",
 
 def table_rows(t: dict) -> list[tuple]:
     rows = [(r["choice"], str(r["a"]), str(r["b"]), fmt(r["loss_last"], "+.3e"), fmt(r["loss_middle"], "+.3e"),
-             fmt(r["tokens_per_s"], "+,.0f"), fmt(r["peak_rss_mb"], "+,.1f")) for r in t["rows"]]
+             fmt(r["tokens_per_s"], "+,.0f") + (" (noise)" if r.get("tokens_per_s_noise") else ""),
+             fmt(r["peak_rss_mb"], "+,.1f")) for r in t["rows"]]
     g = t["gap"]
     return rows + [("whole gap", "", "", fmt(g["loss_last"], "+.3e"), fmt(g["loss_middle"], "+.3e"),
                     fmt(g["tokens_per_s"], "+,.0f"), fmt(g["peak_rss_mb"], "+,.1f"))]
