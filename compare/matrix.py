@@ -128,6 +128,10 @@ def run_chain(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     _, failed = run_here(configs, inputs, out, args)
     table = contributions(names, links, series)
+    diagnose_failures(ends[0], out, tolerances_from_args(args))  # recipe A's report is a compare's, whole
+    write_samples(ends[0], args)
+    add_predictions(ends[0])
+    add_memory_predictions(ends[0])
     command = "dpcompare " + shlex.join(sys.argv[1:]) if sys.argv else ""
     finish(ends[-1], ends[-1][0].parent, args, {"command": command}, [], quiet=True)  # B's own report
     return finish(ends[0], out, args, {"command": command, "contributions": table}, failed)

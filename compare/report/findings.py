@@ -293,7 +293,8 @@ def verdicts(parity: dict, speed: list[dict], scaling: dict, memory: list[dict],
     pairs = pair_rows(parity)
     figures = scaling_lines(scaling) + memory_lines(memory)
     if not notes and not figures and not pairs:
-        notes.append("Nothing to compare: no run finished")
+        notes.append("Nothing to compare: " + ("one run, no pair to judge" if any(r["ok"] for r in rows)
+                                               else "no run finished"))
     # A pair that cannot be compared is no failure (--strict passes), but a PASS must not hide it.
     unjudged = [f"{len(parity['skipped'])} run(s) skipped"] if parity["skipped"] else []
     unjudged += [f"{n} pair(s) not comparable"] if (n := sum(r["verdict"] == "not comparable" for r in pairs)) else []

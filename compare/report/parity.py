@@ -78,6 +78,7 @@ RUN_ONLY_KEYS = frozenset({
     "threads_per_rank", "mlx_blas", "mlx_cpu_jit", "mlx_exp", "mlx_bf16_matmul", "all_reduce_size_mb", "bucket_cap_mb", "torch_compile", "grad_accum",
     "collective_timeout_s", "timing_warmup_steps", "eval_every", "checkpoint_every", "out", "resume",
     "overwrite", "quiet", "cache_dir", "trace", "profile_steps", "op_profile", "tune_malloc", "pin_ranks", "link", "launcher",
+    "recipe",  # a name only: its choices are fields of their own (common/recipes.py), compared one by one
 })
 
 
