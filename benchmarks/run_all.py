@@ -16,7 +16,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 BENCHMARKS = ["data", "overhead", "blas", "collectives", "startup", "mfu", "malloc", "precision", "strategies", "tp", "ops", "gap",
-              "pp_bubble", "plan", "rss_timeline", "restart"]
+              "pp_bubble", "plan", "rss_timeline", "restart", "recipes"]
 
 
 def main() -> int:
