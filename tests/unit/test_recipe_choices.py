@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from common.config import RunConfig
-from common.data.conventions import MLX_LM_PAD_TOKEN
+from common.data.conventions import MASK_CONVENTIONS, MLX_LM_PAD_TOKEN
 from common.data.sequences import SequenceView
 from common.data.tokencache import prepare_tokens
 from common.model.spec import ModelSpec
@@ -118,6 +118,8 @@ def test_mlx_lm_s_mask_moves_the_loss_by_exactly_the_padded_targets_share(record
     extra[np.nonzero(padded)[0], lengths[padded] - 1] = 1.0
     np.testing.assert_array_equal(m2 - m, extra)
     assert (y2[extra == 1] == MLX_LM_PAD_TOKEN).all() and mlx_lm.real_target_count(indices) == m2.sum()
+    # token 0 whatever the tokenizer pads with (mlx-lm's np.zeros; this tokenizer's pad happens to be 0 too)
+    assert MASK_CONVENTIONS["mlx-lm"].extra_token(pad_id=7) == 0 and MASK_CONVENTIONS["exact"].extra_token(7) == 7
     np.testing.assert_array_equal(x2[:, :-1], x[:, :-1])  # the record's tokens are untouched
     losses = token_losses(x2, y2)  # the extra targets' inputs are the records themselves: one forward for both
     np.testing.assert_allclose(token_losses(x, y)[m == 1], losses[m == 1], rtol=1e-6)
