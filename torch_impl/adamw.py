@@ -52,8 +52,9 @@ class AdamW:
             adam(params, [p.grad for p in params], [s["exp_avg"] for s in states],
                  [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states],
                  foreach=None, capturable=False, differentiable=False, fused=None, grad_scale=None,
-                 found_inf=None, has_complex=False, decoupled_weight_decay=self.decoupled, amsgrad=False, beta1=beta1,
-                 beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+                 found_inf=None, has_complex=False, decoupled_weight_decay=self.decoupled, amsgrad=False,
+                 beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+                 maximize=False)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As Optimizer.zero_grad: drop the gradients, or zero them in place (DDP's bucket views stay)."""

@@ -189,5 +189,5 @@ def trained_parameters_of(lora_rank: int, lora_alpha: float, lora_targets: str, 
         raise UserError(f"--lora-targets: unknown module {unknown[0]!r}; allowed: {', '.join(TARGET_PATHS)}")
     if not targets:
         raise UserError("--lora-targets names no module")
-    return Adapters(rank=lora_rank, alpha=SCALE_CONVENTIONS[scale_convention](lora_alpha, lora_rank), targets=tuple(dict.fromkeys(targets)),
-                    layers=lora_layers)
+    return Adapters(rank=lora_rank, alpha=SCALE_CONVENTIONS[scale_convention](lora_alpha, lora_rank),
+                    targets=tuple(dict.fromkeys(targets)), layers=lora_layers)
