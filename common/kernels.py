@@ -62,16 +62,44 @@ def measures(device: str, system: str) -> bool:
     return device == "cpu" and system.startswith("linux")
 
 
-def fixed_choice(cfg: RunConfig, kernel: str, device: str, system: str) -> str | None:
+# Pins every `auto` kernel without a flag value to one candidate, for runs that must compute with the same kernels
+# whenever they are made (a run and its resume, or two runs an hour apart on a machine whose load moves the
+# timings): "native" (each kernel MLX's own), or KERNEL=CANDIDATE pairs, "exp=fused,attention=halves". The test
+# suite pins "native" (tests/conftest.py); summary.json's BLAS line names what was pinned.
+PIN_ENV = "DPCOMPARE_MLX_KERNELS"
+
+
+def pinned_kernels(value: str | None = None) -> dict[str, str]:
+    """{kernel: candidate} that $DPCOMPARE_MLX_KERNELS (or `value`) pins; a UserError for a name it cannot hold."""
+    from common.errors import UserError
+
+    text = (os.environ.get(PIN_ENV, "") if value is None else value).strip()
+    if not text or text == "auto":
+        return {}
+    if text == "native":
+        return {kernel: names[0] for kernel, names in CANDIDATES.items()}
+    pins = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        kernel, _, name = item.partition("=")
+        if kernel not in CANDIDATES or name not in CANDIDATES[kernel]:
+            allowed = "; ".join(f"{k}={'|'.join(v)}" for k, v in CANDIDATES.items())
+            raise UserError(f"{PIN_ENV}={text!r}: {item!r} is not a kernel and one of its candidates; allowed: "
+                            f"native, or a comma list of {allowed}")
+        pins[kernel] = name
+    return pins
+
+
+def fixed_choice(cfg: RunConfig, kernel: str, device: str, system: str, pins: bool = True) -> str | None:
     """The candidate a run uses without measuring: the one named on the command line, MLX's own where `auto`
-    does not measure (`measures`), MLX's own bf16 matmul in a float32 run (none happen). None: measure."""
+    does not measure (`measures`), MLX's own bf16 matmul in a float32 run (none happen), or the one pinned
+    ($DPCOMPARE_MLX_KERNELS). None: measure."""
     chosen = {"exp": cfg.mlx_exp, "bf16_matmul": cfg.mlx_bf16_matmul}.get(kernel, "auto")  # no flag for the rest
     if chosen != "auto":
         return chosen
     if not measures(device, system) or (kernel == "bf16_matmul" and cfg.dtype != "bfloat16") \
             or (kernel == "attention" and cfg.dtype != "float32"):  # bfloat16's core is the step-by-step form
         return CANDIDATES[kernel][0]
-    return None
+    return pinned_kernels().get(kernel) if pins else None  # None: measure
 
 
 def measured_shape(cfg: RunConfig, kernel: str, spec: ModelSpec, exp: str = "native") -> tuple[int, ...]:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from common.kernels import PIN_ENV
+
 HERE = Path(__file__).resolve().parent
 LANES = ("unit", "integration")
 sys.path.insert(0, str(HERE))  # `from helpers import ...`, `from unit.fake_runs import ...`
@@ -98,6 +100,18 @@ def pytest_configure(config):
     not read timings made beside other tests. Set before xdist starts its workers, which inherit it."""
     if not os.environ.get("DPCOMPARE_CACHE"):
         os.environ["DPCOMPARE_CACHE"] = str(_session_cache(config._tmp_path_factory, "dpcompare-default-cache"))
+    # MLX's selectable kernels pinned to MLX's own for every run of the session (common/kernels.py PIN_ENV): a run
+    # and its resume, or two runs a test compares bit for bit, made minutes apart while the other workers load the
+    # cores, would otherwise be timed apart and could compute with different kernels (1.5e-7 apart in test_slurm,
+    # 9.5e-5 in a bf16 resume, AMD EPYC Zen 3); and no test pays for timings it does not read. The tests of `auto`
+    # itself, and the shared matrix that users' runs resemble, measure (the `kernels_measured` fixture).
+    os.environ.setdefault(PIN_ENV, "native")
+
+
+@pytest.fixture
+def kernels_measured(monkeypatch):
+    """This test's runs take MLX's kernels as `auto` measures them, as a user's run does."""
+    monkeypatch.delenv(PIN_ENV, raising=False)
 
 
 @pytest.fixture(scope="session")

@@ -20,6 +20,7 @@ from typing import Callable
 
 from common.config import RunConfig
 from common.errors import UserError
+from common.kernels import PIN_ENV
 from common.model.spec import ModelSpec
 
 from ..machine import environment as env
@@ -184,6 +185,8 @@ def rank_environment(cfg: RunConfig, spec: ModelSpec | None = None) -> tuple[dic
             blas += f"; fused CPU kernels: {jit}"
             extra.update(jit_env)
         blas += f"; {kernels_line(cfg, spec)}"  # auto's timed choices (compare/machine/kernels.py)
+    if os.environ.get(PIN_ENV):  # MLX's pinned kernels, to other hosts' ranks too (torch's ignore it)
+        extra[PIN_ENV] = os.environ[PIN_ENV]
     return extra, blas
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from common.config import RunConfig
 from common.errors import UserError
-from common.kernels import CANDIDATES, Identity, KernelCache, describe, fixed_choice, measured_shape
+from common.kernels import CANDIDATES, PIN_ENV, Identity, KernelCache, describe, fixed_choice, measured_shape
 
 from common.model.spec import ModelSpec
 
@@ -40,7 +40,10 @@ def described(cfg: RunConfig, kernel: str, spec: ModelSpec | None = None) -> str
     run's model, its vocabulary the tokenizer's (prepare_inputs); the cross-entropy's shape needs it."""
     fixed = fixed_choice(cfg, kernel, mlx_device(cfg), sys.platform)
     if fixed is not None:
-        return f"{fixed} ({HOW[kernel][fixed]})" if fixed in HOW[kernel] else fixed
+        how = [HOW[kernel][fixed]] if fixed in HOW[kernel] else []
+        if fixed_choice(cfg, kernel, mlx_device(cfg), sys.platform, pins=False) is None:
+            how.append(f"pinned by {PIN_ENV}")
+        return f"{fixed} ({'; '.join(how)})" if how else fixed
     if cfg.hostfile:  # other hosts: their ranks time it there, with their own CPU and kernels
         return "auto (timed by each host's ranks)"
     entry = _entry(cfg, kernel, spec)

@@ -9,9 +9,11 @@ from pathlib import Path
 import pytest
 
 from common.config import RunConfig
-from common.kernels import (CANDIDATES, UNITS, Identity, KernelCache, describe, faster, fixed_choice, measured_shape,
-                            was_contended)
+from common.kernels import (CANDIDATES, PIN_ENV, UNITS, Identity, KernelCache, describe, faster, fixed_choice,
+                            measured_shape, pinned_kernels, was_contended)
 from common.model.spec import preset
+
+pytestmark = pytest.mark.usefixtures("kernels_measured")  # `auto` itself: the suite's pin lifted
 
 
 @pytest.mark.parametrize(("timings", "expected"), [
@@ -43,6 +45,27 @@ def test_auto_picks_the_faster_of_the_timings_it_is_handed(timings, expected):
 ])
 def test_a_named_choice_is_kept_and_auto_measures_only_on_a_linux_cpu(cfg, kernel, device, system, expected):
     assert fixed_choice(cfg, kernel, device, system) == expected
+
+
+def test_a_pin_fixes_what_auto_would_measure_and_nothing_a_flag_or_the_platform_decides(monkeypatch):
+    """DPCOMPARE_MLX_KERNELS: runs made at different moments compute with the same kernels, whatever the load."""
+    from common.errors import UserError
+    from compare.machine.kernels import described
+
+    monkeypatch.setenv(PIN_ENV, "native")
+    assert [fixed_choice(RunConfig(), k, "cpu", "linux") for k in ("exp", "cross_entropy", "attention")] == \
+        ["native", "native", "whole"]
+    assert fixed_choice(RunConfig(dtype="bfloat16"), "bf16_matmul", "cpu", "linux") == "native"
+    monkeypatch.setenv(PIN_ENV, "exp=fused, attention=halves")
+    assert fixed_choice(RunConfig(), "exp", "cpu", "linux") == "fused"
+    assert fixed_choice(RunConfig(mlx_exp="native"), "exp", "cpu", "linux") == "native"  # the flag wins
+    assert fixed_choice(RunConfig(dtype="bfloat16"), "attention", "cpu", "linux") == "whole"  # bf16 has no blocks
+    assert fixed_choice(RunConfig(), "cross_entropy", "cpu", "linux") is None  # not pinned: measured
+    assert described(RunConfig(), "exp") == "fused (range reduction and a polynomial, vectorised by mx.compile; " \
+        f"pinned by {PIN_ENV})"
+    for bad in ("exp=slow", "softmax=native", "fused"):
+        with pytest.raises(UserError, match=PIN_ENV):
+            pinned_kernels(bad)
 
 
 def test_the_measured_shapes_are_the_runs_own():
@@ -102,7 +125,7 @@ def test_a_choice_timed_while_the_cpu_was_shared_is_timed_again_by_the_next_laun
 def test_the_launcher_reads_the_cache_without_starting_a_measurement(tmp_path, monkeypatch):
     from compare.machine import kernels
 
-    cfg = RunConfig(cache_dir=str(tmp_path), dtype="bfloat16", device="cpu")
+    cfg = RunConfig(cache_dir=str(tmp_path), dtype="bfloat16", device="cpu", mlx_blas="bundled")  # no BLAS probe
     spec = cfg.model_spec(vocab_size=1051)  # the tokenizer's vocabulary, as prepare_inputs gives it
     for kernel, timings in (("exp", {"native": 9.8, "fused": 3.1}), ("bf16_matmul", {"native": 365.0, "fp32": 34.5}),
                             ("cross_entropy", {"native": 6.2, "shift": 4.7, "tree": 5.6, "tree_shift": 4.2})):
