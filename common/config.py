@@ -71,6 +71,7 @@ class RunConfig:
     # A recipe (common/recipes.py): a tool's whole set of the choices below; each field given overrides it.
     recipe: str = "dpcompare"
     loss_normalization: str = "global-tokens"  # or per-rank (mlx-lm's): common/train/normalization.py
+    data_order: str = "dpcompare"    # or mlx-lm (length-sorted batches, ranks strided): common/data/sampler.py
     mask_convention: str = "exact"   # or mlx-lm (one padding target more a row): common/data/conventions.py
     padding_rule: str = "seq-len"    # or longest, mlx-lm (1 + 32 ceil(max / 32)): common/data/conventions.py
     # LoRA (common/model/lora.py): adapters of this rank on lora_targets ("q_proj,v_proj"; "" = those two) of the

@@ -14,6 +14,7 @@ from common.parallel.pipeline import SCHEDULES as PP_SCHEDULES
 from common.placement import check_placement
 from common.recipes import RECIPES
 from common.data.conventions import MASK_CONVENTIONS, PADDING_RULES
+from common.data.sampler import DATA_ORDERS
 from common.model.lora import SCALE_CONVENTIONS, Adapters
 from common.train.lr_schedule import SCHEDULES
 
@@ -143,6 +144,7 @@ def check_recipe_choices(cfg) -> None:
     _choice("recipe", cfg.recipe, tuple(RECIPES))
     _choice("mask_convention", cfg.mask_convention, tuple(MASK_CONVENTIONS))
     _choice("padding_rule", cfg.padding_rule, tuple(PADDING_RULES))
+    _choice("data_order", cfg.data_order, DATA_ORDERS)
     _choice("lr_schedule", cfg.lr_schedule, tuple(SCHEDULES))
     _choice("optimizer", cfg.optimizer, OPTIMIZERS)
     _choice("lora_scale_convention", cfg.lora_scale_convention, tuple(SCALE_CONVENTIONS))

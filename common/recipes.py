@@ -21,7 +21,7 @@ from common.errors import UserError
 # the data's choices first (which targets count, how rows are padded), then how the loss is normalized, then what
 # trains, then the optimizer, its learning rate and schedule, and clipping. Interactions make the order matter, so
 # it is fixed and stated in the report. Each is one RunConfig field.
-CHOICES = ("sequence", "mask_convention", "padding_rule", "loss_normalization", "lora_rank", "lora_scale_convention",
+CHOICES = ("data_order", "sequence", "mask_convention", "padding_rule", "loss_normalization", "lora_rank", "lora_scale_convention",
            "lora_alpha", "lora_targets", "lora_layers", "optimizer", "bias_correction", "lr", "beta1", "beta2",
            "adam_eps", "weight_decay", "lr_schedule", "warmup_steps", "min_lr_ratio", "grad_clip")
 
@@ -39,6 +39,7 @@ class Recipe:
 
 
 DPCOMPARE = Recipe("dpcompare", "dpcompare's own defaults (common/config.py RunConfig)", {
+    "data_order": "dpcompare",                     # one seeded stream, each rank a contiguous slice (data/sampler.py)
     "sequence": "packing",                         # plain text packed into full rows (records are one row each)
     "mask_convention": "exact",                    # every real target, nothing else
     "padding_rule": "seq-len",                     # every row padded to --seq-len
@@ -52,6 +53,7 @@ DPCOMPARE = Recipe("dpcompare", "dpcompare's own defaults (common/config.py RunC
 })
 
 MLX_LM = Recipe("mlx-lm", "mlx_lm.lora 0.32's defaults (LoRA, Adam), as `mlx_lm.lora --train` runs them", {
+    "data_order": "mlx-lm",             # tuner/trainer.py iterate_batches: sorted by length, batches permuted
     "sequence": "padding",              # tuner/datasets.py TextDataset: one document a row, never packed
     "mask_convention": "mlx-lm",        # tuner/trainer.py default_loss: steps <= length keeps one pad target a row
     "padding_rule": "mlx-lm",           # tuner/trainer.py iterate_batches: pad_to = 32, 1 + 32 ceil(max / 32)
@@ -73,6 +75,7 @@ MLX_LM = Recipe("mlx-lm", "mlx_lm.lora 0.32's defaults (LoRA, Adam), as `mlx_lm.
 })
 
 PEFT = Recipe("peft", "peft's LoraConfig defaults under transformers' Trainer (DDP, torch AdamW)", {
+    "data_order": "dpcompare",                 # a seeded shuffle (torch's RandomSampler stream is not reproduced)
     "sequence": "padding",                     # one example a row, padded by the collator
     "mask_convention": "exact",                # labels -100 on masked tokens, shifted once (LlamaForCausalLM loss)
     "padding_rule": "longest",                 # data/data_collator.py DataCollatorWithPadding: padding=True

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common.data.sampler import GlobalSampler
+from common.data.sampler import sampler_for
 from common.data.sequences import SequenceView
 from common.data.tokencache import TokenCache
 from common.errors import UserError
@@ -41,7 +41,7 @@ def write_batches(run_dir: Path, steps_text: str, out: Path) -> int:
     view = SequenceView(TokenCache.open(plan.token_cache).split("train"), cfg.seq_len, cfg.sequence,
                         mask_prompt=cfg.mask_prompt, mask_convention=cfg.mask_convention,
                         padding_rule="seq-len")  # every step's rows to --seq-len: one array for all steps
-    sampler = GlobalSampler(view.num_samples, cfg.global_batch_size, cfg.seed)
+    sampler = sampler_for(cfg.data_order, view.num_samples, cfg.global_batch_size, cfg.seed, view.sample_lengths)
     indices = [sampler.global_batch_indices(step) for step in steps]
     batches = [view.batch(i) for i in indices]
     if out.exists():

@@ -35,6 +35,8 @@ RUN_FLAGS = [
                                   "one rank computes) or per-rank (each rank's own mean, then averaged: mlx-lm's)"),
     ("--recipe", str, "a tool's whole set of training choices: dpcompare (default), mlx-lm, peft, trl; each flag "
                       "below overrides it (docs/recipes.md)"),
+    ("--data-order", str, "dpcompare (default: one seeded stream, each rank a contiguous slice) or mlx-lm "
+                          "(length-sorted batches in a seeded order, rank r takes r, r + N, ...)"),
     ("--mask-convention", str, "padded rows: exact (default: the real targets) or mlx-lm (one padding target more "
                                "a row, as mlx-lm's default_loss)"),
     ("--padding-rule", str, "padded rows' width: seq-len (default), longest (the micro-batch's longest row: "

@@ -53,6 +53,9 @@ def resume_fingerprints(cfg: RunConfig, cache_meta: dict, token_cache: str) -> d
     found = {"data_fingerprint": cache_meta.get("fingerprint", str(token_cache)),
              "global_batch_size": cfg.global_batch_size, "seed": cfg.seed, "seq_len": cfg.seq_len,
              "sequence": cfg.sequence}
+    # a recipe's data choices away from dpcompare's (a run of the defaults carries no such key, as before recipes)
+    found.update({k: getattr(cfg, k) for k, default in (("data_order", "dpcompare"), ("mask_convention", "exact"))
+                  if getattr(cfg, k) != default})
     adapters = cfg.trained.describe()  # LoRA: the same adapters (a full run's checkpoints carry no such key)
     return {**found, "adapters": adapters} if adapters else found
 

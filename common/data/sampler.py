@@ -57,6 +57,54 @@ class GlobalSampler:
     def epoch_of(self, step: int) -> int:
         return (step * self.global_batch) // self.num_samples
 
+    def rank_part(self, indices: np.ndarray, rank: int, world_size: int) -> np.ndarray:
+        """Rank r's samples of a global batch: its contiguous slice."""
+        return rank_slice(indices, rank, world_size)
+
+
+@dataclass
+class LengthSortedBatches(GlobalSampler):
+    """mlx-lm's order (`--data-order mlx-lm`; tuner/trainer.py iterate_batches): the samples sorted by length (a
+    stable sort, as `sorted(range(n), key=len)`), cut into global batches of consecutive lengths, the remainder
+    dropped; each epoch takes those batches in the order of the next `np.random.permutation` of a stream seeded
+    once (lora.py's `np.random.seed(args.seed)`, so mlx-lm's own first epoch exactly; its evaluations draw from
+    the same stream between epochs). Rank r takes positions r, r + N, ... of each batch (`idx[i + rank : ... : N]`).
+    Still one global batch per step whatever the world size."""
+    lengths: np.ndarray | None = None  # each sample's length in tokens
+
+    def __post_init__(self):
+        super().__post_init__()
+        order = np.argsort(np.asarray(self.lengths), kind="stable")
+        count = len(order) // self.global_batch
+        self._batches = order[:count * self.global_batch].reshape(count, self.global_batch)
+        self._stream, self._orders = np.random.RandomState(self.seed), []
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        while len(self._orders) <= epoch:
+            self._orders.append(self._stream.permutation(len(self._batches)))
+        return self._orders[epoch]
+
+    def global_batch_indices(self, step: int) -> np.ndarray:
+        epoch, position = divmod(step, len(self._batches))
+        return self._batches[self.permutation(epoch)[position]]
+
+    def epoch_of(self, step: int) -> int:
+        return step // len(self._batches)
+
+    def rank_part(self, indices: np.ndarray, rank: int, world_size: int) -> np.ndarray:
+        return indices[rank::world_size]
+
+
+DATA_ORDERS = ("dpcompare", "mlx-lm")
+
+
+def sampler_for(order: str, num_samples: int, global_batch: int, seed: int, lengths=None) -> GlobalSampler:
+    """The sampler of a `--data-order` (a recipe's choice): dpcompare's seeded stream, or mlx-lm's length-sorted
+    batches (`lengths`: a callable giving each sample's length, asked only there)."""
+    if order == "mlx-lm":
+        return LengthSortedBatches(num_samples, global_batch, seed, lengths=lengths())
+    return GlobalSampler(num_samples, global_batch, seed)
+
 
 def rank_slice(indices: np.ndarray, rank: int, world_size: int) -> np.ndarray:
     per_rank = len(indices) // world_size

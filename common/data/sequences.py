@@ -57,6 +57,13 @@ class SequenceView:
             return self.split.num_documents
         return max(0, (self.split.num_tokens - 1) // self.seq_len)
 
+    def sample_lengths(self) -> np.ndarray:
+        """Every sample's length in tokens, uncut (a document's, a record's; a packed window's is seq_len + 1): what
+        mlx-lm's order sorts by (common/data/sampler.py LengthSortedBatches)."""
+        if self.mode == "packing":
+            return np.full(self.num_samples, self.seq_len + 1, dtype=np.int64)
+        return np.diff(np.asarray(self.split.offsets, dtype=np.int64))[:self.num_samples]
+
     def batch(self, indices) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(inputs, targets, mask) of shape (len(indices), seq_len): int32, int32, float32.
         Reads only the samples' tokens."""

@@ -32,7 +32,7 @@ from common.costmodel.probe import probe_allreduce, probe_group_allreduce
 from common.metrics import MetricsWriter, RankStatus, peak_rss_bytes, rss_bytes, truncate_metrics
 from common.runplan import RunPlan
 from common.train.protocols import Trainer, TrainerClass, World
-from common.data.sampler import GlobalSampler, micro_batches, rank_slice
+from common.data.sampler import GlobalSampler, micro_batches, sampler_for
 from common.train.lr_schedule import lr_for
 from common.data.sequences import SequenceView
 from common.model.spec import ModelSpec
@@ -134,7 +134,7 @@ class Run:
     def step_inputs(self, step: int):
         """(this rank's micro-batches, lr, global real-token count) of an optimizer step."""
         indices = self.sampler.global_batch_indices(step)
-        mine = rank_slice(indices, self.dp_rank, self.dp_size)
+        mine = self.sampler.rank_part(indices, self.dp_rank, self.dp_size)  # its slice, or mlx-lm's stride
         batches = [self.train_view.batch(m) for m in micro_batches(mine, self.cfg.grad_accum)]
         return batches, lr_for(self.cfg, step), self.train_view.real_target_count(indices)
 
@@ -163,7 +163,8 @@ def setup_run(run_dir: Path, world: World, trainer_cls: TrainerClass) -> Run:
     cache = TokenCache.open(plan.token_cache)
     train_view = SequenceView(cache.split("train"), cfg.seq_len, cfg.sequence, mask_prompt=cfg.mask_prompt,
                           mask_convention=cfg.mask_convention, padding_rule=cfg.padding_rule)
-    sampler = GlobalSampler(train_view.num_samples, cfg.global_batch_size, cfg.seed)
+    sampler = sampler_for(cfg.data_order, train_view.num_samples, cfg.global_batch_size, cfg.seed,
+                          train_view.sample_lengths)
     fingerprints = resume_fingerprints(cfg, cache.meta, str(plan.token_cache))
     if frozen_base(cfg, spec):  # a checkpoint of adapters resumes only over the base they were trained on
         fingerprints["base_checksum"] = probe_checksum(seed_source(plan))

@@ -28,7 +28,7 @@ import numpy as np
 from common.checkpoint.store import load_checkpoint
 from common.config import RunConfig
 from common.errors import UserError
-from common.data.sampler import GlobalSampler
+from common.data.sampler import sampler_for
 from common.train.lr_schedule import lr_for
 from common.data.sequences import SequenceView
 from common.model.spec import ModelSpec
@@ -92,7 +92,8 @@ class DiagnosisPlan:
         view = SequenceView(TokenCache.open(self.token_cache).split("train"), cfg.seq_len, cfg.sequence,
                             mask_prompt=cfg.mask_prompt, mask_convention=cfg.mask_convention,
                             padding_rule=cfg.padding_rule)
-        indices = GlobalSampler(view.num_samples, cfg.global_batch_size, cfg.seed).global_batch_indices(step)
+        indices = sampler_for(cfg.data_order, view.num_samples, cfg.global_batch_size, cfg.seed,
+                              view.sample_lengths).global_batch_indices(step)
         return DiagnosisInputs(cfg, self.spec, weights, optimizer, view.batch(indices),
                                view.real_target_count(indices), lr_for(cfg, step), step)
 

@@ -60,7 +60,7 @@ class Inputs:
 
 
 def prepare_inputs(cfg: RunConfig) -> Inputs:
-    from common.data.sampler import GlobalSampler
+    from common.data.sampler import sampler_for
     from common.data.sequences import SequenceView
     from common.data.tokencache import prepare_tokens
 
@@ -71,7 +71,8 @@ def prepare_inputs(cfg: RunConfig) -> Inputs:
     spec = cfg.model_spec(vocab_size=int(cache.meta["vocab_size"]))
     view = SequenceView(cache.split("train"), cfg.seq_len, cfg.sequence, mask_prompt=cfg.mask_prompt,
                         mask_convention=cfg.mask_convention, padding_rule=cfg.padding_rule)
-    GlobalSampler(view.num_samples, cfg.global_batch_size, cfg.seed)  # fails early when data is too small
+    sampler_for(cfg.data_order, view.num_samples, cfg.global_batch_size, cfg.seed,  # fails early when data is too
+                view.sample_lengths)                                                 # small
     seed_dir = Path(cfg.init_from) if cfg.init_from else seed_checkpoint(spec, cfg.seed, cfg.cache_path)
     seed_dir = base_folder(seed_dir, spec, cfg)
     return Inputs(token_cache=Path(cache.path), spec=spec, seed_checkpoint=seed_dir, cache_meta=cache.meta)

@@ -43,14 +43,14 @@ def test_mlx_lm_s_recipe_runs_alike_in_both_frameworks_and_its_n_vs_1_differs_by
         assert judged[(f"{framework} x2", f"{framework} x1")] == "differs", judged
     config = summary(out / "torch-n2")["config"]
     assert (config["recipe"], config["bias_correction"], config["mask_convention"], config["padding_rule"],
-            config["loss_normalization"], config["lr_schedule"]) == ("mlx-lm", False, "mlx-lm", "mlx-lm",
-                                                                      "per-rank", "constant")
+            config["loss_normalization"], config["lr_schedule"], config["data_order"]) == (
+        "mlx-lm", False, "mlx-lm", "mlx-lm", "per-rank", "constant", "mlx-lm")
 
 
 def test_the_chain_from_mlx_lm_to_trl_explains_the_gap_choice_by_choice(cache_dir, tmp_path):
     """Four choices left to differ (the flags fix the others on both sides), in torch at one rank: five runs."""
     out = tmp_path / "chain"
-    fixed = ("--padding-rule", "seq-len", "--lora-targets", "q_proj,v_proj", "--lora-layers", 0, "--optimizer",
+    fixed = ("--data-order", "dpcompare", "--padding-rule", "seq-len", "--lora-targets", "q_proj,v_proj", "--lora-layers", 0, "--optimizer",
              "adamw", "--lr-schedule", "constant", "--grad-clip", 0, "--loss-normalization", "global-tokens",
              "--lora-scale-convention", "direct")
     proc = dpcompare("compare", *flags(tmp_path), "--recipes", "mlx-lm,trl", *fixed, "--frameworks", "torch",

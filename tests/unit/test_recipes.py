@@ -90,10 +90,9 @@ def test_a_flag_overrides_its_recipe_and_the_recipe_the_defaults():
     assert RunConfig.from_sources(None, {"recipe": "peft", "lora_rank": 4}).trained.scale == 2.0  # 8 / 4
 
 
-def _tool_function(path: Path, name: str):
-    """A function of a tool's source, compiled alone (it uses nothing but its arguments)."""
+def _tool_function(path: Path, name: str, **space):
+    """A function of a tool's source, compiled alone, with the module names it uses given as `space`."""
     node = next(n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.FunctionDef) and n.name == name)
-    space: dict = {}
     exec(compile(ast.Module(body=[node], type_ignores=[]), str(path), "exec"), space)
     return space[name]
 
@@ -156,3 +155,31 @@ def test_a_chain_that_cannot_run_a_link_is_refused_before_it_trains():
         chain_links(args, ("mlx-lm", "dpcompare"))
     links, configs = chain_links(argparse.Namespace(config=None, set=[], lora_rank=8), ("mlx-lm", "trl"))
     assert len(configs) == len(links) + 1 and configs[-1].lr == 2e-5 and configs[0].lr == 1e-5
+
+
+def test_mlx_lm_s_data_order_is_its_iterate_batches_at_every_rank():
+    """mlx-lm's own iterate_batches (compiled from its source, without importing mlx-lm's transformers) on records
+    whose first token names them: the same global batches in the same order, and rank r's part is its stride."""
+    import mlx.core as mx
+    import numpy as np
+
+    from common.data.sampler import sampler_for
+
+    class CacheDataset:  # iterate_batches asks isinstance(dataset, CacheDataset); these records are plain
+        pass
+
+    iterate = _tool_function(SITE / "mlx_lm" / "tuner" / "trainer.py", "iterate_batches", np=np, mx=mx,
+                             CacheDataset=CacheDataset, rprint=print)
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(2, 30, size=37)
+    records = [([j + 1] * int(n), 0) for j, n in enumerate(lengths)]  # token j + 1 names record j
+    sampler = sampler_for("mlx-lm", len(records), 8, 0, lambda: lengths)
+    steps = 3 * (len(records) // 8) + 2  # past three epochs' seams
+    for world in (1, 2, 4):
+        for rank in range(world):
+            group = type("Group", (), {"rank": lambda self, r=rank: r, "size": lambda self, w=world: w})()
+            batches = iterate(records, 8, 64, loop=True, seed=0, comm_group=group)
+            for step in range(steps):
+                theirs = np.array(next(batches)[0])[:, 0] - 1
+                mine = sampler.rank_part(sampler.global_batch_indices(step), rank, world)
+                assert theirs.tolist() == mine.tolist(), (world, rank, step)
