@@ -42,3 +42,10 @@ def no_training_process(monkeypatch, request):
         popen_init(self, args, *rest, **kwargs)
 
     monkeypatch.setattr(subprocess.Popen, "__init__", guarded)
+
+
+@pytest.fixture
+def no_figures(monkeypatch):
+    """A report written without its figures, for tests that read its tables and lines: matplotlib takes 1-3 s a
+    report (tests/unit/test_report.py checks that every figure is drawn)."""
+    monkeypatch.setattr("compare.report.writer.make_plots", lambda *args, **kwargs: {})

@@ -80,6 +80,7 @@ def test_bf16_is_compared_with_its_own_fp32_run_by_trend_only(tmp_path):
     assert judged(fp32, drifted)["precision"][0]["verdict"] == "fail"
 
 
+@pytest.mark.usefixtures("no_figures")
 def test_the_report_states_strategy_memory_and_bf16_tolerances(tmp_path):
     runs = [make_run(tmp_path, "mlx", 2), make_run(tmp_path, "mlx", 2, config={"strategy": "fsdp"}, name="f"),
             make_run(tmp_path, "mlx", 2, config={"dtype": "bfloat16"}, name="b")]

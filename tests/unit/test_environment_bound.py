@@ -15,6 +15,8 @@ from compare.report.verdict_table import SPEED_HEADERS
 from compare.report.writer import write_report, terminal_table
 from unit.fake_runs import make_run, op_profile_of
 
+pytestmark = pytest.mark.usefixtures("no_figures")  # the speed section is what is read
+
 CONTEXT = {"peaks": {"mlx": {"flops": 5e9, "device": "cpu", "threads": 1, "blas": "reference"},
                      "torch": {"flops": 80e9, "device": "cpu", "threads": 1, "blas": "mkl"}}, "accelerator": None}
 # The machine: MLX's matmul 263 ms a step on the reference BLAS, torch's 16.1 ms on MKL.

@@ -179,6 +179,7 @@ def test_the_class_that_explains_the_gap_comes_with_both_costs_and_its_share():
     assert (ms(1.95), ms(0.0361), ms(0.00042)) == ("1,950", "36.1", "0.42")
 
 
+@pytest.mark.usefixtures("no_figures")
 def test_the_speed_verdict_names_the_op_class_and_the_report_tables_every_class(tmp_path):
     dirs = [make_run(tmp_path, "mlx", 1, tokens_per_s=2_600, op_profile=op_profile_of(MLX_MS, 3100)),
             make_run(tmp_path, "torch", 1, tokens_per_s=7_300, op_profile=op_profile_of(TORCH_MS, 1200)),

@@ -1,5 +1,7 @@
 """The note before an MLX ring job whose ranks fill this machine's cores (compare/machine/sharing.py): said where
 the ring's polling must take a core from a rank that computes, and nowhere else."""
+import pytest
+
 from common.config import RunConfig
 from compare.machine import sharing
 
@@ -26,6 +28,7 @@ def test_no_note_with_a_core_to_spare_another_backend_one_rank_torch_or_other_ma
     assert note(2, nproc=2, hostfile="hosts.json") is None
 
 
+@pytest.mark.usefixtures("no_figures")
 def test_the_report_warns_of_the_rings_polling_for_mlx_ring_runs_that_fill_the_cores(tmp_path):
     """The same rule in the report, for what a reader of it was not shown on the terminal (fake runs: 2 CPUs)."""
     from unit.fake_runs import make_run
