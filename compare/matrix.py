@@ -127,7 +127,7 @@ def run_chain(args) -> int:
     inputs = prepare_inputs(chain[0])
     out.mkdir(parents=True, exist_ok=True)
     _, failed = run_here(configs, inputs, out, args)
-    table = contributions(names, links, series)
+    table = {**contributions(names, links, series), "b_report": str(ends[-1][0].parent / "report.md")}
     diagnose_failures(ends[0], out, tolerances_from_args(args))  # recipe A's report is a compare's, whole
     write_samples(ends[0], args)
     add_predictions(ends[0])

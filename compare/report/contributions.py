@@ -105,7 +105,9 @@ def contribution_blocks(summary: dict) -> list[tuple]:
     if not table:
         return []
     a, b = table["recipes"]
-    blocks: list[tuple] = [("h2", f"Recipes: {a} -> {b}, choice by choice")]
+    blocks: list[tuple] = [("h2", f"Recipes: {a} -> {b}, choice by choice"),
+                           ("p", f"The verdict and the runs below are recipe {a}'s; {b}'s own report is "
+                                 f"{table.get('b_report', 'in the last folder of links/')}.")]
     for t in table["tables"]:
         if t.get("error"):
             blocks.append(("p", f"{t['series']}: {t['error']}"))
