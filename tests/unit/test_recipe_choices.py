@@ -144,3 +144,18 @@ def test_a_padding_rule_cuts_trailing_columns_and_no_kept_target_s_loss(records,
     np.testing.assert_array_equal(mc, m[:, :expected])
     assert mc.sum() == m.sum() == cut.real_target_count(indices)
     np.testing.assert_allclose(token_losses(xc, yc)[mc == 1], token_losses(x, y)[m == 1], rtol=1e-5, atol=1e-6)
+
+
+def test_under_mlx_lm_s_data_choices_the_ranks_masks_add_up_to_the_global_count(records):
+    """What lets N ranks compute what one does under global-tokens: every rank's micro-batches, padded each to its
+    own width with mlx-lm's extra targets, hold between them exactly the global batch's count of targets."""
+    from common.data.sampler import micro_batches, sampler_for
+
+    view = SequenceView(records, 24, "padding", mask_prompt=True, mask_convention="mlx-lm", padding_rule="mlx-lm")
+    sampler = sampler_for("mlx-lm", view.num_samples, 8, 0, view.sample_lengths)
+    for step in range(4):
+        indices = sampler.global_batch_indices(step)
+        for world, accum in ((1, 1), (2, 1), (2, 2), (4, 2)):
+            held = sum(view.batch(m)[2].sum() for rank in range(world)
+                       for m in micro_batches(sampler.rank_part(indices, rank, world), accum))
+            assert held == view.real_target_count(indices), (step, world, accum)
