@@ -95,9 +95,11 @@ def table_rows(t: dict) -> list[tuple]:
 
 
 def sum_sentence(table: dict, t: dict) -> str:
+    idle = [r["choice"] for r in t["rows"] if r["loss_last"] == 0 and r["loss_middle"] == 0]
     return (f"{t['series']}: the choices taken in this order ({', '.join(table['order'])}), each row against the "
             f"link before; the rows sum to the whole gap within {t['sum_error']:.1e} at steps {t['steps']['middle']} "
-            f"(middle) and {t['steps']['last']} (last). An earlier choice changes what a later one does.")
+            f"(middle) and {t['steps']['last']} (last). An earlier choice changes what a later one does."
+            + (f" Exactly 0: {', '.join(idle)}, choices that do not act here (docs/recipes.md)." if idle else ""))
 
 
 def contribution_blocks(summary: dict) -> list[tuple]:
