@@ -40,7 +40,7 @@ def chain_links(args: argparse.Namespace, names: tuple[str, str], **fixed) -> tu
     a_cfg = config_from_args(args, **fixed, recipe=names[0])
     b_cfg = config_from_args(args, **fixed, recipe=names[1])
     links = [{"choice": c, "a": getattr(a_cfg, c), "b": getattr(b_cfg, c)} for c in CHOICES
-             if getattr(a_cfg, c) != getattr(b_cfg, c)]
+             if _meant(a_cfg, c) != _meant(b_cfg, c)]
     if not links:
         raise UserError(f"--recipes {','.join(names)}: with the flags given, the two recipes make the same choices")
     configs = [a_cfg]
@@ -53,6 +53,13 @@ def chain_links(args: argparse.Namespace, names: tuple[str, str], **fixed) -> tu
             raise UserError(f"--recipes {','.join(names)}: the link that sets {link['choice']} = {link['b']!r} "
                             f"cannot run ({err}); fix that choice on both sides with its flag") from None
     return links, configs
+
+
+def _meant(cfg: RunConfig, choice: str):
+    """A choice's value as it acts: --lora-targets "" is q_proj,v_proj (common/model/lora.py DEFAULT_TARGETS)."""
+    if choice == "lora_targets" and cfg.lora_rank:
+        return ",".join(getattr(cfg.trained, "targets", ()))
+    return getattr(cfg, choice)
 
 
 def link_dirname(k: int, links: list[dict], names: tuple[str, str]) -> str:

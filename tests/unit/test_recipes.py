@@ -155,6 +155,9 @@ def test_a_chain_that_cannot_run_a_link_is_refused_before_it_trains():
         chain_links(args, ("mlx-lm", "dpcompare"))
     links, configs = chain_links(argparse.Namespace(config=None, set=[], lora_rank=8), ("mlx-lm", "trl"))
     assert len(configs) == len(links) + 1 and configs[-1].lr == 2e-5 and configs[0].lr == 1e-5
+    # dpcompare's "" targets are peft's q_proj,v_proj: no link
+    links, _ = chain_links(argparse.Namespace(config=None, set=[], lora_rank=8), ("dpcompare", "peft"))
+    assert "lora_targets" not in [link["choice"] for link in links] and "lora_alpha" in [k["choice"] for k in links]
 
 
 def test_mlx_lm_s_data_order_is_its_iterate_batches_at_every_rank():
