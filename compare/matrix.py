@@ -104,7 +104,7 @@ def run_chain(args) -> int:
     """`--recipes A,B` (compare/chain.py): every link of the chain from recipe A to B, in each framework and world
     size named, at one strategy and dtype; then A's report in --out with the contributions table, B's beside it."""
     from .chain import chain_links, describe, link_dirname, link_label, out_of, parse_recipes
-    from .report.contributions import contributions
+    from .report.contributions import contributions, write_chain_figure
 
     names = parse_recipes(args.recipes, args)
     if args.strategies or args.dtypes or getattr(args, "mesh", None) or submit_options(args):
@@ -128,6 +128,7 @@ def run_chain(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     _, failed = run_here(configs, inputs, out, args)
     table = {**contributions(names, links, series), "b_report": str(ends[-1][0].parent / "report.md")}
+    table["plot"] = write_chain_figure(table, series, out)
     diagnose_failures(ends[0], out, tolerances_from_args(args))  # recipe A's report is a compare's, whole
     write_samples(ends[0], args)
     add_predictions(ends[0])

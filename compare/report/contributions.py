@@ -70,6 +70,38 @@ def _delta(after, before):
     return None if after is None or before is None else after - before
 
 
+def write_chain_figure(table: dict, series: dict[str, list[Path]], out_dir: Path) -> str | None:
+    """The first series' loss curve at every link, and each curve less recipe A's: what each choice does to the
+    curve, step by step (OUT/plots/chain.png); None without matplotlib or data."""
+    from .plots import DPI, plt
+
+    if plt is None or not series:
+        return None
+    label, run_dirs = next(iter(series.items()))
+    curves = [load_run(d).losses() for d in run_dirs]
+    if not all(curves):
+        return None
+    names = [table["recipes"][0]] + [f"+ {choice}" for choice in table["order"]]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)
+    palette = plt.get_cmap("viridis")
+    for k, (name, curve) in enumerate(zip(names, curves)):
+        steps = sorted(curve)
+        colour = palette(k / max(1, len(curves) - 1))
+        top.plot(steps, [curve[s] for s in steps], color=colour, label=name, linewidth=1)
+        bottom.plot(steps, [curve[s] - curves[0].get(s, float("nan")) for s in steps], color=colour, linewidth=1)
+    a, b = table["recipes"]
+    top.set_title(f"{label}: from {a} to {b}, one choice more at each link; the last is {b}")
+    top.set_ylabel("loss")
+    top.legend(fontsize=7, ncol=2)
+    bottom.set_ylabel(f"loss less {a}'s")
+    bottom.set_xlabel("step")
+    path = Path(out_dir) / "plots" / "chain.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=DPI, bbox_inches="tight")
+    plt.close(fig)
+    return "plots/chain.png"
+
+
 def largest_line(table: dict) -> str | None:
     """The verdict's line: the choice that moved the last step's loss most, in the first series with a table."""
     for t in table["tables"]:
@@ -115,6 +147,8 @@ def contribution_blocks(summary: dict) -> list[tuple]:
             blocks.append(("p", f"{t['series']}: {t['error']}"))
             continue
         blocks += [("p", sum_sentence(table, t)), ("table", HEADERS, table_rows(t))]
+    if table.get("plot"):
+        blocks.append(("figs", [("Loss along the chain", table["plot"], True)]))
     return blocks
 
 

@@ -14,7 +14,7 @@ from common.config import RunConfig
 from common.errors import UserError
 from common.recipes import CHOICES, DPCOMPARE, PEFT, RECIPES, TRL
 from common.train.lr_schedule import lr_for
-from compare.report.contributions import contributions, largest_line
+from compare.report.contributions import contributions, largest_line, write_chain_figure
 from unit.fake_runs import make_run
 from helpers import FAST, dpcompare_here
 
@@ -142,6 +142,8 @@ def test_the_contributions_table_has_a_row_per_differing_choice_and_sums_to_the_
     assert t["sum_error"] < 1e-12 and t["rows"][3]["loss_last"] == 0.0
     assert t["rows"][0]["tokens_per_s_noise"]  # 10 tokens/s apart, inside a 3 % spread: marked, not a finding
     assert "largest contributor is bias_correction" in largest_line(table)
+    assert write_chain_figure(table, {"torch x1": dirs}, tmp_path / "out") == "plots/chain.png"
+    assert (tmp_path / "out" / "plots" / "chain.png").stat().st_size > 0
 
 
 def test_a_chain_that_cannot_run_a_link_is_refused_before_it_trains():
