@@ -4,8 +4,8 @@ chain from mlx-lm's recipe to trl's, each choice's change to the curve.
     python benchmarks/bench_recipes.py [--quick] [--out runs/bench/recipes.json]
 
 On prompt/completion records cut from TinyStories (the prompt a story's first sentence, the completion the next
-200 characters; a synthetic set where TinyStories is absent), `tiny`, the builtin tokenizer, --mask-prompt, seq 128,
-global batch 8, 20 steps (--quick: 10). Three compares, about 6 minutes on a 2-core machine:
+200 characters; a synthetic set where TinyStories is absent), `tiny` with 18 blocks, the builtin tokenizer,
+--mask-prompt, seq 128, global batch 8, 20 steps (--quick: 10). Three compares, about 6 minutes on 2 cores:
 
 1. --recipe mlx-lm, MLX and torch at N=1 and 2: MLX vs torch per step, N=2 vs N=1 (per-rank: "differs");
 2. the same with --loss-normalization global-tokens: N=2 vs N=1 in each framework;
@@ -22,7 +22,8 @@ from pathlib import Path
 
 from benchlib import DPCOMPARE, SHARED_DATA, machine, write_result
 
-FLAGS = ["--preset", "tiny", "--tokenizer", "builtin", "--set", "builtin_vocab_size=1024", "--set",
+# 18 blocks of `tiny`'s width: more than mlx-lm's 16 adapted ones, so that its num_layers acts (tiny has 2)
+FLAGS = ["--preset", "tiny", "--set", "model.n_layers=18", "--tokenizer", "builtin", "--set", "builtin_vocab_size=1024", "--set",
          "builtin_corpus_bytes=1000000", "--mask-prompt", "--seq-len", "128", "--global-batch-size", "8",
          "--no-samples", "--profile-steps", "0", "--no-op-profile", "--quiet", "--eval-every", "0"]
 
