@@ -112,6 +112,7 @@ class RunConfig:
     checkpoint_format: str = "hf"    # hf: whole HF files (rank 0 writes); sharded: each rank its own (common/checkpoint/sharded.py)
     # Where and how it runs.
     framework: str = "mlx"
+    peer: str = ""                   # a peer's own trainer on that framework: mlx-lm or hf (common/peers.py)
     nproc: int = 1
     strategy: str = "ddp"            # ddp, fsdp, tp or pp (common/parallel/: one object each), or mesh
     mesh: str = ""                   # strategy mesh: its axes, "dp=2,tp=2" (common/parallel/mesh.py), canonical order

@@ -107,6 +107,9 @@ def validate(self) -> None:
     # preset, [model] fields and seq_len checked now; and whether the strategy can split that model (the one
     # place this is checked: every RunConfig is validated when it is made, before anything is prepared)
     strategy.check(self.model_spec(vocab_size=None))
+    if self.checkpoint_format == "sharded" and not strategy.writes_sharded_checkpoints:
+        raise UserError(f"--checkpoint-format sharded: --strategy {self.strategy} writes hf checkpoints only (rank "
+                        "0 gathers the sharded moments); use --checkpoint-format hf")
     trained = self.trained
     if isinstance(trained, Adapters):
         if not strategy.trains_adapters:
@@ -124,6 +127,11 @@ def validate(self) -> None:
     if self.quantize_base and self.init_from and storage != flags:
         raise UserError(f"--init-from {self.init_from} is already quantized ({storage.describe()}); drop "
                         "--quantize-base or pass those values")
+    if self.peer:  # a peer's trainer takes only the choices it has a setting for (common/peers.py)
+        from common.peers import PEERS, check as check_peer
+
+        _choice("peer", self.peer, tuple(PEERS))
+        check_peer(self)
 
 
 def _choice(name: str, value, allowed, where: str = "") -> None:

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from common.config import DTYPES, FRAMEWORKS
+from common.peers import ALIASES, PEERS, check_installed, peer_of
 from common.config_sources import read_toml
 from common.errors import ParityError, UserError
 from common.parallel import MESH_STRATEGY, STRATEGIES
@@ -53,7 +54,8 @@ def parse_list(text: str, name: str, kind=str, allowed=None) -> list:
 def run_matrix(args) -> int:
     if getattr(args, "recipes", None):
         return run_chain(args)  # --recipes A,B: A, B and the links between them, then the contributions table
-    frameworks = parse_list(args.frameworks, "frameworks", allowed=FRAMEWORKS)
+    frameworks = parse_list(args.frameworks, "frameworks", allowed=(*FRAMEWORKS, *PEERS, *ALIASES))
+    frameworks = [ALIASES.get(f, f) for f in frameworks]
     world_sizes = parse_list(args.nproc, "nproc", kind=int)
     toml = read_toml(args.config) if getattr(args, "config", None) else {}
     mesh = getattr(args, "mesh", None) or toml.get("mesh", "")
@@ -64,7 +66,8 @@ def run_matrix(args) -> int:
     dtypes = parse_list(args.dtypes or args.dtype or toml.get("dtype", "float32"), "dtypes", allowed=DTYPES)
     submit = submit_options(args)  # --submit slurm: one sbatch job per run (compare/submit.py)
     # The backend flag names one framework's backend; `auto` lets each framework pick its own.
-    base = config_from_args(args, framework=frameworks[0], nproc=max(world_sizes), strategy="ddp", mesh="",
+    first = getattr(peer_of(frameworks[0]), "framework", frameworks[0])  # a peer's config is its framework's
+    base = config_from_args(args, framework=first, nproc=max(world_sizes), strategy="ddp", mesh="",
                             dtype="float32", launcher="slurm" if submit else None)
     out = Path(base.out or args.start_dir / "runs/compare")
     check_run_dir_for_compare(out, base.overwrite)
@@ -186,8 +189,12 @@ def expand_matrix(base, frameworks, strategies, dtypes, world_sizes, out: Path,
                                         f"{grid.size} ranks")
                         continue
                     run_dir = out / run_dirname(fw, n, name, dtype)
-                    cfg = base.replace(framework=fw, nproc=n, strategy=strategy, mesh=cell_mesh, dtype=dtype,
+                    peer = peer_of(fw)  # mlx-lm, hf: a peer's own trainer on its framework (common/peers.py)
+                    cfg = base.replace(framework=peer.framework if peer else fw, peer=peer.name if peer else "",
+                                       nproc=n, strategy=strategy, mesh=cell_mesh, dtype=dtype,
                                        out=str(run_dir), backend=base.backend if fw == frameworks[0] else "auto")
+                    if peer:
+                        check_installed(peer.name)
                     check_run_dir(run_dir, cfg.resume, cfg.overwrite)
                     # A backend or device this machine lacks is refused now, not as a failed run halfway through
                     check_hostfile(cfg)

@@ -21,6 +21,7 @@ from typing import Callable
 from common.config import RunConfig
 from common.errors import UserError
 from common.kernels import PIN_ENV
+from common.peers import PEERS
 from common.model.spec import ModelSpec
 
 from ..machine import environment as env
@@ -197,7 +198,9 @@ def build_command(cfg: RunConfig, run_dir: Path, module: str = "launch", args: l
     Every rank runs `python -m {framework}_impl.{module} ARGS` (default: the training entry with the run
     directory; `doctor --fabric` starts `fabric` the same way)."""
     extra, blas = rank_environment(cfg, spec)  # spec: the run's model (its vocabulary), where known
-    job = Job(cfg, Path(run_dir), effective_backend(cfg), f"{cfg.framework}_impl.{module}",
+    # a peer's trainer (common/peers.py) is started as its framework's ranks are, as one more module
+    rank_module = PEERS[cfg.peer].module if cfg.peer and module == "launch" else f"{cfg.framework}_impl.{module}"
+    job = Job(cfg, Path(run_dir), effective_backend(cfg), rank_module,
               [str(run_dir)] if args is None else list(args), extra, link)
     return launcher_for(cfg, job.backend)(job), job.env, blas
 

@@ -8,6 +8,7 @@ from dataclasses import fields
 
 from common.config import RunConfig
 from common.metrics import throughput_stats
+from common.peers import PEERS
 from common.train.opclasses import difference_sentence, largest_difference
 
 from ..machine.sharing import MEASURED, polls_on_full_cores
@@ -136,10 +137,12 @@ def speed_table(rows: list[dict]) -> list[dict]:
                 for r in done:
                     if (r["world_size"], r.get("strategy", "ddp"), r["dtype"]) == (n, strategy, dtype):
                         at.setdefault(r["framework"], r)
-                frameworks = sorted(at, key=lambda f: (f != "mlx", f))
+                frameworks = sorted((f for f in at if f not in PEERS), key=lambda f: (f != "mlx", f))
                 for i, fa in enumerate(frameworks):
                     for fb in frameworks[i + 1:]:
                         add("framework", at[fa], at[fb])
+                for name in (f for f in at if f in PEERS and PEERS[f].framework in at):  # a peer vs ours
+                    add("peer", at[name], at[PEERS[name].framework])
     for r in done:
         if r.get("strategy", "ddp") != "ddp":
             ref = first(framework=r["framework"], strategy="ddp", dtype=r["dtype"], world_size=r["world_size"])
@@ -281,7 +284,7 @@ def verdicts(parity: dict, speed: list[dict], scaling: dict, memory: list[dict],
     then "notes": what no table shows (frameworks not paired, baseline, skipped runs). "lines" holds every
     finding as a sentence, scaling and memory included, for readers of summary.json."""
     notes = []
-    frameworks = {r["framework"] for r in rows}
+    frameworks = {r["framework"] for r in rows if r["framework"] not in PEERS}  # a peer pairs with its own (peer)
     if len(frameworks) > 1 and not parity["cross_framework"]:
         notes.append("Parity, " + " vs ".join(sorted(frameworks)) + ": not judged, no world size has a finished "
                      "run of more than one framework")

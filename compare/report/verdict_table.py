@@ -11,7 +11,7 @@ from __future__ import annotations
 from .parity import all_pairs
 
 PAIR_NAMES = {"cross_framework": "MLX vs torch", "dp_invariance": "N vs 1", "strategy": "strategy vs ddp",
-              "precision": "bf16 vs fp32"}
+              "precision": "bf16 vs fp32", "peer": "peer"}
 # Worst first: a failure is what a reader looks for.
 # "differs": the pair differs by a stated choice, not a bug (N vs 1 under --loss-normalization per-rank).
 VERDICT_ORDER = ("fail", "differs", "not comparable", "no data", "pass")
@@ -74,7 +74,7 @@ def table_cells(rows: list[dict]) -> tuple[tuple, list[tuple]]:
     return HEADERS, [tuple(row[c] for c in COLUMNS) for row in rows]
 
 
-SPEED_NAMES = {"framework": "MLX vs torch", "strategy": "strategy vs ddp", "dtype": "bf16 vs fp32"}
+SPEED_NAMES = {"framework": "MLX vs torch", "strategy": "strategy vs ddp", "dtype": "bf16 vs fp32", "peer": "peer vs ours"}
 SPEED_HEADERS = ("speed", "runs", "faster", "speedup", "tokens/s median", "p10–p90", "phase that differs most",
                  "op class that differs most")
 
@@ -103,7 +103,7 @@ def speed_cells(speed: list[dict]) -> tuple[tuple, list[tuple]]:
 def asked_speed(speed: list[dict]) -> list[dict]:
     """The speed ratios a comparison asks about: MLX vs torch at each configuration, where both ran; all of
     them (each strategy vs ddp, bf16 vs fp32) where only one framework did."""
-    return [s for s in speed if s.get("kind", "framework") == "framework"] or speed
+    return [s for s in speed if s.get("kind", "framework") in ("framework", "peer")] or speed
 
 
 def scaling_cells(scaling: dict) -> tuple[tuple, list[tuple]] | None:
