@@ -25,7 +25,7 @@ from .rank_state import local_numpy, numpy_stream
 
 
 class Replicated(MicroSteps):
-    reduce_scatter = None
+    reduce_scatter: str | None = None
     full_state_on_every_rank = True
 
     def __init__(self, cfg: RunConfig, world: World, comm: CommCounter):

@@ -72,7 +72,7 @@ def inject_bug(trainer: Trainer, bug: str) -> None:
             if isinstance(m, RoPE):
                 m.traditional = True
     elif bug == "adamw_bias_correction":
-        trainer.optimizer.bias_correction = False
+        setattr(trainer.optimizer, "bias_correction", False)
     else:
         raise ValueError(f"no {bug!r} bug for MLX")
 

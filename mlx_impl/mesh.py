@@ -25,6 +25,7 @@ from typing import Iterator, Mapping, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
 
@@ -131,6 +132,12 @@ class DataParallelOver:
 
     def figures(self) -> dict[str, object]:
         return self.inner.figures()
+
+    def optimizer(self, base: optim.Optimizer) -> optim.Optimizer:
+        return self.inner.optimizer(base)
+
+    def state_bytes(self, model: nn.Module, optimizer: optim.Optimizer) -> dict[str, int]:
+        return self.inner.state_bytes(model, optimizer)
 
 
 class ShardedTensorParallel(MicroSteps):

@@ -12,9 +12,13 @@ from __future__ import annotations
 from typing import Any, Protocol, Sequence
 
 import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
 from mlx.utils import tree_map
 
 from common.train.protocols import Batch, ForwardBackwardResult, Phase, no_phase
+
+from .rank_state import state_bytes
 
 Grads = dict[str, Any]   # a tree (nested dicts and lists) of mx.array, as nn.value_and_grad returns it
 Losses = list[mx.array]  # the token losses of each micro-batch, lazy: the Trainer sums them in float64
@@ -62,6 +66,14 @@ class MicroSteps:
 
     def figures(self) -> dict[str, object]:
         return {}
+
+    def optimizer(self, base: optim.Optimizer) -> optim.Optimizer:
+        """The optimizer the Trainer steps: `base` on the whole parameters the rank holds (zero.py: on its rows)."""
+        return base
+
+    def state_bytes(self, model: nn.Module, optimizer: optim.Optimizer) -> dict[str, int]:
+        """Bytes of parameters, gradients and optimizer state this rank holds (rank_state.py)."""
+        return state_bytes(model, optimizer)
 
 
 def wait_for(wait: bool, arrays: object) -> None:

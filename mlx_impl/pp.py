@@ -46,6 +46,7 @@ from typing import Callable, Mapping, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
@@ -62,7 +63,7 @@ from .grads import squares_of
 from .load import load_local
 from .microsteps import Grads, Losses, StepFunctions, wait_for
 from .model import cross_entropy
-from .rank_state import as_float32, local_numpy
+from .rank_state import as_float32, local_numpy, state_bytes
 
 
 class Pipeline(StageBookkeeping):
@@ -338,6 +339,12 @@ class Pipeline(StageBookkeeping):
         mx.eval(mx.distributed.all_sum(mx.zeros((1,)), group=self.group, stream=self.stream))
 
     # ---- the rest of the Strategy protocol (local_index and figures: StageBookkeeping's) -------------------------
+    def optimizer(self, base: optim.Optimizer) -> optim.Optimizer:
+        return base  # the stage's whole parameters
+
+    def state_bytes(self, model: nn.Module, optimizer: optim.Optimizer) -> dict[str, int]:
+        return state_bytes(model, optimizer)
+
     def reduce_gradients(self, grads: Grads) -> Grads:
         return grads  # nothing to average: one replica (a tied matrix's gradient is summed in forward_backward)
 

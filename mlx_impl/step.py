@@ -28,6 +28,7 @@ from typing import Mapping, Protocol, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
@@ -53,8 +54,8 @@ from .model import (Llama, cross_entropy, load_weights, set_attention, set_bf16_
 from .opclasses import Workloads, workloads
 from .optimizer import make_optimizer
 from .pp import Pipeline
-from .rank_state import state_bytes
 from .tp import TensorParallel
+from .zero import Zero1, Zero2
 from .trace import Tracer
 
 FRAMEWORK = "mlx"
@@ -65,13 +66,22 @@ class StepStrategy(Strategy[nn.Module, nn.Module, StepFunctions, Losses, Grads, 
     which MLX runs after the backward (in the compiled update, or as the communication phase of its own)."""
 
     def reduce_gradients(self, grads: Grads) -> Grads:
-        """The step's gradient reduction (ddp: all of them; fsdp: the replicated ones; tp, pp: none)."""
+        """The step's gradient reduction (ddp: all of them; fsdp: the replicated ones; tp, pp: none; zero1, zero2:
+        all of them, to the rank's rows)."""
+        ...
+
+    def optimizer(self, base: optim.Optimizer) -> optim.Optimizer:
+        """The optimizer the Trainer steps: `base`, or (zero1, zero2) `base` on the rank's rows (zero.py)."""
+        ...
+
+    def state_bytes(self, model: nn.Module, optimizer: optim.Optimizer) -> dict[str, int]:
+        """{"params", "grads", "optimizer"}: bytes this rank holds."""
         ...
 
 
 # Typed so that mypy (`make lint`) checks every class's constructor and members against StepStrategy.
 STRATEGIES: dict[str, StrategyClass[CommCounter, StepStrategy]] = {
-    "ddp": Replicated, "fsdp": Sharding, "tp": TensorParallel, "pp": Pipeline,
+    "ddp": Replicated, "fsdp": Sharding, "tp": TensorParallel, "pp": Pipeline, "zero1": Zero1, "zero2": Zero2,
     "mesh": mesh_strategy}  # --mesh: the strategies of its axes, composed (mesh.py)
 
 
@@ -114,7 +124,8 @@ class Trainer:
         self.state_shapes = cfg.trained.state_shapes(spec)  # the state a checkpoint holds, under HF names
         self.trained = cfg.trained  # what the op classes differentiate (opclasses.py)
         strategy.wrap(self.model, as_source(weights))
-        self.optimizer = make_optimizer(cfg)  # Adam or AdamW, bias-corrected or not (optimizer.py)
+        # Adam or AdamW, bias-corrected or not (optimizer.py); zero1 and zero2 run it on the rank's rows (zero.py)
+        self.optimizer = strategy.optimizer(make_optimizer(cfg))
         self.optimizer.init(self.model.trainable_parameters())
         mx.eval(self.model.parameters(), self.optimizer.state)
         self.grad_accum = cfg.grad_accum
@@ -234,7 +245,7 @@ class Trainer:
         return int(mx.get_peak_memory())
 
     def state_bytes(self) -> dict[str, int]:
-        return state_bytes(self.model, self.optimizer)
+        return self.strategy.state_bytes(self.model, self.optimizer)
 
     def comm_bytes_per_step(self) -> int | None:
         """Bytes given to all-reduce by one step's micro-steps and update (scalars left out)."""

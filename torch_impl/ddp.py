@@ -27,7 +27,7 @@ from .rank_state import local_numpy, numpy_stream
 
 
 class Replicated(MicroSteps):
-    reduce_scatter = None
+    reduce_scatter: str | None = None
     full_state_on_every_rank = True
     communicates = False  # inside the backward (DDP's hooks), not a phase of its own
 

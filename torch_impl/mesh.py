@@ -36,6 +36,7 @@ from common.parallel.mesh import Mesh
 from common.parallel.tp import tp_index, tp_split_axis
 from common.train.protocols import Batch, ForwardBackwardResult, Phase, StateStream, World, no_phase
 
+from .adamw import AdamW
 from .comm import CommCounter
 from .fsdp import Sharding, shard_model
 from .grads import norm_dtype, squares_of
@@ -144,6 +145,12 @@ class DataParallelOver:
 
     def figures(self) -> dict[str, object]:
         return self.inner.figures()
+
+    def optimizer(self, base: AdamW) -> AdamW:
+        return self.inner.optimizer(base)
+
+    def state_bytes(self, model: nn.Module, optimizer: AdamW) -> dict[str, int]:
+        return self.inner.state_bytes(model, optimizer)
 
 
 class ShardedTensorParallel(Sharding):

@@ -19,8 +19,10 @@ import torch.nn as nn
 
 from common.train.protocols import Batch, ForwardBackwardResult, Phase, no_phase
 
+from .adamw import AdamW
 from .comm import CommCounter, FixedCount, Watch
 from .model import Llama, token_loss_sum
+from .rank_state import state_bytes
 
 Grads = list[torch.Tensor]  # the parameters' .grad, accumulated in place by autograd
 
@@ -71,6 +73,14 @@ class MicroSteps:
 
     def figures(self) -> dict[str, object]:
         return {}
+
+    def optimizer(self, base: AdamW) -> AdamW:
+        """The optimizer the Trainer steps: `base` on the whole parameters the rank holds (zero.py: on its rows)."""
+        return base
+
+    def state_bytes(self, model: nn.Module, optimizer: AdamW) -> dict[str, int]:
+        """Bytes of parameters, gradients and optimizer state this rank holds (rank_state.py)."""
+        return state_bytes(model, optimizer)
 
     def _no_sync(self) -> contextlib.AbstractContextManager[object]:
         """Accumulate without communicating (every micro-step but the last): nothing to defer by default."""

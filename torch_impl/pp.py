@@ -50,7 +50,8 @@ from .load import load_local
 from .microsteps import Grads, StepFunctions, to_device, wait_for
 from .model import Llama, cross_entropy
 from .grads import norm_dtype
-from .rank_state import as_float32, local_numpy
+from .adamw import AdamW
+from .rank_state import as_float32, local_numpy, state_bytes
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -203,6 +204,12 @@ class Pipeline(StageBookkeeping):
 
     # ---- the rest of the Strategy protocol (local_index and figures: StageBookkeeping's) -------------------------
     @torch.no_grad()
+    def optimizer(self, base: AdamW) -> AdamW:
+        return base  # the stage's whole parameters
+
+    def state_bytes(self, model: nn.Module, optimizer: AdamW) -> dict[str, int]:
+        return state_bytes(model, optimizer)
+
     def global_norm(self, grads: Grads) -> torch.Tensor:
         """Each stage's sum of squares, summed over the stages: every parameter lives on exactly one, a tied
         matrix counted on the first stage only."""

@@ -33,6 +33,7 @@ from common.train.normalization import local_tokens, normalization
 from common.train.protocols import Batch, Phase, StateStream, Strategy, StrategyClass, World, no_phase
 
 from .comm import CommCounter, communication_stream
+from .adamw import AdamW
 from .ddp import Replicated
 from .grads import clip_by_norm
 from .load import filled_like, read_local
@@ -42,8 +43,8 @@ from .microsteps import Grads, StepFunctions, wait_for
 from .model import Llama, cross_entropy, load_weights, token_loss_sum  # noqa: F401 (diagnose, tests)
 from .opclasses import Workloads, workloads
 from .optimizer import make_optimizer
-from .rank_state import state_bytes
 from .trace import Tracer
+from .zero import Zero1, Zero2
 
 FRAMEWORK = "torch"
 
@@ -54,6 +55,14 @@ class StepStrategy(Strategy[Llama, nn.Module, StepFunctions, torch.Tensor, Grads
 
     @property
     def keeps_grads(self) -> bool: ...
+
+    def optimizer(self, base: AdamW) -> AdamW:
+        """The optimizer the Trainer steps: `base`, or (zero1, zero2) `base` on the rank's rows (zero.py)."""
+        ...
+
+    def state_bytes(self, model: nn.Module, optimizer: AdamW) -> dict[str, int]:
+        """{"params", "grads", "optimizer"}: bytes this rank holds."""
+        ...
 
 
 def _sharding() -> StrategyClass[CommCounter, StepStrategy]:
@@ -81,7 +90,8 @@ def _mesh() -> StrategyClass[CommCounter, StepStrategy]:
 # 1.1 s of every rank's start (AMD EPYC Zen 4) that a ddp rank has no use for. Typed, so that mypy (`make lint`)
 # checks every class's constructor and members against StepStrategy.
 STRATEGIES: dict[str, Callable[[], StrategyClass[CommCounter, StepStrategy]]] = {
-    "ddp": lambda: Replicated, "fsdp": _sharding, "tp": _tensor_parallel, "pp": _pipeline, "mesh": _mesh}
+    "ddp": lambda: Replicated, "fsdp": _sharding, "tp": _tensor_parallel, "pp": _pipeline, "mesh": _mesh,
+    "zero1": lambda: Zero1, "zero2": lambda: Zero2}
 
 
 def strategy_for(cfg: RunConfig, world: World, comm: CommCounter) -> StepStrategy:
@@ -127,7 +137,8 @@ class Trainer:
         if cfg.torch_compile:
             self.wrapped = cast(nn.Module, torch.compile(self.wrapped))  # an OptimizedModule
         # Adam or AdamW, bias-corrected or not (optimizer.py; torch's update, adamw.py)
-        self.optimizer = make_optimizer(cfg, _param_groups(self.model))
+        # (zero1 and zero2 run it on the rank's rows: zero.py)
+        self.optimizer = self.strategy.optimizer(make_optimizer(cfg, _param_groups(self.model)))
         self.names = {p: n for n, p in self.model.named_parameters() if p.requires_grad}  # what trains
 
     def train_step(self, batches: Sequence[Batch], lr: float, global_tokens: int, sync: bool = True,
@@ -221,7 +232,7 @@ class Trainer:
         return peak_rss_bytes()  # on CPU the process's peak RSS is torch's peak
 
     def state_bytes(self) -> dict[str, int]:
-        return state_bytes(self.model, self.optimizer)
+        return self.strategy.state_bytes(self.model, self.optimizer)
 
     def comm_bytes_per_step(self) -> int | None:
         """Bytes given to collectives by one step's forward and backward passes (scalars left out)."""

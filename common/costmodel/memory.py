@@ -2,7 +2,8 @@
 the predicted peak with the frameworks' fitted factors (summary.json's memory_prediction, the report's table).
 
     params      4 x the parameters the rank holds (fp32 master weights under every dtype); grads the same;
-                optimizer 2 x params (AdamW's two moments) -- as summary.json's state_bytes counts them
+                optimizer 2 x params (AdamW's two moments) -- as summary.json's state_bytes counts them; each the
+                strategy's `state_elements` (zero1, zero2 shard the moments and zero2 the gradients, not the weights)
     activations one micro-batch's saved tensors (the strategy's activation_bytes)
     gathered    whole parameters held beside the shards at the peak (the strategy's gathered_bytes: fsdp)
     update      AdamW writes new parameters before the old ones are freed: one more copy of the rank's
@@ -65,8 +66,10 @@ def memory_bytes(lay: Layout, w: Workload, overhead_bytes: float = 0.0) -> dict:
     """Bytes per rank at the step's peak under the strategy `lay`: the state the rank holds, one micro-batch's
     activations, fsdp's gathered parameters, AdamW's update (one more copy of the rank's parameters, measured
     above), and a fixed overhead (the caller's)."""
-    params = lay.local_parameters(w.spec, w.framework) * MASTER_BYTES
-    parts = {"params": params, "grads": params, "optimizer": 2 * params,
+    held = lay.state_elements(w.spec, w.framework)  # zero1, zero2: whole parameters beside sharded moments
+    params = lay.local_parameters(w.spec, w.framework) * MASTER_BYTES  # what AdamW updates (and writes anew)
+    parts = {"params": held["params"] * MASTER_BYTES, "grads": held["grads"] * MASTER_BYTES,
+             "optimizer": held["optimizer"] * MASTER_BYTES,
              "activations": lay.activation_bytes(w), "gathered": lay.gathered_bytes(w),
              "update": params, "overhead": overhead_bytes}
     return {**parts, "total": sum(parts.values())}

@@ -81,11 +81,16 @@ def peak_phase(lay: Layout, w: Workload, trained: Trained = FullModel(), storage
     fw = w.framework if w.framework in WORKSPACE_BYTES else "torch"
     spec = w.spec
     lora = isinstance(trained, Adapters)
-    local_share = lay.local_parameters(spec, fw) / sum(math.prod(s) for s in parameter_shapes(spec).values())
+    total = sum(math.prod(s) for s in parameter_shapes(spec).values())
+    local_share = lay.local_parameters(spec, fw) / total
+    # the share of each part a rank holds (zero1, zero2: whole weights beside sharded moments; others all alike)
+    held = {part: elements / total for part, elements in lay.state_elements(spec, fw).items()}
+    weight_share, grad_share, moment_share = held["params"], held["grads"], held["optimizer"] / 2
     bits = getattr(storage, "bits", 32) if storage is not None else 32
     base = storage.base_bytes(spec) if bits < 32 else sum(math.prod(s) for s in parameter_shapes(spec).values()) * 4
     trained_elements = trained.trained_parameters(spec) * (1.0 if lora else local_share)
     state = trained_elements * MASTER_BYTES
+    whole_state = trained.trained_parameters(spec) * MASTER_BYTES
     shapes = trained.state_shapes(spec)
     small_gradients = small_tensor_elements(shapes, fw) * MASTER_BYTES * (1.0 if lora else local_share)
     logits = lay.logits_bytes(w)
@@ -95,9 +100,9 @@ def peak_phase(lay: Layout, w: Workload, trained: Trained = FullModel(), storage
     activations = blocks_act + 2 * logits
     largest = max((math.prod(s) for s in parameter_shapes(spec).values() if len(s) == 2), default=0)
     parts = {
-        "weights": base * local_share + (state if lora else 0.0),
-        "gradients": state,
-        "optimizer": 2 * state,
+        "weights": base * weight_share + (whole_state * weight_share if lora else 0.0),
+        "gradients": whole_state * grad_share,
+        "optimizer": 2 * whole_state * moment_share,
         "activations": activations * ACTIVATION_FACTOR[fw],
         "gathered": lay.gathered_bytes(w),
         "update": state * UPDATE_FACTOR[fw],

@@ -128,8 +128,9 @@ class Adapters:
 
     def comm_bytes_per_step_estimate(self, layout, spec: ModelSpec, micro_batch_size: int, seq_len: int,
                                      grad_accum: int, dtype: str) -> int | None:
-        """ddp all-reduces the adapters' float32 gradients once per step, nothing of the frozen base."""
-        return 0 if layout.ranks < 2 else self.trained_parameters(spec) * 4
+        """ddp all-reduces the adapters' float32 gradients once per step, nothing of the frozen base (zero1, zero2:
+        their reduction and gather of the adapters' rows: layout.trained_payload_bytes)."""
+        return 0 if layout.ranks < 2 else layout.trained_payload_bytes(self.state_shapes(spec), dtype)
 
     def check(self, spec: ModelSpec) -> None:
         """A rank no larger than any adapted matrix's smaller side (else the product is not low-rank)."""

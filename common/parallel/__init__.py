@@ -8,6 +8,7 @@ one Layout subclass here plus one class per framework (mlx_impl/, torch_impl/ st
     fsdp.py   sharded data parallelism (ZeRO-3 / FSDP2), the fsdp row split, reduce_scatter_kind
     tp.py     tensor parallelism (Megatron), the tp split
     pp.py     pipeline parallelism's cost and checks; pipeline.py its stages and schedules
+    zero.py   ZeRO-1 and ZeRO-2 (zero1, zero2): ddp with the optimizer state (and zero2's gradients) sharded
     mesh.py   the ranks on named axes (--mesh dp=2,tp=2), which ranks share each axis
     composed.py  several strategies over the axes of one mesh (`MeshLayout`, --strategy mesh)
 
@@ -26,8 +27,10 @@ from common.parallel.layout import Layout
 from common.parallel.mesh import STRATEGY_AXIS, Mesh
 from common.parallel.pp import PpLayout
 from common.parallel.tp import TpLayout
+from common.parallel.zero import Zero1Layout, Zero2Layout
 
-STRATEGIES: dict[str, type[Layout]] = {cls.name: cls for cls in (DdpLayout, FsdpLayout, TpLayout, PpLayout)}
+STRATEGIES: dict[str, type[Layout]] = {cls.name: cls for cls in (DdpLayout, FsdpLayout, TpLayout, PpLayout,
+                                                                 Zero1Layout, Zero2Layout)}
 MESH_STRATEGY = MeshLayout.name  # --strategy mesh: the strategies of RunConfig.mesh's axes, composed
 AXIS_STRATEGY = {axis: strategy for strategy, axis in STRATEGY_AXIS.items()}
 

@@ -113,6 +113,9 @@ class Layout(ABC):
     # LoRA adapters beside a frozen base (common/model/lora.py): a strategy that splits or shards the model would
     # have to split the adapters with it; only ddp, which replicates both, trains them for now.
     trains_adapters: ClassVar[bool] = False
+    # --checkpoint-format sharded: each rank writes its own pieces (zero1, zero2 refuse it: their moments are rows
+    # of every tensor, and every rank holds the whole weights).
+    writes_sharded_checkpoints: ClassVar[bool] = True
 
     @property
     def axis_name(self) -> str:
@@ -161,6 +164,18 @@ class Layout(ABC):
     @abstractmethod
     def local_parameters(self, spec: ModelSpec, framework: str = "torch") -> float:
         """Parameters one rank holds (and updates)."""
+
+    def state_elements(self, spec: ModelSpec, framework: str = "torch") -> dict[str, float]:
+        """{"params", "grads", "optimizer"}: elements one rank holds of each (the optimizer's two moments both),
+        as summary.json's state_bytes counts them / 4 (fp32). By default all follow local_parameters; zero1 and
+        zero2 hold whole parameters beside sharded moments (common/parallel/zero.py)."""
+        held = self.local_parameters(spec, framework)
+        return {"params": held, "grads": held, "optimizer": 2 * held}
+
+    def trained_payload_bytes(self, shapes: Mapping[str, tuple[int, ...]], dtype: str = "float32") -> int:
+        """comm_bytes_per_step_estimate where only `shapes` train (LoRA's adapters, common/model/lora.py): their
+        float32 gradients all-reduced once, as ddp does; zero1 and zero2 add their gather."""
+        return sum(math.prod(s) for s in shapes.values()) * MASTER_BYTES
 
     def state_fraction(self, w: Workload) -> float:
         """f_state: the share of the parameters a rank updates (AdamW touches what it holds)."""

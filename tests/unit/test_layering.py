@@ -99,10 +99,16 @@ NAME_ONLY = {
 }
 # Public class members that only one framework has, per "file:class" ("file:*": every class of the file).
 STRATEGIES = ("ddp.py:Replicated", "fsdp.py:Sharding", "tp.py:TensorParallel", "pp.py:Pipeline", "step.py:StepStrategy",
-              "mesh.py:DataParallelOver", "mesh.py:ShardedTensorParallel")
+              "mesh.py:DataParallelOver", "mesh.py:ShardedTensorParallel", "zero.py:ZeroRedundancy")
 MEMBER_ONLY = [
     (STRATEGIES, {"reduce_gradients", "keeps_grads"}, "where the gradients are reduced: MLX after the backward "
      "(reduce_gradients), torch inside it, where DDP's bucket views must stay allocated (common/train/protocols.py)"),
+    (("zero.py:ZeroRedundancy",), {"is_shard", "forward_backward"}, "MLX reduces in the Trainer's update and tells a "
+     "step timed without its sync by its gradients' shapes; torch reduces (zero2) or keeps its rows (zero1) at the end "
+     "of its passes, which know whether they synced"),
+    (("zero.py:ShardedOptimizer",), {"init", "update", "state", "step", "zero_grad"}, "an MLX optimizer is "
+     "initialised and updates a model from a gradient tree (its state a property of mlx.optimizers.Optimizer); "
+     "torch's steps its parameters' .grad and zeroes them (adamw.py)"),
     (("fsdp.py:Sharding",), {"is_sharded"}, "MLX tells a shard by its parameter path (fully_shard's wrapper); "
      "torch's shards are DTensors"),
     (("fsdp.py:Sharding",), {"eval_losses"}, "torch frees the units FSDP2 keeps gathered after an eval's forward; "
