@@ -43,6 +43,7 @@ HF = Peer("hf", "torch", "peers.hf_peer", ("transformers", "peft"),
     "bias_correction": lambda v: v is True,       # torch's AdamW always corrects
     "optimizer": lambda v: v in ("adamw", "adam"),  # optim adamw_torch; adam = adamw with weight decay 0
     "lr_schedule": lambda v: v in ("linear", "constant"),  # lr_scheduler_type linear, constant(_with_warmup)
+    "lr_decay_steps": lambda v: v == 0,           # its linear schedule ends at max_steps
     "quantize_base": lambda v: v == 0,
 })
 

@@ -19,7 +19,7 @@ from typing import Callable
 import numpy as np
 
 from common.config import RunConfig
-from common.data.sampler import micro_batches, sampler_for
+from common.data.sampler import GlobalSampler, micro_batches, sampler_for
 from common.data.sequences import SequenceView
 from common.data.tokencache import TokenCache
 from common.errors import UserError
@@ -37,7 +37,7 @@ class Feed:
     status: RankStatus
     metrics: MetricsWriter
     view: SequenceView
-    sampler: object
+    sampler: GlobalSampler
     launch_time: float = field(default_factory=lambda: float(os.environ.get("DPCOMPARE_LAUNCH_TIME", time.time())))
     step_times: list[float] = field(default_factory=list)
     first_step_end: float | None = None
@@ -73,14 +73,16 @@ class Feed:
     def lr(self, step: int) -> float:
         return lr_for(self.cfg, step)
 
-    def record(self, step: int, loss: float, grad_norm: float | None, step_time_s: float) -> None:
-        """Step `step` (1-based) as the peer's own trainer reported it: metrics.jsonl's row, the status heartbeat."""
+    def record(self, step: int, loss: float, grad_norm: float | None, step_time_s: float,
+               lr: float | None = None) -> None:
+        """Step `step` (1-based) as the peer's own trainer reported it (its lr too, where it says): metrics.jsonl's
+        row, the status heartbeat."""
         self.step_times.append(step_time_s)
         if self.first_step_end is None:
             self.first_step_end = time.time()
             self.status.update(force=True, first_step_end=self.first_step_end)
         tokens = self.global_tokens(step - 1)
-        self.metrics.write({"step": step, "loss": float(loss), "lr": self.lr(step - 1),
+        self.metrics.write({"step": step, "loss": float(loss), "lr": self.lr(step - 1) if lr is None else float(lr),
                             "grad_norm": None if grad_norm is None else float(grad_norm), "tokens": tokens,
                             "step_time_s": step_time_s, "tokens_per_s": tokens / step_time_s if step_time_s else None,
                             "epoch": self.sampler.epoch_of(step - 1), "strategy": self.cfg.strategy})

@@ -42,7 +42,7 @@ def mlx_lm_batch(inputs: np.ndarray, targets: np.ndarray, mask: np.ndarray) -> t
     return tokens, lengths
 
 
-def initial_adapters(feed: Feed, adapters: Adapters) -> list[tuple[str, "object"]]:
+def initial_adapters(feed: Feed, adapters: Adapters) -> list:
     """The run's initial adapters under mlx-lm's names and layout: lora_a (in, r) = A^T, lora_b (r, out) = B^T."""
     import mlx.core as mx
 
@@ -103,7 +103,8 @@ def train_rank(run_dir: Path) -> None:
 
     class Report(TrainingCallback):
         def on_train_loss_report(self, info: dict) -> None:
-            feed.record(info["iteration"], info["train_loss"], None, 1.0 / info["iterations_per_second"])
+            feed.record(info["iteration"], info["train_loss"], None, 1.0 / info["iterations_per_second"],
+                        info["learning_rate"])
 
     args = TrainingArgs(batch_size=cfg.global_batch_size, iters=cfg.steps, steps_per_report=1,
                         steps_per_eval=cfg.steps + 1, steps_per_save=cfg.steps + 1, max_seq_length=cfg.seq_len + 1,
