@@ -22,6 +22,7 @@ from .flags import config_from_args
 from .plan import add_memory_predictions, add_predictions
 from .report.labels import run_dirname, run_label, strategy_name
 from .launch.linknotes import hf_gather_note
+from .launch.folders import folder_warnings
 from .machine.sharing import ring_polling_note
 from .plan.model import memory_warning
 from .report.restarts import restart_line
@@ -81,6 +82,7 @@ def run_matrix(args) -> int:
     inputs = prepare_inputs(base)
     notes = [hf_gather_note(cfg, inputs.spec) for cfg in configs.values()]
     notes += [ring_polling_note(cfg) for cfg in configs.values()]
+    notes += folder_warnings(base.init_from, base.cache_path)  # mlx-lm's and transformers' loaders on --init-from (launch/folders.py)
     notes += [f"{label}: {warning}" for (label, _), cfg in configs.items()  # warns, never refuses (plan/model.py)
               if (warning := memory_warning(cfg, inputs.spec))]
     for note in dict.fromkeys(filter(None, notes)):  # each once: the ring's is the same for every MLX run of a size
