@@ -21,6 +21,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -57,7 +58,8 @@ def train_rank(run_dir: Path) -> None:
     spec = feed.plan.spec
 
     model = AutoModelForCausalLM.from_pretrained(str(feed.plan.seed_checkpoint), dtype=torch.float32)
-    lora = LoraConfig(r=adapters.rank, lora_alpha=adapters.alpha,  # type: ignore[arg-type]  # a float: alpha / r target_modules=list(adapters.targets),
+    alpha: Any = adapters.alpha  # a float (peft's scaling is lora_alpha / r; its annotation says int)
+    lora = LoraConfig(r=adapters.rank, lora_alpha=alpha, target_modules=list(adapters.targets),
                       layers_to_transform=list(adapters.blocks(spec)) if adapters.layers else None,
                       lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
     model = get_peft_model(model, lora)
