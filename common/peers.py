@@ -34,8 +34,7 @@ MLX_LM = Peer("mlx-lm", "mlx", "peers.mlx_lm_peer", ("mlx_lm",), "mlx_lm.tuner.t
     "lr_schedule": lambda v: v == "constant",     # lora.py: a bare learning rate without lr_schedule
     "warmup_steps": lambda v: v == 0,
     "grad_clip": lambda v: v == 0,                # train() has no clip
-    "quantize_base": lambda v: v == 0,
-}, per_rank_only=True)
+}, per_rank_only=True)  # a quantized base: load_model builds its QuantizedLinear from the folder's scales and biases
 
 HF = Peer("hf", "torch", "peers.hf_peer", ("transformers", "peft"),
           "transformers.Trainer.train on a peft LoRA model (DDP under torchrun's variables for N > 1)", {

@@ -279,7 +279,8 @@ def write_samples(run_dirs: list[Path], args=None) -> None:
     from .launch.sample import write_samples as sample_runs
     from .report.parity import load_run
 
-    sample_runs([d for d in run_dirs if load_run(Path(d)).ok])
+    # a peer's run keeps its adapters in its own trainer's files, not a checkpoint of ours: no continuation
+    sample_runs([d for d in run_dirs if (run := load_run(Path(d))).ok and not run.peer_of])
 
 
 def finish(run_dirs: list[Path], out: Path, args, context: dict, failed: list, quiet: bool = False) -> int:
