@@ -284,9 +284,13 @@ def memory_blocks(rows: list[dict]) -> list[tuple]:
         for rank in range(r["world_size"]):
             values = [_at(state.get(k), rank) for k in ("params", "grads", "optimizer")]
             total = sum(values) if all(v is not None for v in values) else None
+            # the strategy's formula for the same three (its layout's state_elements: the ZeRO ladder's 16Ψ,
+            # 8Ψ + 8Ψ/N, 4Ψ + 12Ψ/N, 16Ψ/N with its shards' padding), as the memory prediction holds it
+            held = pred.get("parts") or {}
+            formula = sum(held[k] for k in ("params", "grads", "optimizer")) / MB if "params" in held else None
             predicted, error = _at(pred.get("peak_bytes"), rank), _at(pred.get("error"), rank)
             saving = " (saving)" if _at(pred.get("peak_at"), rank) == "checkpoint" else ""
-            table.append((r["label"], rank, *(fmt(v, ",.1f") for v in values), fmt(total, ",.1f"),
+            table.append((r["label"], rank, *(fmt(v, ",.1f") for v in values), fmt(total, ",.1f"), fmt(formula, ",.1f"),
                           fmt((pred.get("parts") or {}).get("activations", 0) / MB or None, ",.0f"),
                           fmt(_at(r.get("fixed_rss_mb"), rank), ",.0f"),
                           fmt(predicted / MB if predicted else None, ",.0f") + saving,
@@ -296,7 +300,11 @@ def memory_blocks(rows: list[dict]) -> list[tuple]:
     blocks = [("h2", "Memory per rank"),
               ("p", "Parameters, gradients and optimizer state are the bytes of the arrays each rank holds after "
                     "its last step (counted from the arrays themselves); ddp replicates all three, fsdp keeps "
-                    "1/N of the sharded ones, tp 1/N of the split layers, pp its stage's layers. Activations are "
+                    "1/N of the sharded ones, tp 1/N of the split layers, pp its stage's layers, zero1 whole "
+                    "parameters and gradients beside its rows of the moments, zero2 its rows of the gradients too; "
+                    "\"formula\" is the strategy's own count of the three from the shapes (fp32 Adam: 16Ψ at ddp, "
+                    "8Ψ + 8Ψ/N at zero1, 4Ψ + 12Ψ/N at zero2, 16Ψ/N at fsdp, each with its shards' zero padding; "
+                    "docs/strategies.md). Activations are "
                     "one micro-batch's saved tensors estimated from the shapes and dtype; fixed is the process's "
                     "RSS at its start, before the model exists (the interpreter, the framework, its distributed "
                     "state). The predicted peak (common/costmodel/memory.py's predicted_peak, docs/scaling.md) adds "
@@ -307,7 +315,8 @@ def memory_blocks(rows: list[dict]) -> list[tuple]:
                     "does not); the last column is its difference from the measured peak (peak RSS on a CPU, the "
                     "framework peak on a GPU). It predicts what a rank holds: where every rank still builds the "
                     "whole model first (fsdp, tp), the measured peak can be higher."),
-              ("table", ("run", "rank", "params MB", "grads MB", "optimizer MB", "state MB", "activations MB (est.)",
+              ("table", ("run", "rank", "params MB", "grads MB", "optimizer MB", "state MB", "formula MB",
+                         "activations MB (est.)",
                          "fixed MB", "predicted peak MB", "framework peak MB", "peak RSS MB", "predicted vs peak"),
                table)]
     notes = [f"{r['label']}: {r['memory_prediction']['note']}" for r in have

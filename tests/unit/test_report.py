@@ -178,7 +178,7 @@ def test_the_memory_table_puts_the_predicted_peak_beside_the_measured_one(tmp_pa
     predicted = json.loads((run / "summary.json").read_text())["memory_prediction"]
     write_report([run], tmp_path / "report", Tolerances(), CONTEXT)
     md = (tmp_path / "report" / "report.md").read_text()
-    assert "| run | rank | params MB | grads MB | optimizer MB | state MB | activations MB (est.) | fixed MB | " \
+    assert "| run | rank | params MB | grads MB | optimizer MB | state MB | formula MB | activations MB (est.) | fixed MB | " \
            "predicted peak MB | framework peak MB | peak RSS MB | predicted vs peak |" in md
     for rank, (fixed, peak) in enumerate(zip((360, 362), (400, 402))):  # make_run: 400 MB + 2 MB per rank
         error = f"{100 * (predicted['peak_bytes'][rank] / (peak * 1e6) - 1):+.0f}%"
