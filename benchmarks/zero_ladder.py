@@ -44,7 +44,7 @@ def table(out: Path) -> list[str]:
         pred = s.get("memory_prediction") or {}
         parts = [" / ".join(f"{held[k][r] / 1e6:,.2f}" for k in ("params", "grads", "optimizer")) for r in range(n)]
         state = [f"{sum(held[k][r] for k in ('params', 'grads', 'optimizer')) / 1e6:,.2f}" for r in range(n)]
-        peaks = [f"{b / 2**20:,.0f} ({phase})" for b, phase in zip(s.get("peak_rss_bytes") or [],
+        peaks = [f"{b / 1e6:,.0f} ({phase})" for b, phase in zip(s.get("peak_rss_bytes") or [],
                                                                       pred.get("peak_at") or ["?"] * n)]
         label = f"{s['framework']} {strategy} x{n}"
         rows.append(f"| {label} | {TERMS[STAGE[strategy]]} | {psi:,} | "

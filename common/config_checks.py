@@ -113,8 +113,8 @@ def validate(self) -> None:
     trained = self.trained
     if isinstance(trained, Adapters):
         if not strategy.trains_adapters:
-            raise UserError(f"--lora-rank trains under ddp only for now; --strategy {self.strategy} keeps every "
-                            "parameter's gradient and optimizer state (docs/strategies.md)")
+            raise UserError(f"--lora-rank trains under ddp, zero1 and zero2 only for now; --strategy {self.strategy} "
+                            "splits the model, and the adapters with it (docs/strategies.md)")
         if self.checkpoint_format != "hf":
             raise UserError("--checkpoint-format sharded does not hold LoRA adapters yet; use hf (the "
                             "adapters are small: rank 0 writes them whole)")

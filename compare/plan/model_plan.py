@@ -21,7 +21,7 @@ from common.costmodel.probed import calibration_for, head_held, phases, request_
 from common.errors import UserError
 from common.metrics import write_json
 from common.model.lora import Adapters, FullModel, trained_parameters_of
-from common.parallel import layout
+from common.parallel import STRATEGIES, layout
 from compare.plan.links import choose_links, describe_links, links_json, predicted_backend
 from compare.plan.meshes import mesh_plan, mesh_table
 from compare.plan.model import cross_entropy_of, exp_of, resolve_model, run_environment, run_probe, storage_of, trained_of, workload_for
@@ -71,10 +71,11 @@ def model_plan(args, from_runs: list[str], world_sizes: list[int], strategies: l
     limit = gb * 1e9 if gb else None  # a machine's; a rank's share of it: rank_share
     meshes = getattr(args, "meshes", False)
     notes = []
-    if isinstance(trained, Adapters) and (meshes or strategies != ["ddp"]):
-        notes.append("LoRA trains under ddp only (the strategies that split the model do not split adapters yet): "
-                     "ddp rows only")
-        strategies, meshes = ["ddp"], False
+    adapter_strategies = [s for s in strategies if STRATEGIES[s].trains_adapters]  # ddp, zero1, zero2
+    if isinstance(trained, Adapters) and (meshes or strategies != adapter_strategies):
+        notes.append("LoRA trains under ddp, zero1 and zero2 only (the strategies that split the model do not split "
+                     "adapters yet): their rows only")
+        strategies, meshes = adapter_strategies or ["ddp"], False
     rows, report = [], {}
     for fw in frameworks:
         run_dir, summary, run_spec = runs[fw]

@@ -284,9 +284,7 @@ def memory_blocks(rows: list[dict]) -> list[tuple]:
         for rank in range(r["world_size"]):
             values = [_at(state.get(k), rank) for k in ("params", "grads", "optimizer")]
             total = sum(values) if all(v is not None for v in values) else None
-            # the strategy's formula for the same three (its layout's state_elements: the ZeRO ladder's 16Ψ,
-            # 8Ψ + 8Ψ/N, 4Ψ + 12Ψ/N, 16Ψ/N with its shards' padding), as the memory prediction holds it
-            held = pred.get("parts") or {}
+            held = pred.get("parts") or {}  # the strategy's formula for the three (its layout's state_elements)
             formula = sum(held[k] for k in ("params", "grads", "optimizer")) / MB if "params" in held else None
             predicted, error = _at(pred.get("peak_bytes"), rank), _at(pred.get("error"), rank)
             saving = " (saving)" if _at(pred.get("peak_at"), rank) == "checkpoint" else ""
@@ -315,8 +313,7 @@ def memory_blocks(rows: list[dict]) -> list[tuple]:
                     "does not); the last column is its difference from the measured peak (peak RSS on a CPU, the "
                     "framework peak on a GPU). It predicts what a rank holds: where every rank still builds the "
                     "whole model first (fsdp, tp), the measured peak can be higher."),
-              ("table", ("run", "rank", "params MB", "grads MB", "optimizer MB", "state MB", "formula MB",
-                         "activations MB (est.)",
+              ("table", ("run", "rank", "params MB", "grads MB", "optimizer MB", "state MB", "formula MB", "activations MB (est.)",
                          "fixed MB", "predicted peak MB", "framework peak MB", "peak RSS MB", "predicted vs peak"),
                table)]
     notes = [f"{r['label']}: {r['memory_prediction']['note']}" for r in have

@@ -50,7 +50,7 @@ def test_initial_values_are_seeded_b_is_zero_and_a_is_within_its_bound():
     ({"lora_rank": 33}, "larger than model.layers.0.self_attn.v_proj's smaller dimension (32)"),
     ({"lora_rank": -1}, "lora_rank must be >= 0"),
     ({"lora_rank": 0, "lora_targets": "q_proj"}, "--lora-targets sets up LoRA adapters, but the rank is 0"),
-    ({"lora_rank": 4, "strategy": "tp", "nproc": 2}, "--lora-rank trains under ddp only"),
+    ({"lora_rank": 4, "strategy": "tp", "nproc": 2}, "--lora-rank trains under ddp, zero1 and zero2 only"),
     ({"lora_rank": 4, "checkpoint_format": "sharded"}, "does not hold LoRA adapters"),
 ])
 def test_bad_lora_flags_are_refused_in_one_line(fields, message):
