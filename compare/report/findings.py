@@ -143,6 +143,8 @@ def speed_table(rows: list[dict]) -> list[dict]:
                         add("framework", at[fa], at[fb])
                 for name in (f for f in at if f in PEERS and PEERS[f].framework in at):  # a peer vs ours
                     add("peer", at[name], at[PEERS[name].framework])
+                    table[-1]["peer_figures"] = {key: [at[name].get(key), at[PEERS[name].framework].get(key)]
+                                                 for key in ("peak_rss_mb", "time_to_first_step_s")}
     for r in done:
         if r.get("strategy", "ddp") != "ddp":
             ref = first(framework=r["framework"], strategy="ddp", dtype=r["dtype"], world_size=r["world_size"])

@@ -92,12 +92,21 @@ def speed_cells(speed: list[dict]) -> tuple[tuple, list[tuple]]:
         d = s.get("phase")
         phase = "–" if not d else ("{}: {:,.1f} vs {:,.1f} ms/step".format(d["phase"], *order(d["fast_ms"], d["slow_ms"]))
                                    + {None: "", True: ", spreads apart", False: ", within spread"}[d["spreads_apart"]])
+        if s.get("peer_figures"):  # a peer beside ours: its memory and start-up, in the runs' order
+            phase = peer_cell(s["peer_figures"])
         rows.append((SPEED_NAMES.get(s.get("kind", "framework"), s.get("kind")), f"{s['a']} vs {s['b']}",
                      "environment-bound" if bound else s["faster"],
                      f"{s['ratio_a_over_b'] if bound else s['speedup']:.2f}x",
                      "{:,.0f} vs {:,.0f}".format(*order(s["faster_tokens_per_s"], s["slower_tokens_per_s"])),
                      "overlap: noise" if s["within_noise"] else "apart", phase, s.get("op_class_gap") or "–"))
     return SPEED_HEADERS, rows
+
+
+def peer_cell(figures: dict) -> str:
+    """"peak RSS 310 vs 69 MB/rank, first step 15.0 vs 17.9 s": a peer's figures, then ours."""
+    rss = ["/".join(f"{m:,.0f}" for m in mbs if m) or "?" for mbs in (v or [] for v in figures["peak_rss_mb"])]
+    first = ["?" if t is None else f"{t:.1f}" for t in figures["time_to_first_step_s"]]
+    return f"peak RSS {rss[0]} vs {rss[1]} MB/rank, first step {first[0]} vs {first[1]} s"
 
 
 def asked_speed(speed: list[dict]) -> list[dict]:

@@ -146,3 +146,10 @@ def test_a_transformers_5_llama_3_folder_warns_of_mlx_lm_s_rope_and_a_folder_dpc
     assert "mlx-lm" in line and "rope_parameters" in line and "500000" in line, line
     save_pretrained(tmp_path / "ours", *load_pretrained(written))  # the config export writes (to_hf_config)
     assert warnings(tmp_path / "ours") == []
+
+
+def test_the_speed_row_of_a_peer_gives_its_peak_rss_and_first_step_beside_ours():
+    from compare.report.verdict_table import peer_cell
+
+    assert peer_cell({"peak_rss_mb": [[310.2, 328.9], [69.0, None]], "time_to_first_step_s": [3.84, None]}) == \
+        "peak RSS 310/329 vs 69 MB/rank, first step 3.8 vs ? s"
