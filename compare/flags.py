@@ -62,7 +62,8 @@ RUN_FLAGS = [
     ("--quantize-base", int, "QLoRA: hold the frozen base in 4 or 8 bits, MLX's affine quantization (default 0: "
                              "float32; needs --lora-rank; docs/finetuning.md)"),
     ("--quantize-group-size", int, "weights sharing one scale and bias in a quantized base: 32, 64 (default) or 128"),
-    ("--strategy", str, "ddp (replicated), fsdp (sharded), tp (tensor parallel) or pp (pipeline)"),
+    ("--strategy", str, "ddp (replicated), zero1 or zero2 (ddp with sharded optimizer state, zero2: and gradients), "
+                       "fsdp (sharded), tp (tensor parallel) or pp (pipeline)"),
     ("--mesh", str, "strategies composed over named axes, AXIS=SIZE,... with axes dp, fsdp, tp, pp (dp=2,tp=2; their "
                     "product is the rank count); laid out pp outermost, tp innermost (docs/strategies.md)"),
     ("--pp-microbatches", int, "pp: micro-batches each micro-step's batch is cut into (default: the largest count "
