@@ -161,6 +161,16 @@ def test_a_world_of_one_and_the_sharded_format_exit_before_any_rank_starts(strat
     RunConfig.from_dict({"strategy": strategy, "nproc": 2, "lora_rank": 4})  # LoRA trains under zero1 and zero2
 
 
+@pytest.mark.parametrize("args", [("--nproc", 1), ("--nproc", 2, "--checkpoint-format", "sharded"),
+                                  ("--nproc", 4, "--mesh", "zero1=2,tp=2")])
+def test_the_cli_exits_2_with_one_line(args, cache_dir, tmp_path):
+    from helpers import dpcompare_here
+
+    proc = dpcompare_here("run", "--framework", "torch", "--strategy", "zero2", *args, "--out", tmp_path / "r",
+                          cache_dir=cache_dir)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, (proc.returncode, proc.stderr)
+
+
 def test_the_cost_model_reads_the_ladder_from_the_layouts():
     """memory_bytes' state parts are each layout's state_elements (no branch on a name); the traffic is ddp's
     all-reduce plus the gather (zero1), or a reduce-scatter of the padded shards plus the gather (zero2)."""
