@@ -10,7 +10,8 @@ with zero rows, so every rank's shard of every tensor has the same shape. Per st
   CPU, and nccl), and frees the whole gradients: the rank keeps only its rows' gradient between steps;
 - the global gradient norm is the square root of the ranks' summed squares of their rows (float64, as every
   torch strategy's; the padding adds zeros);
-- `ShardedOptimizer` runs the run's Adam or AdamW (adamw.py) on the rank's rows, then all-gathers the updated rows
+- `ShardedOptimizer` runs the run's Adam or AdamW (adamw.py) on the rank's rows (views of the weights, updated in
+  place; a padded copy only where an uneven split leaves the rank short), then all-gathers the updated rows
   (`dist.all_gather_single`, one collective of the padded shard) into the whole weights.
 
 Why not torch.distributed.optim.ZeroRedundancyOptimizer: it assigns whole parameters to ranks (greedily by size),
@@ -73,8 +74,16 @@ class ZeroRedundancy(Replicated):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.shapes = {n: tuple(p.shape) for n, p in named}
         self.params = [p for _, p in named]
-        self.shards = list(self.own_rows({n: p.detach() for n, p in named}).values())
+        self.shards = [self._rows_of(n, p) for n, p in named]
         return wrapped
+
+    def _rows_of(self, path: str, p: torch.Tensor) -> torch.Tensor:
+        """What AdamW updates of `p`: a view of the rank's rows, updated in place (no copy of the weights kept
+        beside them), or where the rank's rows run short (the last ranks of an uneven split) a padded copy."""
+        start, c = self.rows(path)
+        if start + c <= p.shape[0]:
+            return p.detach()[start:start + c]
+        return self.own_rows({path: p.detach()})[path]
 
     def local_index(self, name: str, shape: tuple[int, ...]) -> Index:
         """Whole: the weights are whole on every rank, and the moments are read whole at resume and cut to the

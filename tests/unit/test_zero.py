@@ -126,7 +126,7 @@ def test_each_frameworks_ranks_hold_the_formulas_bytes_and_their_rows_tile_every
             named = [(k, p) for k, p in tmodel.named_parameters() if p.requires_grad]
             t.shapes = {k: tuple(p.shape) for k, p in named}
             t.params = [p for _, p in named]
-            t.shards = list(t.own_rows({k: p.detach() for k, p in named}).values())
+            t.shards = [t._rows_of(k, p) for k, p in named]
         else:
             t.wrap(tmodel, source)
         base = AdamW([{"params": t.params}], lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
