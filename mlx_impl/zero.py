@@ -7,10 +7,12 @@ update:
 
 - zero1 averages every gradient as ddp does (mlx_impl/comm.py's bucketed all-reduce, divided by N) and keeps its
   rows; zero2 lays the padded gradients out as an (N, shard) matrix and reduce-scatters it, divided by N: MLX's
-  ring and MPI backends have no reduce-scatter (mlx 0.32.4: "[ring] sum_scatter not supported"), so there it is an
-  all_sum of the matrix and the rank's row (an all-reduce's bytes, the same sums), nccl's sum_scatter elsewhere
-  (common/parallel/fsdp.py reduce_scatter_kind). Either way MLX has computed the whole gradient tree in the
-  backward before the reduction can free it: zero2 holds less than zero1 between steps, not at the backward's peak.
+  ring and MPI backends have no reduce-scatter (mlx 0.32.4: "[ring] sum_scatter not supported"), so there, at two
+  ranks, each rank sends the other its row and adds the row it receives (send/recv, evaluated one by one before the
+  update: half an all_sum's bytes, `forward_backward`), and at more ranks it is an all_sum of the matrix and the
+  rank's row (an all-reduce's bytes, the same sums); nccl has sum_scatter (common/parallel/fsdp.py
+  reduce_scatter_kind). Either way MLX has computed the whole gradient tree in the backward before the reduction
+  can free it: zero2 holds less than zero1 between steps, not at the backward's peak.
 - the global gradient norm is the square root of the ranks' summed squares of their rows (padding adds zeros);
 - `ShardedOptimizer` runs the run's Adam or AdamW on the rank's rows (elementwise: the same numbers ddp computes
   for those elements), then all-gathers the updated rows, one collective of the padded shard, into whole weights.
@@ -21,7 +23,7 @@ refused (common/parallel/zero.py). Mirrors torch_impl/zero.py.
 """
 from __future__ import annotations
 
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -34,13 +36,13 @@ from common.checkpoint.tensorsource import Index, TensorSource
 from common.config import RunConfig
 from common.parallel.fsdp import reduce_scatter_kind
 from common.parallel.zero import shard_rows
-from common.train.protocols import StateStream, World
+from common.train.protocols import Batch, ForwardBackwardResult, Phase, StateStream, World, no_phase
 
 from .comm import CommCounter, average_gradients
 from .ddp import Replicated
 from .grads import squares_of
 from .load import load_local
-from .microsteps import Grads
+from .microsteps import Grads, Losses, StepFunctions
 from .rank_state import as_float32, numpy_stream, state_bytes
 
 
@@ -53,6 +55,8 @@ class ZeroRedundancy(Replicated):
     def __init__(self, cfg: RunConfig, world: World, comm: CommCounter):
         super().__init__(cfg, world, comm)
         self.kind = reduce_scatter_kind("mlx", cfg.resolved_backend)
+        if self.kind == "all_sum_slice" and self.dp_size == 2:
+            self.kind = "send_recv"  # two ranks: each sends the other its half (half the bytes of an all_sum)
         self.reduce_scatter = self.kind if self.stage >= 2 else None
         self.shapes: dict[str, tuple[int, ...]] = {}
 
@@ -97,30 +101,69 @@ class ZeroRedundancy(Replicated):
             offset += width
         return tree_unflatten(out)
 
-    def reduce_gradients(self, grads: Grads) -> Grads:
-        """The gradient sync of a step -> this rank's rows of the averaged gradients (padded)."""
-        if self.stage == 1:
-            self.comm.add_all(v for _, v in tree_flatten(grads))
-            return self.own_rows(average_gradients(grads, self.group, self.reduce_bytes, self.stream))
+    def forward_backward(self, step: StepFunctions, batches: Sequence[Batch], scale: float,
+                         phase: Phase = no_phase, wait: bool = False,
+                         sync: bool = True) -> ForwardBackwardResult[Losses, Grads]:
+        """The micro-batches as ddp runs them; zero2 over send/recv then reduce-scatters here, eagerly: MLX runs
+        independent sends and receives of one graph in no set order (the pipeline's tests saw them reversed), so
+        they cannot go into the compiled update, and each is evaluated in turn (rank 0 sends first)."""
+        passes = super().forward_backward(step, batches, scale, phase, wait, sync)
+        if self.stage < 2 or self.kind != "send_recv" or not sync:
+            return passes
+        with phase("backward"):
+            grads = self._send_recv_scatter(passes.grads)
+        return ForwardBackwardResult(passes.losses, grads)
+
+    def _matrix(self, grads: Grads) -> tuple[list[tuple[str, mx.array]], list[mx.array], mx.array]:
+        """The padded gradients laid out as (N, shard): row r is rank r's rows of every tensor."""
         flat = tree_flatten(grads)
         columns = []
         for path, g in flat:
             _, c = self.rows(path)
             padded = mx.pad(g, [(0, c * self.dp_size - g.shape[0])] + [(0, 0)] * (g.ndim - 1))
             columns.append(padded.reshape(self.dp_size, -1))
-        matrix = mx.concatenate(columns, axis=1)  # (N, shard): row r is rank r's rows of every tensor
-        self.comm.add(matrix)
-        if self.kind == "native":
-            row = mx.distributed.sum_scatter(matrix, group=self.group, stream=self.stream).reshape(-1)
-        else:  # all_sum, then the rank's row: an all-reduce's bytes
-            row = mx.distributed.all_sum(matrix, group=self.group, stream=self.stream)[self.rank]
-        row = row / self.dp_size
+        return flat, columns, mx.concatenate(columns, axis=1)
+
+    def _split(self, flat: list[tuple[str, mx.array]], columns: list[mx.array], row: mx.array) -> Grads:
         out, offset = [], 0
         for (path, g), column in zip(flat, columns):
             width = column.shape[1]
             out.append((path, row[offset:offset + width].reshape(-1, *g.shape[1:])))
             offset += width
         return tree_unflatten(out)
+
+    def _send_recv_scatter(self, grads: Grads) -> Grads:
+        """Two ranks' reduce-scatter: each sends the other's row and adds the row it receives (the same sum as an
+        all_sum's, a + b), divided by N."""
+        flat, columns, matrix = self._matrix(grads)
+        mx.eval(matrix)
+        self.comm.per_call.setdefault("step", matrix.nbytes)  # the reduce-scatter's input, as all_sum's counts
+        peer = 1 - self.rank
+        sent = matrix[peer]
+        if self.rank == 0:
+            mx.eval(mx.distributed.send(sent, peer, group=self.group, stream=self.stream))
+        got = mx.distributed.recv(sent.shape, sent.dtype, peer, group=self.group, stream=self.stream)
+        mx.eval(got)
+        if self.rank == 1:
+            mx.eval(mx.distributed.send(sent, peer, group=self.group, stream=self.stream))
+        row = (matrix[self.rank] + got) / self.dp_size
+        return self._split(flat, columns, row)
+
+    def reduce_gradients(self, grads: Grads) -> Grads:
+        """The gradient sync of a step -> this rank's rows of the averaged gradients (padded); zero2 over send/recv
+        has reduced them already (forward_backward)."""
+        if self.is_shard(grads):
+            return grads
+        if self.stage == 1:
+            self.comm.add_all(v for _, v in tree_flatten(grads))
+            return self.own_rows(average_gradients(grads, self.group, self.reduce_bytes, self.stream))
+        flat, columns, matrix = self._matrix(grads)
+        self.comm.add(matrix)
+        if self.kind == "native":
+            row = mx.distributed.sum_scatter(matrix, group=self.group, stream=self.stream).reshape(-1)
+        else:  # all_sum, then the rank's row: an all-reduce's bytes
+            row = mx.distributed.all_sum(matrix, group=self.group, stream=self.stream)[self.rank]
+        return self._split(flat, columns, row / self.dp_size)
 
     def is_shard(self, grads: Grads) -> bool:
         """Whether `grads` are this rank's rows (reduced) or whole (a step timed without its sync)."""

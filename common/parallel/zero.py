@@ -26,8 +26,9 @@ Its cost (common/costmodel/, docs/scaling.md):
 
     f_work     1/N (ddp's batch split);  f_state the shard: AdamW touches (Ψ + P)/N elements
     traffic    zero1: ddp's gradient all-reduce, then one all-gather of the updated rows. zero2: one reduce-scatter
-               of the padded gradients (MLX's ring and MPI: an all-sum and the rank's row, an all-reduce's bytes;
-               gloo's own moves as many: common/parallel/fsdp.py reduce_scatter_traffic), then the all-gather.
+               of the padded gradients (MLX's ring and MPI: an all-sum and the rank's row, an all-reduce's bytes,
+               or at two ranks send/recv, half of them, charged here as the all-reduce; gloo's own moves as many:
+               common/parallel/fsdp.py reduce_scatter_traffic), then the all-gather.
     memory     state_elements above; the reduction copies the gradients as ddp's does
     exposed    ddp's rule: the reduction runs after (MLX) or at the end of (torch) the backward
 """

@@ -103,9 +103,9 @@ STRATEGIES = ("ddp.py:Replicated", "fsdp.py:Sharding", "tp.py:TensorParallel", "
 MEMBER_ONLY = [
     (STRATEGIES, {"reduce_gradients", "keeps_grads"}, "where the gradients are reduced: MLX after the backward "
      "(reduce_gradients), torch inside it, where DDP's bucket views must stay allocated (common/train/protocols.py)"),
-    (("zero.py:ZeroRedundancy",), {"is_shard", "forward_backward"}, "MLX reduces in the Trainer's update and tells a "
-     "step timed without its sync by its gradients' shapes; torch reduces (zero2) or keeps its rows (zero1) at the end "
-     "of its passes, which know whether they synced"),
+    (("zero.py:ZeroRedundancy",), {"is_shard"}, "MLX reduces in the Trainer's update (zero2 at two ranks over "
+     "send/recv: before it) and tells gradients already reduced, or a step timed without its sync, by their shapes; "
+     "torch reduces (zero2) or keeps its rows (zero1) at the end of its passes, which know whether they synced"),
     (("zero.py:ShardedOptimizer",), {"init", "update", "state", "step", "zero_grad"}, "an MLX optimizer is "
      "initialised and updates a model from a gradient tree (its state a property of mlx.optimizers.Optimizer); "
      "torch's steps its parameters' .grad and zeroes them (adamw.py)"),
