@@ -51,6 +51,8 @@ def train_rank(run_dir: Path) -> None:
 
     cfg = RunPlan.read(run_dir).config  # validated as it is read: common/peers.py's checks of what the Trainer takes
     torch.set_num_threads(cfg.threads_per_rank)
+    # where our torch runs (torch_impl.launch's pick_device): CUDA for auto or cuda where torch sees it, else the CPU
+    on_cpu = cfg.device in ("cpu", "mps") or not torch.cuda.is_available()
     rank, size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     feed = Feed.open(run_dir, rank, size)
     adapters = cfg.trained
@@ -69,7 +71,8 @@ def train_rank(run_dir: Path) -> None:
             layer = model.base_model.model.get_submodule(module)
             layer.lora_A["default"].weight.copy_(torch.from_numpy(initial[f"{module}.lora_A"]))
             layer.lora_B["default"].weight.copy_(torch.from_numpy(initial[f"{module}.lora_B"]))
-    feed.status.update(force=True, status="running", device="cpu", start_step=0, step=0,
+    feed.status.update(force=True, status="running", device="cpu" if on_cpu else f"cuda:{os.environ.get('LOCAL_RANK', 0)}",
+                       start_step=0, step=0,
                        weights_bytes_read=sum(p.numel() * p.element_size() for p in model.parameters()))
 
     class StepBatches(torch.utils.data.Dataset):
@@ -108,12 +111,14 @@ def train_rank(run_dir: Path) -> None:
         ("constant_with_warmup" if cfg.warmup_steps else "constant"), warmup_steps=cfg.warmup_steps,
         max_grad_norm=cfg.grad_clip, average_tokens_across_devices=cfg.loss_normalization == "global-tokens",
         logging_strategy="steps", logging_steps=1, save_strategy="no", eval_strategy="no", report_to="none",
-        disable_tqdm=True, use_cpu=True, seed=cfg.seed, dataloader_num_workers=0, ddp_backend="gloo" if size > 1 else None,
+        disable_tqdm=True, use_cpu=on_cpu, seed=cfg.seed, dataloader_num_workers=0,
+        ddp_backend=cfg.resolved_backend if size > 1 else None,
         remove_unused_columns=False)
     trainer = FedTrainer(model=model, args=args, train_dataset=StepBatches(), callbacks=[Report()])
     trainer.train()
     params = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    feed.finish(None, {"params": params, "grads": params, "optimizer": 2 * params})
+    feed.finish(None if on_cpu else torch.cuda.max_memory_allocated(),
+                {"params": params, "grads": params, "optimizer": 2 * params})
 
 
 def initial_adapters(feed: Feed, adapters: Adapters) -> dict[str, np.ndarray]:

@@ -76,7 +76,7 @@ def train_rank(run_dir: Path) -> None:
     from common.runplan import RunPlan
 
     cfg = RunPlan.read(run_dir).config  # validated as it is read: common/peers.py's checks of what mlx-lm takes
-    if cfg.device in ("cpu", "auto") and not mx.metal.is_available():
+    if cfg.device == "cpu" or not mx.is_available(mx.gpu):  # as mlx_impl.launch: auto keeps MLX's default device
         mx.set_default_device(mx.cpu)
     world = mx.distributed.init(backend=cfg.resolved_backend, strict=True) if cfg.world_size > 1 else None
     rank, size = (world.rank(), world.size()) if world is not None else (0, 1)
