@@ -26,6 +26,7 @@ from common.config_checks import (BACKENDS, CHECKPOINT_FORMATS, COMMUNICATION_ST
 from common.config_sources import coerce, folder_spec, has_tokenizer, read_toml  # noqa: F401 (read_toml: tests)
 from common.errors import UserError
 from common.data.sampler import check_divisible
+from common.data.shares import parse_shares, rank_sizes
 from common.model.lora import Trained, trained_parameters_of
 from common.model.quantize import BaseStorage, base_storage_of, folder_quantization
 from common.model.spec import ModelSpec, preset
@@ -90,6 +91,8 @@ class RunConfig:
     # Batch: the global batch is split over world_size ranks x grad_accum micro-steps.
     global_batch_size: int = 8
     grad_accum: int = 1
+    rank_shares: str = ""            # uneven shares of each batch, "3,1" or auto (ddp; common/data/shares.py)
+    rank_speed: str = ""             # emulated slow ranks, "1:0.5" (compare/launch/throttle.py)
     # Optimizer and schedule (common/train/optimizer.py, common/train/lr_schedule.py).
     optimizer: str = "adamw"         # or adam (weight decay none)
     bias_correction: bool = True     # Adam's moments divided by 1 - beta^t (torch always; MLX's default is off)
@@ -282,7 +285,17 @@ class RunConfig:
         return layout(self.strategy, self.world_size, self.mesh)
 
     @property
+    def rank_batch_sizes(self) -> tuple[int, ...]:
+        """Sequences each data-parallel rank takes of every global batch: --rank-shares, or even."""
+        shares = parse_shares(self.rank_shares) if self.data_parallel_size > 1 else ()  # one rank takes it all
+        return rank_sizes(self.global_batch_size, self.data_parallel_size, shares) if shares else \
+            (self.micro_batch_size * self.grad_accum,) * self.data_parallel_size
+
+    @property
     def micro_batch_size(self) -> int:
+        """The largest micro-batch a rank runs: every rank's, with even shares."""
+        if parse_shares(self.rank_shares) and self.data_parallel_size > 1:
+            return max(-(-n // self.grad_accum) for n in self.rank_batch_sizes)
         return check_divisible(self.global_batch_size, self.data_parallel_size, self.grad_accum)
 
     @property

@@ -15,6 +15,7 @@ from common.placement import check_placement
 from common.recipes import RECIPES
 from common.data.conventions import MASK_CONVENTIONS, PADDING_RULES
 from common.data.sampler import DATA_ORDERS
+from common.data.shares import check_shares, parse_speeds
 from common.model.lora import SCALE_CONVENTIONS, Adapters
 from common.train.lr_schedule import SCHEDULES
 
@@ -90,6 +91,9 @@ def validate(self) -> None:
     if self.resolved_backend == "nccl" and self.communication_stream == "cpu":
         raise UserError("communication_stream cpu does not work with the nccl backend (NCCL reduces GPU "
                         "memory on the GPU stream); use auto")
+    check_shares(self.rank_shares, self.global_batch_size, self.data_parallel_size, self.grad_accum,
+                 self.strategy, self.peer, self.max_restarts)  # common/data/shares.py
+    parse_speeds(self.rank_speed, self.world_size)
     self.micro_batch_size  # raises when the global batch does not split
     if self.mesh and self.framework == "mlx" and self.resolved_backend not in MLX_SPLIT_BACKENDS:
         raise UserError(f"--mesh {self.mesh} needs a communicator per axis, and MLX's {self.resolved_backend} "

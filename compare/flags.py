@@ -20,6 +20,10 @@ RUN_FLAGS = [
     ("--global-batch-size", int, "sequences per optimizer step, over all ranks"),
     ("--seq-len", int, "tokens per sequence"),
     ("--grad-accum", int, "micro-steps per optimizer step"),
+    ("--rank-shares", str, "ddp: each rank's weight of every global batch, W1,W2,... in whole sequences (3,1: rank 0 "
+                           "takes 3/4), or auto (one even step timed per rank first; docs/uneven.md)"),
+    ("--rank-speed", str, "emulate slow ranks, RANK:FACTOR,... (1:0.5: rank 1 computes at half speed, paused by "
+                          "the launcher's SIGSTOP/SIGCONT duty cycle; docs/uneven.md)"),
     ("--lr", float, "peak learning rate (AdamW)"),
     ("--warmup-steps", int, "linear LR warmup steps"),
     ("--lr-decay-steps", int, "cosine horizon (default: --steps)"),

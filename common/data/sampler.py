@@ -1,8 +1,8 @@
 """Which samples every rank trains on at every step: the heart of DP correctness.
 
 One seeded permutation of the sample indices per epoch defines a single global stream. Optimizer step k
-consumes stream positions [k*G, (k+1)*G); rank r of N takes its contiguous G/N slice, cut further into
-`grad_accum` micro-batches. So the global batch at step k is the same for every world size and both
+consumes stream positions [k*G, (k+1)*G); rank r of N takes its contiguous G/N slice (or its `--rank-shares`
+size, common/data/shares.py), cut further into `grad_accum` micro-batches. So the global batch at step k is the same for every world size and both
 frameworks, and a run resumed at step k sees exactly the batches an uninterrupted run would: the
 sampler's whole state is the step number (plus the seed and sizes it checks on resume).
 """
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from common.data.shares import micro_sizes, rank_sizes
 from common.errors import UserError
 
 
@@ -57,9 +58,9 @@ class GlobalSampler:
     def epoch_of(self, step: int) -> int:
         return (step * self.global_batch) // self.num_samples
 
-    def rank_part(self, indices: np.ndarray, rank: int, world_size: int) -> np.ndarray:
-        """Rank r's samples of a global batch: its contiguous slice."""
-        return rank_slice(indices, rank, world_size)
+    def rank_part(self, indices: np.ndarray, rank: int, world_size: int, sizes: tuple[int, ...] = ()) -> np.ndarray:
+        """Rank r's samples of a global batch: its contiguous slice, `sizes[r]` long (even by default)."""
+        return rank_slice(indices, rank, world_size, sizes)
 
 
 @dataclass
@@ -68,8 +69,9 @@ class LengthSortedBatches(GlobalSampler):
     stable sort, as `sorted(range(n), key=len)`), cut into global batches of consecutive lengths, the remainder
     dropped; each epoch takes those batches in the order of the next `np.random.permutation` of a stream seeded
     once (lora.py's `np.random.seed(args.seed)`, so mlx-lm's own first epoch exactly; its evaluations draw from
-    the same stream between epochs). Rank r takes positions r, r + N, ... of each batch (`idx[i + rank : ... : N]`).
-    Still one global batch per step whatever the world size."""
+    the same stream between epochs). Rank r takes positions r, r + N, ... of each batch (`idx[i + rank : ... : N]`);
+    with uneven sizes the positions are dealt round-robin to the ranks that still have room (`dealt`), which is
+    that stride when the sizes are even. Still one global batch per step whatever the world size."""
     lengths: np.ndarray | None = None  # each sample's length in tokens
 
     def __post_init__(self):
@@ -91,8 +93,8 @@ class LengthSortedBatches(GlobalSampler):
     def epoch_of(self, step: int) -> int:
         return step // len(self._batches)
 
-    def rank_part(self, indices: np.ndarray, rank: int, world_size: int) -> np.ndarray:
-        return indices[rank::world_size]
+    def rank_part(self, indices: np.ndarray, rank: int, world_size: int, sizes: tuple[int, ...] = ()) -> np.ndarray:
+        return indices[dealt(sizes or rank_sizes(len(indices), world_size)) == rank]
 
 
 DATA_ORDERS = ("dpcompare", "mlx-lm")
@@ -106,11 +108,27 @@ def sampler_for(order: str, num_samples: int, global_batch: int, seed: int, leng
     return GlobalSampler(num_samples, global_batch, seed)
 
 
-def rank_slice(indices: np.ndarray, rank: int, world_size: int) -> np.ndarray:
-    per_rank = len(indices) // world_size
-    return indices[rank * per_rank:(rank + 1) * per_rank]
+def rank_slice(indices: np.ndarray, rank: int, world_size: int, sizes: tuple[int, ...] = ()) -> np.ndarray:
+    """Rank r's contiguous slice: `sizes[r]` samples after those of the ranks before it (even by default)."""
+    sizes = sizes or rank_sizes(len(indices), world_size)
+    start = sum(sizes[:rank])
+    return indices[start:start + sizes[rank]]
+
+
+def dealt(sizes: tuple[int, ...]) -> np.ndarray:
+    """The rank of each position of a batch, dealt round-robin to the ranks with room left: r, r + N, ... when
+    the sizes are even."""
+    left, owners, r = list(sizes), [], 0
+    for _ in range(sum(sizes)):
+        while not left[r]:
+            r = (r + 1) % len(sizes)
+        owners.append(r)
+        left[r] -= 1
+        r = (r + 1) % len(sizes)
+    return np.asarray(owners, dtype=np.int64)
 
 
 def micro_batches(rank_indices: np.ndarray, grad_accum: int) -> list[np.ndarray]:
-    per_micro = len(rank_indices) // grad_accum
-    return [rank_indices[i * per_micro:(i + 1) * per_micro] for i in range(grad_accum)]
+    """A rank's samples in `grad_accum` micro-batches (uneven only under uneven shares: common/data/shares.py)."""
+    ends = np.cumsum(micro_sizes(len(rank_indices), grad_accum))
+    return [rank_indices[end - n:end] for n, end in zip(micro_sizes(len(rank_indices), grad_accum), ends)]

@@ -134,7 +134,8 @@ class Run:
     def step_inputs(self, step: int):
         """(this rank's micro-batches, lr, global real-token count) of an optimizer step."""
         indices = self.sampler.global_batch_indices(step)
-        mine = self.sampler.rank_part(indices, self.dp_rank, self.dp_size)  # its slice, or mlx-lm's stride
+        mine = self.sampler.rank_part(indices, self.dp_rank, self.dp_size,  # its slice, or mlx-lm's stride
+                                      self.cfg.rank_batch_sizes)  # of --rank-shares' sizes (data/shares.py)
         batches = [self.train_view.batch(m) for m in micro_batches(mine, self.cfg.grad_accum)]
         return batches, lr_for(self.cfg, step), self.train_view.real_target_count(indices)
 

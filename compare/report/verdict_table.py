@@ -186,7 +186,7 @@ def pair_sentence(pair: dict) -> str:
         return (f"{a} differs from {b} by {step.get('max_abs_diff', float('nan')):.2e} per step, as its "
                 f"--loss-normalization {pair['explained_by']} makes it (not a bug): each rank divides its loss by "
                 "its own count of targets (mlx-lm's choice), so where the ranks hold unequal counts (padding, masked "
-                "prompts) a token weighs more on a rank with few; global-tokens computes what one rank computes "
+                "prompts, uneven --rank-shares) a token weighs more on a rank with few; global-tokens computes what one rank computes "
                 "(docs/parity.md, \"Loss normalization\")")
     checks = pair["checks"]
     step = checks.get("per_step", {"verdict": "no data"})
