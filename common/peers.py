@@ -26,7 +26,9 @@ class Peer:
 
 
 COMMON = {"strategy": lambda v: v == "ddp", "mesh": lambda v: not v, "dtype": lambda v: v == "float32",
-          "lora_rank": lambda v: v > 0, "nnodes": lambda v: v == 1, "grad_accum": lambda v: v == 1}
+          "lora_rank": lambda v: v > 0, "nnodes": lambda v: v == 1, "grad_accum": lambda v: v == 1,
+          # a peer writes no checkpoint of ours: nothing to resume or restart from
+          "resume": lambda v: not v, "max_restarts": lambda v: v == 0}
 
 MLX_LM = Peer("mlx-lm", "mlx", "peers.mlx_lm_peer", ("mlx_lm",), "mlx_lm.tuner.trainer.train (mlx-lm's LoRA trainer)", {
     **COMMON,
