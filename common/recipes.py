@@ -112,9 +112,31 @@ RECIPES = {r.name: r for r in (DPCOMPARE, MLX_LM, PEFT, TRL)}
 
 
 def recipe(name: str) -> Recipe:
+    if str(name).endswith(".json"):
+        return recipe_file(name)
     if name not in RECIPES:
-        raise UserError(f"unknown recipe {name!r}; allowed: {', '.join(RECIPES)}")
+        raise UserError(f"unknown recipe {name!r}; allowed: {', '.join(RECIPES)}, or a recipe file (.json) that "
+                        "`dpcompare import-run` wrote")
     return RECIPES[name]
+
+
+def recipe_file(path: str) -> Recipe:
+    """A recipe file written by `dpcompare import-run` (common/imported/): its `values` are RunConfig fields, every
+    choice of the imported run over the recipe it started from; the file also keeps each value's source."""
+    import json
+    from pathlib import Path
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as err:
+        raise UserError(f"--recipe {path}: cannot read it ({err.strerror})") from None
+    except json.JSONDecodeError as err:
+        raise UserError(f"--recipe {path}: not JSON ({err})") from None
+    if not isinstance(data, dict) or not str(data.get("format", "")).startswith("dpcompare-recipe/") \
+            or not isinstance(data.get("values"), dict):
+        raise UserError(f"--recipe {path}: not a recipe file (`dpcompare import-run` writes them)")
+    # known by its path from now on, as the built-in ones by name (config_checks.py checks the recipe is known)
+    RECIPES[str(path)] = Recipe(str(path), str(data.get("tool", "imported")), dict(data["values"]))
+    return RECIPES[str(path)]
 
 
 def with_recipe(values: dict) -> dict:

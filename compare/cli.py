@@ -19,6 +19,7 @@ from common.errors import ParityError, UserError
 from . import __version__
 from .flags import (BASELINE_PATHS, RUN_PATHS, add_baseline_flags, add_run_flags, add_tolerance_flags,
                     config_from_args, resolve_paths)
+from . import import_run
 from .submit import add_submit_flags
 from .launch.watchdog import install_stop_handlers, restore_handlers
 
@@ -31,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # Once, here: every path is absolute from now on, whatever directory a child process runs in.
         resolve_paths(args, Path.cwd())
+        if str(getattr(args, "recipe", "") or "").endswith(".json"):  # a recipe file: the ranks start elsewhere
+            args.recipe = str((args.start_dir / args.recipe).resolve())
         return args.handler(args)
     except (UserError, ParityError) as err:
         print(f"dpcompare: error: {err}", file=sys.stderr)
@@ -197,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a LoRA run: its adapters in mlx-lm's or peft's layout, the base beside them in OUT/base "
                              "(without it, a LoRA run exports the fused folder)")
     export.set_defaults(handler=cmd_export, paths={"run_dir": ("run directory", "dir"), "out": ("--out", "out_dir")})
+    import_run.add_parser(sub)
     return parser
 
 
