@@ -85,8 +85,8 @@ def speeds_to_shares(step_s: list[float], global_batch: int, grad_accum: int) ->
 
 def parse_speeds(text: str, world: int) -> dict[int, float]:
     """'--rank-speed 1:0.5' -> {1: 0.5}: rank 1 computes at half speed (compare/launch/throttle.py)."""
-    if not text:
-        return {}
+    if not text or world < 2:
+        return {}  # one rank waits for no other: the N=1 reference of a comparison runs at full speed
     speeds = {}
     for item in text.split(","):
         try:

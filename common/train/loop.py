@@ -22,6 +22,7 @@ from typing import Callable
 import numpy as np
 
 from common.train.placement import pinned_cores, rank_from_environment
+from common.train.balance import balanced
 from common.train.breakdown import profile
 from common.train.opprofile import profile as op_profile
 from common.checkpoint.store import (latest_checkpoint, open_checkpoint,
@@ -196,9 +197,9 @@ def setup_run(run_dir: Path, world: World, trainer_cls: TrainerClass) -> Run:
         _rescue = Rescue(run_dir, rank, saver(run_dir, spec, {**fingerprints, "framework": trainer.framework},
                                               cfg.checkpoint_format, cfg.trained.state_shapes(spec)))
     status.update(force=True, status="running", device=str(trainer.device), start_step=start_step, step=start_step)
-    return Run(run_dir, cfg, spec, trainer, status, metrics, train_view, valid_view, sampler, fingerprints,
-               dp_rank, dp_size, start_step, fault=injected_fault(trainer.framework), rescue=_rescue,
-               launch_time=float(os.environ.get("DPCOMPARE_LAUNCH_TIME", time.time())))
+    return balanced(Run(run_dir, cfg, spec, trainer, status, metrics, train_view, valid_view, sampler,  # auto shares
+                        fingerprints, dp_rank, dp_size, start_step, fault=injected_fault(trainer.framework),
+                        rescue=_rescue, launch_time=float(os.environ.get("DPCOMPARE_LAUNCH_TIME", time.time()))))
 
 
 def seed_source(plan: RunPlan) -> SafetensorsSource:

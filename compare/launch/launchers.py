@@ -52,6 +52,7 @@ class Job:
         netns = self.link.spawn_args() if self.link else []
         # --max-restarts: dpcompare's watchdog stops the job itself, once a survivor saved its last step.
         keep = ["--keep-survivors"] if self.cfg.max_restarts else []
+        keep += ["--rank-speed", self.cfg.rank_speed] if self.cfg.rank_speed and self.cfg.nproc > 1 else []  # SIGSTOP/SIGCONT duty cycle
         return [sys.executable, "-m", "compare.launch.spawn", "--ranks", str(self.cfg.nproc), *how, *netns, *keep, "--",
                 *self.rank_argv]
 
@@ -202,7 +203,11 @@ def build_command(cfg: RunConfig, run_dir: Path, module: str = "launch", args: l
     rank_module = PEERS[cfg.peer].module if cfg.peer and module == "launch" else f"{cfg.framework}_impl.{module}"
     job = Job(cfg, Path(run_dir), effective_backend(cfg), rank_module,
               [str(run_dir)] if args is None else list(args), extra, link)
-    return launcher_for(cfg, job.backend)(job), job.env, blas
+    argv = launcher_for(cfg, job.backend)(job)
+    if cfg.rank_speed and cfg.world_size > 1 and "compare.launch.spawn" not in argv:  # only our spawner holds every rank's pid
+        raise UserError(f"--rank-speed emulates slow ranks on one machine, from the ranks dpcompare starts itself "
+                        f"(ring, torch); not through {argv[0]} ({cfg.framework} on {job.backend})")
+    return argv, job.env, blas
 
 
 def device_note(cfg: RunConfig) -> str | None:

@@ -9,6 +9,11 @@ agent, which imports torch before the ranks do (a 2-rank job starts 3.5-4.5 s so
 EPYC). This waits in os.wait() and lets the ranks write to the log directly. As mlx.launch does, when one rank fails the
 others are stopped (unless --keep-survivors) and the exit code is the failed rank's.
 
+--rank-speed R:F,... (docs/uneven.md): rank R computes at F of its speed, as on a slower machine: a thread here
+stops it (SIGSTOP) for (1 - F) of every DUTY_PERIOD_S and lets it run (SIGCONT) for F. The whole process stops,
+its threads, compute and waits alike, with nothing inside the step, so the losses cannot change; its phases of the
+time breakdown stretch as its wall clock does, and the other ranks wait for it at the all-reduce.
+
 --fork (torch on the CPU, outside namespaces): the rank command runs once, imports torch once and forks the
 ranks (common/train/forkranks.py), which become this process's children: 2.1 CPU-seconds less per rank.
 """
@@ -21,6 +26,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -29,6 +35,7 @@ from common.train.forkranks import ENV as FORK_ENV
 from ..machine.environment import free_port_block
 
 GRACE_S = 3.0
+DUTY_PERIOD_S = 0.02  # much shorter than a step of `small` (about 0.1-1 s here), so each step slows alike
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
                              "saved its last step (--max-restarts, common/train/rescue.py)")
     parser.add_argument("--fork", action="store_true", help="run the rank command once and let it fork the ranks "
                         "(common/train/forkranks.py); ignored with --netns")
+    parser.add_argument("--rank-speed", default="", help="R:F,...: rank R runs F of the time (SIGSTOP/SIGCONT)")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -62,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
                  for ns, env in zip(namespaces, envs)]
         pids = [proc.pid for proc in procs]
     ranks = {pid: r for r, pid in enumerate(pids)}
+    for item in filter(None, args.rank_speed.split(",")):
+        rank, factor = item.split(":")
+        threading.Thread(target=duty_cycle, args=(pids[int(rank)], float(factor)), daemon=True).start()
     signal.signal(signal.SIGTERM, lambda *_: stop(ranks, signal.SIGTERM) or sys.exit(143))
     code = 0
     while ranks:
@@ -79,6 +90,19 @@ def main(argv: list[str] | None = None) -> int:
             if not args.keep_survivors:
                 stop(ranks, signal.SIGTERM)
     return code
+
+
+def duty_cycle(pid: int, factor: float, period_s: float = DUTY_PERIOD_S) -> None:
+    """Let `pid` run `factor` of every period and stop it for the rest, until it is gone."""
+    try:
+        while True:
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(factor * period_s)
+            if factor < 1:
+                os.kill(pid, signal.SIGSTOP)
+                time.sleep((1 - factor) * period_s)
+    except ProcessLookupError:
+        pass
 
 
 def forked_ranks(command: list[str], envs: list[dict]) -> list[int] | int:

@@ -56,8 +56,9 @@ def summarize(cfg: RunConfig, run_dir: Path, argv: list[str], blas: str, wall_s:
         # and how the step's loss is normalized (common/train/normalization.py).
         "adapters": cfg.trained.describe(), "loss_normalization": cfg.loss_normalization,
         # Each data-parallel rank's sequences of a global batch (--rank-shares, docs/uneven.md) and --rank-speed.
-        "rank_shares": cfg.rank_shares or None, "rank_batch_sizes": list(cfg.rank_batch_sizes),
-        "rank_speed": cfg.rank_speed or None,
+        "rank_shares": cfg.rank_shares or None, "auto_shares": rank0.get("auto_shares"),  # auto: the timings
+        "rank_batch_sizes": (rank0.get("auto_shares") or {}).get("rank_batch_sizes") or list(cfg.rank_batch_sizes),
+        "rank_speed": cfg.rank_speed if cfg.world_size > 1 and cfg.rank_speed else None,
         "base_quantization": cfg.base_storage.describe(),  # None: a float32 base (common/model/quantize.py)
         "state_bytes": {part: [ranks.get(r, {}).get("state_bytes", {}).get(part) for r in range(world)]
                         for part in ("params", "grads", "optimizer")},

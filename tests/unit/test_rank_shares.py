@@ -126,3 +126,12 @@ def test_auto_shares_follow_measured_speed_and_keep_a_sequence_per_micro_step():
     assert speeds_to_shares([0.1, 0.2], 12, 1) == (8, 4)
     assert speeds_to_shares([0.1, 10.0], 8, 2) == (6, 2)  # a very slow rank keeps one sequence per micro-step
     assert parse_speeds("1:0.5", 2) == {1: 0.5}
+
+
+def test_rank_speed_goes_to_the_spawner_and_the_one_rank_reference_runs_at_full_speed(tmp_path):
+    from compare.launch.launchers import build_command
+
+    argv, _, _ = build_command(_cfg(framework="torch", rank_speed="1:0.5"), tmp_path)
+    assert argv[argv.index("--rank-speed") + 1] == "1:0.5" and "compare.launch.spawn" in argv
+    argv, _, _ = build_command(_cfg(framework="torch", rank_speed="1:0.5", nproc=1), tmp_path)
+    assert "--rank-speed" not in argv
