@@ -111,6 +111,7 @@ def validate(self) -> None:
     # preset, [model] fields and seq_len checked now; and whether the strategy can split that model (the one
     # place this is checked: every RunConfig is validated when it is made, before anything is prepared)
     strategy.check(self.model_spec(vocab_size=None))
+    strategy.check_sequence(self.seq_len, self.padding_rule)  # cp cuts each sequence (common/parallel/cp.py)
     if self.checkpoint_format == "sharded" and not strategy.writes_sharded_checkpoints:
         raise UserError(f"--checkpoint-format sharded: --strategy {self.strategy} writes hf checkpoints only (rank "
                         "0 gathers the sharded moments); use --checkpoint-format hf")

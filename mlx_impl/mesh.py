@@ -68,6 +68,9 @@ def release_axes(world: World) -> None:
 def mesh_strategy(cfg: RunConfig, world: World, comm: CommCounter):
     """The strategy of `--strategy mesh`: the composition of cfg.mesh's axes (the module docstring)."""
     mesh = Mesh.parse(cfg.mesh)
+    if mesh.has("cp"):  # dp x cp: ddp over every rank, each on its slice of the sequence (cp.py)
+        from .cp import SequenceParallel
+        return SequenceParallel(cfg, world, comm)
     if mesh.has("fsdp"):
         return ShardedTensorParallel(cfg, world, comm)
     if mesh.tp_stages and not mesh.has("dp"):

@@ -56,6 +56,7 @@ from .optimizer import make_optimizer
 from .pp import Pipeline
 from .tp import TensorParallel
 from .zero import Zero1, Zero2
+from .cp import SequenceParallel
 from .trace import Tracer
 
 FRAMEWORK = "mlx"
@@ -82,6 +83,7 @@ class StepStrategy(Strategy[nn.Module, nn.Module, StepFunctions, Losses, Grads, 
 # Typed so that mypy (`make lint`) checks every class's constructor and members against StepStrategy.
 STRATEGIES: dict[str, StrategyClass[CommCounter, StepStrategy]] = {
     "ddp": Replicated, "fsdp": Sharding, "tp": TensorParallel, "pp": Pipeline, "zero1": Zero1, "zero2": Zero2,
+    "cp": SequenceParallel,
     "mesh": mesh_strategy}  # --mesh: the strategies of its axes, composed (mesh.py)
 
 

@@ -80,6 +80,11 @@ def _pipeline() -> StrategyClass[CommCounter, StepStrategy]:
     return Pipeline
 
 
+def _sequence_parallel() -> StrategyClass[CommCounter, StepStrategy]:
+    from .cp import SequenceParallel
+    return SequenceParallel
+
+
 def _mesh() -> StrategyClass[CommCounter, StepStrategy]:
     from .mesh import mesh_strategy
     return mesh_strategy  # --mesh: the strategies of its axes, composed (mesh.py)
@@ -91,7 +96,7 @@ def _mesh() -> StrategyClass[CommCounter, StepStrategy]:
 # checks every class's constructor and members against StepStrategy.
 STRATEGIES: dict[str, Callable[[], StrategyClass[CommCounter, StepStrategy]]] = {
     "ddp": lambda: Replicated, "fsdp": _sharding, "tp": _tensor_parallel, "pp": _pipeline, "mesh": _mesh,
-    "zero1": lambda: Zero1, "zero2": lambda: Zero2}
+    "zero1": lambda: Zero1, "zero2": lambda: Zero2, "cp": _sequence_parallel}
 
 
 def strategy_for(cfg: RunConfig, world: World, comm: CommCounter) -> StepStrategy:

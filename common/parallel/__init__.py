@@ -9,6 +9,7 @@ one Layout subclass here plus one class per framework (mlx_impl/, torch_impl/ st
     tp.py     tensor parallelism (Megatron), the tp split
     pp.py     pipeline parallelism's cost and checks; pipeline.py its stages and schedules
     zero.py   ZeRO-1 and ZeRO-2 (zero1, zero2): ddp with the optimizer state (and zero2's gradients) sharded
+    cp.py     context parallelism, the sequence axis (Ulysses's all-to-alls around attention)
     mesh.py   the ranks on named axes (--mesh dp=2,tp=2), which ranks share each axis
     composed.py  several strategies over the axes of one mesh (`MeshLayout`, --strategy mesh)
 
@@ -21,6 +22,7 @@ from common.costmodel.workload import Workload
 from common.errors import UserError
 from common.model.spec import ModelSpec
 from common.parallel.composed import MeshLayout
+from common.parallel.cp import CpLayout
 from common.parallel.ddp import DdpLayout
 from common.parallel.fsdp import FsdpLayout
 from common.parallel.layout import Layout
@@ -30,7 +32,7 @@ from common.parallel.tp import TpLayout
 from common.parallel.zero import Zero1Layout, Zero2Layout
 
 STRATEGIES: dict[str, type[Layout]] = {cls.name: cls for cls in (DdpLayout, FsdpLayout, TpLayout, PpLayout,
-                                                                 Zero1Layout, Zero2Layout)}
+                                                                 Zero1Layout, Zero2Layout, CpLayout)}
 MESH_STRATEGY = MeshLayout.name  # --strategy mesh: the strategies of RunConfig.mesh's axes, composed
 AXIS_STRATEGY = {axis: strategy for strategy, axis in STRATEGY_AXIS.items()}
 

@@ -34,6 +34,7 @@ from common.costmodel.workload import Workload
 from common.errors import UserError
 from common.model.spec import ModelSpec
 from common.model.weights import parameter_shapes
+from common.parallel.cp import CpLayout
 from common.parallel.ddp import DdpLayout, gradient_all_reduce
 from common.parallel.fsdp import FsdpLayout
 from common.parallel.layout import AxisCollectives, Layout, Measured, total_parameters
@@ -42,15 +43,16 @@ from common.parallel.pipeline import stage_holds, stage_layers
 from common.parallel.pp import PpLayout
 from common.parallel.tp import TpLayout, tp_split_axis
 
-AXIS_LAYOUTS: dict[str, type[Layout]] = {"dp": DdpLayout, "fsdp": FsdpLayout, "tp": TpLayout, "pp": PpLayout}
-MODEL_AXES = ("tp", "pp")
+AXIS_LAYOUTS: dict[str, type[Layout]] = {"dp": DdpLayout, "fsdp": FsdpLayout, "tp": TpLayout, "pp": PpLayout,
+                                         "cp": CpLayout}
+MODEL_AXES = ("tp", "pp", "cp")  # cp: whole model, its own collectives (cp.py), as a model axis here
 # The compositions both frameworks run (mlx_impl/mesh.py, torch_impl/mesh.py), as sets of axes.
 COMPOSITIONS = (frozenset({"dp", "tp"}), frozenset({"fsdp", "tp"}), frozenset({"dp", "pp"}), frozenset({"pp", "tp"}),
-                frozenset({"pp", "dp", "tp"}))
+                frozenset({"pp", "dp", "tp"}), frozenset({"dp", "cp"}))
 
 
 def composition_names() -> str:
-    order = ("pp", "dp", "fsdp", "tp")
+    order = ("pp", "dp", "fsdp", "cp", "tp")
     return ", ".join(" x ".join(sorted(c, key=order.index)) for c in COMPOSITIONS)
 
 
@@ -145,6 +147,10 @@ class MeshLayout(Layout):
                     raise UserError(f"{prefix}: fsdp={fsdp} cannot shard {name}: axis 0 holds {rows} rows on each "
                                     f"tp rank ({shape[0]} / tp={tp}), not divisible by {fsdp}")
 
+    def check_sequence(self, seq_len: int, padding_rule: str) -> None:
+        for part in self.parts.values():
+            part.check_sequence(seq_len, padding_rule)
+
     def check_batch(self, global_batch: int, grad_accum: int, pp_microbatches: int) -> None:
         """The model axis cuts the batch of one data rank (pp: into --pp-microbatches pieces)."""
         if self.model_part is not None:
@@ -237,6 +243,10 @@ class MeshLayout(Layout):
     @property
     def activation_split(self) -> int:
         return self.mesh.axis("tp") if self.mesh.has("tp") else 1
+
+    @property
+    def sequence_split(self) -> int:
+        return self.mesh.axis("cp") if self.mesh.has("cp") else 1
 
     def activation_layers(self, spec: ModelSpec) -> int:
         return self.model_part.activation_layers(spec) if self.model_part is not None else spec.n_layers

@@ -137,6 +137,9 @@ class Layout(ABC):
             raise UserError(f"--strategy {self.name} does not support biases (model.{field} = true, from the "
                             "checkpoint's config); use --strategy ddp")
 
+    def check_sequence(self, seq_len: int, padding_rule: str) -> None:
+        """Refuse a sequence this strategy cannot cut (cp: its slices); a mesh asks each axis's object."""
+
     def check_batch(self, global_batch: int, grad_accum: int, pp_microbatches: int) -> None:
         """Refuse a batch this strategy cannot cut (RunConfig's global batch, --grad-accum, --pp-microbatches)."""
 
@@ -225,6 +228,11 @@ class Layout(ABC):
         """Ranks that split the heads and the FFN width (tp)."""
         return 1
 
+    @property
+    def sequence_split(self) -> int:
+        """Ranks that split each sequence (cp): a rank keeps the activations of seq_len / sequence_split tokens."""
+        return 1
+
     def activation_layers(self, spec: ModelSpec) -> int:
         """Blocks whose activations a rank keeps."""
         return spec.n_layers
@@ -238,13 +246,13 @@ class Layout(ABC):
         kv = s.n_kv_heads * s.head_dim
         per_token_layer = (7 * s.dim + (3 * s.dim + 3 * kv + 2 * s.n_heads * w.seq_len + 4 * s.ffn_dim)
                            / self.activation_split)
-        tokens = w.micro_rows(self.dp_size) * w.seq_len
+        tokens = w.micro_rows(self.dp_size) * w.seq_len / self.sequence_split  # the scores' T stays whole (cp.py)
         layers = tokens * self.activation_layers(s) * per_token_layer * DTYPE_BYTES[w.dtype]
         return layers + 2 * self.logits_bytes(w)
 
     def logits_bytes(self, w: Workload) -> float:
         """One float32 logits array of a micro-batch on one rank (its tokens x the vocabulary)."""
-        return w.micro_rows(self.dp_size) * w.seq_len * w.spec.vocab_size * 4
+        return w.micro_rows(self.dp_size) * w.seq_len / self.sequence_split * w.spec.vocab_size * 4
 
     def gathered_bytes(self, w: Workload) -> float:
         """Whole parameters (and gradients) a rank holds beyond its own at the step's peak (fsdp)."""

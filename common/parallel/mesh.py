@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from common.errors import UserError
 
 # Outermost first (the module docstring says why). dp and fsdp are the data axes: one of them at most.
-AXIS_ORDER = ("pp", "dp", "fsdp", "tp")
+AXIS_ORDER = ("pp", "dp", "fsdp", "cp", "tp")  # cp: all-to-alls every layer, next to tp (cp.py)
 DATA_AXES = ("dp", "fsdp")
 # The axis of a one-strategy run is named after the strategy; ddp's data axis is `dp` in a mesh.
-STRATEGY_AXIS = {"ddp": "dp", "fsdp": "fsdp", "tp": "tp", "pp": "pp"}
+STRATEGY_AXIS = {"ddp": "dp", "fsdp": "fsdp", "tp": "tp", "pp": "pp", "cp": "cp"}
 
 
 @dataclass(frozen=True)

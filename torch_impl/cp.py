@@ -1,0 +1,161 @@
+"""Context parallelism in PyTorch (`--strategy cp`, `--mesh dp=2,cp=2`): each rank keeps its slice of the sequence
+outside attention, and Ulysses's all-to-alls give attention the whole sequence for heads / cp of the heads. The split
+and its cost: common/parallel/cp.py. Mirrors mlx_impl/cp.py.
+
+The exchanges are gloo's all_to_all_single (it runs on CPU, FACTS.md) in an autograd Function whose backward is the
+reverse exchange. torch.distributed.tensor.experimental.context_parallel is not used: it swaps
+scaled_dot_product_attention for a ring over DTensor shards (its own load balancer and buffers), which would leave
+MLX's twin nothing to mirror; whether it runs on gloo was not tried.
+
+The strategy is ddp's (`Replicated`, DDP over every rank of the job): each rank's gradients are those of its own
+tokens, scaled by cp so that DDP's average over dp x cp ranks is the gradient of the step's loss; the loss sums over
+the world. The cp exchanges run on a group of their own, apart from DDP's (its bucket all-reduces run from hooks
+while the backward's exchanges are issued).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from common.checkpoint.tensorsource import TensorSource
+from common.config import RunConfig
+from common.parallel.cp import cp_positions
+from common.train.protocols import Batch, ForwardBackwardResult, Phase, World, no_phase
+
+from .comm import CommCounter
+from .ddp import Replicated
+from .microsteps import Grads, StepFunctions
+from .model import Attention, Llama, _rope_tensors, attention
+
+
+def _seq_to_heads(x: torch.Tensor, group: Any, n: int) -> torch.Tensor:
+    """(B, H, T/n, D) -> (B, H/n, T, D): head group j of this rank's slice to rank j."""
+    B, H, Tl, D = x.shape
+    send = x.reshape(B, n, H // n, Tl, D).permute(1, 0, 2, 3, 4).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)  # recv[i]: rank i's slice of this rank's heads
+    return recv.permute(1, 2, 0, 3, 4).reshape(B, H // n, n * Tl, D)
+
+
+def _heads_to_seq(y: torch.Tensor, group: Any, n: int) -> torch.Tensor:
+    """(B, H/n, T, D) -> (B, H, T/n, D): slice j of this rank's heads to rank j."""
+    B, Hc, T, D = y.shape
+    send = y.reshape(B, Hc, n, T // n, D).permute(2, 0, 1, 3, 4).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)  # recv[i]: head group i of this rank's slice
+    return recv.permute(1, 0, 2, 3, 4).reshape(B, n * Hc, T // n, D)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, n):
+        ctx.group, ctx.n = group, n
+        return _seq_to_heads(x, group, n)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _heads_to_seq(dy.contiguous(), ctx.group, ctx.n), None, None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, group, n):
+        ctx.group, ctx.n = group, n
+        return _heads_to_seq(y, group, n)
+
+    @staticmethod
+    def backward(ctx, dx):
+        return _seq_to_heads(dx.contiguous(), ctx.group, ctx.n), None, None
+
+
+Exchange = Callable[[torch.Tensor], torch.Tensor]
+
+
+def ulysses_exchanges(group: Any, rank: int, size: int, comm: CommCounter | None = None) -> tuple[Exchange, Exchange]:
+    """(seq_to_heads, heads_to_seq) over `group`: (B, H, T/n, D) -> (B, H/n, T, D) and back, each the other's
+    gradient. (`rank` and `comm`: MLX's twin slices by rank and counts as it traces; torch's first step is counted
+    by the strategy's watch.)"""
+    def seq_to_heads(x: torch.Tensor) -> torch.Tensor:
+        return _SeqToHeads.apply(x.contiguous(), group, size)
+
+    def heads_to_seq(y: torch.Tensor) -> torch.Tensor:
+        return _HeadsToSeq.apply(y.contiguous(), group, size)
+
+    return seq_to_heads, heads_to_seq
+
+
+class UlyssesAttention(Attention):
+    """The block's attention on the rank's slice: q, k, v of its tokens rotated at their global positions, the
+    all-to-alls around the whole-length core, o_proj on its tokens. The projections are the block's own modules."""
+
+    @classmethod
+    def from_attention(cls, attn: Attention, rank: int, size: int,
+                       exchanges: tuple[Exchange, Exchange]) -> "UlyssesAttention":
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.n_heads, layer.n_kv_heads, layer.scale = attn.n_heads, attn.n_kv_heads, attn.scale
+        layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+        layer.rope = attn.rope
+        layer.cp_rank, layer.cp_size, layer.exchanges = rank, size, exchanges
+        return layer
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        n, (seq_to_heads, heads_to_seq) = self.cp_size, self.exchanges
+        B, Tl, _ = x.shape
+        q = self.q_proj(x).view(B, Tl, self.n_heads, -1).transpose(1, 2)
+        k = self.k_proj(x).view(B, Tl, self.n_kv_heads, -1).transpose(1, 2)
+        v = self.v_proj(x).view(B, Tl, self.n_kv_heads, -1).transpose(1, 2)
+        positions = torch.from_numpy(cp_positions(Tl * n, self.cp_rank, n)).to(x.device)
+        q, k = rope_at(self.rope, q, positions, Tl * n), rope_at(self.rope, k, positions, Tl * n)
+        out = attention(seq_to_heads(q), seq_to_heads(k), seq_to_heads(v), self.scale, None)  # causal, whole T
+        return self.o_proj(heads_to_seq(out).transpose(1, 2).reshape(B, Tl, -1))
+
+
+def rope_at(rope: nn.Module, x: torch.Tensor, positions: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """model.py's RoPE of (B, H, t, D) tokens at global `positions` of a sequence of `seq_len`."""
+    cos, sin = _rope_tensors(rope.spec, seq_len, x.device)
+    cos, sin = cos[positions].to(x.dtype), sin[positions].to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class SequenceParallel(Replicated):
+    """The cp strategy (common/train/protocols.py), alone or beside dp: DDP over every rank of the job, each rank
+    on its slice of the rows its data rank reads."""
+
+    loss_over = "world"  # every rank holds the token losses of its own slice
+
+    def __init__(self, cfg: RunConfig, world: World, comm: CommCounter):
+        super().__init__(cfg, world, comm)
+        self.dp_size = world.size  # DDP over dp x cp
+        self.keeps_grads = self.dp_size > 1
+        cp = world.axes.get("cp")
+        self.cp_rank, self.cp_size = (cp.rank, cp.size) if cp else (world.rank, world.size)
+        group = cp.group if cp else dist.new_group(list(range(world.size)))  # apart from DDP's
+        self.exchanges = ulysses_exchanges(group, self.cp_rank, self.cp_size, comm)
+
+    def wrap(self, model: Llama, source: TensorSource) -> nn.Module:
+        for block in model.model.layers:
+            block.self_attn = UlyssesAttention.from_attention(block.self_attn, self.cp_rank, self.cp_size,
+                                                              self.exchanges)
+        return super().wrap(model, source)
+
+    def sliced(self, batches: Sequence[Batch]) -> list[Batch]:
+        """This rank's positions of each micro-batch's (inputs, targets, mask)."""
+        out = []
+        for inputs, targets, mask in batches:
+            mine = cp_positions(inputs.shape[1], self.cp_rank, self.cp_size)
+            out.append((inputs[:, mine], targets[:, mine], mask[:, mine]))
+        return out
+
+    def forward_backward(self, step: StepFunctions, batches: Sequence[Batch], scale: float,
+                         phase: Phase = no_phase, wait: bool = False,
+                         sync: bool = True) -> ForwardBackwardResult[torch.Tensor, Grads]:
+        """Scaled by cp: DDP's average over dp x cp ranks is then the step's gradient (the module docstring)."""
+        return super().forward_backward(step, self.sliced(batches), scale * self.cp_size, phase, wait, sync)
+
+    def eval_losses(self, step: StepFunctions, batches: Sequence[Batch]) -> torch.Tensor:
+        return super().eval_losses(step, self.sliced(batches))
