@@ -121,6 +121,7 @@ class RunConfig:
     mesh: str = ""                   # strategy mesh: its axes, "dp=2,tp=2" (common/parallel/mesh.py), canonical order
     pp_microbatches: int = 0         # pp: pieces each micro-step's batch is cut into; 0: pp_pieces chooses
     pp_schedule: str = "1f1b"        # pp: gpipe or 1f1b
+    cp_attention: str = "ulysses"    # cp: ulysses (all-to-alls over heads) or ring (zig-zag): common/parallel/cp.py
     backend: str = "auto"
     device: str = "auto"
     dtype: str = "float32"

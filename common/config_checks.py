@@ -55,6 +55,7 @@ def validate(self) -> None:
     _choice("dtype", self.dtype, DTYPES)
     _choice("strategy", self.strategy, (*STRATEGIES, "mesh"))
     _choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
+    _choice("cp_attention", self.cp_attention, ("ulysses", "ring"))  # common/parallel/cp.py CP_ATTENTIONS
     _choice("checkpoint_format", self.checkpoint_format, CHECKPOINT_FORMATS)
     _choice("communication_stream", self.communication_stream, COMMUNICATION_STREAMS)
     _choice("launcher", self.launcher, LAUNCHERS)
@@ -111,7 +112,7 @@ def validate(self) -> None:
     # preset, [model] fields and seq_len checked now; and whether the strategy can split that model (the one
     # place this is checked: every RunConfig is validated when it is made, before anything is prepared)
     strategy.check(self.model_spec(vocab_size=None))
-    strategy.check_sequence(self.seq_len, self.padding_rule)  # cp cuts each sequence (common/parallel/cp.py)
+    strategy.check_sequence(self.seq_len, self.padding_rule, self.cp_attention)  # cp cuts each sequence (parallel/cp.py)
     if self.checkpoint_format == "sharded" and not strategy.writes_sharded_checkpoints:
         raise UserError(f"--checkpoint-format sharded: --strategy {self.strategy} writes hf checkpoints only (rank "
                         "0 gathers the sharded moments); use --checkpoint-format hf")

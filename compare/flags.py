@@ -67,12 +67,14 @@ RUN_FLAGS = [
                              "float32; needs --lora-rank; docs/finetuning.md)"),
     ("--quantize-group-size", int, "weights sharing one scale and bias in a quantized base: 32, 64 (default) or 128"),
     ("--strategy", str, "ddp (replicated), zero1 or zero2 (ddp with sharded optimizer state, zero2: and gradients), "
-                       "fsdp (sharded), tp (tensor parallel) or pp (pipeline)"),
-    ("--mesh", str, "strategies composed over named axes, AXIS=SIZE,... with axes dp, fsdp, tp, pp (dp=2,tp=2; their "
+                       "fsdp (sharded), tp (tensor parallel), pp (pipeline) or cp (sequence: context parallel)"),
+    ("--mesh", str, "strategies composed over named axes, AXIS=SIZE,... with axes dp, fsdp, tp, pp, cp (dp=2,tp=2; their "
                     "product is the rank count); laid out pp outermost, tp innermost (docs/strategies.md)"),
     ("--pp-microbatches", int, "pp: micro-batches each micro-step's batch is cut into (default: the largest count "
                                "up to 4 that divides it, at least one per stage for torch)"),
     ("--pp-schedule", str, "pp: gpipe or 1f1b (default)"),
+    ("--cp-attention", str, "cp: ulysses (default: all-to-alls over heads around attention) or ring (K/V blocks "
+                            "passed around the cp ranks, zig-zag split; docs/strategies.md)"),
     ("--backend", str, "distributed backend: auto, ring, mpi, nccl (mlx); auto, gloo, nccl (torch)"),
     ("--device", str, "auto, cpu, cuda, mps, gpu"),
     ("--dtype", str, "float32, or bfloat16: mixed precision, the same policy in both frameworks on every "

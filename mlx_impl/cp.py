@@ -15,14 +15,15 @@ scaled by cp so that the average over dp x cp ranks is the gradient of the step'
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence, cast
+from typing import Any, Callable, Sequence, cast
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from common.checkpoint.tensorsource import TensorSource
 from common.config import RunConfig
-from common.parallel.cp import cp_positions
+from common.parallel.cp import positions_for, ring_blocks
 from common.train.protocols import Batch, ForwardBackwardResult, Phase, World, no_phase
 
 from .comm import CommCounter
@@ -67,12 +68,88 @@ def ulysses_exchanges(group, rank: int, size: int, comm: CommCounter | None = No
     return cast(Exchange, seq_to_heads), cast(Exchange, heads_to_seq)
 
 
+def ring_passes(group, rank: int, size: int, comm: CommCounter | None = None) -> Exchange:
+    """The ring's step: the block of the rank before this one in the cp group, its gradient sent back the other
+    way. Built on all_gather (each rank keeps its predecessor's part): at cp=2 the same bytes a send/recv pair
+    carries; at cp > 2 cp - 1 times them. MLX's send and recv inside the compiled step cannot be ordered (the
+    graph runs independent ones in any order, FACTS.md), and two ranks that both receive first deadlock."""
+    n = size
+
+    def taken(x: mx.array, source: int) -> mx.array:
+        if comm is not None:
+            comm.add(x)
+        return mx.distributed.all_gather(x[None], group=group)[source]
+
+    @mx.custom_function
+    def from_previous(x):
+        return taken(x, (rank - 1) % n)
+
+    @mx.custom_function
+    def from_next(x):
+        return taken(x, (rank + 1) % n)
+
+    @from_previous.vjp
+    def from_previous_vjp(x, dy, _):
+        return from_next(dy)
+
+    @from_next.vjp
+    def from_next_vjp(x, dy, _):
+        return from_previous(dy)
+
+    return cast(Exchange, from_previous)
+
+
+def block_attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
+                    bias: mx.array | None = None) -> tuple[mx.array, mx.array]:
+    """(softmax(q k^T scale + bias) v, its rows' logsumexp) in float32, (B, H, t, D) queries against (B, KV, s, D)
+    keys and values (grouped-query: each kv head repeated for its query heads)."""
+    q, k, v = q.astype(mx.float32), k.astype(mx.float32), v.astype(mx.float32)
+    if k.shape[1] != q.shape[1]:
+        k, v = mx.repeat(k, q.shape[1] // k.shape[1], axis=1), mx.repeat(v, q.shape[1] // v.shape[1], axis=1)
+    scores = (q * scale) @ k.swapaxes(-1, -2)
+    if bias is not None:
+        scores = scores + bias
+    peak = mx.stop_gradient(scores.max(axis=-1, keepdims=True))
+    e = mx.exp(scores - peak)
+    rows = e.sum(axis=-1, keepdims=True)
+    return (e @ v) / rows, peak + mx.log(rows)
+
+
+def merged(out: mx.array, lse: mx.array, block_out: mx.array, block_lse: mx.array) -> tuple[mx.array, mx.array]:
+    """The online softmax's step: two partial attentions of the same queries over disjoint keys, as one."""
+    both = mx.logaddexp(lse, block_lse)
+    return out * mx.exp(lse - both) + block_out * mx.exp(block_lse - both), both
+
+
+def ring_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, rank: int, size: int,
+                   from_previous: Exchange) -> mx.array:
+    """Causal attention of the rank's zig-zag chunks (q, k, v: (B, heads, 2c, D), positions common/parallel/cp.py
+    zigzag_positions) over the whole sequence: its own block under the causal mask, then cp - 1 times the key/value
+    block of the rank before passed on, each merged into the chunks' running (output, logsumexp), the half of each
+    block that lies wholly in the future skipped (ring_blocks)."""
+    c = q.shape[2] // 2
+    positions = positions_for("ring", 2 * c * size, rank, size)
+    bias = mx.array(np.where(positions[:, None] >= positions[None], 0.0, -np.inf).astype(np.float32))
+    out, lse = block_attention(q, k, v, scale, bias)
+    first, second = (out[:, :, :c], lse[:, :, :c]), (out[:, :, c:], lse[:, :, c:])
+    kv = mx.stack([k, v])
+    for step in range(1, size):
+        kv = from_previous(kv)
+        if ring_blocks(rank, (rank - step) % size) == "first":
+            block_out, block_lse = block_attention(q, kv[0][:, :, :c], kv[1][:, :, :c], scale)
+            first = merged(*first, block_out[:, :, :c], block_lse[:, :, :c])
+            second = merged(*second, block_out[:, :, c:], block_lse[:, :, c:])
+        else:
+            second = merged(*second, *block_attention(q[:, :, c:], kv[0], kv[1], scale))
+    return mx.concatenate([first[0], second[0]], axis=2).astype(q.dtype)
+
+
 class UlyssesAttention(Attention):
     """The block's attention on the rank's slice: q, k, v of its tokens rotated at their global positions, the
     all-to-alls around the whole-length core, o_proj on its tokens. The projections are the block's own modules."""
 
     @classmethod
-    def from_attention(cls, attn: Attention, rank: int, size: int, exchanges: tuple[Exchange, Exchange]):
+    def from_attention(cls, attn: Attention, rank: int, size: int, exchanges: Any):
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         layer.n_heads, layer.n_kv_heads, layer.scale = attn.n_heads, attn.n_kv_heads, attn.scale
@@ -87,10 +164,26 @@ class UlyssesAttention(Attention):
         q = self.q_proj(x).reshape(B, Tl, self.n_heads, -1).transpose(0, 2, 1, 3)
         k = self.k_proj(x).reshape(B, Tl, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(B, Tl, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        positions = mx.array(cp_positions(Tl * size, rank, size))
+        positions = mx.array(positions_for("ulysses", Tl * size, rank, size))
         q, k = rope_at(self.rope, q, positions, Tl * size), rope_at(self.rope, k, positions, Tl * size)
         out = attention(seq_to_heads(q), seq_to_heads(k), seq_to_heads(v), self.scale, "causal")
         return self.o_proj(heads_to_seq(out).transpose(0, 2, 1, 3).reshape(B, Tl, -1))
+
+
+class RingAttention(UlyssesAttention):
+    """The block's attention on the rank's zig-zag chunks: q, k, v rotated at their global positions, ring_attention
+    over the cp group (`from_previous` in place of Ulysses's exchanges), o_proj on its tokens."""
+
+    def __call__(self, x: mx.array, mask: mx.array | str) -> mx.array:
+        rank, size, from_previous = self._cp
+        B, Tl, _ = x.shape
+        q = self.q_proj(x).reshape(B, Tl, self.n_heads, -1).transpose(0, 2, 1, 3)
+        k = self.k_proj(x).reshape(B, Tl, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(B, Tl, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        positions = mx.array(positions_for("ring", Tl * size, rank, size))
+        q, k = rope_at(self.rope, q, positions, Tl * size), rope_at(self.rope, k, positions, Tl * size)
+        out = ring_attention(q, k, v, self.scale, rank, size, from_previous)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, Tl, -1))
 
 
 def rope_at(rope: nn.Module, x: mx.array, positions: mx.array, seq_len: int) -> mx.array:
@@ -112,19 +205,21 @@ class SequenceParallel(Replicated):
         self.dp_size = world.size  # the gradients averaged over dp x cp (communicates)
         cp = world.axes.get("cp", world)
         self.cp_rank, self.cp_size = cp.rank, cp.size
-        self.exchanges = ulysses_exchanges(cp.group, cp.rank, cp.size, comm)
+        self.attention = cfg.cp_attention
+        self.exchanges: Any = (ring_passes(cp.group, cp.rank, cp.size, comm) if self.attention == "ring" else
+                               ulysses_exchanges(cp.group, cp.rank, cp.size, comm))
 
     def wrap(self, model: nn.Module, source: TensorSource) -> nn.Module:
+        kind = RingAttention if self.attention == "ring" else UlyssesAttention
         for block in model.model.layers:
-            block.self_attn = UlyssesAttention.from_attention(block.self_attn, self.cp_rank, self.cp_size,
-                                                              self.exchanges)
+            block.self_attn = kind.from_attention(block.self_attn, self.cp_rank, self.cp_size, self.exchanges)
         return super().wrap(model, source)
 
     def sliced(self, batches: Sequence[Batch]) -> list[Batch]:
         """This rank's positions of each micro-batch's (inputs, targets, mask)."""
         out = []
         for inputs, targets, mask in batches:
-            mine = cp_positions(inputs.shape[1], self.cp_rank, self.cp_size)
+            mine = positions_for(self.attention, inputs.shape[1], self.cp_rank, self.cp_size)
             out.append((inputs[:, mine], targets[:, mine], mask[:, mine]))
         return out
 

@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from common.checkpoint.tensorsource import TensorSource
 from common.config import RunConfig
-from common.parallel.cp import cp_positions
+from common.parallel.cp import positions_for, ring_blocks
 from common.train.protocols import Batch, ForwardBackwardResult, Phase, World, no_phase
 
 from .comm import CommCounter
@@ -87,13 +87,88 @@ def ulysses_exchanges(group: Any, rank: int, size: int, comm: CommCounter | None
     return seq_to_heads, heads_to_seq
 
 
+def _passed(x: torch.Tensor, group: Any, to: int, source: int) -> torch.Tensor:
+    """x sent to global rank `to`, the same shape received from global rank `source` (gloo's isend/irecv)."""
+    received = torch.empty_like(x)
+    for request in (dist.isend(x, to, group=group), dist.irecv(received, source, group=group)):
+        request.wait()
+    return received
+
+
+class _FromPrevious(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, previous, following):
+        ctx.group, ctx.previous, ctx.following = group, previous, following
+        return _passed(x, group, following, previous)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _passed(dy.contiguous(), ctx.group, ctx.previous, ctx.following), None, None, None
+
+
+def ring_passes(group: Any, rank: int, size: int, comm: CommCounter | None = None) -> Exchange:
+    """The ring's step: the block of the rank before this one in the cp group (send to the next, receive from the
+    previous), its gradient sent back the other way in the backward. (`comm`: MLX's twin counts as it traces.)"""
+    previous, following = (dist.get_global_rank(group, (rank + d) % size) for d in (-1, 1))
+
+    def from_previous(x: torch.Tensor) -> torch.Tensor:
+        return _FromPrevious.apply(x.contiguous(), group, previous, following)
+
+    return from_previous
+
+
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                    bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(softmax(q k^T scale + bias) v, its rows' logsumexp) in float32, (B, H, t, D) queries against (B, KV, s, D)
+    keys and values (grouped-query: each kv head repeated for its query heads)."""
+    q, k, v = q.float(), k.float(), v.float()
+    if k.shape[1] != q.shape[1]:
+        k, v = k.repeat_interleave(q.shape[1] // k.shape[1], 1), v.repeat_interleave(q.shape[1] // v.shape[1], 1)
+    scores = (q * scale) @ k.transpose(-1, -2)
+    if bias is not None:
+        scores = scores + bias
+    peak = scores.amax(dim=-1, keepdim=True).detach()
+    e = torch.exp(scores - peak)
+    rows = e.sum(dim=-1, keepdim=True)
+    return (e @ v) / rows, peak + torch.log(rows)
+
+
+def merged(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
+           block_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The online softmax's step: two partial attentions of the same queries over disjoint keys, as one."""
+    both = torch.logaddexp(lse, block_lse)
+    return out * torch.exp(lse - both) + block_out * torch.exp(block_lse - both), both
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, rank: int, size: int,
+                   from_previous: Exchange) -> torch.Tensor:
+    """Causal attention of the rank's zig-zag chunks (q, k, v: (B, heads, 2c, D), positions common/parallel/cp.py
+    zigzag_positions) over the whole sequence: its own block under the causal mask, then cp - 1 times the key/value
+    block of the rank before passed on, each merged into the chunks' running (output, logsumexp), the half of each
+    block that lies wholly in the future skipped (ring_blocks)."""
+    c = q.shape[2] // 2
+    positions = torch.from_numpy(positions_for("ring", 2 * c * size, rank, size)).to(q.device)
+    bias = torch.zeros(2 * c, 2 * c, device=q.device).masked_fill(positions[:, None] < positions[None], -torch.inf)
+    out, lse = block_attention(q, k, v, scale, bias)
+    first, second = (out[:, :, :c], lse[:, :, :c]), (out[:, :, c:], lse[:, :, c:])
+    kv = torch.stack([k, v])
+    for step in range(1, size):
+        kv = from_previous(kv)
+        if ring_blocks(rank, (rank - step) % size) == "first":
+            block_out, block_lse = block_attention(q, kv[0][:, :, :c], kv[1][:, :, :c], scale)
+            first = merged(*first, block_out[:, :, :c], block_lse[:, :, :c])
+            second = merged(*second, block_out[:, :, c:], block_lse[:, :, c:])
+        else:
+            second = merged(*second, *block_attention(q[:, :, c:], kv[0], kv[1], scale))
+    return torch.cat([first[0], second[0]], dim=2).to(q.dtype)
+
+
 class UlyssesAttention(Attention):
     """The block's attention on the rank's slice: q, k, v of its tokens rotated at their global positions, the
     all-to-alls around the whole-length core, o_proj on its tokens. The projections are the block's own modules."""
 
     @classmethod
-    def from_attention(cls, attn: Attention, rank: int, size: int,
-                       exchanges: tuple[Exchange, Exchange]) -> "UlyssesAttention":
+    def from_attention(cls, attn: Attention, rank: int, size: int, exchanges: Any) -> "UlyssesAttention":
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         layer.n_heads, layer.n_kv_heads, layer.scale = attn.n_heads, attn.n_kv_heads, attn.scale
@@ -108,10 +183,26 @@ class UlyssesAttention(Attention):
         q = self.q_proj(x).view(B, Tl, self.n_heads, -1).transpose(1, 2)
         k = self.k_proj(x).view(B, Tl, self.n_kv_heads, -1).transpose(1, 2)
         v = self.v_proj(x).view(B, Tl, self.n_kv_heads, -1).transpose(1, 2)
-        positions = torch.from_numpy(cp_positions(Tl * n, self.cp_rank, n)).to(x.device)
+        positions = torch.from_numpy(positions_for("ulysses", Tl * n, self.cp_rank, n)).to(x.device)
         q, k = rope_at(self.rope, q, positions, Tl * n), rope_at(self.rope, k, positions, Tl * n)
         out = attention(seq_to_heads(q), seq_to_heads(k), seq_to_heads(v), self.scale, None)  # causal, whole T
         return self.o_proj(heads_to_seq(out).transpose(1, 2).reshape(B, Tl, -1))
+
+
+class RingAttention(UlyssesAttention):
+    """The block's attention on the rank's zig-zag chunks: q, k, v rotated at their global positions, ring_attention
+    over the cp group (`from_previous` in place of Ulysses's exchanges), o_proj on its tokens."""
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        n, rank = self.cp_size, self.cp_rank
+        B, Tl, _ = x.shape
+        q = self.q_proj(x).view(B, Tl, self.n_heads, -1).transpose(1, 2)
+        k = self.k_proj(x).view(B, Tl, self.n_kv_heads, -1).transpose(1, 2)
+        v = self.v_proj(x).view(B, Tl, self.n_kv_heads, -1).transpose(1, 2)
+        positions = torch.from_numpy(positions_for("ring", Tl * n, rank, n)).to(x.device)
+        q, k = rope_at(self.rope, q, positions, Tl * n), rope_at(self.rope, k, positions, Tl * n)
+        out = ring_attention(q, k, v, self.scale, rank, n, self.exchanges)
+        return self.o_proj(out.transpose(1, 2).reshape(B, Tl, -1))
 
 
 def rope_at(rope: nn.Module, x: torch.Tensor, positions: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -135,19 +226,21 @@ class SequenceParallel(Replicated):
         cp = world.axes.get("cp")
         self.cp_rank, self.cp_size = (cp.rank, cp.size) if cp else (world.rank, world.size)
         group = cp.group if cp else dist.new_group(list(range(world.size)))  # apart from DDP's
-        self.exchanges = ulysses_exchanges(group, self.cp_rank, self.cp_size, comm)
+        self.attention = cfg.cp_attention
+        self.exchanges: Any = (ring_passes(group, self.cp_rank, self.cp_size, comm) if self.attention == "ring" else
+                               ulysses_exchanges(group, self.cp_rank, self.cp_size, comm))
 
     def wrap(self, model: Llama, source: TensorSource) -> nn.Module:
+        kind = RingAttention if self.attention == "ring" else UlyssesAttention
         for block in model.model.layers:
-            block.self_attn = UlyssesAttention.from_attention(block.self_attn, self.cp_rank, self.cp_size,
-                                                              self.exchanges)
+            block.self_attn = kind.from_attention(block.self_attn, self.cp_rank, self.cp_size, self.exchanges)
         return super().wrap(model, source)
 
     def sliced(self, batches: Sequence[Batch]) -> list[Batch]:
         """This rank's positions of each micro-batch's (inputs, targets, mask)."""
         out = []
         for inputs, targets, mask in batches:
-            mine = cp_positions(inputs.shape[1], self.cp_rank, self.cp_size)
+            mine = positions_for(self.attention, inputs.shape[1], self.cp_rank, self.cp_size)
             out.append((inputs[:, mine], targets[:, mine], mask[:, mine]))
         return out
 

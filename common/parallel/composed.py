@@ -147,9 +147,9 @@ class MeshLayout(Layout):
                     raise UserError(f"{prefix}: fsdp={fsdp} cannot shard {name}: axis 0 holds {rows} rows on each "
                                     f"tp rank ({shape[0]} / tp={tp}), not divisible by {fsdp}")
 
-    def check_sequence(self, seq_len: int, padding_rule: str) -> None:
+    def check_sequence(self, seq_len: int, padding_rule: str, cp_attention: str = "ulysses") -> None:
         for part in self.parts.values():
-            part.check_sequence(seq_len, padding_rule)
+            part.check_sequence(seq_len, padding_rule, cp_attention)
 
     def check_batch(self, global_batch: int, grad_accum: int, pp_microbatches: int) -> None:
         """The model axis cuts the batch of one data rank (pp: into --pp-microbatches pieces)."""

@@ -43,9 +43,6 @@ from common.model.spec import ModelSpec
 from common.parallel.ddp import DdpLayout, gradient_all_reduce
 from common.parallel.layout import DTYPE_BYTES, Layout, Measured, total_parameters
 
-CP_ATTENTIONS = ("ulysses",)  # ring attention (zig-zag): not built yet (docs/strategies.md)
-
-
 def cp_positions(seq_len: int, rank: int, size: int) -> np.ndarray:
     """The global positions rank `rank` of a cp group of `size` holds: its contiguous T / size."""
     chunk = seq_len // size
@@ -58,6 +55,23 @@ def zigzag_positions(seq_len: int, rank: int, size: int) -> np.ndarray:
     chunk = seq_len // (2 * size)
     first, second = rank, 2 * size - 1 - rank
     return np.concatenate([np.arange(first * chunk, (first + 1) * chunk), np.arange(second * chunk, (second + 1) * chunk)])
+
+
+# --cp-attention: which positions a rank holds under each attention (the frameworks' cp.py pick their core by it)
+CP_ATTENTIONS = {"ulysses": cp_positions, "ring": zigzag_positions}
+
+
+def positions_for(attention: str, seq_len: int, rank: int, size: int) -> np.ndarray:
+    return CP_ATTENTIONS[attention](seq_len, rank, size)
+
+
+def ring_blocks(rank: int, source: int) -> str:
+    """Which part of ring attention's work a rank does with the key/value block of rank `source` (zig-zag): its
+    own ("causal": both chunks, under the causal mask), an earlier rank's ("first": every query against the block's
+    first chunk, whole; its second chunk lies after both of the rank's), or a later rank's ("second": the rank's
+    second chunk against the whole block; its first chunk precedes every key of it). Each skipped half lies wholly
+    in the future, so every step after the first costs half a block: the same on every rank."""
+    return "causal" if source == rank else "first" if source < rank else "second"
 
 
 def causal_work(positions: np.ndarray) -> int:
@@ -82,9 +96,12 @@ class CpLayout(Layout):
                 raise UserError(f"cp={n}: Ulysses splits model.{field} = {value} over the cp ranks, which {n} does "
                                 f"not divide; use a cp size that divides {value}")
 
-    def check_sequence(self, seq_len: int, padding_rule: str) -> None:
-        """Each rank's slice is seq_len / cp tokens, of one width every step."""
+    def check_sequence(self, seq_len: int, padding_rule: str, cp_attention: str = "ulysses") -> None:
+        """Each rank's slice is seq_len / cp tokens (ring: two chunks of seq_len / 2 cp), of one width every step."""
         n = self.ranks
+        if cp_attention == "ring" and seq_len % (2 * n):
+            raise UserError(f"--cp-attention ring cuts each sequence into 2 x cp = {2 * n} chunks (zig-zag), but "
+                            f"--seq-len {seq_len} is not divisible by {2 * n}; use a multiple of {2 * n}")
         if seq_len % n:
             raise UserError(f"cp={n} cuts each sequence into {n} slices, but --seq-len {seq_len} is not divisible "
                             f"by {n}; use a multiple of {n}")

@@ -137,7 +137,7 @@ class Layout(ABC):
             raise UserError(f"--strategy {self.name} does not support biases (model.{field} = true, from the "
                             "checkpoint's config); use --strategy ddp")
 
-    def check_sequence(self, seq_len: int, padding_rule: str) -> None:
+    def check_sequence(self, seq_len: int, padding_rule: str, cp_attention: str = "ulysses") -> None:
         """Refuse a sequence this strategy cannot cut (cp: its slices); a mesh asks each axis's object."""
 
     def check_batch(self, global_batch: int, grad_accum: int, pp_microbatches: int) -> None:
