@@ -62,17 +62,25 @@ def _meant(cfg: RunConfig, choice: str):
     return getattr(cfg, choice)
 
 
+def short(name: str) -> str:
+    """A recipe's name in folder names and labels: a recipe file's stem (`--recipe-from` writes a-mlx-lm.json)."""
+    return Path(name).stem if str(name).endswith(".json") else name
+
+
 def link_dirname(k: int, links: list[dict], names: tuple[str, str]) -> str:
+    names = (short(names[0]), short(names[1]))
     if k == 0:
         return f"00-{names[0]}"
     return f"{k:02d}-{links[k - 1]['choice'].replace('_', '-')}" + (f"-{names[1]}" if k == len(links) else "")
 
 
 def link_label(k: int, links: list[dict], names: tuple[str, str]) -> str:
+    names = (short(names[0]), short(names[1]))
     return names[0] if k == 0 else f"+{links[k - 1]['choice']}" + (f" = {names[1]}" if k == len(links) else "")
 
 
 def describe(links: list[dict], names: tuple[str, str]) -> str:
+    names = (short(names[0]), short(names[1]))
     steps = ", ".join(f"{link['choice']} {link['a']} -> {link['b']}" for link in links)
     return f"recipes {names[0]} -> {names[1]}: {len(links)} choices differ, taken in this order: {steps}"
 

@@ -116,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     compare.add_argument("--recipes", help="A,B: run recipes A and B and the chain between them, one choice changed "
                                            "per link, and explain the gap choice by choice (docs/recipes.md)")
+    compare.add_argument("--recipe-from", help="RUN_A,RUN_B: your own mlx_lm.lora and Trainer/trl runs (folders, or "
+                                               "recipe files import-run wrote), reproduced in both frameworks and "
+                                               "their gap explained (docs/your-runs.md)")
     add_tolerance_flags(compare)
     add_baseline_flags(compare)
     add_run_flags(compare)

@@ -96,7 +96,7 @@ def read(folder: Path, config: dict, log: str | Path | None) -> ImportedRun:
         "dpcompare's seed, so the curves are judged on a tolerance",
         "the data order past the first epoch, and the rendering of the records by the tokenizer's chat template "
         "(docs/recipes.md)"]
-    model = str(config.get("model", ""))
+    model = run.model = str(config.get("model", ""))
     folder_path, line = local_folder(model, f"{CFG} model")
     run.needs["--init-from"] = folder_path or line
     data = Path(str(config.get("data", "")))

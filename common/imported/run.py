@@ -32,6 +32,7 @@ class ImportedRun:
     log_window: int = 1                                      # steps per logged point
     log_source: str = ""
     needs: dict = field(default_factory=dict)                # what to pass along: init_from, dataset, in words
+    model: str = ""                                          # the model the run names (a folder or a hub name)
 
     def set(self, name: str, value, source: str) -> None:
         self.choices = [c for c in self.choices if c.field != name] + [Choice(name, value, source)]
@@ -63,7 +64,7 @@ class ImportedRun:
                 "base": self.base, "framework": self.framework, "imported_from": self.path,
                 "values": self.values(), "shape": self.shape(), "flags": self.flags(), "sources": self.sources(),
                 "unknown": self.unknown,
-                "needs": self.needs,
+                "needs": self.needs, "model": self.model,
                 "logged": {"steps": self.logged_steps, "loss": self.logged_loss, "window": self.log_window,
                            "source": self.log_source}}
 
@@ -130,3 +131,21 @@ def write_recipe(run: ImportedRun, out: Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(run.to_json(), indent=1) + "\n")
     return out
+
+
+def from_json(path: Path) -> ImportedRun:
+    """A recipe file `import-run` wrote, read back as the run it describes (its curve and sources with it)."""
+    data = read_json(Path(path))
+    if not str(data.get("format", "")).startswith("dpcompare-recipe/") or not isinstance(data.get("values"), dict):
+        raise UserError(f"{path}: not a recipe file (`dpcompare import-run` writes them)")
+    run = ImportedRun(str(data.get("tool")), str(data.get("base")), str(data.get("framework")),
+                      str(data.get("imported_from", path)))
+    sources = data.get("sources") or {}
+    for k, v in {**data["values"], **(data.get("shape") or {})}.items():
+        run.set(k, v, sources.get(k, f"{Path(path).name} {k}"))
+    logged = data.get("logged") or {}
+    run.logged_steps, run.logged_loss = list(logged.get("steps") or []), list(logged.get("loss") or [])
+    run.log_window, run.log_source = int(logged.get("window") or 1), str(logged.get("source") or "")
+    run.unknown, run.needs = list(data.get("unknown") or []), dict(data.get("needs") or {})
+    run.model = str(data.get("model") or "")
+    return run

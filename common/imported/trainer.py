@@ -130,7 +130,7 @@ def _lora(run: ImportedRun, config: dict | None, folder: Path) -> None:
                            "must be the last ones, which needs the model's depth (checked when it runs)")
         count = len(layers) if isinstance(layers, list) else 1
         run.set("lora_layers", count, f"{cfg} layers_to_transform (taken as the last {count})")
-    base = str(config.get("base_model_name_or_path") or "")
+    base = run.model = str(config.get("base_model_name_or_path") or "")
     path, line = local_folder(base, f"{cfg} base_model_name_or_path")
     run.needs["--init-from"] = path or line
 

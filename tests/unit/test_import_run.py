@@ -117,3 +117,24 @@ def test_a_recipe_file_that_is_not_one_exits_2(tmp_path):
     bad = _write(tmp_path / "x" / "r.json", '{"values": {}}') / "r.json"
     with pytest.raises(Exception, match="not a recipe file"):
         RunConfig.from_dict({"recipe": str(bad)})
+
+
+RECIPE_FROM_BAD = {
+    "no model folder": ((), "pass --init-from DIR"),
+    "a hub name for --init-from": (("--init-from", "HuggingFaceTB/SmolLM2-135M"), "does not exist"),
+    "one framework": (("--preset", "tiny", "--frameworks", "mlx"), "--frameworks mlx,torch"),
+    "with --recipes": (("--preset", "tiny", "--recipes", "mlx-lm,trl"), "drop --recipes"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RECIPE_FROM_BAD))
+def test_compare_recipe_from_refuses_before_anything_runs_or_is_written(case, tmp_path):
+    from helpers import dpcompare_here
+    extra, words = RECIPE_FROM_BAD[case]
+    data = tmp_path / "pairs.jsonl"
+    data.write_text('{"prompt": "Q: 1+1?", "completion": " 2"}\n' * 40)
+    out = tmp_path / "out"
+    proc = dpcompare_here("compare", "--recipe-from", f"{MLX_RUN},{TRAINER_RUN}", "--dataset", data, *extra,
+                          "--out", out, cache_dir=tmp_path / "cache")
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and words in proc.stderr, proc.stderr
+    assert not out.exists()
