@@ -59,6 +59,10 @@ def summarize(cfg: RunConfig, run_dir: Path, argv: list[str], blas: str, wall_s:
         "rank_shares": cfg.rank_shares or None, "auto_shares": rank0.get("auto_shares"),  # auto: the timings
         "rank_batch_sizes": (rank0.get("auto_shares") or {}).get("rank_batch_sizes") or list(cfg.rank_batch_sizes),
         "rank_speed": cfg.rank_speed if cfg.world_size > 1 and cfg.rank_speed else None,
+        # Each rank's step without the gradient sync (its compute) and the rest of a synced step (its wait at the
+        # all-reduce, communication included), from its own time breakdown (compare/report/uneven.py).
+        "rank_compute_s": [(ranks.get(r, {}).get("breakdown") or {}).get("unsynced_step_s") for r in range(world)],
+        "rank_wait_s": [rank_wait_s(ranks.get(r, {}).get("breakdown")) for r in range(world)],
         "base_quantization": cfg.base_storage.describe(),  # None: a float32 base (common/model/quantize.py)
         "state_bytes": {part: [ranks.get(r, {}).get("state_bytes", {}).get(part) for r in range(world)]
                         for part in ("params", "grads", "optimizer")},
@@ -108,3 +112,10 @@ def summarize(cfg: RunConfig, run_dir: Path, argv: list[str], blas: str, wall_s:
     if failure:
         summary.update(failure)
     return summary
+
+
+def rank_wait_s(breakdown: dict | None) -> float | None:
+    """A rank's synced step minus its unsynced one: its wait for the others plus the reduction itself."""
+    if not breakdown or breakdown.get("unsynced_step_s") is None:
+        return None
+    return max(0.0, breakdown["synced_step_s"] - breakdown["unsynced_step_s"])

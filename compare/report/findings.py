@@ -15,6 +15,7 @@ from ..machine.sharing import MEASURED, polls_on_full_cores
 from .mfu import PeakFinder
 from .labels import run_parts
 from .parity import RunData, run_verdict
+from .uneven import rank_lines
 from .verdict_table import failure_lines, pair_rows
 
 MB = 1e6
@@ -65,6 +66,9 @@ def run_row(run: RunData, parity: dict, peaks: "PeakFinder") -> dict:
         "link": s.get("link"),  # the path the ranks talked over, emulated or loopback (docs/links.md)
         "pipeline": s.get("pipeline"),  # pp: schedule, micro-batches, each stage's bubble and layers
         "breakdown": s.get("breakdown"),
+        # Each rank's compute and wait, and its sequences of a batch (--rank-shares): compare/report/uneven.py
+        "rank_compute_s": s.get("rank_compute_s"), "rank_wait_s": s.get("rank_wait_s"),
+        "rank_batch_sizes": s.get("rank_batch_sizes"),
         "op_profile": s.get("op_profile"),  # N=1: ms per step of each op class (common/train/opprofile.py)
         # The cost model's step for this run, from the N=1 run (compare/plan/predictions.py).
         "prediction": s.get("prediction"),
@@ -295,6 +299,7 @@ def verdicts(parity: dict, speed: list[dict], scaling: dict, memory: list[dict],
     for row in rows:
         if not row["ok"]:
             notes.append(f"Skipped, {row['label']}: {row['problem']}")
+    notes += rank_lines(rows)  # each rank's compute and wait; the slow rank and its balancing shares
     pairs = pair_rows(parity)
     figures = scaling_lines(scaling) + memory_lines(memory)
     if not notes and not figures and not pairs:

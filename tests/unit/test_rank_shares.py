@@ -135,3 +135,15 @@ def test_rank_speed_goes_to_the_spawner_and_the_one_rank_reference_runs_at_full_
     assert argv[argv.index("--rank-speed") + 1] == "1:0.5" and "compare.launch.spawn" in argv
     argv, _, _ = build_command(_cfg(framework="torch", rank_speed="1:0.5", nproc=1), tmp_path)
     assert "--rank-speed" not in argv
+
+
+def test_the_report_names_the_slow_rank_and_the_shares_that_balance_it():
+    from compare.report.uneven import balancing_sizes, rank_lines
+
+    row = {"label": "torch x2", "rank_compute_s": [0.10, 0.20], "rank_wait_s": [0.11, 0.01], "rank_batch_sizes": [4, 4]}
+    lines = rank_lines([row])
+    assert lines[0].startswith("Ranks, torch x2: compute 100.0 / 200.0 ms, wait at the all-reduce 110.0 / 10.0 ms")
+    assert "the slowest rank (1) costs 48% of the step" in lines[0]
+    assert "rank 1 computes 2.00x as long as rank 0; --rank-shares 5,3 would balance them" in lines[1]
+    assert balancing_sizes([0.3, 0.1], [6, 2]) == (4, 4)  # 20 sequences/s each: equally fast ranks, even shares
+    assert len(rank_lines([{**row, "rank_compute_s": [0.10, 0.11]}])) == 1  # within 20 %: no finding
