@@ -18,6 +18,7 @@ from common.config import MLX_SPLIT_BACKENDS
 from common.costmodel.calibrate import calibrate
 from common.costmodel.fit import fit_host_costs
 from common.costmodel.levels import Links
+from common.data.shares import parse_speeds
 from common.errors import UserError
 from common.metrics import write_json
 from common.parallel import STRATEGIES
@@ -26,6 +27,7 @@ from compare.plan.meshes import mesh_plan, mesh_table
 from compare.plan.predictions import fit_backend_note
 from compare.plan.runs import cores_shared_by, measured_points, n1_beside, read_run
 from compare.plan.table import make_plan, plot, table
+from compare.plan.uneven import uneven_lines, uneven_plan
 
 DEFAULT_NPROC = "2,4,8,16,64"
 
@@ -92,6 +94,12 @@ def run_plan(args) -> int:
     memory = args.device_memory_gb * 1e9 if args.device_memory_gb else None  # a machine's
     meshes = mesh_plan(cal, link, world_sizes, memory, runs_on, sharing) if getattr(args, "meshes", False) else None
     rows = meshes["rows"] if meshes else make_plan(cal, link, strategies, world_sizes, memory, backend, sharing)
+    uneven = None
+    if getattr(args, "rank_speed", None):
+        n = max(min([w for w in world_sizes if w > 1] or [2]), max(int(i.split(":")[0]) for i in
+                                                                  args.rank_speed.split(",")) + 1)
+        uneven = uneven_plan(make_plan(cal, link, ["ddp"], [n - 1, n], memory, backend, sharing),
+                             parse_speeds(args.rank_speed, n), n, cal.workload.global_batch_size)
     out = Path(args.out) if args.out else run_dir / "plan"
     points = measured_points(run_dir, summary)
     w = cal.workload
@@ -109,7 +117,8 @@ def run_plan(args) -> int:
             **({"links_by_backend": {b: links_json(*on) for b, on in routes.items()}} if several else {}),
             "device_memory_bytes": memory, "ranks_per_machine": sharing, "calibration": {k: v for k, v in vars(cal).items() if k not in ("workload", "link")},
             "predictions": rows, "measured": points, "figure": "plan.png" if drawn else None,
-            **({"best": meshes["best"], "refused": meshes["refused"]} if meshes else {})})
+            **({"best": meshes["best"], "refused": meshes["refused"]} if meshes else {}),
+            **({"uneven": uneven} if uneven else {})})
     except OSError as err:
         raise UserError(f"cannot write the plan into {out}: {err.strerror}") from None
     print(f"plan from {what}\nlink {link_text}")
@@ -122,6 +131,9 @@ def run_plan(args) -> int:
     if memory and sharing > 1:
         print(f"fits: up to {sharing} ranks share each machine's {args.device_memory_gb:g} GB")
     print(mesh_table(meshes, args.device_memory_gb) if meshes else table(rows, args.device_memory_gb))
+    if getattr(args, "rank_speed", None):  # ranks of unequal speed (compare/plan/uneven.py, docs/uneven.md)
+        for line in uneven_lines(uneven):
+            print(line)
     print()
     for strategy in strategies if not meshes else ():
         feasible = [r for r in rows if r["strategy"] == strategy and "impossible" not in r]

@@ -23,6 +23,8 @@ PROBE_TIMEOUT_S = 900
 
 def add_model_flags(plan) -> None:
     """`plan`'s flags for a model the run did not train (compare/cli.py calls this on the plan parser)."""
+    plan.add_argument("--rank-speed", metavar="R:F,...", help="ddp over ranks of unequal speed (1:0.5: rank 1 at half "
+                      "speed): the step with even and with the best shares, and without the slowest rank")
     plan.add_argument("--model", metavar="M", help="predict this model instead of the run's: an HF Llama folder (only "
                       "its config.json is read), a config.json, or a preset name (docs/plan-model.md)")
     plan.add_argument("--frameworks", help="with --model: the frameworks to predict, each needing a --from run of its "

@@ -147,3 +147,17 @@ def test_the_report_names_the_slow_rank_and_the_shares_that_balance_it():
     assert "rank 1 computes 2.00x as long as rank 0; --rank-shares 5,3 would balance them" in lines[1]
     assert balancing_sizes([0.3, 0.1], [6, 2]) == (4, 4)  # 20 sequences/s each: equally fast ranks, even shares
     assert len(rank_lines([{**row, "rank_compute_s": [0.10, 0.11]}])) == 1  # within 20 %: no finding
+
+
+def test_the_plan_predicts_even_and_best_shares_and_whether_the_slow_rank_is_worth_keeping():
+    from compare.plan.uneven import uneven_plan, uneven_lines
+
+    rows = [{"strategy": "ddp", "world_size": 1, "compute_s": 0.2, "step_s": 0.2},
+            {"strategy": "ddp", "world_size": 2, "compute_s": 0.1, "step_s": 0.12}]
+    plan = uneven_plan(rows, {1: 0.5}, 2, 12)
+    assert plan["even_sizes"] == [6, 6] and plan["best_sizes"] == [8, 4]
+    assert plan["even_step_s"] == pytest.approx(0.1 / 0.5 + 0.02)       # the slow rank sets the pace
+    assert plan["best_step_s"] == pytest.approx(0.1 * 8 / 6 + 0.02)     # both ranks done together
+    assert plan["without_step_s"] == pytest.approx(0.2) and plan["keep_slowest"]
+    assert "best shares 8/4" in uneven_lines(plan)[0] and "keep it" in uneven_lines(plan)[1]
+    assert not uneven_plan(rows, {1: 0.1}, 2, 12)["keep_slowest"]  # a tenth of the speed: leave it out
