@@ -33,7 +33,8 @@ COMMON = {"strategy": lambda v: v == "ddp", "mesh": lambda v: not v, "dtype": la
 MLX_LM = Peer("mlx-lm", "mlx", "peers.mlx_lm_peer", ("mlx_lm",), "mlx_lm.tuner.trainer.train (mlx-lm's LoRA trainer)", {
     **COMMON,
     "mask_convention": lambda v: v == "mlx-lm",   # default_loss keeps one padding target a row
-    "lr_schedule": lambda v: v == "constant",     # lora.py: a bare learning rate without lr_schedule
+    "lr_schedule": lambda v: v in ("constant", "cosine"),  # lora.py: a bare learning rate, or an lr_schedule
+                                                  # cosine_decay (its warm-up is not dpcompare's: warmup 0 only)
     "warmup_steps": lambda v: v == 0,
     "grad_clip": lambda v: v == 0,                # train() has no clip
 }, per_rank_only=True)  # a quantized base: load_model builds its QuantizedLinear from the folder's scales and biases

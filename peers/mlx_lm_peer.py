@@ -60,9 +60,14 @@ def optimizer_of(cfg):
     import mlx.optimizers as optim
 
     config = {"betas": [cfg.beta1, cfg.beta2], "eps": cfg.adam_eps, "bias_correction": cfg.bias_correction}
+    lr = cfg.lr
+    if cfg.lr_schedule == "cosine":  # an lr_schedule in its YAML config: lora.py lr = build_schedule(args.lr_schedule)
+        from mlx_lm.tuner.utils import build_schedule
+        lr = build_schedule({"name": "cosine_decay", "arguments": [cfg.lr, cfg.lr_decay_steps or cfg.steps,
+                                                                   cfg.lr * cfg.min_lr_ratio]})
     if cfg.optimizer == "adamw":
-        return optim.AdamW(learning_rate=cfg.lr, weight_decay=cfg.weight_decay, **config)
-    return optim.Adam(learning_rate=cfg.lr, **config)
+        return optim.AdamW(learning_rate=lr, weight_decay=cfg.weight_decay, **config)
+    return optim.Adam(learning_rate=lr, **config)
 
 
 def train_rank(run_dir: Path) -> None:
