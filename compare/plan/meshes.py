@@ -1,4 +1,4 @@
-"""`dpcompare plan --meshes`: for each N, every mesh of the axes dp, fsdp, tp and pp whose sizes multiply to N,
+"""`dpcompare plan --meshes`: for each N, every mesh of the axes dp, fsdp, cp, tp and pp whose sizes multiply to N,
 predicted over the link (one, or two levels: common/costmodel/levels.py puts each axis on the level its ranks
 share), with its memory per rank; the fastest named, and the fastest that fits --device-memory-gb.
 
@@ -14,13 +14,13 @@ from common.costmodel.calibrate import Calibration
 from common.costmodel.levels import Links
 from common.costmodel.predict import predict
 from common.errors import UserError
+from common.parallel.mesh import AXIS_ORDER, DATA_AXES, STRATEGY_AXIS
 from compare.plan.table import fit_cell, rank_share
 
-# Outermost first, as common/parallel/mesh.py lays ranks out: pp across machines, tp inside one.
-AXES = ("pp", "dp", "fsdp", "tp")
-DATA_AXES = ("dp", "fsdp")
+# Outermost first, as common/parallel/mesh.py lays ranks out: pp across machines, tp (and cp beside it) inside one.
+AXES = AXIS_ORDER
 RunsOn = Callable[[str], "tuple[str, Links]"]  # mesh text -> (backend, the link as it sees it)
-ONE_AXIS_STRATEGY = {"dp": "ddp", "fsdp": "fsdp", "tp": "tp", "pp": "pp"}
+ONE_AXIS_STRATEGY = {axis: strategy for strategy, axis in STRATEGY_AXIS.items()}
 
 
 def factorisations(n: int, axes: tuple[str, ...] = AXES) -> list[tuple[tuple[str, int], ...]]:
