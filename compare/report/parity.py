@@ -86,6 +86,7 @@ RUN_ONLY_KEYS = frozenset({
     "overwrite", "quiet", "cache_dir", "trace", "profile_steps", "op_profile", "tune_malloc", "pin_ranks", "link", "launcher",
     "recipe",  # a name only: its choices are fields of their own (common/recipes.py), compared one by one
     "peer",  # which trainer ran it: a peer pairs with its framework's run (kind peer)
+    "rank_shares", "rank_speed",  # how the batch is cut over the ranks and how fast they run (docs/uneven.md)
 })
 
 
