@@ -73,6 +73,9 @@ def calibrate(summary: dict, spec: ModelSpec, source: str = "") -> Calibration:
     if not all(isinstance(bd.get(k), (int, float)) for k in ("forward", "backward", "optimizer")):
         raise UserError(f"{source or 'the run'} has no time breakdown in summary.json (a finished run writes one; "
                         "--profile-steps 0 turns it off)")
+    if summary.get("rank_speed") or (summary.get("rank_shares") and int(summary.get("world_size") or 1) > 1):
+        raise UserError(f"{source or 'the run'} ran with --rank-shares or --rank-speed: plan calibrates on even shares "
+                        "at full speed, and predicts uneven ranks from such a run with plan --rank-speed")
     w = workload_of(summary, spec)
     framework, strategy = w.framework, summary.get("strategy", "ddp")
     n, backend = int(summary.get("world_size") or 1), summary.get("backend") or "none"
