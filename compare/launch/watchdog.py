@@ -60,7 +60,9 @@ def watch(proc: subprocess.Popen, run_dir: Path, cfg: RunConfig,
             bar.refresh()
         failure = diagnose(ranks, expected, local, code)
         stalled = time.time() - last_progress
-        limit = cfg.collective_timeout_s + (STARTUP_GRACE_S if starting(ranks, expected, local) else 0)
+        # --rank-speed stops a rank on purpose (spawn.py's duty cycle): no sign of a stop in start-up
+        limit = cfg.collective_timeout_s + (STARTUP_GRACE_S if starting(ranks, expected, local and not cfg.rank_speed)
+                                            else 0)
         # One rank waits on no peer, so silence is a slow step (MLX bf16 `small` on a CPU: over a minute),
         # not a hang; a dead process is still caught by `diagnose`.
         stall = failure is None and code is None and stalled > limit and cfg.nproc * cfg.nnodes > 1
