@@ -1,6 +1,6 @@
 """Ranks of unequal speed (docs/uneven.md): each rank's compute time (its step without the gradient sync) and its wait
-at the all-reduce (the rest of a synced step), read from every rank's time breakdown; how much of the step the
-slowest rank costs; and, where the ranks' compute per step differs by more than IMBALANCE, a finding that names the
+at the all-reduce (the rest of a synced step), read from every rank's time breakdown, for runs of uneven shares or
+ranks; how much of the step the slowest rank costs; and, where the ranks' compute per step differs by more than IMBALANCE, a finding that names the
 slow rank and the --rank-shares that would balance them (each rank's sequences in proportion to its speed per
 sequence, common/data/shares.py)."""
 from __future__ import annotations
@@ -25,12 +25,15 @@ def rank_lines(rows: list[dict]) -> list[str]:
             continue
         slow = max(range(len(compute)), key=lambda r: compute[r])
         fast = min(range(len(compute)), key=lambda r: compute[r])
+        uneven = compute[slow] > (1 + IMBALANCE) * compute[fast]
+        if not uneven and len(set(sizes)) == 1:
+            continue  # even shares on ranks of one speed: nothing to say
         step = max(c + w for c, w in zip(compute, wait))
         lines.append(f"Ranks, {row['label']}: compute " + " / ".join(f"{1e3 * c:.1f}" for c in compute)
                      + " ms, wait at the all-reduce " + " / ".join(f"{1e3 * w:.1f}" for w in wait)
                      + f" ms per step (sequences {'/'.join(map(str, sizes))}); the slowest rank ({slow}) costs "
                      f"{100 * (compute[slow] - compute[fast]) / step:.0f}% of the step beyond the fastest")
-        if compute[slow] > (1 + IMBALANCE) * compute[fast] and row.get("strategy", "ddp") == "ddp":
+        if uneven and row.get("strategy", "ddp") == "ddp":
             balanced = balancing_sizes(compute, sizes)
             lines.append(f"Uneven ranks, {row['label']}: rank {slow} computes {compute[slow] / compute[fast]:.2f}x "
                          f"as long as rank {fast}; --rank-shares {','.join(map(str, balanced))} would balance them "

@@ -146,7 +146,8 @@ def test_the_report_names_the_slow_rank_and_the_shares_that_balance_it():
     assert "the slowest rank (1) costs 48% of the step" in lines[0]
     assert "rank 1 computes 2.00x as long as rank 0; --rank-shares 5,3 would balance them" in lines[1]
     assert balancing_sizes([0.3, 0.1], [6, 2]) == (4, 4)  # 20 sequences/s each: equally fast ranks, even shares
-    assert len(rank_lines([{**row, "rank_compute_s": [0.10, 0.11]}])) == 1  # within 20 %: no finding
+    assert len(rank_lines([{**row, "rank_compute_s": [0.10, 0.11], "rank_batch_sizes": [5, 3]}])) == 1  # no finding
+    assert not rank_lines([{**row, "rank_compute_s": [0.10, 0.11]}])  # even shares, ranks of one speed: silent
 
 
 def test_the_plan_predicts_even_and_best_shares_and_whether_the_slow_rank_is_worth_keeping():
