@@ -73,6 +73,8 @@ def run_recipe_from(args, run_chain) -> int:
     except UserError:  # refused before anything ran: leave nothing behind
         for p in paths:
             p.unlink(missing_ok=True)
+        if paths and paths[0].parent.is_dir() and not any(paths[0].parent.iterdir()):
+            paths[0].parent.rmdir()
         if created != Path() and created.exists():
             shutil.rmtree(created, ignore_errors=True)
         raise

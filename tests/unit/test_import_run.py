@@ -138,3 +138,11 @@ def test_compare_recipe_from_refuses_before_anything_runs_or_is_written(case, tm
                           "--out", out, cache_dir=tmp_path / "cache")
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and words in proc.stderr, proc.stderr
     assert not out.exists()
+
+
+def test_mlx_lm_s_report_lines_are_read_in_both_console_formats_and_colours_are_stripped():
+    from common.imported.mlx_lm import parse_log
+    text = ("Iter 10: Train loss 2.345, Learning Rate 1.000e-05, It/sec 1.0, Tokens/sec 99.0, Trained Tokens 10\n"
+            "Iter 10: Val loss 2.500, Val took 0.1s\n"
+            "  \x1b[38;5;244m  20\x1b[0m    \x1b[1;32m2.125 \u25bc\x1b[0m    \x1b[1m   92\x1b[0m    0.1k\n")
+    assert parse_log(text, "log") == ([10, 20], [2.345, 2.125])
