@@ -3,26 +3,15 @@ judged like any pair (MLX vs torch within 1e-4; N=2 vs N=1 "differs", its per-ra
 `compare --recipes mlx-lm,trl`'s chain, whose contributions table has a row per differing choice summing to the
 whole gap. At `tiny`, 6 steps, on prompt/completion records with --mask-prompt. (The choices' arithmetic in-process:
 tests/unit/test_recipe_choices.py; the recipes' values and the table's sum: tests/unit/test_recipes.py.)"""
-import json
-
 import numpy as np
 import pytest
 
 from helpers import FAST, dpcompare, losses, summary
+from integration.records import pairs
 
 pytestmark = pytest.mark.slow
 
 STEPS = 6
-
-
-def pairs(tmp_path):
-    """Records of unequal lengths, so ranks hold unequal counts of targets and rows unequal padding."""
-    rng = np.random.default_rng(0)
-    path = tmp_path / "pairs.jsonl"
-    path.write_text("".join(json.dumps({"prompt": f"Q: {a}+{b}?" + " x" * int(rng.integers(0, 8)),
-                                        "completion": f" {a + b}" + " y" * int(rng.integers(0, 12))}) + "\n"
-                            for a, b in rng.integers(0, 10, size=(120, 2))))
-    return path
 
 
 def flags(tmp_path):

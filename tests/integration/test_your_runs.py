@@ -7,7 +7,7 @@ import json
 
 from compare.cli import main
 from helpers import FAST, dpcompare
-from integration.test_recipes import pairs
+from integration.records import pairs
 
 FIXTURES = __import__("pathlib").Path(__file__).resolve().parents[1] / "fixtures" / "imported_runs"
 
