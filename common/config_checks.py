@@ -93,7 +93,8 @@ def validate(self) -> None:
         raise UserError("communication_stream cpu does not work with the nccl backend (NCCL reduces GPU "
                         "memory on the GPU stream); use auto")
     check_shares(self.rank_shares, self.global_batch_size, self.data_parallel_size, self.grad_accum,
-                 self.strategy, self.peer, self.max_restarts)  # common/data/shares.py
+                 self.strategy, bool(self.rank_shares) and self.layout.takes_uneven_shares, self.peer,
+                 self.max_restarts)  # common/data/shares.py
     parse_speeds(self.rank_speed, self.world_size)
     self.micro_batch_size  # raises when the global batch does not split
     if self.mesh and self.framework == "mlx" and self.resolved_backend not in MLX_SPLIT_BACKENDS:

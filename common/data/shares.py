@@ -47,13 +47,14 @@ def micro_sizes(rank_size: int, grad_accum: int) -> tuple[int, ...]:
     return tuple(base + (i < extra) for i in range(grad_accum))
 
 
-def check_shares(text: str, global_batch: int, world: int, grad_accum: int, strategy: str, peer: str,
-                 max_restarts: int) -> None:
-    """Every refusal of --rank-shares, one line each, before anything starts."""
+def check_shares(text: str, global_batch: int, world: int, grad_accum: int, strategy: str, takes_shares: bool,
+                 peer: str, max_restarts: int) -> None:
+    """Every refusal of --rank-shares, one line each, before anything starts. `takes_shares`: the strategy's
+    Layout.takes_uneven_shares (ddp's)."""
     if not text:
         return
-    if strategy != "ddp" or peer or max_restarts:
-        what = (f"--strategy {strategy}" if strategy != "ddp" else f"the {peer} peer" if peer
+    if not takes_shares or peer or max_restarts:
+        what = (f"--strategy {strategy}" if not takes_shares else f"the {peer} peer" if peer
                 else "--max-restarts (a restart changes the rank count)")
         raise UserError(f"--rank-shares works with ddp only (full and LoRA), not with {what}")
     if world < 2:

@@ -33,6 +33,7 @@ class DdpLayout(Layout):
     collectives_inside_compute: ClassVar[bool] = False
     state_survives_a_lost_rank: ClassVar[bool] = True
     trains_adapters: ClassVar[bool] = True  # LoRA's frozen base and replicated adapters (common/model/lora.py)
+    takes_uneven_shares: ClassVar[bool] = True  # --rank-shares (common/data/shares.py, docs/uneven.md)
 
     def local_parameters(self, spec: ModelSpec, framework: str = "torch") -> float:
         return total_parameters(spec)

@@ -113,6 +113,9 @@ class Layout(ABC):
     # LoRA adapters beside a frozen base (common/model/lora.py): a strategy that splits or shards the model would
     # have to split the adapters with it; only ddp, which replicates both, trains them for now.
     trains_adapters: ClassVar[bool] = False
+    # --rank-shares: ranks take uneven shares of each batch (common/data/shares.py); only ddp, whose one all-reduce of
+    # gradients scaled by N / T is exact for any shares, takes them for now (docs/uneven.md).
+    takes_uneven_shares: ClassVar[bool] = False
     # --checkpoint-format sharded: each rank writes its own pieces (zero1, zero2 refuse it: their moments are rows
     # of every tensor, and every rank holds the whole weights).
     writes_sharded_checkpoints: ClassVar[bool] = True
