@@ -117,7 +117,7 @@ MEMBER_ONLY = [
      "compiled functions are traced; torch counts a strategy's first step under what sees them"),
     (("microsteps.py:StepFunctions",), {"micro_step", "eval_step", "model", "wrapped"}, "what a strategy runs of the "
      "Trainer: MLX its compiled micro-step and eval, torch its model, bare and as the step runs it"),
-    (("model.py:*", "quantized.py:*", "cp.py:UlyssesAttention"), {"forward"}, "a torch module's entry point; MLX's is __call__"),
+    (("model.py:*", "quantized.py:*", "cp.py:UlyssesAttention", "cp.py:RingAttention"), {"forward"}, "a torch module's entry point; MLX's is __call__"),
     (("model.py:Embedding",), {"reset_parameters"}, "torch draws a module's weights as it builds it, on the meta "
      "device too, where the draw imports torch._dynamo; MLX's modules draw nothing that a rank would skip"),
 ]

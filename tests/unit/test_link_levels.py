@@ -178,14 +178,16 @@ def test_the_reports_link_line_gives_the_groups_crossing_at_once_beside_both_lev
 
 def test_the_plan_enumerates_every_factorisation_with_one_data_axis_in_rank_order():
     assert factorisations(1) == [()]
-    assert {m for m in factorisations(4)} == {
+    four = ("pp", "dp", "fsdp", "tp")  # the axes before cp; cp's meshes below
+    assert {m for m in factorisations(4, four)} == {
         (("pp", 4),), (("dp", 4),), (("fsdp", 4),), (("tp", 4),), (("pp", 2), ("dp", 2)), (("pp", 2), ("fsdp", 2)),
         (("pp", 2), ("tp", 2)), (("dp", 2), ("tp", 2)), (("fsdp", 2), ("tp", 2))}
     for mesh in factorisations(16):
         names = [a for a, _ in mesh]
-        assert names == sorted(names, key=("pp", "dp", "fsdp", "tp").index) and not {"dp", "fsdp"} <= set(names)
+        assert names == sorted(names, key=("pp", "dp", "fsdp", "cp", "tp").index) and not {"dp", "fsdp"} <= set(names)
     # one axis 4; pairs (pp-dp, pp-fsdp, pp-tp, dp-tp, fsdp-tp) x (2x8, 4x4, 8x2) 15; pp-dp-tp, pp-fsdp-tp x 3 orders 6
-    assert len(factorisations(16)) == len(set(factorisations(16))) == 25
+    assert len(factorisations(16, four)) == len(set(factorisations(16, four))) == 25
+    assert (("dp", 2), ("cp", 2)) in factorisations(4) and (("cp", 4),) in factorisations(4)
     assert candidate(()) == ("ddp", "") and candidate((("dp", 4),)) == ("ddp", "")
     assert candidate((("pp", 2), ("dp", 2))) == ("mesh", "pp=2,dp=2")
 
