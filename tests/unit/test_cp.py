@@ -115,6 +115,19 @@ def test_mlx_ring_attention_gradient_equals_whole_attention_at_one_rank():
         assert np.abs(np.array(a) - np.array(b)).max() < 1e-5
 
 
+def test_torch_ring_attention_gradient_equals_whole_attention_at_one_rank():
+    import torch
+
+    from torch_impl.attention import attention
+    from torch_impl.cp import ring_attention
+    q, k, v = (torch.from_numpy(a).requires_grad_() for a in _inputs(1))
+    w = torch.from_numpy(np.random.default_rng(1).standard_normal(q.shape).astype(np.float32))
+    ring = torch.autograd.grad((ring_attention(q, k, v, 0.35, 0, 1, lambda x: x) * w).sum(), (q, k, v))
+    whole = torch.autograd.grad((attention(q, k, v, 0.35, None) * w).sum(), (q, k, v))
+    for a, b in zip(ring, whole):
+        assert (a - b).abs().max() < 1e-5
+
+
 def _cfg(**kw):
     base = dict(strategy="cp", nproc=2, preset="tiny", global_batch_size=8, seq_len=32, framework="torch")
     cfg = RunConfig(**{**base, **kw})
