@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare = sub.add_parser("compare", help="run both frameworks at several world sizes and report")
     compare.add_argument("--frameworks", default="mlx,torch", help="comma list, e.g. mlx,torch")
     compare.add_argument("--nproc", default="1,2", help="comma list of world sizes, e.g. 1,2")
-    compare.add_argument("--strategies", help="comma list of ddp, zero1, zero2, fsdp, tp, pp (default: --strategy, or ddp); "
+    compare.add_argument("--strategies", help="comma list of ddp, zero1, zero2, fsdp, tp, pp, cp (default: --strategy, or ddp); "
                          "without ddp, a 1 in --nproc still runs the ddp x1 reference")
     compare.add_argument("--dtypes", help="comma list of float32, bfloat16 (default: --dtype, or float32)")
     compare.add_argument("--strict", action="store_true", help="exit 3 when a parity verdict fails")
@@ -163,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "every N (repeat for each strategy; docs/scaling.md)")
     plan.add_argument("--nproc", default="2,4,8,16,64", help="comma list of world sizes (default 2,4,8,16,64)")
     plan.add_argument("--strategies", default="ddp,fsdp,tp",
-                      help="comma list of ddp, zero1, zero2, fsdp, tp, pp (default: ddp,fsdp,tp)")
+                      help="comma list of ddp, zero1, zero2, fsdp, tp, pp, cp (default: ddp,fsdp,tp)")
     plan.add_argument("--fabric", metavar="FABRIC.json", help="the link as `dpcompare doctor --fabric --out` "
                                                               "measured it (the run's framework's entry)")
     plan.add_argument("--link-gbps", type=float, help="the link's bandwidth each way, Gbit/s (with --latency-us)")
