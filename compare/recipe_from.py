@@ -12,6 +12,7 @@ Each run becomes a recipe file in OUT/recipes/; the chain from A's recipe to B's
   A's run to its reproduction, each choice of the chain (in A's framework), MLX to torch under recipe B (measured
   on identical batches), B's reproduction to B's run. The choices' rows are the recipes' share; the others are the
   remainder (data order, initial values, hardware, the frameworks' numerics), every one measured.
+The report in OUT is written again with that section after its verdict (summary.json `your_runs`).
 """
 from __future__ import annotations
 
@@ -81,11 +82,55 @@ def run_recipe_from(args, run_chain) -> int:
     out = paths[0].parent.parent
     section = your_runs(runs, out, getattr(args, "curve_rtol", None) or 0.02, str(paths[1]))
     (out / "your_runs.json").write_text(json.dumps(section, indent=1) + "\n")
-    lines = render(section)
-    with open(out / "report.md", "a") as report:
-        report.write("\n" + "\n".join(lines) + "\n")
-    print("\n".join(lines))
+    rewrite_report(out, section)
+    print("\n".join(render(section)))
     return code
+
+
+def rewrite_report(out: Path, section: dict) -> None:
+    """The report in OUT again, with the section after its verdict (summary.json keeps it as `your_runs`)."""
+    from common.metrics import write_json
+
+    from .report.markup import to_html, to_markdown
+    from .report.render import report_blocks
+    summary = json.loads((out / "summary.json").read_text())
+    summary["your_runs"] = section
+    write_json(out / "summary.json", summary)
+    blocks = report_blocks(summary)
+    at = next((i + 1 for i, b in enumerate(blocks) if b[0] == "verdict"), len(blocks))
+    blocks[at:at] = report_section(section)
+    (out / "report.md").write_text(to_markdown(blocks))
+    (out / "report.html").write_text(to_html(blocks, out))
+
+
+def report_section(section: dict) -> list[tuple]:
+    """The section as the report's blocks (compare/report/markup.py): a verdict table, the gap table, the figure."""
+    lines = render(section)
+    tables, current, texts = [], [], []
+    for line in lines[1:]:
+        if line.startswith("|"):
+            current.append([c.strip() for c in line.strip("|").split("|")])
+        elif current:
+            tables.append(current)
+            current = []
+        if line and not line.startswith(("|", "#", "![")):
+            texts.append(line)
+    if current:
+        tables.append(current)
+    blocks: list[tuple] = [("h2", "Your runs against their reproductions")]
+    for k, rows in enumerate(tables):
+        blocks.append(("table", tuple(rows[0]), [tuple(r) for r in rows[2:]]))
+        if k < len(texts):
+            blocks.append(("p", texts[k]))
+    gap = section["gap"]
+    if "error" not in gap:
+        blocks.insert(3, ("p", f"The gap at step {gap['step']}: your run B {gap['logged']['B']:.4f} - your run A "
+                               f"{gap['logged']['A']:.4f} = {gap['gap']:+.4f}"))
+    elif texts[1:]:
+        blocks.append(("p", gap["error"]))
+    if section.get("plot"):
+        blocks.append(("figs", [("your runs' logged curves beside their reproductions", section["plot"], True)]))
+    return blocks
 
 
 def _runs_of(link_dir: Path) -> dict[str, Path]:
@@ -191,7 +236,7 @@ def _figure(pairs: list[dict], curves: list[dict], out: Path) -> str | None:
 
 def render(section: dict) -> list[str]:
     lines = ["## Your runs against their reproductions", "",
-             "| verdict | run | made on | logged points | curve max rel. Δ | MLX vs torch, same recipe, max |Δloss| |",
+             "| verdict | run | made on | logged points | curve max rel. Δ | MLX vs torch, same recipe, max abs. Δloss |",
              "|---|---|---|---|---|---|"]
     for p in section["pairs"]:
         rel = "–" if p["max_rel"] is None else f"{p['max_rel']:.2%} ≤ {p['tolerance']:.0%}" if p["verdict"] == \
@@ -208,9 +253,9 @@ def render(section: dict) -> list[str]:
               f"{gap['logged']['A']:.4f} = {gap['gap']:+.4f}", "",
               "| row | kind | Δ loss |", "|---|---|---|"]
     lines += [f"| {r['row']} | {r['kind']} | {r['delta']:+.2e} |" for r in gap["rows"]]
-    lines += [f"| **recipes (the chain's rows)** | | {gap['recipes']:+.5f} |",
-              f"| **remainder (measured)** | | {gap['remainder']:+.5f} |",
-              f"| rows + remainder | | {gap['rows_sum']:+.5f} (logged gap {gap['gap']:+.5f}, "
+    lines += [f"| recipes (the chain's rows) | sum | {gap['recipes']:+.5f} |",
+              f"| remainder (measured) | sum | {gap['remainder']:+.5f} |",
+              f"| rows + remainder | total | {gap['rows_sum']:+.5f} (logged gap {gap['gap']:+.5f}, "
               f"off by {gap['sum_error']:.1e}) |", "",
               f"Reproductions are means over run A's logging window ({gap['window']} step(s)) ending at the step."]
     if section.get("plot"):

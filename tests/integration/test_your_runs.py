@@ -39,4 +39,6 @@ def test_your_two_runs_are_reproduced_in_both_frameworks_and_the_gap_rows_sum_to
     assert [len(p["points"]) for p in section["pairs"]] == [3, 6]
     report = (out / "report.md").read_text()
     assert "## Your runs against their reproductions" in report and "rows + remainder" in report
+    assert "Your runs against their reproductions" in (out / "report.html").read_text()
+    assert json.loads((out / "summary.json").read_text())["your_runs"]["gap"]["rows_sum"] == gap["rows_sum"]
     assert (out / "plots" / "your-runs.png").is_file() and "The gap at step 6" in proc.stdout
