@@ -60,7 +60,10 @@ def check(typed: str, resolved: Path, kind: str, name: str) -> None:
             # A directory on the way that this user may not enter hides what is behind it.
             blocked = next((p for p in reversed(resolved.parents) if _exists(p) and not os.access(p, os.X_OK)),
                            None)
-            refuse(f"cannot be read: {blocked} is not accessible" if blocked else "does not exist")
+            missing = "does not exist" + ("; nothing is downloaded: pass a local model folder (huggingface-cli "
+                                          f"download {typed} --local-dir DIR, then --init-from DIR)"
+                                          if name == "--init-from" else "")
+            refuse(f"cannot be read: {blocked} is not accessible" if blocked else missing)
         if kind == "file" and resolved.is_dir():
             refuse("is a directory, not a file")
         if kind == "dir" and not resolved.is_dir():

@@ -121,7 +121,7 @@ def test_a_recipe_file_that_is_not_one_exits_2(tmp_path):
 
 RECIPE_FROM_BAD = {
     "no model folder": ((), "pass --init-from DIR"),
-    "a hub name for --init-from": (("--init-from", "HuggingFaceTB/SmolLM2-135M"), "does not exist"),
+    "a hub name for --init-from": (("--init-from", "HuggingFaceTB/SmolLM2-135M"), "nothing is downloaded: pass a local"),
     "one framework": (("--preset", "tiny", "--frameworks", "mlx"), "--frameworks mlx,torch"),
     "with --recipes": (("--preset", "tiny", "--recipes", "mlx-lm,trl"), "drop --recipes"),
 }
