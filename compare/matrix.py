@@ -55,7 +55,7 @@ def parse_list(text: str, name: str, kind=str, allowed=None) -> list:
 def run_matrix(args) -> int:
     if getattr(args, "recipe_from", None):  # your own two runs, reproduced and explained (compare/recipe_from.py)
         from .recipe_from import run_recipe_from
-        return run_recipe_from(args, run_chain)
+        return run_recipe_from(args, run_chain, check_run_dir_for_compare)
     if getattr(args, "recipes", None):
         return run_chain(args)  # --recipes A,B: A, B and the links between them, then the contributions table
     frameworks = parse_list(args.frameworks, "frameworks", allowed=(*FRAMEWORKS, *PEERS, *ALIASES))

@@ -36,7 +36,7 @@ def imported_runs(text: str, start_dir: Path) -> list[ImportedRun]:
     return [from_json(start_dir / i) if i.endswith(".json") else read_run(start_dir / i) for i in items]
 
 
-def prepare(args) -> tuple[list[ImportedRun], Path, list[Path]]:
+def prepare(args, check_out) -> tuple[list[ImportedRun], Path, list[Path]]:
     """Read both runs, refuse what cannot run, fill the run's shape into flags not given, write the two recipes."""
     if getattr(args, "recipes", None) or getattr(args, "recipe", None):
         raise UserError("--recipe-from makes both recipes from your runs; drop --recipes and --recipe")
@@ -61,14 +61,16 @@ def prepare(args) -> tuple[list[ImportedRun], Path, list[Path]]:
         print(f"dpcompare: note: the chain runs at one shape: {', '.join(notes)}; give the flag to choose",
               file=sys.stderr)
     out = Path(args.out or args.start_dir / "runs/compare")
+    check_out(out, bool(getattr(args, "overwrite", None)))  # a run directory or a comparison: refused, untouched
     created = not out.exists()
     paths = [write_recipe(run, out / "recipes" / f"{side}-{run.tool}.json") for side, run in zip("ab", runs)]
     args.recipes = ",".join(str(p) for p in paths)
     return runs, (out if created else Path()), paths
 
 
-def run_recipe_from(args, run_chain) -> int:
-    runs, created, paths = prepare(args)
+def run_recipe_from(args, run_chain, check_out) -> int:
+    """`run_chain` and `check_out` are compare/matrix.py's (passed in: matrix imports this module)."""
+    runs, created, paths = prepare(args, check_out)
     try:
         code = run_chain(args)
     except UserError:  # refused before anything ran: leave nothing behind

@@ -146,3 +146,18 @@ def test_mlx_lm_s_report_lines_are_read_in_both_console_formats_and_colours_are_
             "Iter 10: Val loss 2.500, Val took 0.1s\n"
             "  \x1b[38;5;244m  20\x1b[0m    \x1b[1;32m2.125 \u25bc\x1b[0m    \x1b[1m   92\x1b[0m    0.1k\n")
     assert parse_log(text, "log") == ([10, 20], [2.345, 2.125])
+
+
+def test_compare_recipe_from_into_an_earlier_comparison_is_refused_and_leaves_its_files_alone(tmp_path):
+    from helpers import dpcompare_here
+    out = tmp_path / "out"
+    (out / "recipes").mkdir(parents=True)
+    (out / "summary.json").write_text("{}")
+    (out / "recipes" / "a-mlx-lm.json").write_text("kept")
+    data = tmp_path / "pairs.jsonl"
+    data.write_text('{"prompt": "Q: 1+1?", "completion": " 2"}\n' * 40)
+    proc = dpcompare_here("compare", "--recipe-from", f"{MLX_RUN},{TRAINER_RUN}", "--dataset", data, "--preset",
+                          "tiny", "--out", out, cache_dir=tmp_path / "cache")
+    assert proc.returncode == 2 and "already holds a comparison" in proc.stderr
+    assert (out / "recipes" / "a-mlx-lm.json").read_text() == "kept" and sorted(p.name for p in out.iterdir()) == \
+        ["recipes", "summary.json"]
