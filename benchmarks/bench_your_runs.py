@@ -4,7 +4,7 @@ dpcompare on the same batches, judged per step at 1e-5 (kind peer).
 
     python benchmarks/bench_your_runs.py [--out runs/bench/your-runs.json]
 
-`tiny`, the builtin tokenizer, the prompt/completion records of tests/integration/test_recipes.py with
+`tiny`, the builtin tokenizer, the prompt/completion records of tests/integration/records.py with
 --mask-prompt, 6 steps, one rank, each recipe's shape from its run (mlx-lm: batch 4, seq 31, cosine over 6 steps;
 Trainer: batch 4); about a minute on 2 cores.
 """
@@ -42,7 +42,7 @@ def main() -> None:
     parser.add_argument("--out", default="runs/bench/your-runs.json")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO / "tests"))
-    from integration.test_recipes import pairs
+    from integration.records import pairs
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         pairs(work)
