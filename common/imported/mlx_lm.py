@@ -81,8 +81,9 @@ def read(folder: Path, config: dict, log: str | Path | None) -> ImportedRun:
     if int(accum) != 1:
         run.set("grad_accum", int(accum), src)
         run.set("global_batch_size", int(batch) * int(accum), f"{CFG} batch_size x grad_accumulation_steps")
-    iters, src = get("iters")
-    run.set("steps", int(iters), src)
+    iters, src = get("iters")  # iterations are micro-batches: an update every grad_accumulation_steps (trainer.py)
+    accum = int(accum)
+    run.set("steps", int(iters) // accum, src + (f" / grad_accumulation_steps {accum}" if accum > 1 else ""))
     length, src = get("max_seq_length")
     run.set("seq_len", int(length) - 1, src + " minus 1 (a row's targets)")
     mask, src = get("mask_prompt")
@@ -103,10 +104,11 @@ def read(folder: Path, config: dict, log: str | Path | None) -> ImportedRun:
     run.needs["--dataset"] = str((data / "train.jsonl").resolve()) if (data / "train.jsonl").exists() else (
         f"{CFG} data {str(data)!r} is not a local folder with train.jsonl here: pass --dataset FILE")
     report, _ = get("steps_per_report")
-    run.log_window = int(report)
+    run.log_window = max(1, int(report) // accum)
     if log is not None:
         steps, losses = parse_log(read_text(log, "the log"), str(log))
-        run.logged_steps, run.logged_loss = steps, losses
+        kept = [(it // accum, v) for it, v in zip(steps, losses) if it % accum == 0]  # at an update
+        run.logged_steps, run.logged_loss = [s for s, _ in kept], [v for _, v in kept]
         run.log_source = f"{Path(log).name}: mlx_lm.lora's report lines, every {report} iterations"
     else:
         run.unknown.append("the logged curve: mlx_lm.lora keeps it in its console output only; pass --log FILE")

@@ -161,3 +161,11 @@ def test_compare_recipe_from_into_an_earlier_comparison_is_refused_and_leaves_it
     assert proc.returncode == 2 and "already holds a comparison" in proc.stderr
     assert (out / "recipes" / "a-mlx-lm.json").read_text() == "kept" and sorted(p.name for p in out.iterdir()) == \
         ["recipes", "summary.json"]
+
+
+def test_mlx_lm_s_iterations_are_micro_batches_under_gradient_accumulation(tmp_path):
+    folder = _copy(MLX_RUN, tmp_path / "acc", grad_accumulation_steps=2)
+    run = read_run(folder, MLX_LOG)  # iterations 2, 4, 6 are updates 1, 2, 3; a report every 2 is every update
+    shape = run.shape()
+    assert (shape["steps"], shape["grad_accum"], shape["global_batch_size"]) == (3, 2, 8)
+    assert (run.logged_steps, run.log_window) == ([1, 2, 3], 1)
