@@ -8,7 +8,7 @@ import pytest
 # What starts training (or a browser): the CLI, the rank launchers and a rank's own entry points (as
 # `python -m MODULE` or a script path), and the launcher programs.
 MODULES = ("compare.cli", "compare.launch.spawn", "mlx_impl.launch", "torch_impl.launch", "mlx_impl.sample",
-           "torch_impl.sample", "mlx.launch")
+           "torch_impl.sample", "mlx.launch", "peers.mlx_lm_peer", "peers.hf_peer")
 PROGRAMS = ("dpcompare", "mlx.launch", "torchrun", "mpirun", "chromium", "chromium-browser")
 
 

@@ -17,8 +17,8 @@ def test_exit_now_keeps_the_code_and_the_buffered_output_and_skips_the_teardown(
 
 
 def test_every_entry_point_that_imports_a_framework_leaves_through_exit_now():
-    """The two frameworks' entry points, file for file: a new one that forgets pays 1-1.5 s a torch process."""
-    for package in ("mlx_impl", "torch_impl"):
+    """The two frameworks' entry points and the peers', file for file: one that forgets pays 1-1.5 s a torch process."""
+    for package in ("mlx_impl", "torch_impl", "peers"):
         for path in sorted((ROOT / package).glob("*.py")):
             text = path.read_text()
             if 'if __name__ == "__main__":' in text:
