@@ -4,7 +4,7 @@ sequence length where the activations dominate a rank's memory. The activation s
 peak RSS (peak_rss_bytes) less the RSS the rank held before its model existed (fixed_rss_bytes: the interpreter and
 the framework).
 
-    python benchmarks/cp_memory.py OUT                       # small, seq 1024, one sequence a step, 3 steps
+    python benchmarks/cp_memory.py OUT                       # small, seq 1024, two sequences a step, 3 steps
     python benchmarks/cp_memory.py OUT --table-only          # the table of an existing compare directory
     python benchmarks/cp_memory.py OUT -- --seq-len 512 ...  # other flags for compare
 
@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT = ["--preset", "small", "--seq-len", "1024", "--global-batch-size", "1", "--steps", "3", "--warmup-steps",
+DEFAULT = ["--preset", "small", "--seq-len", "1024", "--global-batch-size", "2", "--steps", "3", "--warmup-steps",
            "1", "--eval-every", "0", "--no-op-profile", "--no-samples", "--profile-steps", "0", "--no-link-probe"]
 
 
