@@ -16,8 +16,17 @@ import os
 import sys
 
 
+# Set in every rank mpirun (Open MPI, MPICH) or srun's PMI starts. MPI must be finalized before such a rank ends, or
+# mpirun takes it for a crash and kills the job: MLX's MPI backend finalizes in the teardown this would skip (seen:
+# 4-rank MLX meshes on MPI failing after their last step, their other ranks then SIGTERMed).
+MPI_RANK_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
+
+
 def exit_now(code: int | None) -> None:
-    """End this process with `code` (None: 0), stdout and stderr flushed, skipping the interpreter's teardown."""
+    """End this process with `code` (None: 0), stdout and stderr flushed, skipping the interpreter's teardown;
+    an MPI rank ends the usual way (MPI_RANK_VARIABLES)."""
+    if any(name in os.environ for name in MPI_RANK_VARIABLES):
+        sys.exit(code)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -1,5 +1,6 @@
 """A framework process ends through exit_now (common/train/process_exit.py): its code and its last unflushed output
 arrive, and nothing of the interpreter's teardown runs after it."""
+import os
 import subprocess
 import sys
 
@@ -14,6 +15,17 @@ def test_exit_now_keeps_the_code_and_the_buffered_output_and_skips_the_teardown(
             "exit_now(3)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert (proc.returncode, proc.stdout, proc.stderr) == (3, "no newline yet", "err tail")
+
+
+def test_an_mpi_rank_ends_the_usual_way_so_that_mpi_is_finalized():
+    code = ("import atexit\n"
+            "from common.train.process_exit import exit_now\n"
+            "atexit.register(lambda: print('teardown ran'))\n"
+            "exit_now(0)\n")
+    for variable in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"):
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60,
+                              env={**os.environ, variable: "2"})
+        assert (proc.returncode, proc.stdout) == (0, "teardown ran\n"), variable
 
 
 def test_every_entry_point_that_imports_a_framework_leaves_through_exit_now():
