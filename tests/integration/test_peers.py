@@ -6,24 +6,13 @@ labels keep the extra target), Adam without weight decay, a constant lr, no clip
 every N vs 1 row DIFFERS). At `tiny`, seq 32, 6 steps, prompt/completion records with --mask-prompt. Each peer under
 its own tool's recipe, 20 steps, is measured in docs/peers.md; the batches, refusals and pairing in-process:
 tests/unit/test_peers.py."""
-import json
-
 import numpy as np
 import pytest
 
 from helpers import FAST, dpcompare, losses, summary
+from integration.records import pairs
 
 pytestmark = pytest.mark.slow
-
-
-def pairs(tmp_path):
-    """Records of unequal lengths, so ranks hold unequal counts of targets and rows unequal padding."""
-    rng = np.random.default_rng(0)
-    path = tmp_path / "pairs.jsonl"
-    path.write_text("".join(json.dumps({"prompt": f"Q: {a}+{b}?" + " x" * int(rng.integers(0, 8)),
-                                        "completion": f" {a + b}" + " y" * int(rng.integers(0, 12))}) + "\n"
-                            for a, b in rng.integers(0, 10, size=(120, 2))))
-    return path
 
 
 def test_each_peer_s_own_trainer_computes_what_ours_computes_at_1_and_2_ranks(cache_dir, tmp_path):
