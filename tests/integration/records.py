@@ -1,5 +1,5 @@
-"""Instruction records the recipe and peer tests train on (test_recipes.py, test_your_runs.py, test_peers.py): a
-helper module, since a test module must not import another (tests/unit/test_test_layout.py)."""
+"""Instruction records the recipe and peer tests train on (test_recipes.py, test_your_runs.py, test_peers.py,
+test_uneven.py): a helper module, since a test module must not import another (tests/unit/test_test_layout.py)."""
 import json
 
 import numpy as np

@@ -5,25 +5,13 @@ rank 1 slowed by the launcher's duty cycle (--rank-speed 1:0.5), which must chan
 tiny, seq 32, 6 steps. The sampler's cut and the exactness of the scaled sums for any shares are proven in
 tests/unit/test_rank_shares.py; fixed shares (3,1, 5,3), full training, the per-rank DIFFERS row, the speed-up and
 the plan are measured by hand (docs/uneven.md, docs/benchmarks.md)."""
-import json
-
-import numpy as np
 import pytest
 
 from helpers import FAST, dpcompare, summary
+from integration.records import pairs
 
 pytestmark = pytest.mark.slow
 STEPS = 6
-
-
-def pairs(tmp_path):
-    """Prompt/completion records of unequal lengths (test_peers.py's)."""
-    rng = np.random.default_rng(0)
-    path = tmp_path / "pairs.jsonl"
-    path.write_text("".join(json.dumps({"prompt": f"Q: {a}+{b}?" + " x" * int(rng.integers(0, 8)),
-                                        "completion": f" {a + b}" + " y" * int(rng.integers(0, 12))}) + "\n"
-                            for a, b in rng.integers(0, 10, size=(120, 2))))
-    return path
 
 
 def test_auto_shares_at_two_ranks_with_a_slowed_rank_equal_one_rank_in_both_frameworks(cache_dir, tmp_path):
