@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+from common.train.process_exit import MPI_RANK_VARIABLES
 from helpers import ROOT
 
 
@@ -13,7 +14,10 @@ def test_exit_now_keeps_the_code_and_the_buffered_output_and_skips_the_teardown(
             "atexit.register(lambda: print('teardown ran'))\n"
             "sys.stdout.write('no newline yet'); sys.stderr.write('err tail')\n"
             "exit_now(3)\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    # an explicit environment without MPI's variables: a test in this worker that started MPI in-process (Open MPI's
+    # singleton) leaves them in the C environment a child would otherwise inherit
+    env = {k: v for k, v in os.environ.items() if k not in MPI_RANK_VARIABLES}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60, env=env)
     assert (proc.returncode, proc.stdout, proc.stderr) == (3, "no newline yet", "err tail")
 
 
