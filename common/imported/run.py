@@ -69,7 +69,7 @@ class ImportedRun:
                            "source": self.log_source}}
 
     def describe(self) -> list[str]:
-        lines = [f"{self.path}: a {self.tool} run (made on {self.framework}); each choice and where it came from:"]
+        lines = [f"{self.path}: {self.tool}'s run (made on {self.framework}); each choice and where it came from:"]
         everything, sources = {**self.values(), **self.shape()}, self.sources()
         width = max(len(k) for k in everything)
         for k, v in everything.items():
