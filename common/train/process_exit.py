@@ -3,10 +3,11 @@ teardown.
 
 When a rank's work is done its files are written and closed, and what Python does next is only of use to a process
 that lives on: a full garbage collection over every object torch and its imports made (about a million: torch,
-torch._dynamo, sympy), then every module freed. On the AMD EPYC Zen 3 that took 1.0-1.5 s of wall and about
-0.6 CPU-s after `import torch, torch._dynamo` (py-spy of a torch x2 run of the suite's shapes: 3.0-3.2 s of
-each rank's 5 s in `gc_collect_main` after its last line of Python), paid by every rank of every run, and by the
-sample, probe and diagnose processes. So their entry points leave through `exit_now`, as forkranks' forking process
+torch._dynamo, sympy), then every module freed. On the AMD EPYC Zen 3 that took 0.6 s after `import torch,
+torch._dynamo`, quiet, and more in a forked rank whose collection copies the pages it shares (py-spy of a torch x2
+run of the suite's shapes under load: 3.0-3.2 s of each rank's 5 s in `gc_collect_main` after its last line of
+Python); with gc.freeze before the fork (forkranks.py), a torch x2 run of the suite's shapes takes 1.3 CPU-s less,
+quiet. Paid by every rank of every run, and by the sample, probe and diagnose processes. So their entry points leave through `exit_now`, as forkranks' forking process
 already does. atexit handlers do not run: this project registers none, and torch's process group is destroyed
 before (torch_impl/launch.py). A process that raises still ends the usual way, printing its traceback.
 """
