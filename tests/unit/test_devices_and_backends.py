@@ -2,6 +2,7 @@
 mlx.launch's hostfile, backends a build lacks, MPS with several torch ranks, and the end-of-run step check.
 The command lines are checked as built; real runs here use the CPU."""
 import json
+import random
 import sys
 
 import numpy as np
@@ -235,16 +236,24 @@ def test_ring_ports_are_chosen_below_the_ephemeral_range_and_skip_a_taken_one(mo
     for _ in range(20):
         base = environment.free_port_block(3)
         assert environment.LISTEN_PORTS_FROM <= base and base + 3 <= low
-    # the only candidates 20000..20004 (a range starting at 20007): hold 20000..20003, so 20004 is the one block
-    monkeypatch.setattr(environment, "_ephemeral_low", lambda: environment.LISTEN_PORTS_FROM + 7)
+    # the only candidates B..B+4 (a range starting at B+7): hold B..B+3, so B+4 is the one block. B is a window free
+    # now, drawn at random: the suite's other runs listen on blocks of this range, and a port one of them closed
+    # stays taken for a minute (TIME_WAIT), so a fixed window failed a CI run ("no block of 3 free ports").
+    draw = random.Random()
+    while True:
+        start = draw.randrange(environment.LISTEN_PORTS_FROM, low - 7)
+        if all(environment._port_free(port) for port in range(start, start + 7)):
+            break
+    monkeypatch.setattr(environment, "LISTEN_PORTS_FROM", start)
+    monkeypatch.setattr(environment, "_ephemeral_low", lambda: start + 7)
     held = []
     try:
-        for port in range(environment.LISTEN_PORTS_FROM, environment.LISTEN_PORTS_FROM + 4):
+        for port in range(start, start + 4):
             sock = socket.socket()
             sock.bind(("127.0.0.1", port))
             sock.listen()
             held.append(sock)
-        assert environment.free_port_block(3) == environment.LISTEN_PORTS_FROM + 4
+        assert environment.free_port_block(3) == start + 4
     finally:
         for sock in held:
             sock.close()
