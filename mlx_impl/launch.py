@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 
 from common.errors import UserError
+from common.train.collector import imports_uncollected
 from common.train.loop import World, rank_main
 from common.train.placement import ROUND_ROBIN, place_rank
 
@@ -63,8 +64,9 @@ def pick_device(requested: str, local_rank: int, world_size: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    place_rank(argv[0], SHARED_CORES)  # before MLX starts its threads, which inherit the cores
-    from .step import Trainer
+    with imports_uncollected():  # common/train/collector.py
+        place_rank(argv[0], SHARED_CORES)  # before MLX starts its threads, which inherit the cores
+        from .step import Trainer
 
     worlds: list[World] = []
 

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from common.model.lora import Adapters
+from common.train.collector import imports_uncollected
 from common.train.placement import KERNEL, place_rank
 
 from .feed import Feed, peer_main
@@ -43,9 +44,10 @@ def hf_batch(inputs: np.ndarray, targets: np.ndarray, mask: np.ndarray) -> dict[
 
 
 def train_rank(run_dir: Path) -> None:
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+    with imports_uncollected():  # common/train/collector.py; the Trainer's loop collects as usual
+        import torch
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
     from common.runplan import RunPlan
 

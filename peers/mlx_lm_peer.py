@@ -20,6 +20,7 @@ import numpy as np
 
 from common.errors import UserError
 from common.model.lora import TARGET_PATHS, Adapters
+from common.train.collector import imports_uncollected
 from common.train.placement import ROUND_ROBIN, place_rank
 
 from .feed import Feed, peer_main
@@ -71,12 +72,13 @@ def optimizer_of(cfg):
 
 
 def train_rank(run_dir: Path) -> None:
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_lm.tuner.callbacks import TrainingCallback
-    from mlx_lm.tuner.trainer import TrainingArgs, train
-    from mlx_lm.tuner.utils import linear_to_lora_layers
-    from mlx_lm.utils import load_model
+    with imports_uncollected():  # common/train/collector.py; mlx-lm's loop collects as usual
+        import mlx.core as mx
+        from mlx.utils import tree_flatten
+        from mlx_lm.tuner.callbacks import TrainingCallback
+        from mlx_lm.tuner.trainer import TrainingArgs, train
+        from mlx_lm.tuner.utils import linear_to_lora_layers
+        from mlx_lm.utils import load_model
 
     from common.runplan import RunPlan
 

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from common.errors import UserError
+from common.train.collector import imports_uncollected
 from common.train.forkranks import fork_ranks
 from common.train.loop import World, rank_main
 from common.train.placement import KERNEL, place_rank
@@ -73,9 +74,10 @@ def pick_device(requested: str, local_rank: int, world_size: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    fork_ranks(lambda: _preload(argv[0]))  # under `spawn --fork`: from here on, one of the ranks
-    place_rank(argv[0], SHARED_CORES)
-    from .step import Trainer
+    with imports_uncollected():  # common/train/collector.py: 0.5 CPU-s of torch's import
+        fork_ranks(lambda: _preload(argv[0]))  # under `spawn --fork`: from here on, one of the ranks
+        place_rank(argv[0], SHARED_CORES)
+        from .step import Trainer
 
     code = rank_main(argv[0], start_world, Trainer)
     import torch.distributed as dist

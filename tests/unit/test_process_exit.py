@@ -39,3 +39,33 @@ def test_every_entry_point_that_imports_a_framework_leaves_through_exit_now():
             text = path.read_text()
             if 'if __name__ == "__main__":' in text:
                 assert "exit_now(main())" in text, path
+
+
+def test_imports_uncollected_holds_collection_inside_then_freezes_and_restores_it():
+    """common/train/collector.py: no collection runs while a framework imports; what the imports made is frozen; the
+    collector is left as it was found (a caller that had disabled it keeps it disabled)."""
+    import gc
+
+    from common.train.collector import imports_uncollected
+
+    try:
+        for enabled in (True, False):
+            (gc.enable if enabled else gc.disable)()
+            with imports_uncollected():
+                assert not gc.isenabled()
+                made = [[index] for index in range(3)]  # tracked containers, as a module's objects
+            assert gc.isenabled() is enabled
+            # frozen: tracked, but in none of the collector's three generations (gc.get_objects lists those)
+            assert all(gc.is_tracked(obj) for obj in made)
+            assert not any(any(obj is other for other in gc.get_objects()) for obj in made)
+    finally:
+        gc.unfreeze()
+        gc.enable()
+
+
+def test_both_rank_launchers_import_inside_imports_uncollected():
+    """Mirrored: mlx_impl/launch.py and torch_impl/launch.py import their trainer with the collector held."""
+    for package in ("mlx_impl", "torch_impl"):
+        text = (ROOT / package / "launch.py").read_text()
+        body = text[text.index("def main("):]
+        assert body.index("with imports_uncollected():") < body.index("from .step import Trainer"), package
