@@ -116,6 +116,7 @@ class RunConfig:
     # Where and how it runs.
     framework: str = "mlx"
     peer: str = ""                   # a peer's own trainer on that framework: mlx-lm or hf (common/peers.py)
+    peer_adapted: str = ""           # the choices that peer cannot be told, set to its own (common/peers.py adapted)
     nproc: int = 1
     strategy: str = "ddp"            # ddp, fsdp, tp or pp (common/parallel/: one object each), or mesh
     mesh: str = ""                   # strategy mesh: its axes, "dp=2,tp=2" (common/parallel/mesh.py), canonical order

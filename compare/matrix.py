@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from common.config import DTYPES, FRAMEWORKS
-from common.peers import ALIASES, PEERS, check_installed, peer_of
+from common.peers import ALIASES, PEERS, adapted, check_installed, peer_of
 from common.config_sources import read_toml
 from common.errors import ParityError, UserError
 from common.parallel import MESH_STRATEGY, STRATEGIES
@@ -195,11 +195,13 @@ def expand_matrix(base, frameworks, strategies, dtypes, world_sizes, out: Path,
                         continue
                     run_dir = out / run_dirname(fw, n, name, dtype)
                     peer = peer_of(fw)  # mlx-lm, hf: a peer's own trainer on its framework (common/peers.py)
-                    cfg = base.replace(framework=peer.framework if peer else fw, peer=peer.name if peer else "",
-                                       nproc=n, strategy=strategy, mesh=cell_mesh, dtype=dtype,
-                                       out=str(run_dir), backend=base.backend if fw == frameworks[0] else "auto")
+                    cfg = base.replace(framework=peer.framework if peer else fw, nproc=n, strategy=strategy,
+                                       mesh=cell_mesh, dtype=dtype, out=str(run_dir),
+                                       backend=base.backend if fw == frameworks[0] else "auto")
                     if peer:
                         check_installed(peer.name)
+                        cfg, lines = adapted(peer.name, cfg)  # what it cannot be told, set to its own, in a line
+                        left_out.extend(lines)
                     check_run_dir(run_dir, cfg.resume, cfg.overwrite)
                     # A backend or device this machine lacks is refused now, not as a failed run halfway through
                     check_hostfile(cfg)

@@ -30,6 +30,7 @@ import numpy as np
 
 from common.metrics import read_json, read_metrics
 from common.model.precision import DEFAULT_TOLERANCES
+from common.peers import explained
 
 from .inputs import content_hashes, named, tokenizer_fingerprint
 from .labels import run_label, strategy_name
@@ -86,6 +87,7 @@ RUN_ONLY_KEYS = frozenset({
     "overwrite", "quiet", "cache_dir", "trace", "profile_steps", "op_profile", "tune_malloc", "pin_ranks", "link", "launcher",
     "recipe",  # a name only: its choices are fields of their own (common/recipes.py), compared one by one
     "peer",  # which trainer ran it: a peer pairs with its framework's run (kind peer)
+    "peer_adapted",  # the names of the choices the peer ran with its own value (compared below: kind peer)
     "rank_shares", "rank_speed",  # how the batch is cut over the ranks and how fast they run (docs/uneven.md)
 })
 
@@ -221,7 +223,10 @@ def compare_pair(a: RunData, b: RunData, kind: str, tol: Tolerances) -> dict:
               f"{a.dtype} vs {b.dtype}", "strategy": [a.strategy, b.strategy]}
     # At one rank both loss normalizations compute the same loss: an N=1 reference serves either.
     one_rank = ("loss_normalization",) if 1 in (a.world_size, b.world_size) else ()
-    diffs = comparable(a, b, ignore=(("dtype",) if kind == "precision" else ()) + one_rank)
+    # A peer ran a choice it cannot be told with its own value (common/peers.py adapted): that key differs on purpose.
+    by_peer = tuple(n for r in (a, b) for n in str(r.config.get("peer_adapted") or "").split(",") if n) \
+        if kind == "peer" else ()
+    diffs = comparable(a, b, ignore=(("dtype",) if kind == "precision" else ()) + one_rank + by_peer)
     if diffs:
         return {**result, "comparable": False, "differences": diffs, "verdict": "not comparable",
                 "checks": {}}
@@ -249,6 +254,8 @@ def compare_pair(a: RunData, b: RunData, kind: str, tol: Tolerances) -> dict:
         # mlx-lm's normalization does not compute what one rank computes where the ranks hold unequal counts of
         # targets (common/train/normalization.py): the difference is the choice's, not a bug's.
         verdict, result["explained_by"] = "differs", PER_RANK
+    if verdict == "fail" and by_peer:  # the peer's trainer could not be told what ours computed: named, not a bug
+        verdict, result["explained_by"] = "differs", explained(a.config if a.peer_of else b.config)
     return {**result, "comparable": True, "differences": {}, "verdict": verdict, "checks": checks,
             "common_steps": len(steps),
             "diff_series": {"steps": steps, "abs_diff": [float(x) for x in abs_diff]}}

@@ -181,6 +181,10 @@ def pair_sentence(pair: dict) -> str:
         return f"{a} and {b} are not comparable: their configs differ in {diffs}"
     if pair["verdict"] == "no data":
         return f"{a} vs {b}: no common steps to compare"
+    if pair["verdict"] == "differs" and pair.get("kind") == "peer":
+        step = pair["checks"].get("per_step") or {}
+        return (f"{a} differs from {b} by {step.get('max_abs_diff', float('nan')):.2e} per step, as its trainer "
+                f"cannot be told what ours ran (not a bug): {pair['explained_by']} (docs/peers.md)")
     if pair["verdict"] == "differs":
         step = pair["checks"].get("per_step") or {}
         return (f"{a} differs from {b} by {step.get('max_abs_diff', float('nan')):.2e} per step, as its "

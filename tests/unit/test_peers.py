@@ -74,9 +74,9 @@ LORA = dict(lora_rank=8, dataset="pairs.jsonl", steps=4)
 
 
 @pytest.mark.parametrize("peer, recipe, nproc, choice", [
-    ("mlx-lm", "peft", 1, "mask-convention"),          # default_loss keeps a pad target: no exact mask
+    ("mlx-lm", "peft", 1, "lr-schedule"),              # no linear schedule in its lora.py: refused
     ("mlx-lm", "mlx-lm", 2, None),                     # mlx-lm's own recipe: taken
-    ("hf", "mlx-lm", 1, "bias-correction"),            # torch's AdamW always corrects
+    ("hf", "mlx-lm", 1, "bias-correction"),            # torch's AdamW always corrects: not told, nor adapted here
     ("hf", "peft", 2, None),
 ])
 def test_a_peer_takes_only_the_choices_its_trainer_has_a_setting_for(peer, recipe, nproc, choice):
@@ -91,6 +91,32 @@ def test_a_peer_takes_only_the_choices_its_trainer_has_a_setting_for(peer, recip
         make()
 
 
+@pytest.mark.parametrize("peer, recipe, nproc, asked, ran", [
+    ("hf", "mlx-lm", 2, {"bias_correction": False}, {"bias_correction": True}),
+    ("mlx-lm", "dpcompare", 2, {"mask_convention": "exact", "grad_clip": 1.0, "loss_normalization": "global-tokens"},
+     {"mask_convention": "mlx-lm", "grad_clip": 0.0, "loss_normalization": "per-rank"}),
+    ("mlx-lm", "mlx-lm", 1, {}, {}),
+])
+def test_a_setting_a_peer_cannot_be_told_runs_with_its_own_value_said_in_one_line_each(peer, recipe, nproc, asked,
+                                                                                        ran):
+    """common/peers.py adapted: compare's peer config takes the trainer's own value where it has no setting for the one
+    asked, names it in peer_adapted, and says so in one line per choice; the rest of the config is untouched."""
+    from common.peers import adapted, explained
+
+    framework = {"mlx-lm": "mlx", "hf": "torch"}[peer]
+    ours = RunConfig.from_dict(dict(framework=framework, recipe=recipe, nproc=nproc, warmup_steps=0,
+                                    lr_schedule="constant", **LORA))
+    assert {k: getattr(ours, k) for k in asked} == asked
+    cfg, lines = adapted(peer, ours)
+    assert {k: getattr(cfg, k) for k in ran} == ran and cfg.peer == peer
+    assert cfg.peer_adapted.split(",") == (list(ran) if ran else [""])
+    assert len(lines) == len(ran) and all(k.replace("_", "-") in line for k, line in zip(ran, lines)), lines
+    untouched = {k for k in ours.to_dict() if k not in ran and k not in ("peer", "peer_adapted")}
+    assert all(getattr(cfg, k) == getattr(ours, k) for k in untouched)
+    RunConfig.from_dict(cfg.to_dict())  # what the peer's ranks read back validates
+    assert all(k.replace("_", "-") in explained(cfg.to_dict()) for k in ran)
+
+
 def test_mlx_lm_at_two_ranks_refuses_global_tokens_and_a_peer_refuses_another_strategy():
     with pytest.raises(UserError, match="per-rank"):
         RunConfig.from_dict(dict(framework="mlx", peer="mlx-lm", recipe="mlx-lm", nproc=2,
@@ -103,8 +129,9 @@ def test_refusals_exit_2_in_one_line_before_anything_starts(tmp_path, monkeypatc
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text('{"prompt": "Q", "completion": " A"}\n' * 40)
     flags = ("compare", "--dataset", pairs, "--mask-prompt", "--steps", 2, "--out", tmp_path / "out")
-    proc = dpcompare_here(*flags, "--recipe", "mlx-lm", "--frameworks", "mlx,hf", cache_dir=tmp_path)
-    assert proc.returncode == 2 and "bias-correction" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    proc = dpcompare_here(*flags, "--recipe", "peft", "--lr-schedule", "cosine", "--frameworks", "torch,hf",
+                          cache_dir=tmp_path)
+    assert proc.returncode == 2 and "lr-schedule" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     real = importlib.util.find_spec
     monkeypatch.setattr("common.peers.importlib.util.find_spec",
                         lambda name, *a: None if name == "mlx_lm" else real(name, *a))
@@ -127,6 +154,28 @@ def test_a_peer_s_run_pairs_with_its_framework_s_as_kind_peer_within_1e_5(tmp_pa
     verdicts = {(p["a"], p["b"]): p["verdict"] for p in parity["peer"]}
     assert verdicts == {("mlx-lm x1", "mlx x1"): "pass", ("hf x1", "torch x1"): "fail"}
     assert {p["checks"]["per_step"]["tolerance"] for p in parity["peer"]} == {1e-5}
+
+
+def test_a_peer_that_ran_its_own_value_of_a_choice_differs_naming_it_and_otherwise_fails(tmp_path):
+    """A peer run whose config names a choice it could not be told (peer_adapted) pairs with ours although that
+    field differs, and a gap is called the choice's (differs, with its words in the verdict line); the same gap
+    without it fails."""
+    from compare.report.parity import Tolerances, judge, load_run
+    from compare.report.verdict_table import pair_sentence
+    from unit.fake_runs import make_run, reference_losses
+
+    losses = reference_losses()
+    make_run(tmp_path, "torch", 1, losses, config={"bias_correction": False}, name="torch-n1")
+    make_run(tmp_path, "torch", 1, [x + 3e-3 for x in losses], name="hf-n1",
+             config={"peer": "hf", "bias_correction": True, "peer_adapted": "bias_correction"})
+    make_run(tmp_path, "torch", 1, [x + 3e-3 for x in losses], name="hf-plain",
+             config={"peer": "hf", "bias_correction": False})
+    runs = [load_run(tmp_path / name) for name in ("torch-n1", "hf-n1")]
+    [pair] = judge(runs, Tolerances())["peer"]
+    assert pair["verdict"] == "differs" and "bias-correction = True" in pair["explained_by"], pair
+    assert "torch's AdamW always corrects" in pair_sentence(pair) and "3.00e-03" in pair_sentence(pair)
+    [pair] = judge([runs[0], load_run(tmp_path / "hf-plain")], Tolerances())["peer"]
+    assert pair["verdict"] == "fail"
 
 
 def transformers_folder(tmp_path):
