@@ -31,9 +31,10 @@ from common.errors import UserError
 from common.data.sampler import sampler_for
 from common.train.lr_schedule import lr_for
 from common.data.sequences import SequenceView
+from common.model.lora import Adapters
 from common.model.spec import ModelSpec
 from common.data.tokencache import TokenCache
-from common.model.weights import load_pretrained, parameter_shapes
+from common.model.weights import load_pretrained
 
 STAGES = ("forward", "loss", "gradient", "update")
 # Test hook (DPCOMPARE_INJECT_BUG="framework=mlx,bug=rmsnorm_eps"): real bugs, planted in one framework
@@ -84,11 +85,14 @@ class DiagnosisPlan:
     def inputs(self) -> DiagnosisInputs:
         """The weights (and optimizer state, from a checkpoint) and the global batch of the diagnosed step."""
         cfg, step, optimizer = self.config, self.step, None
+        trained = cfg.trained  # every parameter, or LoRA's adapters over the frozen seed (common/model/lora.py)
         if self.checkpoint:
-            state = load_checkpoint(self.checkpoint, self.spec, {})
+            state = load_checkpoint(self.checkpoint, self.spec, {}, trained.state_shapes(self.spec))
             weights, optimizer = state.weights, (state.exp_avg, state.exp_avg_sq, state.step)
-        else:
-            _, weights = load_pretrained(self.weights)
+        else:  # what a run starts from: the seed, and LoRA's adapters drawn from the run's seed (loop.start_trainer)
+            weights = trained.initial_values(self.spec, cfg.seed)  # {} where the seed holds every trained tensor
+        if isinstance(trained, Adapters) or not self.checkpoint:  # adapters train over the seed's frozen base
+            weights = {**load_pretrained(self.weights)[1], **weights}
         view = SequenceView(TokenCache.open(self.token_cache).split("train"), cfg.seq_len, cfg.sequence,
                             mask_prompt=cfg.mask_prompt, mask_convention=cfg.mask_convention,
                             padding_rule=cfg.padding_rule)
@@ -161,7 +165,8 @@ def run_worker(plan_path: Path, out_dir: Path, start_world, framework_module) ->
     loss, grad_norm = trainer.train_step([(inputs, targets, mask)], d.lr, d.global_tokens)
     store.add("loss", "loss", loss)
     after = framework_module.weights_of(trainer.model)
-    order = [name for name in parameter_shapes(d.spec) if name in before]  # forward order, HF names
+    # what trains (every parameter, or LoRA's adapters), in forward order, under HF names
+    order = [name for name in d.cfg.trained.state_shapes(d.spec) if name in before]
     for name in order:
         store.add("gradient", name, gradients[name])
     for name in order:
