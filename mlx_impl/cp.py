@@ -194,6 +194,29 @@ def rope_at(rope: nn.Module, x: mx.array, positions: mx.array, seq_len: int) -> 
     return x * cos + mx.concatenate([-x2, x1], axis=-1) * sin
 
 
+def exchanges_for(attention: str, group: Any, rank: int, size: int, comm: CommCounter | None = None) -> Any:
+    """--cp-attention's exchanges over the cp group: ring's pass from the previous rank, or Ulysses's pair."""
+    return (ring_passes(group, rank, size, comm) if attention == "ring" else
+            ulysses_exchanges(group, rank, size, comm))
+
+
+def sequence_attention(model: Any, attention: str, rank: int, size: int, exchanges: Any) -> None:
+    """Every block's attention, in place, as the cp rank's (before a model axis splits or keeps the blocks: the
+    projections stay the block's own modules, so tp's plan and pp's stages see the same names)."""
+    kind = RingAttention if attention == "ring" else UlyssesAttention
+    for block in model.model.layers:
+        block.self_attn = kind.from_attention(block.self_attn, rank, size, exchanges)
+
+
+def sequence_slices(batches: Sequence[Batch], attention: str, rank: int, size: int) -> list[Batch]:
+    """The cp rank's positions of each micro-batch's (inputs, targets, mask)."""
+    out = []
+    for inputs, targets, mask in batches:
+        mine = positions_for(attention, inputs.shape[1], rank, size)
+        out.append((inputs[:, mine], targets[:, mine], mask[:, mine]))
+    return out
+
+
 class SequenceParallel(Replicated):
     """The cp strategy (common/train/protocols.py), alone or beside dp: ddp over every rank of the job, each rank
     on its slice of the rows its data rank reads."""
@@ -206,22 +229,15 @@ class SequenceParallel(Replicated):
         cp = world.axes.get("cp", world)
         self.cp_rank, self.cp_size = cp.rank, cp.size
         self.attention = cfg.cp_attention
-        self.exchanges: Any = (ring_passes(cp.group, cp.rank, cp.size, comm) if self.attention == "ring" else
-                               ulysses_exchanges(cp.group, cp.rank, cp.size, comm))
+        self.exchanges = exchanges_for(self.attention, cp.group, cp.rank, cp.size, comm)
 
     def wrap(self, model: nn.Module, source: TensorSource) -> nn.Module:
-        kind = RingAttention if self.attention == "ring" else UlyssesAttention
-        for block in model.model.layers:
-            block.self_attn = kind.from_attention(block.self_attn, self.cp_rank, self.cp_size, self.exchanges)
+        sequence_attention(model, self.attention, self.cp_rank, self.cp_size, self.exchanges)
         return super().wrap(model, source)
 
     def sliced(self, batches: Sequence[Batch]) -> list[Batch]:
         """This rank's positions of each micro-batch's (inputs, targets, mask)."""
-        out = []
-        for inputs, targets, mask in batches:
-            mine = positions_for(self.attention, inputs.shape[1], self.cp_rank, self.cp_size)
-            out.append((inputs[:, mine], targets[:, mine], mask[:, mine]))
-        return out
+        return sequence_slices(batches, self.attention, self.cp_rank, self.cp_size)
 
     def forward_backward(self, step: StepFunctions, batches: Sequence[Batch], scale: float,
                          phase: Phase = no_phase, wait: bool = False,

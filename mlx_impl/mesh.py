@@ -38,6 +38,7 @@ from common.parallel.tp import tp_split_axis
 from common.train.protocols import Batch, ForwardBackwardResult, Phase, StateStream, World, no_phase
 
 from .comm import CommCounter
+from .cp import SequenceParallel, exchanges_for, sequence_attention, sequence_slices
 from .ddp import Replicated
 from .fsdp import Sharding, shard_model
 from .grads import squares_of
@@ -69,8 +70,7 @@ def mesh_strategy(cfg: RunConfig, world: World, comm: CommCounter):
     """The strategy of `--strategy mesh`: the composition of cfg.mesh's axes (the module docstring)."""
     mesh = Mesh.parse(cfg.mesh)
     if mesh.has("cp"):  # dp x cp: ddp over every rank, each on its slice of the sequence (cp.py)
-        from .cp import SequenceParallel
-        return SequenceParallel(cfg, world, comm)
+        return ContextParallelOver(cfg, world, comm) if mesh.model_axis else SequenceParallel(cfg, world, comm)
     if mesh.has("fsdp"):
         return ShardedTensorParallel(cfg, world, comm)
     if mesh.tp_stages and not mesh.has("dp"):
@@ -84,6 +84,7 @@ class DataParallelOver:
 
     reduce_scatter = None
     full_state_on_every_rank = True
+    averaged_over = "dp"  # the axis whose ranks average every gradient the inner strategy leaves
 
     def __init__(self, cfg: RunConfig, world: World, comm: CommCounter):
         mesh = Mesh.parse(cfg.mesh)
@@ -91,10 +92,11 @@ class DataParallelOver:
         if mesh.tp_stages:  # pp x dp x tp: each dp replica a pipeline of tp-split stages
             self.inner = TensorParallelStages(cfg, world, comm)
         else:
-            model_axis = next(a for a in mesh.names if a in MODEL_PARALLEL)
-            self.inner = MODEL_PARALLEL[model_axis](cfg, world.axes[model_axis], comm)
-        self.data = Replicated(cfg, world.axes["dp"], comm)
-        self.data_rank = world.axes["dp"].rank
+            self.inner = MODEL_PARALLEL[mesh.model_axis](cfg, world.axes[mesh.model_axis], comm)
+        averaged = world.axes[self.averaged_over]
+        self.data = Replicated(cfg, averaged, comm)
+        self.data.dp_size = averaged.size
+        self.data_rank = averaged.rank
         self.loss_over = self.inner.loss_over
 
     @property
@@ -141,6 +143,44 @@ class DataParallelOver:
 
     def state_bytes(self, model: nn.Module, optimizer: optim.Optimizer) -> dict[str, int]:
         return self.inner.state_bytes(model, optimizer)
+
+
+class ContextParallelOver(DataParallelOver):
+    """tp x cp, pp x cp: the model-parallel strategy on its axis, every block's attention cp.py's over the cp
+    sub-group (Ulysses on the heads tp leaves the rank, or ring), each rank on its slice of the sequence. As under
+    cp alone, each rank's gradients are its own tokens' scaled by cp, and the cp group averages them (dp's part in
+    DataParallelOver, on the cp axis). The loss sums over the world: each cp rank holds its slice's token losses
+    (pp: the last stage's), tp rank 0 reports them (its tp peers hold the same)."""
+
+    averaged_over = "cp"
+
+    def __init__(self, cfg: RunConfig, world: World, comm: CommCounter):
+        super().__init__(cfg, world, comm)
+        cp = world.axes["cp"]
+        self.attention, self.cp_rank, self.cp_size = cfg.cp_attention, cp.rank, cp.size
+        self.exchanges = exchanges_for(self.attention, cp.group, cp.rank, cp.size, comm)
+        self.tp_rank = world.axes["tp"].rank if "tp" in world.axes else 0
+        self.loss_over = "world"
+
+    def wrap(self, model: nn.Module, source: TensorSource) -> nn.Module:
+        sequence_attention(model, self.attention, self.cp_rank, self.cp_size, self.exchanges)
+        return self.inner.wrap(model, source)
+
+    def forward_backward(self, step: StepFunctions, batches: Sequence[Batch], scale: float,
+                         phase: Phase = no_phase, wait: bool = False,
+                         sync: bool = True) -> ForwardBackwardResult[Losses, Grads]:
+        mine = sequence_slices(batches, self.attention, self.cp_rank, self.cp_size)
+        result = self.inner.forward_backward(step, mine, scale * self.cp_size, phase, wait, sync)
+        return ForwardBackwardResult(self._reported(result.losses), result.grads)
+
+    def eval_losses(self, step: StepFunctions, batches: Sequence[Batch]) -> Losses:
+        token_losses = self.inner.eval_losses(step, sequence_slices(batches, self.attention, self.cp_rank,
+                                                                    self.cp_size))
+        mx.eval(token_losses)  # a tp rank > 0 drops them, but its forward's collectives must run (MLX is lazy)
+        return self._reported(token_losses)
+
+    def _reported(self, token_losses: Losses) -> Losses:
+        return token_losses if self.tp_rank == 0 else []
 
 
 class ShardedTensorParallel(MicroSteps):

@@ -38,6 +38,7 @@ from common.train.protocols import Batch, ForwardBackwardResult, Phase, StateStr
 
 from .adamw import AdamW
 from .comm import CommCounter
+from .cp import SequenceParallel, exchanges_for, sequence_attention, sequence_slices
 from .fsdp import Sharding, shard_model
 from .grads import norm_dtype, squares_of
 from .load import load_local
@@ -68,8 +69,7 @@ def mesh_strategy(cfg: RunConfig, world: World, comm: CommCounter):
     """The strategy of `--strategy mesh`: the composition of cfg.mesh's axes (the module docstring)."""
     mesh = Mesh.parse(cfg.mesh)
     if mesh.has("cp"):  # dp x cp: ddp over every rank, each on its slice of the sequence (cp.py)
-        from .cp import SequenceParallel
-        return SequenceParallel(cfg, world, comm)
+        return ContextParallelOver(cfg, world, comm) if mesh.model_axis else SequenceParallel(cfg, world, comm)
     if mesh.has("fsdp"):
         return ShardedTensorParallel(cfg, world, comm)
     if mesh.tp_stages and not mesh.has("dp"):
@@ -85,6 +85,7 @@ class DataParallelOver:
     full_state_on_every_rank = True
     communicates = False  # inside forward_backward, after the backward, as DDP's is inside the backward
     keeps_grads = False
+    averaged_over = "dp"  # the axis whose ranks average every gradient the inner strategy leaves
 
     def __init__(self, cfg: RunConfig, world: World, comm: CommCounter):
         mesh = Mesh.parse(cfg.mesh)
@@ -92,9 +93,8 @@ class DataParallelOver:
         if mesh.tp_stages:  # pp x dp x tp: each dp replica a pipeline of tp-split stages
             self.inner = TensorParallelStages(cfg, world, comm)
         else:
-            model_axis = next(a for a in mesh.names if a in MODEL_PARALLEL)
-            self.inner = MODEL_PARALLEL[model_axis](cfg, world.axes[model_axis], comm)
-        dp = world.axes["dp"]
+            self.inner = MODEL_PARALLEL[mesh.model_axis](cfg, world.axes[mesh.model_axis], comm)
+        dp = world.axes[self.averaged_over]
         self.dp_group, self.dp_size, self.data_rank, self.comm = dp.group, dp.size, dp.rank, comm
         self.loss_over = self.inner.loss_over
         self.counted = False
@@ -154,6 +154,42 @@ class DataParallelOver:
 
     def state_bytes(self, model: nn.Module, optimizer: AdamW) -> dict[str, int]:
         return self.inner.state_bytes(model, optimizer)
+
+
+class ContextParallelOver(DataParallelOver):
+    """tp x cp, pp x cp: the model-parallel strategy on its axis, every block's attention cp.py's over the cp group
+    (Ulysses on the heads tp leaves the rank, or ring), each rank on its slice of the sequence. As under cp alone,
+    each rank's gradients are its own tokens' scaled by cp, and the cp group averages them (dp's part in
+    DataParallelOver, on the cp axis). The loss sums over the world: each cp rank holds its slice's loss sum (pp:
+    the last stage's), tp rank 0 reports it (its tp peers hold the same)."""
+
+    averaged_over = "cp"
+
+    def __init__(self, cfg: RunConfig, world: World, comm: CommCounter):
+        super().__init__(cfg, world, comm)
+        cp = world.axes["cp"]
+        self.attention, self.cp_rank, self.cp_size = cfg.cp_attention, cp.rank, cp.size
+        self.exchanges = exchanges_for(self.attention, cp.group, cp.rank, cp.size, comm)
+        self.tp_rank = world.axes["tp"].rank if "tp" in world.axes else 0
+        self.loss_over = "world"
+
+    def wrap(self, model: Llama, source: TensorSource) -> nn.Module:
+        sequence_attention(model, self.attention, self.cp_rank, self.cp_size, self.exchanges)
+        return self.inner.wrap(model, source)
+
+    def forward_backward(self, step: StepFunctions, batches: Sequence[Batch], scale: float,
+                         phase: Phase = no_phase, wait: bool = False,
+                         sync: bool = True) -> ForwardBackwardResult[torch.Tensor, Grads]:
+        mine = sequence_slices(batches, self.attention, self.cp_rank, self.cp_size)
+        result = super().forward_backward(step, mine, scale * self.cp_size, phase, wait, sync)
+        return ForwardBackwardResult(self._reported(result.losses), result.grads)
+
+    def eval_losses(self, step: StepFunctions, batches: Sequence[Batch]) -> torch.Tensor:
+        return self._reported(self.inner.eval_losses(step, sequence_slices(batches, self.attention, self.cp_rank,
+                                                                           self.cp_size)))
+
+    def _reported(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        return loss_sum if self.tp_rank == 0 else torch.zeros_like(loss_sum)
 
 
 class ShardedTensorParallel(Sharding):

@@ -22,6 +22,11 @@ over the data axis too, the traffic at one data rank's rows (as every axis's), d
 The frameworks compose the same way (mlx_impl/mesh.py, torch_impl/mesh.py): the model-parallel strategy runs on
 its axis's sub-group, the data axis reduces its gradients over the data sub-group; under pp x tp the pipeline runs
 on the pp sub-group and each stage's blocks are split over the tp sub-group.
+
+cp beside a model axis (tp x cp, pp x cp) cuts the sequence of what that axis leaves each rank: the work and the
+activations by cp (`sequence_split`), the all-to-alls (or ring passes) carry the rank's heads (1/tp of them) for
+its blocks (the stage's under pp), and the cp group averages the gradients of the rank's model share
+(`cp_collectives`).
 """
 from __future__ import annotations
 
@@ -48,7 +53,7 @@ AXIS_LAYOUTS: dict[str, type[Layout]] = {"dp": DdpLayout, "fsdp": FsdpLayout, "t
 MODEL_AXES = ("tp", "pp", "cp")  # cp: whole model, its own collectives (cp.py), as a model axis here
 # The compositions both frameworks run (mlx_impl/mesh.py, torch_impl/mesh.py), as sets of axes.
 COMPOSITIONS = (frozenset({"dp", "tp"}), frozenset({"fsdp", "tp"}), frozenset({"dp", "pp"}), frozenset({"pp", "tp"}),
-                frozenset({"pp", "dp", "tp"}), frozenset({"dp", "cp"}))
+                frozenset({"pp", "dp", "tp"}), frozenset({"dp", "cp"}), frozenset({"tp", "cp"}), frozenset({"pp", "cp"}))
 
 
 def composition_names() -> str:
@@ -79,8 +84,15 @@ class MeshLayout(Layout):
 
     @property
     def model_part(self) -> Layout | None:
-        """The model-parallel axis's object (tp or pp), None where each rank holds the whole model."""
-        return next((self.parts[a] for a in self.mesh.names if a in MODEL_AXES), None)
+        """The model-parallel axis's object (tp or pp; cp where it is the only one, whose work and traffic are its
+        own), None where each rank holds the whole model."""
+        axis = self.mesh.model_axis or ("cp" if self.mesh.has("cp") else None)
+        return None if axis is None else self.parts[axis]
+
+    @property
+    def cp_beside(self) -> int:
+        """cp's size beside a model axis (tp x cp, pp x cp), which cuts that axis's work by it; 1 otherwise."""
+        return self.mesh.axis("cp") if self.mesh.has("cp") and self.mesh.model_axis else 1
 
     @property
     def data_part(self) -> Layout | None:
@@ -131,6 +143,13 @@ class MeshLayout(Layout):
         for field in ("n_heads", "n_kv_heads", "ffn_dim"):
             if getattr(spec, field) % tp:
                 raise UserError(f"{prefix}: tp={tp} does not divide model.{field} = {getattr(spec, field)}")
+        cp = self.mesh.axis("cp") if self.mesh.has("cp") else 1
+        for field in ("n_heads", "n_kv_heads"):  # Ulysses's split; cp alone refuses it for ring too (cp.py)
+            value = getattr(spec, field)
+            if value % (tp * cp):
+                raise UserError(f"{prefix}: Ulysses splits each tp rank's heads over cp, so tp x cp = {tp * cp} must "
+                                f"divide model.{field} = {value}; use pp=2,cp={cp} or dp=2,cp={cp}, or a model whose "
+                                f"n_heads and n_kv_heads divide by {tp * cp}")
         if self.mesh.has("pp"):
             pp = self.mesh.axis("pp")
             if spec.n_layers < pp:
@@ -167,14 +186,14 @@ class MeshLayout(Layout):
             assert isinstance(pp, PpLayout)
             return pp.rank_work_fraction(w)
         model = self.model_part.work_fraction(w) if self.model_part is not None else 1.0
-        return model / self.dp_size
+        return model / self.dp_size / self.cp_beside
 
     def busy_fraction(self, w: Workload) -> float:
         if self.tp_stages:  # without the bubble, as pp's own
             m = w.pp_microbatches
             return self.work_fraction(w) * m / (m + self.mesh.axis("pp") - 1)
         model = self.model_part.busy_fraction(w) if self.model_part is not None else 1.0
-        return model / self.dp_size
+        return model / self.dp_size / self.cp_beside
 
     # ---- the traffic --------------------------------------------------------------------------------
     def axis_collectives(self, w: Workload, reduce_scatter: str = "native") -> list[AxisCollectives]:
@@ -183,8 +202,10 @@ class MeshLayout(Layout):
             size = self.mesh.axis(name)
             if name == "tp" and self.tp_stages:
                 colls = self.stage_tp_collectives(part, w, reduce_scatter)
-            elif name in MODEL_AXES:
-                colls = part.collectives(w, reduce_scatter)
+            elif name == "cp" and self.cp_beside > 1:
+                colls = self.cp_collectives(part, w, reduce_scatter)
+            elif name in MODEL_AXES:  # tp's all-reduces, pp's sends: of the rank's T / cp tokens beside cp
+                colls = [replace(c, nbytes=int(c.nbytes / self.cp_beside)) for c in part.collectives(w, reduce_scatter)]
             else:
                 colls = self.data_collectives(part, w, reduce_scatter)
             out.append(AxisCollectives(name, size, colls))
@@ -207,6 +228,18 @@ class MeshLayout(Layout):
                         what=c.what + f" (of the stage's blocks, per piece of {m})")
                 for c in part.collectives(w, reduce_scatter)]
 
+    def cp_collectives(self, part: Layout, w: Workload, reduce_scatter: str) -> list[Collective]:
+        """cp beside tp or pp: its exchanges of the heads a tp rank holds, in the blocks its stage holds (once per
+        pipeline piece, as stage_tp_collectives), then the cp group's all-reduce of the gradients of the rank's model
+        share (in place of cp's own over the whole model)."""
+        tp = self.mesh.axis("tp") if self.mesh.has("tp") else 1
+        pp = self.mesh.has("pp")
+        blocks, m = (self.stage_blocks(w.spec) / w.spec.n_layers, max(1, w.pp_microbatches)) if pp else (1.0, 1)
+        *exchanges, _ = part.collectives(w, reduce_scatter)
+        share = self.model_share(w.spec, w.framework)
+        return [replace(c, nbytes=int(c.nbytes / tp / m), calls=round(c.calls * blocks) * m) for c in exchanges] + \
+            [gradient_all_reduce(share * DdpLayout(self.mesh).gradient_bytes(w.spec, w.dtype), w)]
+
     def data_collectives(self, part: Layout, w: Workload, reduce_scatter: str) -> list[Collective]:
         """The data axis's gradient reduction of the rank's model share (the module docstring)."""
         share = self.model_share(w.spec, w.framework)
@@ -222,7 +255,7 @@ class MeshLayout(Layout):
                                dtype: str) -> int | None:
         """What rank 0 counts: its model axis's payload (at one data rank's micro-batch) plus dp's all-reduce of
         its gradients; None with fsdp, whose collectives the runs do not count (fsdp.py)."""
-        if self.mesh.has("fsdp"):
+        if self.mesh.has("fsdp") or self.mesh.has("cp"):  # cp's all-to-alls: not counted yet (cp.py)
             return None
         model = self.model_part
         total = 0 if model is None else model.payload_bytes_per_step(spec, micro_batch_size, seq_len, grad_accum,

@@ -93,6 +93,11 @@ class Mesh:
         return self.has("pp") and self.has("tp")
 
     @property
+    def model_axis(self) -> str | None:
+        """The outermost axis that splits the model (pp, else tp), None where every rank holds it whole."""
+        return next((name for name in self.names if name in ("pp", "tp")), None)
+
+    @property
     def data_axis(self) -> str | None:
         """The axis whose ranks read different samples (dp or fsdp), None where every rank reads the whole batch."""
         return next((name for name in self.names if name in DATA_AXES), None)

@@ -29,8 +29,9 @@ def assert_restarted_once(out, mesh: str, resumed_from: int) -> bool:
 def test_meshes_in_two_frameworks_train_one_ddp_ranks_run_across_a_checkpoint(uninterrupted, cache_dir, tmp_path):
     """torch dp2 x pp2 trains steps 1-2 (accumulating two micro-steps) and saves whole HF files, torch fsdp2 x tp2
     resumes them for steps 3-4 and saves sharded (a row-parallel weight's piece a block on two axes), MLX dp2 x tp2
-    resumes those pieces for steps 5-6, MLX pp2 x tp2 steps 7-8, MLX pp2 x dp2 x tp2 (8 ranks) steps 9-10 and torch's
-    three axes steps 11-12: every step equals the session's MLX ddp x1 run on the same horizon. Two of the
+    resumes those pieces for steps 5-6, MLX pp2 x tp2 steps 7-8, MLX pp2 x dp2 x tp2 (8 ranks) steps 9-10, torch's
+    three axes steps 11-12, torch pp2 x cp2 (Ulysses) 13-14 and MLX pp2 x cp2 (ring) 15-16: every step equals the
+    session's MLX ddp x1 run on the same horizon. Two of the
     segments lose a rank on the way (--max-restarts 1): torch's pp2 x dp2 at step 2, MLX's dp2 x tp2 at step 6;
     each restart keeps its mesh and pieces and goes on from the latest checkpoint on the same curve.
     Tolerance 1e-5 per step (the issue's); measured 2.9e-7 at most on AMD EPYC Zen 4 over 12 steps of such
@@ -97,3 +98,12 @@ def test_meshes_in_two_frameworks_train_one_ddp_ranks_run_across_a_checkpoint(un
     assert summary["framework"] == "torch" and summary["comm_bytes_per_step"] == summary["comm_bytes_per_step_estimate"] > 0
     assert summary["pinned_cores"] == [None] * 8
     assert (out / "log.txt").read_text().count(layout) == 2
+    # the sequence axis beside a model axis (issue 77): torch pp2 x cp2 (Ulysses) steps 13-14, MLX's (ring) 15-16,
+    # each stage's attention over its cp pair, each rank on half of every sequence
+    for framework, attention, steps in (("torch", "ulysses", 14), ("mlx", "ring", 16)):
+        dpcompare("run", *common, "--framework", framework, *four, "--mesh", "pp=2,cp=2", "--cp-attention", attention,
+                  "--pp-microbatches", 2, "--steps", steps, "--resume", cache_dir=cache_dir, timeout=900)
+        assert resumed_from(out) == steps - 2
+        np.testing.assert_allclose(losses(out), losses(uninterrupted("mlx", "ddp", 1))[:steps], rtol=0, atol=1e-5)
+    assert (out / "log.txt").read_text().count("mesh pp=2,cp=2, the ranks of each group: pp=2: [0,2] [1,3]; "
+                                               "cp=2: [0,1] [2,3]") == 2

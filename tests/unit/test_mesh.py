@@ -211,3 +211,32 @@ def test_compare_runs_a_mesh_at_its_rank_count_under_a_label_naming_its_axes(tmp
     assert (cfg.strategy, cfg.mesh, cfg.data_parallel_size) == ("mesh", "dp=2,tp=2", 2)
     assert sorted(left_out) == ["torch dp2xtp2 x1 left out: dp2xtp2 needs 2 or more ranks (its reference is the "
                                 "ddp run)", "torch dp2xtp2 x2 left out: --mesh dp=2,tp=2 runs on 4 ranks"]
+
+
+def test_cp_beside_tp_or_pp_cuts_that_axis_work_and_traffic_by_the_sequence():
+    """tp x cp, pp x cp (issue 77): the model axis's state, 1/cp of its work, activations and activation traffic;
+    cp's exchanges of a tp rank's heads in its stage's blocks; the cp group averages the rank's model share."""
+    spec = ModelSpec.from_dict({**SPEC, "n_heads": 4, "n_kv_heads": 4})
+    w = Workload(spec, 32, 8, framework="torch")
+    tp2, pp2, cp2 = layout("tp", 2), layout("pp", 2), layout("cp", 2)
+    (q, kv, _) = cp2.collectives(w)
+    for mesh, model in (("tp=2,cp=2", tp2), ("pp=2,cp=2", pp2)):
+        both = layout("mesh", 4, mesh)
+        both.check(spec)
+        assert both.local_parameters(spec) == pytest.approx(model.local_parameters(spec))
+        assert both.work_fraction(w) == pytest.approx(model.work_fraction(w) / 2)
+        assert both.activation_bytes(w) == pytest.approx(model.activation_bytes(w) / 2)
+        axes = {a.axis: a.collectives for a in both.axis_collectives(w)}
+        own = axes["tp" if "tp" in mesh else "pp"]
+        assert [c.nbytes * 2 for c in own] == [c.nbytes for c in model.collectives(w)]
+        *exchanges, grads = axes["cp"]
+        assert sum(c.nbytes * c.calls for c in exchanges) == pytest.approx(
+            (q.nbytes * q.calls + kv.nbytes * kv.calls) / 2, rel=0.01)  # half the heads, or half the blocks
+        assert grads.nbytes * grads.calls == pytest.approx(4 * both.local_parameters(spec), abs=grads.calls)
+        assert both.payload_bytes_per_step(spec, 8, 32, 1, "float32") is None  # cp's exchanges: not counted
+    # Ulysses splits a tp rank's heads over cp: tiny's 2 kv heads cannot go to tp x cp = 4 ranks
+    with pytest.raises(UserError, match="tp x cp = 4 must divide model.n_kv_heads = 2; use pp=2,cp=2") as err:
+        RunConfig.from_dict({"preset": "tiny", "nproc": 4, "mesh": "tp=2,cp=2", "framework": "torch"})
+    assert "\n" not in str(err.value)
+    RunConfig.from_dict({"preset": "tiny", "nproc": 4, "mesh": "tp=2,cp=2", "model": {"n_kv_heads": 4}})
+    RunConfig.from_dict({"preset": "tiny", "nproc": 4, "mesh": "cp=2,pp=2", "cp_attention": "ring"})
