@@ -26,7 +26,8 @@ on the pp sub-group and each stage's blocks are split over the tp sub-group.
 cp beside a model axis (tp x cp, pp x cp) cuts the sequence of what that axis leaves each rank: the work and the
 activations by cp (`sequence_split`), the all-to-alls (or ring passes) carry the rank's heads (1/tp of them) for
 its blocks (the stage's under pp), and the cp group averages the gradients of the rank's model share
-(`cp_collectives`).
+(`cp_collectives`). dp x cp is ddp over the whole job, each rank on its slice: one all-reduce of the gradients over
+dp x cp ranks, carried by the data axis (`data_joins_cp`), and cp's exchanges alone on cp.
 """
 from __future__ import annotations
 
@@ -93,6 +94,14 @@ class MeshLayout(Layout):
     def cp_beside(self) -> int:
         """cp's size beside a model axis (tp x cp, pp x cp), which cuts that axis's work by it; 1 otherwise."""
         return self.mesh.axis("cp") if self.mesh.has("cp") and self.mesh.model_axis else 1
+
+    @property
+    def data_joins_cp(self) -> int:
+        """dp x cp: both frameworks average the gradients in ONE all-reduce over the job (dp x cp ranks, each on its
+        slice of the sequence: ddp over every rank), which the data axis carries with groups of dp x cp and cp's
+        own exchanges leave out; counted once per axis, it was two whole-model all-reduces (issue 77). cp's size
+        there, 1 otherwise."""
+        return self.mesh.axis("cp") if self.mesh.has("cp") and not self.mesh.model_axis and self.data_axis else 1
 
     @property
     def data_part(self) -> Layout | None:
@@ -204,10 +213,13 @@ class MeshLayout(Layout):
                 colls = self.stage_tp_collectives(part, w, reduce_scatter)
             elif name == "cp" and self.cp_beside > 1:
                 colls = self.cp_collectives(part, w, reduce_scatter)
+            elif name == "cp" and self.data_axis:  # dp x cp: its exchanges; the gradients go once, on the data axis
+                *colls, _ = part.collectives(w, reduce_scatter)
             elif name in MODEL_AXES:  # tp's all-reduces, pp's sends: of the rank's T / cp tokens beside cp
                 colls = [replace(c, nbytes=int(c.nbytes / self.cp_beside)) for c in part.collectives(w, reduce_scatter)]
             else:
                 colls = self.data_collectives(part, w, reduce_scatter)
+                size *= self.data_joins_cp
             out.append(AxisCollectives(name, size, colls))
         return out
 

@@ -166,3 +166,19 @@ def test_the_layout_splits_activations_and_names_its_all_to_alls():
     mlx = two.collectives(Workload(spec, seq_len=1024, global_batch_size=2, framework="mlx"), "native")
     assert mlx[0].nbytes == 2 * colls[0].nbytes  # MLX all-gathers the whole tensor: cp x the all-to-all's bytes
     assert two.work_fraction(w) == 0.5 and mesh.work_fraction(w) == 0.25
+
+
+def test_dp_x_cp_predicts_one_gradient_all_reduce_over_the_job():
+    """Both frameworks run dp x cp as ddp over every rank: one all-reduce of the whole gradients over dp x cp ranks.
+    Each axis carried one (the dp groups' and the cp groups'), twice the traffic (issue 77)."""
+    spec = preset("small")
+    w = Workload(spec, seq_len=1024, global_batch_size=4, framework="torch")
+    mesh, cp4 = layout("mesh", 4, "dp=2,cp=2"), layout("cp", 4)
+    axes = {a.axis: a for a in mesh.axis_collectives(w)}
+    reduces = [(a.group_size, c) for a in axes.values() for c in a.collectives if c.kind == "all_reduce"]
+    (alone,) = [c for c in cp4.collectives(w) if c.kind == "all_reduce"]
+    assert [(size, c.nbytes * c.calls) for size, c in reduces] == [(4, alone.nbytes * alone.calls)]
+    assert axes["dp"].group_size == 4 and axes["cp"].group_size == 2
+    assert [c.what for c in axes["cp"].collectives] == ["all-to-all q/out", "all-to-all k/v"]
+    wire = sum(c.wire_bytes(a.group_size) for a in axes.values() for c in a.collectives if c.kind == "all_reduce")
+    assert wire == pytest.approx(alone.wire_bytes(4))
