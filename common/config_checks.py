@@ -112,7 +112,7 @@ def validate(self) -> None:
                         f"{stages} or more)")
     # preset, [model] fields and seq_len checked now; and whether the strategy can split that model (the one
     # place this is checked: every RunConfig is validated when it is made, before anything is prepared)
-    strategy.check(self.model_spec(vocab_size=None))
+    strategy.check(self.model_spec(vocab_size=None), self.cp_attention)  # Ulysses splits heads, ring not
     strategy.check_sequence(self.seq_len, self.padding_rule, self.cp_attention)  # cp cuts each sequence (parallel/cp.py)
     if self.checkpoint_format == "sharded" and not strategy.writes_sharded_checkpoints:
         raise UserError(f"--checkpoint-format sharded: --strategy {self.strategy} writes hf checkpoints only (rank "

@@ -133,10 +133,10 @@ class MeshLayout(Layout):
         return held / total_parameters(spec)
 
     # ---- the run ------------------------------------------------------------------------------------
-    def check(self, spec: ModelSpec) -> None:
+    def check(self, spec: ModelSpec, cp_attention: str = "ulysses") -> None:
         """Each axis's refusal, naming the mesh and the numbers: compositions both frameworks run, axes of two or
         more ranks, tp dividing the heads, kv heads and FFN width, a block per pp stage, fsdp dividing axis 0 of
-        each block tensor as a tp rank holds it."""
+        each block tensor as a tp rank holds it; under Ulysses (`cp_attention`), tp x cp dividing them too."""
         prefix, names = f"--mesh {self.mesh.text}", self.mesh.names
         if frozenset(names) not in COMPOSITIONS:
             raise UserError(f"{prefix}: composing {' x '.join(names)} is not supported; supported meshes: "
@@ -152,13 +152,13 @@ class MeshLayout(Layout):
         for field in ("n_heads", "n_kv_heads", "ffn_dim"):
             if getattr(spec, field) % tp:
                 raise UserError(f"{prefix}: tp={tp} does not divide model.{field} = {getattr(spec, field)}")
-        cp = self.mesh.axis("cp") if self.mesh.has("cp") else 1
-        for field in ("n_heads", "n_kv_heads"):  # Ulysses's split; cp alone refuses it for ring too (cp.py)
+        cp = self.mesh.axis("cp") if self.mesh.has("cp") and cp_attention == "ulysses" else 1
+        for field in ("n_heads", "n_kv_heads"):  # Ulysses's split (ring passes whole blocks of a tp rank's heads)
             value = getattr(spec, field)
             if value % (tp * cp):
                 raise UserError(f"{prefix}: Ulysses splits each tp rank's heads over cp, so tp x cp = {tp * cp} must "
-                                f"divide model.{field} = {value}; use pp=2,cp={cp} or dp=2,cp={cp}, or a model whose "
-                                f"n_heads and n_kv_heads divide by {tp * cp}")
+                                f"divide model.{field} = {value}; use --cp-attention ring, pp=2,cp={cp} or dp=2,cp={cp}, "
+                                f"or a model whose n_heads and n_kv_heads divide by {tp * cp}")
         if self.mesh.has("pp"):
             pp = self.mesh.axis("pp")
             if spec.n_layers < pp:

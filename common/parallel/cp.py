@@ -83,7 +83,7 @@ class CpLayout(Layout):
     name: ClassVar[str] = "cp"
     reads_whole_batch: ClassVar[bool] = True  # the cp ranks of one data rank read the same rows
 
-    def check(self, spec: ModelSpec) -> None:
+    def check(self, spec: ModelSpec, cp_attention: str = "ulysses") -> None:
         """Ulysses gives each rank heads / cp query heads and kv_heads / cp kv heads: both must divide."""
         super().check(spec)
         n = self.ranks

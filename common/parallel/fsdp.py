@@ -121,7 +121,7 @@ class FsdpLayout(Layout):
     # 16 ms from the all-reduce probe: docs/scaling.md), so the all-reduce alone mispredicts fsdp.
     measures_all_gather: ClassVar[bool] = True
 
-    def check(self, spec: ModelSpec) -> None:
+    def check(self, spec: ModelSpec, cp_attention: str = "ulysses") -> None:
         """FSDP shards every transformer-block parameter along axis 0, so that axis must divide by N.
 
         MLX's nn.fully_shard cannot split an uneven axis; torch's FSDP2 could (it pads), but both frameworks

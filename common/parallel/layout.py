@@ -131,7 +131,7 @@ class Layout(ABC):
         return self.mesh.axis(self.axis_name)
 
     # ---- the run ------------------------------------------------------------------------------------
-    def check(self, spec: ModelSpec) -> None:
+    def check(self, spec: ModelSpec, cp_attention: str = "ulysses") -> None:
         """Refuse, before anything is written, a run whose strategy cannot split this model over these ranks."""
         if not self.supports_biases and (spec.attention_bias or spec.mlp_bias):
             # tp's sharding plans and pp's stages are written for bias-free Linears; fsdp's parity with biases is

@@ -49,7 +49,7 @@ class PpLayout(Layout):
     name: ClassVar[str] = "pp"
     reads_whole_batch: ClassVar[bool] = True
 
-    def check(self, spec: ModelSpec) -> None:
+    def check(self, spec: ModelSpec, cp_attention: str = "ulysses") -> None:
         """One stage per rank, each with at least one transformer block. Tied embeddings are held by the first
         and the last stage, their gradient summed between them (common/parallel/embedding_group.py)."""
         super().check(spec)

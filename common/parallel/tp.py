@@ -79,7 +79,7 @@ class TpLayout(Layout):
         per call: per byte (its tp meshes 12 of 18 within 20 %, 10 per call)."""
         return "call" if framework == "torch" else "byte"
 
-    def check(self, spec: ModelSpec) -> None:
+    def check(self, spec: ModelSpec, cp_attention: str = "ulysses") -> None:
         """TP splits heads, KV heads and the FFN width over the ranks: each must divide by N."""
         super().check(spec)
         n = self.ranks

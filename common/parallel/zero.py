@@ -89,7 +89,7 @@ class ZeroLayout(Layout):
     trains_adapters: ClassVar[bool] = True   # LoRA: the adapters' moments (and zero2: gradients) sharded by rows
     writes_sharded_checkpoints: ClassVar[bool] = False
 
-    def check(self, spec: ModelSpec) -> None:
+    def check(self, spec: ModelSpec, cp_attention: str = "ulysses") -> None:
         super().check(spec)
         if self.ranks < 2:
             raise UserError(f"strategy {self.name} shards the optimizer state over the ranks and needs 2 or more: "

@@ -235,8 +235,28 @@ def test_cp_beside_tp_or_pp_cuts_that_axis_work_and_traffic_by_the_sequence():
         assert grads.nbytes * grads.calls == pytest.approx(4 * both.local_parameters(spec), abs=grads.calls)
         assert both.payload_bytes_per_step(spec, 8, 32, 1, "float32") is None  # cp's exchanges: not counted
     # Ulysses splits a tp rank's heads over cp: tiny's 2 kv heads cannot go to tp x cp = 4 ranks
-    with pytest.raises(UserError, match="tp x cp = 4 must divide model.n_kv_heads = 2; use pp=2,cp=2") as err:
+    with pytest.raises(UserError, match="tp x cp = 4 must divide model.n_kv_heads = 2; use --cp-attention ring") as err:
         RunConfig.from_dict({"preset": "tiny", "nproc": 4, "mesh": "tp=2,cp=2", "framework": "torch"})
     assert "\n" not in str(err.value)
     RunConfig.from_dict({"preset": "tiny", "nproc": 4, "mesh": "tp=2,cp=2", "model": {"n_kv_heads": 4}})
     RunConfig.from_dict({"preset": "tiny", "nproc": 4, "mesh": "cp=2,pp=2", "cp_attention": "ring"})
+
+
+def test_ring_beside_tp_needs_only_tp_to_divide_the_heads():
+    """Ring passes whole key/value blocks of the heads a tp rank holds; Ulysses splits them again over cp (issue
+    77): tiny (4 heads, 2 kv heads) runs tp=2,cp=2 under ring, and Ulysses stays refused in one line."""
+    both = layout("mesh", 4, "tp=2,cp=2")
+    both.check(TINY, "ring")
+    RunConfig.from_dict({"preset": "tiny", "nproc": 4, "mesh": "tp=2,cp=2", "cp_attention": "ring",
+                         "framework": "torch"})
+    for check in (lambda: both.check(TINY), lambda: both.check(TINY, "ulysses"),
+                  lambda: RunConfig.from_dict({"preset": "tiny", "nproc": 4, "mesh": "tp=2,cp=2",
+                                               "cp_attention": "ulysses"})):
+        with pytest.raises(UserError, match=r"^--mesh cp=2,tp=2: Ulysses splits .* tp x cp = 4 must divide "
+                                            r"model.n_kv_heads = 2") as err:
+            check()
+        assert "\n" not in str(err.value)
+    # tp itself must still divide the heads, whatever the attention
+    with pytest.raises(UserError, match="tp=4 does not divide model.n_kv_heads = 2"):
+        layout("mesh", 8, "tp=4,cp=2").check(TINY, "ring")
+
