@@ -96,6 +96,7 @@ class DataParallelOver:
         averaged = world.axes[self.averaged_over]
         self.data = Replicated(cfg, averaged, comm)
         self.data.dp_size = averaged.size
+        self.averaged = [self.data]  # the groups that average the gradients, one after the other
         self.data_rank = averaged.rank
         self.loss_over = self.inner.loss_over
 
@@ -118,7 +119,10 @@ class DataParallelOver:
         return self.inner.eval_losses(step, batches)
 
     def reduce_gradients(self, grads: Grads) -> Grads:
-        return self.data.reduce_gradients(self.inner.reduce_gradients(grads))
+        grads = self.inner.reduce_gradients(grads)
+        for data in self.averaged:
+            grads = data.reduce_gradients(grads)
+        return grads
 
     def global_norm(self, grads: Grads) -> mx.array:
         """The dp replicas hold the same averaged gradients: the inner strategy's norm is the mesh's."""
@@ -150,12 +154,19 @@ class ContextParallelOver(DataParallelOver):
     sub-group (Ulysses on the heads tp leaves the rank, or ring), each rank on its slice of the sequence. As under
     cp alone, each rank's gradients are its own tokens' scaled by cp, and the cp group averages them (dp's part in
     DataParallelOver, on the cp axis). The loss sums over the world: each cp rank holds its slice's token losses
-    (pp: the last stage's), tp rank 0 reports them (its tp peers hold the same)."""
+    (pp: the last stage's), tp rank 0 reports them (its tp peers hold the same). pp x dp x cp x tp: each dp replica
+    that, on its rows, then the dp group averages what the cp group averaged (`replicas`)."""
 
     averaged_over = "cp"
 
     def __init__(self, cfg: RunConfig, world: World, comm: CommCounter):
         super().__init__(cfg, world, comm)
+        self.replicas = world.axes.get("dp")
+        if self.replicas is not None:
+            dp = Replicated(cfg, self.replicas, comm)
+            dp.dp_size = self.replicas.size
+            self.averaged.append(dp)
+            self.data_rank = max(self.data_rank, self.replicas.rank)  # the first replica's first cp rank writes
         cp = world.axes["cp"]
         self.attention, self.cp_rank, self.cp_size = cfg.cp_attention, cp.rank, cp.size
         self.exchanges = exchanges_for(self.attention, cp.group, cp.rank, cp.size, comm)

@@ -96,6 +96,7 @@ class DataParallelOver:
             self.inner = MODEL_PARALLEL[mesh.model_axis](cfg, world.axes[mesh.model_axis], comm)
         dp = world.axes[self.averaged_over]
         self.dp_group, self.dp_size, self.data_rank, self.comm = dp.group, dp.size, dp.rank, comm
+        self.averaged = [dp]  # the groups that average the gradients, one after the other
         self.loss_over = self.inner.loss_over
         self.counted = False
 
@@ -115,17 +116,19 @@ class DataParallelOver:
 
     @torch.no_grad()
     def _average(self, grads: Grads) -> None:
-        """Every local gradient averaged over the dp group, in place, through one flat buffer."""
+        """Every local gradient averaged over the dp group (each of `averaged` in turn), in place, through one flat
+        buffer."""
         local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
         flat = torch.cat([g.reshape(-1) for g in local])
-        dist.all_reduce(flat, group=self.dp_group)
-        flat /= self.dp_size
+        for axis in self.averaged:
+            dist.all_reduce(flat, group=axis.group)
+            flat /= axis.size
         offset = 0
         for g in local:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
         if not self.counted:  # the inner strategy counted its own first step; the average is every step's too
-            self.comm.per_step = (self.comm.per_step or 0) + flat.numel() * flat.element_size()
+            self.comm.per_step = (self.comm.per_step or 0) + len(self.averaged) * flat.numel() * flat.element_size()
             self.counted = True
 
     def eval_losses(self, step: StepFunctions, batches: Sequence[Batch]) -> torch.Tensor:
@@ -161,12 +164,17 @@ class ContextParallelOver(DataParallelOver):
     (Ulysses on the heads tp leaves the rank, or ring), each rank on its slice of the sequence. As under cp alone,
     each rank's gradients are its own tokens' scaled by cp, and the cp group averages them (dp's part in
     DataParallelOver, on the cp axis). The loss sums over the world: each cp rank holds its slice's loss sum (pp:
-    the last stage's), tp rank 0 reports it (its tp peers hold the same)."""
+    the last stage's), tp rank 0 reports it (its tp peers hold the same). pp x dp x cp x tp: each dp replica that,
+    on its rows, then the dp group averages what the cp group averaged (`replicas`)."""
 
     averaged_over = "cp"
 
     def __init__(self, cfg: RunConfig, world: World, comm: CommCounter):
         super().__init__(cfg, world, comm)
+        self.replicas = world.axes.get("dp")
+        if self.replicas is not None:
+            self.averaged.append(self.replicas)
+            self.data_rank = max(self.data_rank, self.replicas.rank)  # the first replica's first cp rank writes
         cp = world.axes["cp"]
         self.attention, self.cp_rank, self.cp_size = cfg.cp_attention, cp.rank, cp.size
         self.exchanges = exchanges_for(self.attention, cp.group, cp.rank, cp.size, comm)

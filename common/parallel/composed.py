@@ -26,7 +26,8 @@ on the pp sub-group and each stage's blocks are split over the tp sub-group.
 cp beside a model axis (tp x cp, pp x cp) cuts the sequence of what that axis leaves each rank: the work and the
 activations by cp (`sequence_split`), the all-to-alls (or ring passes) carry the rank's heads (1/tp of them) for
 its blocks (the stage's under pp), and the cp group averages the gradients of the rank's model share
-(`cp_collectives`). dp x cp is ddp over the whole job, each rank on its slice: one all-reduce of the gradients over
+(`cp_collectives`); pp x dp x cp x tp is that per dp replica, on its rows, dp then averaging what cp averaged (the
+frameworks' two all-reduces, each counted). dp x cp is ddp over the whole job, each rank on its slice: one all-reduce of the gradients over
 dp x cp ranks, carried by the data axis (`data_joins_cp`), and cp's exchanges alone on cp.
 """
 from __future__ import annotations
@@ -54,7 +55,8 @@ AXIS_LAYOUTS: dict[str, type[Layout]] = {"dp": DdpLayout, "fsdp": FsdpLayout, "t
 MODEL_AXES = ("tp", "pp", "cp")  # cp: whole model, its own collectives (cp.py), as a model axis here
 # The compositions both frameworks run (mlx_impl/mesh.py, torch_impl/mesh.py), as sets of axes.
 COMPOSITIONS = (frozenset({"dp", "tp"}), frozenset({"fsdp", "tp"}), frozenset({"dp", "pp"}), frozenset({"pp", "tp"}),
-                frozenset({"pp", "dp", "tp"}), frozenset({"dp", "cp"}), frozenset({"tp", "cp"}), frozenset({"pp", "cp"}))
+                frozenset({"pp", "dp", "tp"}), frozenset({"dp", "cp"}), frozenset({"tp", "cp"}), frozenset({"pp", "cp"}),
+                frozenset({"pp", "dp", "cp", "tp"}))
 
 
 def composition_names() -> str:
@@ -193,7 +195,7 @@ class MeshLayout(Layout):
         if self.tp_stages:  # (pp x dp x tp: each dp replica's pipeline on its share of the rows)
             pp = self.parts["pp"]
             assert isinstance(pp, PpLayout)
-            return pp.rank_work_fraction(w)
+            return pp.rank_work_fraction(w) / self.cp_beside
         model = self.model_part.work_fraction(w) if self.model_part is not None else 1.0
         return model / self.dp_size / self.cp_beside
 
@@ -235,8 +237,8 @@ class MeshLayout(Layout):
         micro-step, as tp alone, the calls' latency was M times short, and pp x tp was predicted 20-54 % short in
         every sitting of stop 47-49 (issue 56)."""
         share = self.stage_blocks(w.spec) / w.spec.n_layers
-        m = max(1, w.pp_microbatches)
-        return [replace(c, nbytes=int(c.nbytes / m), calls=round(c.calls * share) * m,
+        m = max(1, w.pp_microbatches)  # (beside cp: of the rank's T / cp tokens)
+        return [replace(c, nbytes=int(c.nbytes / m / self.cp_beside), calls=round(c.calls * share) * m,
                         what=c.what + f" (of the stage's blocks, per piece of {m})")
                 for c in part.collectives(w, reduce_scatter)]
 

@@ -260,3 +260,27 @@ def test_ring_beside_tp_needs_only_tp_to_divide_the_heads():
     with pytest.raises(UserError, match="tp=4 does not divide model.n_kv_heads = 2"):
         layout("mesh", 8, "tp=4,cp=2").check(TINY, "ring")
 
+
+def test_four_axes_are_pp_x_dp_x_tp_on_half_the_sequence_with_cp_averaging_before_dp():
+    """pp=2,dp=2,cp=2,tp=2 (issue 77): pp x dp x tp's state, half its work, activations and model-axis traffic;
+    cp's exchanges of a tp rank's heads in its stage's blocks; cp then dp each all-reduce the rank's stage share
+    (the frameworks' two averages, mesh.py ContextParallelOver)."""
+    spec = ModelSpec.from_dict({**SPEC, "n_heads": 4, "n_kv_heads": 4})
+    w = Workload(spec, 32, 8, framework="torch", pp_microbatches=2)
+    four, three = layout("mesh", 16, "pp=2,dp=2,cp=2,tp=2"), layout("mesh", 8, "pp=2,dp=2,tp=2")
+    four.check(spec)
+    four.check(TINY, "ring")  # ring: tp alone divides tiny's 2 kv heads
+    with pytest.raises(UserError, match="tp x cp = 4 must divide model.n_kv_heads = 2"):
+        four.check(TINY)
+    assert four.local_parameters(spec) == pytest.approx(three.local_parameters(spec))
+    assert four.work_fraction(w) == pytest.approx(three.work_fraction(w) / 2)
+    assert four.activation_bytes(w) == pytest.approx(three.activation_bytes(w) / 2)
+    axes, alone = ({a.axis: a.collectives for a in m.axis_collectives(w)} for m in (four, three))
+    for name in ("pp", "tp"):
+        assert [c.nbytes * 2 for c in axes[name]] == [c.nbytes for c in alone[name]]
+    assert axes["dp"] == alone["dp"]
+    *exchanges, grads = axes["cp"]
+    assert [c.what for c in exchanges] == ["all-to-all q/out", "all-to-all k/v"]
+    assert (grads.nbytes, grads.calls) == (alone["dp"][0].nbytes, alone["dp"][0].calls)
+    assert RunConfig.from_dict({"preset": "tiny", "nproc": 16, "mesh": "tp=2,cp=2,dp=2,pp=2", "cp_attention": "ring",
+                                "pp_microbatches": 2}).data_parallel_size == 2
