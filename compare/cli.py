@@ -179,7 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--device-memory-gb", type=float, help="memory of each machine (or GPU), GB: say whether each "
                                                              "plan fits (with --model, default: this machine's)")
     plan.add_argument("--ranks-per-machine", type=int, default=1, help="ranks sharing one machine's memory (default "
-                      "1): a layout fits where this many of its ranks do; 2 for two ranks on one 2-core machine")
+                      "1): a layout fits where this many of its ranks do; 2 for two ranks on one 2-core machine. With "
+                      "--rank-speed they share its cores too (docs/uneven.md)")
     plan.add_argument("--out", help="where plan.json and plan.png go (default RUN_DIR/plan)")
     from .plan.model import add_model_flags
 

@@ -29,10 +29,19 @@ LOOPBACK_ALLREDUCE = {"ring": (82e-6, 0.86e9), "mpi": (12e-6, 1.19e9), "gloo": (
 # ring.cpp SocketThread::worker; compare/machine/sharing.py has the measurements): where ranks share cores, a
 # pipeline stage's idle slots do not leave its core to another rank.
 POLLING_WAITS = frozenset({("mlx", "ring")})
+# How many threads such a waiting rank keeps busy: the ring's one SocketThread per socket, one to each neighbour
+# (2 at any N >= 2 with one address per rank). Seen on the Zen 3 (docs/notes/2026-12-uneven-polling.md): an MLX
+# rank waiting for a slow peer at 160 % of a core, in its two socket threads, on 2 cores.
+POLLING_THREADS = {("mlx", "ring"): 2}
 
 
 def waits_poll(framework: str, backend: str | None) -> bool:
     return (framework, backend) in POLLING_WAITS
+
+
+def polling_threads(framework: str, backend: str | None) -> int:
+    """Threads a rank waiting at a collective keeps busy: 0 for a backend whose waits block."""
+    return POLLING_THREADS.get((framework, backend), 0) if waits_poll(framework, backend) else 0
 
 
 @dataclass(frozen=True)

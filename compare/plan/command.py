@@ -18,6 +18,7 @@ from common.config import MLX_SPLIT_BACKENDS
 from common.costmodel.calibrate import calibrate
 from common.costmodel.fit import fit_host_costs
 from common.costmodel.levels import Links
+from common.costmodel.links import polling_threads
 from common.data.shares import parse_speeds
 from common.errors import UserError
 from common.metrics import write_json
@@ -27,7 +28,7 @@ from compare.plan.meshes import mesh_plan, mesh_table
 from compare.plan.predictions import fit_backend_note
 from compare.plan.runs import cores_shared_by, measured_points, n1_beside, read_run
 from compare.plan.table import make_plan, plot, table
-from compare.plan.uneven import uneven_lines, uneven_plan
+from compare.plan.uneven import Machines, uneven_lines, uneven_plan
 
 DEFAULT_NPROC = "2,4,8,16,64"
 
@@ -99,7 +100,8 @@ def run_plan(args) -> int:
         n = max(min([w for w in world_sizes if w > 1] or [2]), max(int(i.split(":")[0]) for i in
                                                                   args.rank_speed.split(",")) + 1)
         uneven = uneven_plan(make_plan(cal, link, ["ddp"], [n - 1, n], memory, backend, sharing),
-                             parse_speeds(args.rank_speed, n), n, cal.workload.global_batch_size)
+                             parse_speeds(args.rank_speed, n), n, cal.workload.global_batch_size,
+                             shared_machines(summary, sharing, backend))
     out = Path(args.out) if args.out else run_dir / "plan"
     points = measured_points(run_dir, summary)
     w = cal.workload
@@ -144,3 +146,13 @@ def run_plan(args) -> int:
     figure = f"({out / 'plan.png'})" if drawn else "(no figure: matplotlib is not installed)"
     print(f"\nplan: {out / 'plan.json'}  {figure}; assumptions: docs/scaling.md")
     return 0
+
+
+def shared_machines(summary: dict, sharing: int, backend: str | None) -> Machines:
+    """`--ranks-per-machine` ranks on machines of the calibration run's cores (a CPU run's; on a GPU the cores do
+    not compute, and a cluster of one rank per machine shares none): compare/plan/uneven.py."""
+    cpus = (summary.get("machine") or {}).get("cpus")
+    if sharing < 2 or not cpus or str(summary.get("device", "cpu")).startswith(("cuda", "gpu", "mps")):
+        return Machines()
+    return Machines(sharing, cpus, summary.get("threads_per_rank") or 1,
+                    polling_threads(summary.get("framework", ""), backend))

@@ -162,3 +162,29 @@ def test_the_plan_predicts_even_and_best_shares_and_whether_the_slow_rank_is_wor
     assert plan["without_step_s"] == pytest.approx(0.2) and plan["keep_slowest"]
     assert "best shares 8/4" in uneven_lines(plan)[0] and "keep it" in uneven_lines(plan)[1]
     assert not uneven_plan(rows, {1: 0.1}, 2, 12)["keep_slowest"]  # a tenth of the speed: leave it out
+
+
+def test_a_polling_wait_slows_the_ranks_that_share_its_machine_and_no_others():
+    from common.costmodel.links import polling_threads
+    from compare.plan.command import shared_machines
+    from compare.plan.uneven import Machines, finish_s, uneven_plan
+
+    shared = Machines(ranks_per_machine=2, cores=2, threads=1, polling=2)
+    # both compute on their own core for 1 s; then rank 1's one thread shares the 2 cores with rank 0's 2 pollers
+    assert finish_s([1.0, 2.0], shared) == pytest.approx(1.0 + 1.0 / (2 / 3))
+    assert finish_s([2.0, 2.0], shared) == pytest.approx(2.0)  # done together: nobody waits
+    assert finish_s([1.0, 2.0], Machines()) == finish_s([1.0, 2.0], Machines(2, 2, 1, 0)) == 2.0  # cluster; blocking
+    assert finish_s([1.0, 2.0], Machines(2, 4, 1, 2)) == 2.0  # cores to spare for the pollers
+    # four ranks, two machines: rank 0's pollers slow rank 1 on its machine, not rank 3 on the other
+    assert finish_s([1.0, 2.0, 2.0, 2.0], Machines(2, 2, 1, 2)) == pytest.approx(1.0 + 1.0 / (2 / 3))
+    assert finish_s([1.0, 1.0, 1.0, 2.0], Machines(2, 2, 1, 2)) == pytest.approx(1.0 + 1.0 / (2 / 3))
+    rows = [{"strategy": "ddp", "world_size": 1, "compute_s": 0.2, "step_s": 0.2},
+            {"strategy": "ddp", "world_size": 2, "compute_s": 0.1, "step_s": 0.12}]
+    plan = uneven_plan(rows, {1: 0.5}, 2, 12, shared)
+    assert plan["even_step_s"] == pytest.approx(0.1 + 0.1 / (2 / 3) + 0.02)  # rank 1 waited on for its second half
+    assert plan["best_step_s"] == uneven_plan(rows, {1: 0.5}, 2, 12)["best_step_s"]  # 8/4: done together
+    assert polling_threads("mlx", "ring") > 0 and polling_threads("mlx", "mpi") == polling_threads("torch", "gloo") == 0
+    summary = {"framework": "mlx", "machine": {"cpus": 2}, "threads_per_rank": 1, "device": "cpu"}
+    assert shared_machines(summary, 2, "ring") == Machines(2, 2, 1, polling_threads("mlx", "ring"))
+    assert shared_machines(summary, 1, "ring") == Machines()  # one rank per machine: a cluster
+    assert shared_machines({**summary, "device": "cuda:0"}, 2, "ring") == Machines()
