@@ -85,6 +85,8 @@ NAME_ONLY = {
                 "collectives with what sees them: dispatch modes for all-reduces and sends, a fixed count for DDP's "
                 "C++ buckets (MLX counts them as its compiled functions are traced)"),
     "microsteps.py": ({"to_device"}, "an MLX array needs no move to a device: mx.array(batch) is all"),
+    "cp.py": ({"released"}, "a torch cp rank gives glibc's freed heap back after each attention (its RSS peaked on "
+              "freed blocks); MLX's step takes its buffers from its own allocator's cache"),
     "grads.py": ({"norm_dtype"}, "torch sums the norm in float64, which MPS lacks; MLX sums float32 trees"),
     "tp.py": ({"RowParallelLinear", "GradSumRMSNorm"}, "MLX writes Megatron's g and f layers out; torch's DTensor "
               "ColwiseParallel, RowwiseParallel and PrepareModuleInput are them"),
@@ -118,6 +120,8 @@ MEMBER_ONLY = [
     (("microsteps.py:StepFunctions",), {"micro_step", "eval_step", "model", "wrapped"}, "what a strategy runs of the "
      "Trainer: MLX its compiled micro-step and eval, torch its model, bare and as the step runs it"),
     (("model.py:*", "quantized.py:*", "cp.py:UlyssesAttention", "cp.py:RingAttention"), {"forward"}, "a torch module's entry point; MLX's is __call__"),
+    (("cp.py:UlyssesAttention",), {"release_heap"}, "torch's cp attention gives glibc's freed heap back (cp.py "
+     "released); MLX's step takes its buffers from its own allocator's cache"),
     (("model.py:Embedding",), {"reset_parameters"}, "torch draws a module's weights as it builds it, on the meta "
      "device too, where the draw imports torch._dynamo; MLX's modules draw nothing that a rank would skip"),
 ]
