@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from common.errors import UserError
 
@@ -26,7 +26,7 @@ from common.errors import UserError
 class Nearest:
     """A setting the peer's trainer cannot be told: `ok(cfg)` where it computes what was asked; else it runs with
     `value` (a function of the config, or the value itself), for the reason `why`."""
-    ok: Callable[[object], bool]
+    ok: Callable[[Any], bool]      # of the run's RunConfig
     value: object
     why: str
 

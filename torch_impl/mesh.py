@@ -93,7 +93,9 @@ class DataParallelOver:
         if mesh.tp_stages:  # pp x dp x tp: each dp replica a pipeline of tp-split stages
             self.inner = TensorParallelStages(cfg, world, comm)
         else:
-            self.inner = MODEL_PARALLEL[mesh.model_axis](cfg, world.axes[mesh.model_axis], comm)
+            axis = mesh.model_axis
+            assert axis is not None  # mesh_strategy wraps a model axis here (tp or pp)
+            self.inner = MODEL_PARALLEL[axis](cfg, world.axes[axis], comm)
         dp = world.axes[self.averaged_over]
         self.dp_group, self.dp_size, self.data_rank, self.comm = dp.group, dp.size, dp.rank, comm
         self.averaged = [dp]  # the groups that average the gradients, one after the other

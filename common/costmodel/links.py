@@ -41,7 +41,7 @@ def waits_poll(framework: str, backend: str | None) -> bool:
 
 def polling_threads(framework: str, backend: str | None) -> int:
     """Threads a rank waiting at a collective keeps busy: 0 for a backend whose waits block."""
-    return POLLING_THREADS.get((framework, backend), 0) if waits_poll(framework, backend) else 0
+    return POLLING_THREADS.get((framework, backend or ""), 0) if waits_poll(framework, backend) else 0
 
 
 @dataclass(frozen=True)
