@@ -84,17 +84,18 @@ class CpLayout(Layout):
     reads_whole_batch: ClassVar[bool] = True  # the cp ranks of one data rank read the same rows
 
     def check(self, spec: ModelSpec, cp_attention: str = "ulysses") -> None:
-        """Ulysses gives each rank heads / cp query heads and kv_heads / cp kv heads: both must divide."""
+        """Ulysses gives each rank heads / cp query heads and kv_heads / cp kv heads: both must divide. The ring keeps
+        every head on every rank (each holds a slice of the tokens), so it asks nothing of the heads."""
         super().check(spec)
         n = self.ranks
         if n < 2:
             raise UserError("--strategy cp splits each sequence over the ranks and needs at least 2 (--nproc 2); "
                             "use --strategy ddp for one rank")
-        for field in ("n_heads", "n_kv_heads"):
+        for field in ("n_heads", "n_kv_heads") if cp_attention == "ulysses" else ():
             value = getattr(spec, field)
             if value % n:
                 raise UserError(f"cp={n}: Ulysses splits model.{field} = {value} over the cp ranks, which {n} does "
-                                f"not divide; use a cp size that divides {value}")
+                                f"not divide; use a cp size that divides {value}, or --cp-attention ring")
 
     def check_sequence(self, seq_len: int, padding_rule: str, cp_attention: str = "ulysses") -> None:
         """Each rank's slice is seq_len / cp tokens (ring: two chunks of seq_len / 2 cp), of one width every step."""
