@@ -85,8 +85,8 @@ def peer_of(name: str) -> Peer | None:
 
 
 def check(cfg) -> None:
-    """Exit 2 (UserError) naming the first choice `cfg.peer`'s trainer cannot run with (`supports`), or a choice
-    told to the peer's nearest value that was not (`peer_adapted` names what `adapted` changed)."""
+    """Exit 2 (UserError) naming the first choice `cfg.peer`'s trainer cannot run with (`supports`), or a `nearest`
+    choice not yet set to the peer's own value (`adapted` sets them)."""
     peer = PEERS[cfg.peer]
     if cfg.framework != peer.framework:
         raise UserError(f"peer {peer.name} runs on {peer.framework}, not {cfg.framework}")
@@ -97,7 +97,7 @@ def check(cfg) -> None:
             raise UserError(f"--frameworks {peer.name}: {peer.trainer} cannot take {name.replace('_', '-')} = "
                             f"{getattr(cfg, name)!r} (docs/peers.md)")
     for name, rule in peer.nearest.items():
-        if not rule.ok(cfg) and name not in adapted_names(cfg):
+        if not rule.ok(cfg):
             raise UserError(f"--frameworks {peer.name}: {name.replace('_', '-')} = {getattr(cfg, name)!r} "
                             f"cannot be told ({rule.why}); compare runs it with {rule.ran(cfg)!r} (docs/peers.md)")
 
@@ -117,14 +117,15 @@ def adapted(name: str, cfg) -> tuple[object, list[str]]:
     return cfg.replace(peer=peer.name, **changes, peer_adapted=",".join(changes)), lines
 
 
-def adapted_names(cfg) -> tuple[str, ...]:
-    return tuple(n for n in str(getattr(cfg, "peer_adapted", "") or "").split(",") if n)
+def adapted_names(config: dict) -> tuple[str, ...]:
+    """The choices a peer's run config (`config`) ran with the peer's own value (`adapted`)."""
+    return tuple(n for n in str(config.get("peer_adapted") or "").split(",") if n)
 
 
 def explained(config: dict) -> str:
     """The verdict's words for a peer run's adapted choices (its run_config's `config`), "" where none."""
     peer = PEERS.get(config.get("peer") or "")
-    names = [n for n in str(config.get("peer_adapted") or "").split(",") if n]
+    names = adapted_names(config)
     if peer is None or not names:
         return ""
     return "; ".join(f"{peer.name} ran {n.replace('_', '-')} = {config.get(n)!r} ({peer.nearest[n].why})"

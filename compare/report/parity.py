@@ -30,7 +30,7 @@ import numpy as np
 
 from common.metrics import read_json, read_metrics
 from common.model.precision import DEFAULT_TOLERANCES
-from common.peers import explained
+from common.peers import adapted_names, explained
 
 from .inputs import content_hashes, named, tokenizer_fingerprint
 from .labels import run_label, strategy_name
@@ -224,8 +224,7 @@ def compare_pair(a: RunData, b: RunData, kind: str, tol: Tolerances) -> dict:
     # At one rank both loss normalizations compute the same loss: an N=1 reference serves either.
     one_rank = ("loss_normalization",) if 1 in (a.world_size, b.world_size) else ()
     # A peer ran a choice it cannot be told with its own value (common/peers.py adapted): that key differs on purpose.
-    by_peer = tuple(n for r in (a, b) for n in str(r.config.get("peer_adapted") or "").split(",") if n) \
-        if kind == "peer" else ()
+    by_peer = tuple(n for r in (a, b) for n in adapted_names(r.config)) if kind == "peer" else ()
     diffs = comparable(a, b, ignore=(("dtype",) if kind == "precision" else ()) + one_rank + by_peer)
     if diffs:
         return {**result, "comparable": False, "differences": diffs, "verdict": "not comparable",
